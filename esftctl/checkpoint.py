@@ -1,0 +1,328 @@
+"""Hugging Face MoE checkpoints in safetensors: open lazily, describe, read and write single experts.
+
+A checkpoint folder holds config.json and either one `model.safetensors` or several shards listed in
+`model.safetensors.index.json`. Opening one reads only the config and the safetensors headers; tensors
+are read one at a time through memory maps, so a 16B model is never loaded whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from esftctl.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
+from esftctl.atomic import atomic_dir
+from esftctl.errors import EsftError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                 "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it is, from the safetensors header alone."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' spelling: BF16, F32, ...
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.torch_dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert: gate [I, H], up [I, H], down [H, I]."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(((w, getattr(self, w)) for w in EXPERT_WEIGHTS))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.items())
+
+    def equal(self, other: "ExpertWeights") -> bool:
+        return all(torch.equal(a, getattr(other, w)) for w, a in self.items())
+
+
+def _read_header(file: Path) -> dict[str, TensorInfo]:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {
+                name: TensorInfo(file, tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                for name in f.keys()
+            }
+    except FileNotFoundError:
+        raise EsftError("missing safetensors shard", file) from None
+    except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
+        raise EsftError(f"not a readable safetensors file ({_one_line(e)})", file) from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _load_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise EsftError("file not found", file) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EsftError(f"not valid JSON ({_one_line(e)})", file) from None
+
+
+class MoECheckpoint:
+    """A Hugging Face MoE checkpoint folder, opened without loading its tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise EsftError("not a model folder (expected a directory with config.json)", self.path)
+        self.config = _load_json(self.path / "config.json")
+        model_type = self.config.get("model_type")
+        arch = architecture_for(model_type) if isinstance(model_type, str) else None
+        if arch is None:
+            raise EsftError(
+                f"unsupported architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
+                self.path / "config.json",
+            )
+        self.arch: Architecture = arch
+        for key in ("num_hidden_layers", "hidden_size", arch.num_experts_key(self.config), arch.top_k_key,
+                    arch.intermediate_key):
+            if not isinstance(self.config.get(key), int):
+                raise EsftError(f"config has no integer {key!r}", self.path / "config.json")
+        self.tensors: dict[str, TensorInfo] = self._read_tensor_infos()
+        self._check_experts()
+
+    # ---- structure -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+    @cached_property
+    def moe_layers(self) -> list[int]:
+        return self.arch.moe_layers(self.config)
+
+    @property
+    def num_experts(self) -> int:
+        return self.config[self.arch.num_experts_key(self.config)]
+
+    @property
+    def top_k(self) -> int:
+        return self.config[self.arch.top_k_key]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config["hidden_size"]
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.config[self.arch.intermediate_key]
+
+    @property
+    def num_shared_experts(self) -> int:
+        return self.arch.num_shared_experts(self.config)
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+    @cached_property
+    def expert_dtype(self) -> str:
+        layer = self.moe_layers[0]
+        return self.tensors[self.arch.expert_tensor(layer, 0, "gate")].dtype
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one routed expert (gate + up + down)."""
+        return sum(self.tensors[self.arch.expert_tensor(self.moe_layers[0], 0, w)].nbytes for w in EXPERT_WEIGHTS)
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @cached_property
+    def files(self) -> list[Path]:
+        return sorted({t.file for t in self.tensors.values()})
+
+    def expert_tensor_names(self, layer: int, expert: int) -> dict[str, str]:
+        return {w: self.arch.expert_tensor(layer, expert, w) for w in EXPERT_WEIGHTS}
+
+    def is_routed_expert_tensor(self, name: str) -> bool:
+        return name in self._routed_expert_names
+
+    @cached_property
+    def _routed_expert_names(self) -> frozenset[str]:
+        return frozenset(
+            n for layer in self.moe_layers for e in range(self.num_experts)
+            for n in self.expert_tensor_names(layer, e).values()
+        )
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def read_tensor(self, name: str) -> torch.Tensor:
+        info = self.tensors.get(name)
+        if info is None:
+            raise EsftError(f"no tensor named {name!r}", self.path)
+        try:
+            with safe_open(info.file, framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as e:
+            raise EsftError(f"cannot read tensor {name!r} ({_one_line(e)})", info.file) from None
+
+    def read_expert(self, layer: int, expert: int) -> ExpertWeights:
+        self.check_expert_id(layer, expert)
+        return ExpertWeights(**{w: self.read_tensor(n) for w, n in self.expert_tensor_names(layer, expert).items()})
+
+    def read_router(self, layer: int) -> torch.Tensor:
+        return self.read_tensor(self.arch.router_tensor(layer))
+
+    def check_expert_id(self, layer: int, expert: int) -> None:
+        if layer not in self.moe_layers:
+            raise EsftError(f"layer {layer} is not a MoE layer (MoE layers: {_ranges(self.moe_layers)})", self.path)
+        if not 0 <= expert < self.num_experts:
+            raise EsftError(f"expert {expert} out of range (layer {layer} has {self.num_experts} experts)", self.path)
+
+    # ---- describing ------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {
+            "kind": "model",
+            "path": str(self.path),
+            "architecture": self.arch.name,
+            "model_type": self.config["model_type"],
+            "num_layers": self.num_layers,
+            "moe_layers": self.moe_layers,
+            "num_moe_layers": len(self.moe_layers),
+            "routed_experts_per_layer": self.num_experts,
+            "top_k": self.top_k,
+            "shared_experts_per_layer": self.num_shared_experts,
+            "hidden_size": self.hidden_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "expert_dtype": self.expert_dtype,
+            "expert_bytes": self.expert_nbytes,
+            "routed_expert_bytes": self.expert_nbytes * self.num_experts * len(self.moe_layers),
+            "total_bytes": self.total_nbytes,
+            "num_tensors": len(self.tensors),
+            "num_files": len(self.files),
+        }
+
+    # ---- validation ------------------------------------------------------------------------------
+    def _read_tensor_infos(self) -> dict[str, TensorInfo]:
+        index_file = self.path / INDEX_FILE
+        if index_file.exists():
+            weight_map = _load_json(index_file).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise EsftError("index has no weight_map", index_file)
+            infos: dict[str, TensorInfo] = {}
+            for shard in sorted(set(weight_map.values())):
+                header = _read_header(self.path / shard)
+                infos.update(header)
+            for name, shard in weight_map.items():
+                if name not in infos or infos[name].file.name != shard:
+                    raise EsftError(f"tensor {name!r} listed in the index is not in {shard}", index_file)
+            return infos
+        single = self.path / SINGLE_FILE
+        if not single.exists():
+            raise EsftError(f"no {SINGLE_FILE} and no {INDEX_FILE}", self.path)
+        return _read_header(single)
+
+    def _check_experts(self) -> None:
+        if not self.moe_layers:
+            raise EsftError("config describes no MoE layer", self.path / "config.json")
+        shapes = self.expert_shapes()
+        for layer in self.moe_layers:
+            router = self.arch.router_tensor(layer)
+            if router not in self.tensors:
+                raise EsftError(f"missing router tensor {router!r}", self.path)
+            if self.tensors[router].shape != (self.num_experts, self.hidden_size):
+                raise EsftError(
+                    f"router {router!r} has shape {list(self.tensors[router].shape)}, "
+                    f"expected {[self.num_experts, self.hidden_size]}", self.tensors[router].file)
+            for e in range(self.num_experts):
+                for w, name in self.expert_tensor_names(layer, e).items():
+                    info = self.tensors.get(name)
+                    if info is None:
+                        raise EsftError(f"missing expert tensor {name!r}", self.path)
+                    if info.shape != shapes[w]:
+                        raise EsftError(
+                            f"expert tensor {name!r} has shape {list(info.shape)}, expected {list(shapes[w])}",
+                            info.file)
+
+
+def _ranges(values: Iterable[int]) -> str:
+    values = sorted(values)
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
+    return ",".join(map(str, values))
+
+
+def expert_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, torch.Tensor]:
+    """Tensor-name -> tensor for writing the given (layer, expert) weights into `ckpt`'s layout."""
+    shapes = ckpt.expert_shapes()
+    out: dict[str, torch.Tensor] = {}
+    for (layer, expert), weights in experts.items():
+        ckpt.check_expert_id(layer, expert)
+        for w, t in weights.items():
+            if tuple(t.shape) != shapes[w]:
+                raise EsftError(f"expert ({layer}, {expert}) {w} has shape {list(t.shape)}, expected {list(shapes[w])}")
+            out[ckpt.arch.expert_tensor(layer, expert, w)] = t
+    return out
+
+
+def write_checkpoint(
+    src: MoECheckpoint,
+    dst: str | Path,
+    replacements: Mapping[str, torch.Tensor] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a copy of `src` to `dst` with some tensors replaced (same shards, same index, same extras).
+
+    Every replacement must name an existing tensor of the same shape and dtype; the copy appears at `dst`
+    only once it is complete.
+    """
+    replacements = dict(replacements or {})
+    for name, t in replacements.items():
+        info = src.tensors.get(name)
+        if info is None:
+            raise EsftError(f"cannot replace {name!r}: no such tensor", src.path)
+        if tuple(t.shape) != info.shape or t.dtype != info.torch_dtype:
+            raise EsftError(
+                f"cannot replace {name!r}: {t.dtype} {list(t.shape)} given, "
+                f"{info.torch_dtype} {list(info.shape)} expected", src.path)
+    dst = Path(dst)
+    with atomic_dir(dst, overwrite=overwrite) as tmp:
+        for extra in src.path.iterdir():
+            if extra.is_file() and extra.suffix != ".safetensors":
+                shutil.copy2(extra, tmp / extra.name)
+        for file in src.files:
+            tensors = {
+                n: (replacements[n] if n in replacements else src.read_tensor(n)).contiguous()
+                for n, info in src.tensors.items() if info.file == file
+            }
+            save_file(tensors, tmp / file.name, metadata={"format": "pt"})
+    return dst

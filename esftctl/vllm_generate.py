@@ -1,0 +1,52 @@
+"""Greedy generation with plain vLLM, in a process of its own: the reference every serving test compares with.
+
+    python -m esftctl.vllm_generate MODEL_DIR REQUEST.json OUT.json
+
+REQUEST.json holds {"prompts": [...], "max_tokens": N, "logprobs": K}; OUT.json gets, per prompt, the
+generated token ids, the text, and the top-K logprobs of every step. vLLM starts its engine in a spawned
+process, so this stays a script behind a `__main__` guard rather than a function imported by tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for a small vLLM engine on the CPU: 1 GiB of KV cache, no usage reporting."""
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def generate(model_dir: str, prompts: list[str], max_tokens: int, logprobs: int) -> list[dict]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
+              max_num_seqs=16)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
+    results = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        results.append({
+            "prompt": out.prompt,
+            "prompt_token_ids": list(out.prompt_token_ids),
+            "token_ids": list(completion.token_ids),
+            "text": completion.text,
+            "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (completion.logprobs or [])],
+        })
+    return results
+
+
+def main() -> None:
+    model_dir, request_file, out_file = sys.argv[1:4]
+    os.environ.update(engine_env())
+    request = json.loads(Path(request_file).read_text())
+    results = generate(model_dir, request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5))
+    Path(out_file).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Build (once) and open the tiny MoE world: task data, tokenizer, and a briefly pre-trained DeepSeek-V2 base.
+
+Everything is derived from fixed seeds and cached under one folder; `build_world` returns at once when a
+complete world of the current recipe version is already there, and rebuilds only what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from esftctl.atomic import atomic_dir, atomic_file
+from esftctl.world.tasks import TASKS, read_jsonl, write_jsonl
+
+# Bump when the recipe changes, so cached worlds of an older recipe are rebuilt, not reused.
+WORLD_VERSION = 1
+SPLITS = {"pretrain": 1500, "train": 1000, "test": 200}
+SEED = 0
+VOCAB_SIZE = 512
+PRETRAIN = dict(steps=300, batch_size=32, lr=3e-3)
+
+
+def default_world_dir() -> Path:
+    """$ESFTCTL_WORLD, else ~/.cache/esftctl/tiny-world-v{WORLD_VERSION}."""
+    env = os.environ.get("ESFTCTL_WORLD")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "esftctl" / f"tiny-world-v{WORLD_VERSION}"
+
+
+@dataclass(frozen=True)
+class World:
+    root: Path
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def base_dir(self) -> Path:
+        return self.root / "base"
+
+    def data_file(self, task: str, split: str) -> Path:
+        return self.root / "data" / task / f"{split}.jsonl"
+
+    @property
+    def usage_file(self) -> Path:
+        return self.root / "expert_usage.json"
+
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in TASKS]
+
+    def expert_usage(self) -> dict:
+        return json.loads(self.usage_file.read_text())
+
+
+def _build_data(world: World) -> None:
+    for task in TASKS:
+        for offset, (split, n) in enumerate(SPLITS.items()):
+            if not world.data_file(task.name, split).exists():
+                with atomic_file(world.data_file(task.name, split)) as tmp:
+                    write_jsonl(tmp, task.examples(n, seed=SEED * 100 + offset))
+
+
+def _build_tokenizer(world: World) -> None:
+    from esftctl.world.tokenizer import train_tokenizer
+
+    if (world.tokenizer_dir / "tokenizer.json").exists():
+        return
+    texts = [e["prompt"] + e["completion"] for t in TASKS for e in read_jsonl(world.data_file(t.name, "pretrain"))]
+    with atomic_dir(world.tokenizer_dir) as tmp:
+        train_tokenizer(texts, VOCAB_SIZE, tmp)
+
+
+def _build_base(world: World, log: Callable[[str], None]) -> None:
+    from transformers import AutoTokenizer
+
+    from esftctl.world.models import build_model, save_model, tiny_config
+    from esftctl.world.training import train
+
+    if (world.base_dir / "config.json").exists():
+        return
+    tokenizer = AutoTokenizer.from_pretrained(world.tokenizer_dir)
+    model = build_model(tiny_config("deepseek_v2", vocab_size=len(tokenizer)), seed=SEED)
+    examples = [e for t in TASKS for e in read_jsonl(world.data_file(t.name, "pretrain"))]
+    steps = PRETRAIN["steps"]
+
+    def on_step(step: int, loss: float) -> None:
+        if (step + 1) % 50 == 0 or step == 0:
+            log(f"pre-training step {step + 1}/{steps}: loss {loss:.3f}")
+
+    train(model, tokenizer, examples, seed=SEED, on_step=on_step, **PRETRAIN)
+    with atomic_dir(world.base_dir) as tmp:
+        save_model(model, tmp, tokenizer)
+
+
+def expert_usage(model_dir: Path, data_files: dict[str, Path], limit: int = 200) -> dict:
+    """Per task and MoE layer, the share of (token, top-k slot) pairs that chose each routed expert."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.routing import routing_scores
+
+    ckpt = MoECheckpoint(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    usage: dict[str, dict[str, list[float]]] = {}
+    for task, file in data_files.items():
+        texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(file))[:limit]]
+        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        scores = routing_scores(model, enc["input_ids"], enc["attention_mask"], ckpt.moe_layers)
+        usage[task] = {}
+        for layer, s in scores.items():
+            counts = torch.bincount(s.topk(ckpt.top_k, dim=-1).indices.reshape(-1), minlength=ckpt.num_experts)
+            usage[task][str(layer)] = (counts / counts.sum()).tolist()
+    return {"moe_layers": ckpt.moe_layers, "top_k": ckpt.top_k, "usage": usage}
+
+
+def build_world(root: Path | None = None, log: Callable[[str], None] = lambda msg: None) -> World:
+    """Build whatever part of the tiny world is missing under `root` and return it."""
+    world = World(Path(root) if root is not None else default_world_dir())
+    marker = world.root / "world.json"
+    if marker.exists() and json.loads(marker.read_text()).get("version") == WORLD_VERSION:
+        return world
+    world.root.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    log("writing task data")
+    _build_data(world)
+    log("training the tokenizer")
+    _build_tokenizer(world)
+    log("pre-training the tiny DeepSeek-V2 base on the task mixture")
+    _build_base(world, log)
+    log("measuring per-task expert usage")
+    usage = expert_usage(world.base_dir, {t: world.data_file(t, "test") for t in world.task_names})
+    with atomic_file(world.usage_file) as tmp:
+        tmp.write_text(json.dumps(usage))
+    with atomic_file(marker) as tmp:
+        tmp.write_text(json.dumps({"version": WORLD_VERSION, "seed": SEED, "splits": SPLITS,
+                                   "tasks": world.task_names, "pretrain": PRETRAIN}, indent=1))
+    return world

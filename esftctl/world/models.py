@@ -1,0 +1,65 @@
+"""Small MoE models of every supported architecture, made from transformers' config classes.
+
+Dimensions are ones vLLM's CPU build accepts (see shared/FACTS.md): attention head size 64 (MLA: 512 + 64),
+bf16 weights. Used by the tiny world (DeepSeek-V2, the ESFT architecture) and by tests of the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
+    """A small config of `architecture` (deepseek_v2, qwen2_moe, qwen3_moe or mixtral)."""
+    from transformers import DeepseekV2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    if architecture == "deepseek_v2":
+        config = DeepseekV2Config(
+            **common, intermediate_size=512, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=2,
+            num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+            qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=64, topk_method="greedy", n_group=1,
+            topk_group=1, num_key_value_heads=4)
+    elif architecture == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            **common, num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=128, num_experts=16,
+            num_experts_per_tok=4, shared_expert_intermediate_size=256)
+    elif architecture == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+            num_experts=16, num_experts_per_tok=4)
+    elif architecture == "mixtral":
+        config = MixtralConfig(
+            **common, num_key_value_heads=2, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)
+    else:
+        raise ValueError(f"no tiny config for {architecture!r}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build_model(config, seed: int):
+    """A freshly initialised causal LM for `config`, float32, seeded."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_model(model, out_dir: Path, tokenizer=None) -> Path:
+    """Save `model` in bf16 safetensors (the hub layout) with its tokenizer beside it."""
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def make_random_model(architecture: str, out_dir: Path, seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """Write a randomly initialised tiny model of `architecture` to `out_dir`."""
+    vocab = len(tokenizer) if tokenizer is not None else 512
+    return save_model(build_model(tiny_config(architecture, vocab_size=max(vocab, 512), **overrides), seed),
+                      out_dir, tokenizer)

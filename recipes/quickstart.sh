@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The quick start, end to end on a fresh machine: set up .venv, build the tiny MoE world, inspect its base.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup_env.sh"
+venv="${ESFTCTL_VENV:-$root/.venv}"
+world="$("$venv/bin/python" -c 'from esftctl.world.build import default_world_dir; print(default_world_dir())')"
+
+"$venv/bin/python" "$root/recipes/tiny_world.py"
+"$venv/bin/esftctl" inspect "$world/base"

