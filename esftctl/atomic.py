@@ -12,6 +12,12 @@ from typing import Iterator
 from esftctl.errors import EsftError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder that becomes `target` when the block finishes without error.
@@ -24,6 +30,7 @@ def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
         raise EsftError("output already exists (choose another path or pass --overwrite)", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output should not be
     try:
         yield tmp
     except BaseException:
@@ -44,6 +51,7 @@ def atomic_file(target: str | Path, overwrite: bool = True) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     os.close(fd)
     tmp = Path(name)
+    tmp.chmod(0o666 & ~_umask())
     try:
         yield tmp
     except BaseException:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from esftctl.bench.cli import app as bench_app
 from esftctl.errors import EsftError
 
 app = typer.Typer(
@@ -23,6 +24,9 @@ err_console = Console(stderr=True, soft_wrap=True, highlight=False)
 @app.callback()
 def _root() -> None:
     """Prepare and serve Expert-Specialized Fine-Tuning (ESFT) adapters of Mixture-of-Experts models."""
+
+
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()

@@ -1,0 +1,1 @@
+"""`esftctl bench`: measurements against the baselines, as rich tables, JSON and plots."""

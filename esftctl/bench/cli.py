@@ -1,0 +1,62 @@
+"""`esftctl bench ...` subcommands: run a measurement, print its tables, write JSON and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from esftctl.atomic import atomic_file
+
+app = typer.Typer(help="Measure esftctl against its baselines (tables, JSON and plots).", no_args_is_help=True)
+console = Console()
+
+OUT_HELP = "Folder for the JSON results and the PNG plot (created if missing)."
+
+
+def _save(result: dict, out: Path, name: str, plot) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / f"{name}.json") as tmp:
+        tmp.write_text(json.dumps(result, indent=1))
+    with atomic_file(out / f"{name}.png") as tmp:
+        plot(result, tmp)
+    console.print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
+
+
+@app.command()
+def memory(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    backend: str = typer.Option("auto", help="cuda (real GPU mappings and counters), accounting (allocator "
+                                              "only, any machine), or auto (cuda when a GPU is present)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+) -> None:
+    """Adapter expert memory: padding vs virtual weight tensors vs merged models (DeepSeek-V2-Lite, Table 1 adapters)."""
+    from esftctl.bench import memory as bench
+    from esftctl.errors import EsftError
+
+    if backend not in ("auto", "cuda", "accounting"):
+        raise EsftError(f"unknown backend {backend!r} (choose auto, cuda or accounting)")
+    with console.status("measuring") as status:
+        result = bench.run(backend, on_step=lambda msg: status.update(f"measuring: {msg}"))
+    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
+    _save(result, out, "memory", bench.plot)
+
+
+@app.command()
+def reroute(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+) -> None:
+    """Rerouting cost in a DeepSeek-V2-Lite MoE layer on the GPU: fused vs unfused, and 1-20 adapters vs base."""
+    from esftctl.bench import reroute as bench
+
+    with console.status("measuring") as status:
+        result = bench.run(on_step=lambda msg: status.update(f"measuring: {msg}"))
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        for t in bench.tables(result):
+            console.print(t)
+    _save(result, out, "reroute", bench.plot)

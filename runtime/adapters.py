@@ -1,0 +1,147 @@
+"""Adapter slots across all MoE layers: load, evict (safely under in-flight work), and account memory.
+
+Eviction is two-phase. `evict` points the slot's map rows back at the base at once (stream-ordered, so
+every kernel queued afterwards sees the base) and records an event on the given streams; the adapter's
+rows stay mapped until those events have completed, and only `collect` (run by every load, or by hand)
+unmaps them and returns their rows. A kernel that was queued before the eviction therefore never reads
+unmapped memory, and a newly loaded adapter never overwrites rows such a kernel still reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from esftctl.checkpoint import ExpertWeights
+from esftctl.errors import EsftError
+from esftctl.runtime.moe_layer import VirtualMoELayer
+
+# Experts of one adapter: {MoE layer index: {base expert id: fine-tuned weights, or None to map only}}.
+AdapterExperts = Mapping[int, Mapping[int, ExpertWeights | None]]
+
+
+@dataclass
+class _PendingRelease:
+    events: list
+    rows: dict[int, list[int]]  # layer -> rows
+
+    def done(self) -> bool:
+        return all(e.query() for e in self.events)
+
+    def wait(self) -> None:
+        for e in self.events:
+            e.synchronize()
+
+
+@dataclass
+class AdapterInfo:
+    name: str
+    slot: int
+    experts_per_layer: dict[int, int] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class AdapterSlots:
+    def __init__(self, layers: Mapping[int, VirtualMoELayer]):
+        self.layers = dict(layers)
+        first = next(iter(self.layers.values()))
+        self.num_slots = first.num_slots
+        self.device = first.device
+        self.adapters: dict[str, AdapterInfo] = {}
+        self._pending: list[_PendingRelease] = []
+
+    # ---- queries -------------------------------------------------------------------------------
+    def slot_of(self, name: str | None) -> int:
+        """The adapter id tokens of `name` carry: its slot, or -1 for the base model (None)."""
+        if name is None:
+            return -1
+        if name not in self.adapters:
+            raise EsftError(f"no adapter named {name!r} is loaded")
+        return self.adapters[name].slot
+
+    def free_slots(self) -> list[int]:
+        taken = {a.slot for a in self.adapters.values()}
+        return [s for s in range(self.num_slots) if s not in taken]
+
+    @property
+    def pending_releases(self) -> int:
+        return len(self._pending)
+
+    # ---- load / evict ----------------------------------------------------------------------------
+    def load(self, name: str, experts: AdapterExperts) -> int:
+        if name in self.adapters:
+            raise EsftError(f"an adapter named {name!r} is already loaded")
+        unknown = sorted(set(experts) - set(self.layers))
+        if unknown:
+            raise EsftError(f"adapter {name!r} has experts for layers {unknown}, which are not MoE layers")
+        self.collect()
+        free = self.free_slots()
+        if not free:
+            raise EsftError(f"no free adapter slot for {name!r} (all {self.num_slots} are taken)")
+        self._make_room(experts)
+        slot = free[0]
+        info = AdapterInfo(name, slot)
+        loaded: list[int] = []
+        try:
+            for layer, layer_experts in experts.items():
+                if layer_experts:
+                    self.layers[layer].load(slot, layer_experts)
+                    loaded.append(layer)
+                info.experts_per_layer[layer] = len(layer_experts)
+                info.nbytes += len(layer_experts) * self.layers[layer].expert_bytes
+        except BaseException:
+            for layer in loaded:  # nothing has run with this slot yet: release at once
+                self.layers[layer].release_rows(self.layers[layer].detach(slot))
+            raise
+        self.adapters[name] = info
+        return slot
+
+    def _make_room(self, experts: AdapterExperts) -> None:
+        """Wait for pending releases (oldest first) until every layer has rows for the new experts."""
+        def short() -> bool:
+            return any(len(e) > self.layers[l].free_rows for l, e in experts.items())
+
+        while short() and self._pending:
+            self._pending[0].wait()
+            self.collect()
+
+    def evict(self, name: str, streams: Sequence | None = None) -> None:
+        self.slot_of(name)  # refuses unknown names
+        info = self.adapters.pop(name)
+        rows = {layer: l.detach(info.slot) for layer, l in self.layers.items() if info.slot in l.slot_rows}
+        if self.device.type == "cuda":
+            streams = list(streams) if streams is not None else [torch.cuda.current_stream(self.device)]
+            events = []
+            for stream in streams:
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+            self._pending.append(_PendingRelease(events, rows))
+        else:
+            self._release(rows)  # the host backend runs synchronously: nothing can still be reading
+
+    def collect(self) -> int:
+        """Unmap the rows of evictions whose in-flight work has finished; return how many were released."""
+        done, waiting = [], []
+        for p in self._pending:
+            (done if p.done() else waiting).append(p)
+        self._pending = waiting
+        for p in done:
+            self._release(p.rows)
+        return len(done)
+
+    def _release(self, rows: dict[int, list[int]]) -> None:
+        for layer, layer_rows in rows.items():
+            self.layers[layer].release_rows(layer_rows)
+
+    # ---- memory ----------------------------------------------------------------------------------
+    def adapter_bytes(self) -> int:
+        return sum(a.nbytes for a in self.adapters.values())
+
+    def physical_bytes(self) -> int:
+        return sum(l.physical_bytes() for l in self.layers.values())
+
+    def needed_bytes(self) -> int:
+        return sum(l.needed_bytes() for l in self.layers.values())

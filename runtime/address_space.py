@@ -1,0 +1,235 @@
+"""Reserved address ranges whose pages get physical memory only when mapped: on the host and on CUDA.
+
+Both backends have one interface: reserve `nbytes` once, `map_page(i)` / `unmap_page(i)` by page index,
+and `view(dtype, shape)` returns an ordinary contiguous torch tensor over the whole range without copying.
+Touching an unmapped page faults (SIGSEGV on the host, an illegal-address error on CUDA), so a bug that
+reads an expert that is not there cannot pass silently.
+
+- Host: mmap(PROT_NONE, MAP_NORESERVE) reserves; mprotect(READ|WRITE) commits a page (the kernel backs it
+  on first touch); madvise(DONTNEED) + mprotect(NONE) gives it back. `resident_pages()` asks mincore.
+- CUDA: the driver's virtual memory API through cuda-bindings: cuMemAddressReserve, cuMemCreate (from a
+  PhysicalPagePool), cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease. Granularity from the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Protocol
+
+import torch
+
+
+class AddressSpace(Protocol):
+    page_size: int
+    num_pages: int
+    device: torch.device
+
+    def map_page(self, page: int) -> None: ...
+    def unmap_page(self, page: int) -> None: ...
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class AccountingAddressSpace:
+    """Pages counted, never backed: for planning and benchmarks of sizes this machine cannot hold."""
+
+    def __init__(self, nbytes: int, page_size: int = 2 << 20):
+        self.page_size = page_size
+        self.num_pages = max(1, -(-nbytes // page_size))
+        self.device = torch.device("cpu")
+
+    def map_page(self, page: int) -> None:
+        pass
+
+    def unmap_page(self, page: int) -> None:
+        pass
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        raise RuntimeError("an accounting address space holds no memory to view")
+
+    def close(self) -> None:
+        pass
+
+
+# ---- host ------------------------------------------------------------------------------------------
+
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+for _fn in (_libc.mprotect, _libc.madvise):
+    _fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+class HostAddressSpace:
+    """A reserved range of host virtual memory, committed page by page."""
+
+    DEFAULT_PAGE = 2 << 20  # the CUDA granularity, so host and GPU account memory alike
+
+    def __init__(self, nbytes: int, page_size: int = DEFAULT_PAGE):
+        if page_size % mmap.PAGESIZE:
+            raise ValueError(f"page size {page_size} is not a multiple of the OS page ({mmap.PAGESIZE})")
+        self.page_size = page_size
+        self.num_pages = max(1, -(-nbytes // page_size))
+        self.nbytes = self.num_pages * page_size
+        self.device = torch.device("cpu")
+        addr = _libc.mmap(None, self.nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise MemoryError(f"cannot reserve {self.nbytes} bytes of address space")
+        self.base = addr
+        self._buffer = (ctypes.c_uint8 * self.nbytes).from_address(addr)
+
+    def map_page(self, page: int) -> None:
+        _check(_libc.mprotect(self.base + page * self.page_size, self.page_size, _PROT_RW), "mprotect")
+
+    def unmap_page(self, page: int) -> None:
+        addr = self.base + page * self.page_size
+        _check(_libc.madvise(addr, self.page_size, _MADV_DONTNEED), "madvise")
+        _check(_libc.mprotect(addr, self.page_size, _PROT_NONE), "mprotect")
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        return flat[:n].view(dtype).view(shape)
+
+    def resident_pages(self) -> int:
+        """How many OS pages of the range hold physical memory now (mincore)."""
+        os_pages = self.nbytes // mmap.PAGESIZE
+        vec = (ctypes.c_uint8 * os_pages)()
+        _check(_libc.mincore(self.base, self.nbytes, vec), "mincore")
+        return sum(v & 1 for v in vec)
+
+    def close(self) -> None:
+        if self.base is not None:
+            _libc.munmap(self.base, self.nbytes)
+            self.base = None
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _cu(result):
+    """Unpack a cuda-bindings call's (CUresult, *values), raising on an error."""
+    driver = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"CUDA driver error {name.decode() if name else err}")
+    return values[0] if len(values) == 1 else values
+
+
+class PhysicalPagePool:
+    """Physical pages (one cuMemCreate handle each) of one GPU, reused across address spaces.
+
+    Unmapped pages return here instead of to the driver, so evicting and loading adapters does not pay for
+    allocation; `trim()` hands the free ones back.
+    """
+
+    def __init__(self, device: int | torch.device | None = None):
+        driver = _driver()
+        self.device = torch.device("cuda", torch.device(device or "cuda").index or 0)
+        torch.cuda.init()
+        torch.zeros(1, device=self.device)  # make torch's primary context current on this thread
+        _cu(driver.cuInit(0))
+        self._prop = driver.CUmemAllocationProp()
+        self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._prop.location.id = self.device.index
+        self.page_size = int(_cu(driver.cuMemGetAllocationGranularity(
+            self._prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        self._access = driver.CUmemAccessDesc()
+        self._access.location = self._prop.location
+        self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._free: list = []
+        self.in_use = 0
+
+    def take(self):
+        self.in_use += 1
+        if self._free:
+            return self._free.pop()
+        return _cu(_driver().cuMemCreate(self.page_size, self._prop, 0))
+
+    def give(self, handle) -> None:
+        self.in_use -= 1
+        self._free.append(handle)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def trim(self) -> None:
+        while self._free:
+            _cu(_driver().cuMemRelease(self._free.pop()))
+
+
+class _CudaArray:
+    """The minimum an object needs for torch.as_tensor to wrap device memory without copying."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class CudaAddressSpace:
+    """A reserved range of GPU virtual addresses, backed page by page from a PhysicalPagePool."""
+
+    def __init__(self, nbytes: int, pool: PhysicalPagePool):
+        driver = _driver()
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.device = pool.device
+        self.num_pages = max(1, -(-nbytes // self.page_size))
+        self.nbytes = self.num_pages * self.page_size
+        self.base = int(_cu(driver.cuMemAddressReserve(self.nbytes, self.page_size, 0, 0)))
+        self._handles: dict[int, object] = {}
+
+    def _ptr(self, page: int):
+        return _driver().CUdeviceptr(self.base + page * self.page_size)
+
+    def map_page(self, page: int) -> None:
+        driver = _driver()
+        handle = self.pool.take()
+        _cu(driver.cuMemMap(self._ptr(page), self.page_size, 0, handle, 0))
+        _cu(driver.cuMemSetAccess(self._ptr(page), self.page_size, [self.pool._access], 1))
+        self._handles[page] = handle
+
+    def unmap_page(self, page: int) -> None:
+        _cu(_driver().cuMemUnmap(self._ptr(page), self.page_size))
+        self.pool.give(self._handles.pop(page))
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        flat = torch.as_tensor(_CudaArray(self.base, n), device=self.device)
+        return flat.view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self.base is None:
+            return
+        for page in list(self._handles):
+            self.unmap_page(page)
+        _cu(_driver().cuMemAddressFree(_driver().CUdeviceptr(self.base), self.nbytes))
+        self.base = None

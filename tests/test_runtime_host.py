@@ -1,0 +1,260 @@
+"""Runtime core on the host backend: page sharing, virtual MoE layers, adapter slots, rerouting."""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+import torch
+
+from esftctl.checkpoint import ExpertWeights
+from esftctl.errors import EsftError
+from esftctl.kernels.reroute import reroute, reroute_reference
+from esftctl.runtime.adapters import AdapterSlots
+from esftctl.runtime.address_space import HostAddressSpace
+from esftctl.runtime.moe_layer import VirtualMoELayer
+from esftctl.runtime.pages import PageRefCounts
+
+OS_PAGE = mmap.PAGESIZE
+
+
+# ---- page reference counts ------------------------------------------------------------------------
+
+def test_neighbours_share_the_straddling_page():
+    pages = PageRefCounts(page_size=100, num_pages=10)
+    assert pages.acquire(0, 150) == [0, 1]
+    assert pages.acquire(150, 300) == [2]  # page 1 is shared, already mapped
+    assert pages.acquire(300, 420) == [3, 4]
+    assert pages.release(150, 300) == [2]  # the middle one leaves: pages 1 and 3 stay for its neighbours
+    assert pages.is_mapped(1) and pages.is_mapped(3)
+    assert pages.release(0, 150) == [0, 1]
+    assert pages.acquire(150, 300) == [1, 2]  # reload into the hole
+    s = pages.stats()
+    assert (s.mapped_pages, s.needed_bytes) == (4, 270)
+    with pytest.raises(ValueError):
+        pages.release(0, 150)
+    with pytest.raises(ValueError):
+        pages.acquire(900, 1001)
+
+
+def test_random_ranges_map_exactly_the_touched_pages():
+    rng = random.Random(0)
+    pages = PageRefCounts(page_size=64, num_pages=200)
+    live: list[tuple[int, int]] = []
+    mapped: set[int] = set()
+    for _ in range(500):
+        if live and rng.random() < 0.4:
+            r = live.pop(rng.randrange(len(live)))
+            mapped -= set(pages.release(*r))
+        else:
+            start = rng.randrange(0, 12000)
+            r = (start, start + rng.randrange(1, 700))
+            live.append(r)
+            mapped |= set(pages.acquire(*r))
+        touched = {p for s, e in live for p in range(s // 64, (e - 1) // 64 + 1)}
+        assert mapped == touched
+        assert pages.stats().mapped_pages == len(touched)
+
+
+# ---- host address space ------------------------------------------------------------------------------
+
+def test_host_pages_commit_and_return_memory():
+    space = HostAddressSpace(8 * OS_PAGE * 4, page_size=OS_PAGE * 4)
+    try:
+        assert space.resident_pages() == 0
+        view = space.view(torch.float32, (space.nbytes // 4,))
+        space.map_page(2)
+        per_page = space.page_size // 4
+        chunk = view[2 * per_page: 3 * per_page]
+        chunk.copy_(torch.arange(per_page, dtype=torch.float32))
+        assert space.resident_pages() == 4  # the whole 4-OS-page page was written
+        assert torch.equal(chunk, torch.arange(per_page, dtype=torch.float32))
+        space.unmap_page(2)
+        assert space.resident_pages() == 0
+        space.map_page(2)
+        assert torch.count_nonzero(view[2 * per_page: 3 * per_page]) == 0  # fresh memory, old data gone
+    finally:
+        space.close()
+
+
+# ---- virtual MoE layers and adapter slots ------------------------------------------------------------
+
+H, I, E = 24, 10, 6  # one expert: w13 row 2*10*24*2 = 960 B, w2 row 480 B: never a whole number of pages
+
+
+def _expert(seed: int) -> ExpertWeights:
+    g = torch.Generator().manual_seed(seed)
+    return ExpertWeights(*(torch.randn(shape, generator=g).to(torch.bfloat16) for shape in ((I, H), (I, H), (H, I))))
+
+
+def _layer(slots=4, per_slot=3, page=OS_PAGE) -> VirtualMoELayer:
+    layer = VirtualMoELayer(E, H, I, slots, per_slot, torch.bfloat16, lambda n: HostAddressSpace(n, page_size=page))
+    layer.load_base({e: _expert(e) for e in range(E)})
+    return layer
+
+
+def _touched_pages(tensor, rows) -> int:
+    return len({p for r in rows for p in range(r * tensor.row_bytes // tensor.pages.page_size,
+                                               ((r + 1) * tensor.row_bytes - 1) // tensor.pages.page_size + 1)})
+
+
+def _check_layer(layer: VirtualMoELayer, expected: dict[int, ExpertWeights]) -> None:
+    """Every mapped row holds its expert, the page tables match the rows, memory is resident only there."""
+    for row, w in expected.items():
+        assert torch.equal(layer.w13.tensor[row, :I], w.gate)
+        assert torch.equal(layer.w13.tensor[row, I:], w.up)
+        assert torch.equal(layer.w2.tensor[row], w.down)
+    for t in (layer.w13, layer.w2):
+        rows = [r for r in range(t.num_rows) if t.is_mapped(r)]
+        assert sorted(rows) == sorted(expected)
+        assert t.stats().mapped_pages == _touched_pages(t, rows)
+        assert t.space.resident_pages() <= t.stats().mapped_pages * (t.pages.page_size // OS_PAGE)
+
+
+def test_layer_load_evict_middle_reload():
+    layer = _layer()
+    slots = AdapterSlots({1: layer})
+    expected = {e: _expert(e) for e in range(E)}
+    adapters = {name: {e: _expert(100 * k + e) for e in ids}
+                for k, (name, ids) in enumerate([("a", [0, 3]), ("b", [1, 2, 5]), ("c", [4])])}
+    for name, experts in adapters.items():
+        slot = slots.load(name, {1: experts})
+        for e, row in layer.slot_rows[slot].items():
+            expected[row] = experts[e]
+    assert [slots.slot_of(n) for n in "abc"] == [0, 1, 2]
+    assert sorted(r for rows in layer.slot_rows.values() for r in rows.values()) == list(range(E, E + 6))
+    _check_layer(layer, expected)
+    # the table: row 1 (adapter b) sends 1, 2, 5 to b's rows and the rest to the base
+    b_rows = layer.slot_rows[1]
+    assert layer.table[1].tolist() == [0, b_rows[1], b_rows[2], 3, 4, b_rows[5]]
+    assert layer.table[layer.base_row].tolist() == list(range(E))
+
+    slots.evict("b")
+    for row in b_rows.values():
+        expected.pop(row)
+    assert layer.table[1].tolist() == list(range(E))
+    _check_layer(layer, expected)
+
+    d = {2: _expert(999), 3: _expert(998)}
+    slot = slots.load("d", {1: d})
+    assert slot == 1  # the freed slot
+    assert sorted(layer.slot_rows[1].values()) == sorted(b_rows.values())[:2]  # the lowest freed rows
+    for e, row in layer.slot_rows[1].items():
+        expected[row] = d[e]
+    _check_layer(layer, expected)
+    layer.close()
+
+
+def test_physical_bytes_within_a_page_of_needed():
+    page = OS_PAGE
+    layer = _layer(slots=8, per_slot=6, page=page)
+    slots = AdapterSlots({3: layer})
+    rng = random.Random(1)
+    for k in range(8):
+        slots.load(f"a{k}", {3: {e: _expert(k * 10 + e) for e in rng.sample(range(E), rng.randint(1, E))}})
+    for t in (layer.w13, layer.w2):
+        s = t.stats()
+        assert s.needed_bytes == t.row_bytes * sum(map(t.is_mapped, range(t.num_rows)))
+        assert s.wasted_bytes < page  # one dense run of rows: at most the last partial page
+    layer.close()
+
+
+def test_slot_errors():
+    layer = _layer(slots=2, per_slot=2)
+    slots = AdapterSlots({1: layer})
+    slots.load("a", {1: {0: _expert(1)}})
+    with pytest.raises(EsftError, match="already loaded"):
+        slots.load("a", {1: {0: _expert(1)}})
+    with pytest.raises(EsftError, match="not MoE layers"):
+        slots.load("x", {7: {0: _expert(1)}})
+    with pytest.raises(EsftError, match="out of range"):
+        slots.load("x", {1: {E: _expert(1)}})
+    slots.load("b", {1: {0: _expert(2), 1: _expert(3)}})
+    with pytest.raises(EsftError, match="no free adapter slot"):
+        slots.load("c", {1: {0: _expert(1)}})
+    slots.evict("a")
+    with pytest.raises(EsftError, match="no room: 3 experts"):
+        slots.load("c", {1: {0: _expert(1), 1: _expert(1), 2: _expert(1)}})
+    # the failed load left nothing behind: a's freed row and the spare row stay unmapped
+    assert layer.free_rows == 2 and not layer.w13.is_mapped(E) and not layer.w13.is_mapped(E + 3)
+    with pytest.raises(EsftError, match="no adapter named 'zz'"):
+        slots.evict("zz")
+    layer.close()
+
+
+def _moe_forward(x, w13, w2, ids, weights):
+    """Plain top-k MoE: sum_j w_j * down(silu(gate x) * up x) over each token's chosen rows."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            w = w13[ids[t, j]].float()
+            h = torch.nn.functional.silu(w[:inter] @ x[t].float()) * (w[inter:] @ x[t].float())
+            out[t] += weights[t, j] * (w2[ids[t, j]].float() @ h)
+    return out
+
+
+def test_rerouted_virtual_layer_equals_merged_models():
+    """Tokens of three adapters and the base in one batch get exactly what each merged model gives them."""
+    layer = _layer()
+    slots = AdapterSlots({1: layer})
+    base = {e: _expert(e) for e in range(E)}
+    adapters = {"a": {0: _expert(50), 3: _expert(51)}, "b": {1: _expert(60), 3: _expert(61), 5: _expert(62)},
+                "c": {4: _expert(70)}}
+    for name, experts in adapters.items():
+        slots.load(name, {1: experts})
+    slots.evict("c")  # an evicted adapter must not leak into anything
+    slots.load("c", {1: {2: _expert(80)}})
+    adapters["c"] = {2: _expert(80)}
+
+    tokens = 24
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, 2, generator=g)
+    names = [None, "a", "b", "c"] * (tokens // 4)
+    adapter_ids = torch.tensor([slots.slot_of(n) for n in names], dtype=torch.int32)
+
+    routed = reroute(ids, adapter_ids, layer.table)
+    served = _moe_forward(x, layer.w13.tensor, layer.w2.tensor, routed, weights)
+    for name in (None, "a", "b", "c"):
+        merged = {**base, **adapters.get(name, {})}
+        w13 = torch.stack([torch.cat([merged[e].gate, merged[e].up]) for e in range(E)])
+        w2 = torch.stack([merged[e].down for e in range(E)])
+        want = _moe_forward(x, w13, w2, ids, weights)
+        mine = [t for t, n in enumerate(names) if n == name]
+        assert torch.equal(served[mine], want[mine]), name
+    layer.close()
+
+
+# ---- rerouting on the CPU ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,top_k,experts,slots", [(1, 1, 4, 1), (7, 6, 64, 3), (300, 4, 16, 20)])
+def test_reroute_reference_semantics(tokens, top_k, experts, slots):
+    g = torch.Generator().manual_seed(tokens)
+    table = torch.randint(0, 10_000, (slots + 1, experts), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g, dtype=torch.int32)
+    adapter_ids = torch.randint(-1, slots, (tokens,), generator=g, dtype=torch.int32)
+    out = reroute_reference(ids, adapter_ids, table)
+    for t in range(tokens):
+        row = slots if adapter_ids[t] < 0 else int(adapter_ids[t])
+        assert out[t].tolist() == [int(table[row, int(e)]) for e in ids[t]]
+    assert out.dtype == ids.dtype
+    in_place = ids.clone()
+    reroute(in_place, adapter_ids, table, out=in_place)
+    assert torch.equal(in_place, out)
+
+
+def test_failed_load_rolls_back_every_layer():
+    first, second = _layer(), _layer()
+    slots = AdapterSlots({1: first, 2: second})
+    with pytest.raises(EsftError, match="out of range"):
+        slots.load("bad", {1: {0: _expert(1), 1: _expert(2)}, 2: {E + 4: _expert(3)}})
+    assert not slots.adapters and slots.free_slots() == [0, 1, 2, 3]
+    for layer in (first, second):
+        assert layer.free_rows == 12 and not layer.slot_rows
+        assert layer.table[0].tolist() == list(range(E))
+        assert layer.w13.stats().needed_bytes == E * layer.w13.row_bytes
+    first.close()
+    second.close()
