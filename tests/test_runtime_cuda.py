@@ -158,3 +158,31 @@ def test_reroute_in_cuda_graph():
         table.copy_(torch.randint(0, 1000, table.shape, device="cuda"))
         graph.replay()
         assert torch.equal(out, reroute_reference(ids, adapter_ids, table))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16, 333, 4096])
+@pytest.mark.parametrize("experts,top_k", [(64, 6), (16, 4), (160, 8), (8, 2)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_kernel_matches_reference(tokens, experts, top_k, renormalize):
+    from esftctl.kernels.router import topk_softmax_reroute, topk_softmax_reroute_reference
+
+    logits = torch.randn(tokens, experts, device="cuda") * 3  # float32: ties have probability zero
+    slots = 7
+    table = torch.randint(0, 1 << 16, (slots + 1, experts), dtype=torch.int32, device="cuda")
+    adapter_ids = torch.randint(-1, slots, (tokens,), dtype=torch.int32, device="cuda")
+    for args in ((), (adapter_ids, table)):
+        want_w, want_ids = topk_softmax_reroute_reference(logits, top_k, *args, renormalize=renormalize)
+        out = (torch.full_like(want_w, float("nan")), torch.full_like(want_ids, -7))  # poisoned
+        got_w, got_ids = topk_softmax_reroute(logits, top_k, *args, renormalize=renormalize, out=out)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_router_kernel_breaks_ties_by_lower_id():
+    from esftctl.kernels.router import topk_softmax_reroute
+
+    logits = torch.zeros(3, 16, dtype=torch.bfloat16, device="cuda")
+    logits[1, 9] = 1.0
+    weights, ids = topk_softmax_reroute(logits, 4)
+    assert ids.tolist() == [[0, 1, 2, 3], [9, 0, 1, 2], [0, 1, 2, 3]]
+    torch.testing.assert_close(weights[0], torch.full((4,), 1 / 16, device="cuda"))

@@ -258,3 +258,17 @@ def test_failed_load_rolls_back_every_layer():
         assert layer.w13.stats().needed_bytes == E * layer.w13.row_bytes
     first.close()
     second.close()
+
+
+def test_router_reference_on_cpu():
+    from esftctl.kernels.router import topk_softmax_reroute
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(10, 8, generator=g)
+    table = torch.arange(8, dtype=torch.int32).repeat(3, 1)
+    table[1, 3] = 42
+    adapter_ids = torch.tensor([1] * 10, dtype=torch.int32)
+    weights, ids = topk_softmax_reroute(logits, 2, adapter_ids, table, renormalize=True)
+    top = torch.softmax(logits, -1).topk(2)
+    assert torch.equal(ids, torch.where(top.indices == 3, 42, top.indices).to(torch.int32))
+    torch.testing.assert_close(weights, top.values / top.values.sum(-1, keepdim=True))

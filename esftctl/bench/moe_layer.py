@@ -1,4 +1,4 @@
-"""A plain PyTorch MoE layer (router, optional reroute, grouped expert products) for benchmarks on the GPU.
+"""A plain PyTorch MoE layer (router, routing with or without reroute, grouped expert products), for benchmarks.
 
 Tokens' (token, slot) pairs are sorted by expert row, counted per row without a host synchronization,
 and computed with torch._grouped_mm over all rows of the (virtual) expert tensors, as a fused MoE kernel
@@ -12,10 +12,8 @@ from typing import Callable
 import torch
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.softmax(x @ router.T, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(scores, top_k, dim=-1)
-    return weights, ids.to(torch.int32)
+# A routing function: router logits [T, E] -> (weights float32 [T, k], expert rows int32 [T, k]).
+Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
@@ -38,9 +36,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Ten
     return out.to(x.dtype)
 
 
-def moe_layer(x, router, w13, w2, top_k: int,
-              reroute: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    weights, ids = route(x, router, top_k)
-    if reroute is not None:
-        ids = reroute(ids)
+def moe_layer(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              routing: Routing) -> torch.Tensor:
+    weights, ids = routing(x @ router.T)
     return experts(x, w13, w2, ids, weights)
