@@ -34,10 +34,11 @@ try:
 
     @triton.jit
     def _router_kernel(logits_ptr, adapter_ptr, table_ptr, weights_ptr, ids_ptr, n_tokens, n_experts, base_row,
-                       TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                        REROUTE: tl.constexpr, RENORMALIZE: tl.constexpr):
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_PAD)
+        slots = tl.arange(0, K_PAD)
         token_ok = tokens < n_tokens
         mask = token_ok[:, None] & (cols[None, :] < n_experts)
         x = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * n_experts + cols[None, :], mask=mask,
@@ -46,23 +47,26 @@ try:
         p = tl.exp(x)
         p = p / tl.sum(p, axis=1)[:, None]
         p = tl.where(mask, p, -1.0)
-        if REROUTE:
-            adapter = tl.load(adapter_ptr + tokens, mask=token_ok, other=-1)
-            row = tl.where(adapter < 0, base_row, adapter).to(tl.int64)
-        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        # Pick the k best one by one into [BLOCK_T, K_PAD] tiles; ties go to the lower expert id.
+        top_w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+        top_i = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
         for j in tl.static_range(TOP_K):
             best = tl.max(p, axis=1)
             idx = tl.min(tl.where(p == best[:, None], cols[None, :], E_PAD), axis=1)
             p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
-            total += best
-            if REROUTE:
-                idx = tl.load(table_ptr + row * n_experts + idx, mask=token_ok, other=0)
-            tl.store(ids_ptr + tokens * TOP_K + j, idx.to(tl.int32), mask=token_ok)
-            tl.store(weights_ptr + tokens * TOP_K + j, best, mask=token_ok)
+            top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+            top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
+        out_mask = token_ok[:, None] & (slots[None, :] < TOP_K)
+        if REROUTE:
+            # One gather for all k ids of a token, issued together: the reroute adds a single load latency.
+            adapter = tl.load(adapter_ptr + tokens, mask=token_ok, other=-1)
+            row = tl.where(adapter < 0, base_row, adapter).to(tl.int64)
+            top_i = tl.load(table_ptr + row[:, None] * n_experts + top_i, mask=out_mask, other=0)
         if RENORMALIZE:
-            for j in tl.static_range(TOP_K):
-                w = tl.load(weights_ptr + tokens * TOP_K + j, mask=token_ok, other=0.0)
-                tl.store(weights_ptr + tokens * TOP_K + j, w / total, mask=token_ok)
+            top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+        offsets = tokens[:, None] * TOP_K + slots[None, :]
+        tl.store(ids_ptr + offsets, top_i.to(tl.int32), mask=out_mask)
+        tl.store(weights_ptr + offsets, top_w, mask=out_mask)
 
 except ImportError:
     triton = None
@@ -82,6 +86,7 @@ def topk_softmax_reroute(logits: torch.Tensor, top_k: int, adapter_ids: torch.Te
     reroute = table is not None
     _router_kernel[(triton.cdiv(max(tokens, 1), block_t),)](
         logits.contiguous(), adapter_ids if reroute else ids, table if reroute else ids, weights, ids, tokens,
-        experts, table.shape[0] - 1 if reroute else 0, TOP_K=top_k, E_PAD=triton.next_power_of_2(experts),
+        experts, table.shape[0] - 1 if reroute else 0, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(experts),
         BLOCK_T=block_t, REROUTE=reroute, RENORMALIZE=renormalize)
     return weights, ids
