@@ -31,17 +31,126 @@ app.add_typer(bench_app, name="bench")
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="A model folder (config.json + safetensors)."),
+    paths: list[Path] = typer.Argument(..., help="A model folder, an adapter bundle, or several bundles of one base."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of a table."),
 ) -> None:
-    """Describe a MoE model folder: architecture, MoE layers, experts per layer, top-k, byte sizes."""
-    from esftctl.describe import describe_path, render
+    """Describe a MoE model folder or adapter bundles (experts per layer, sparsity, padding's fragmentation)."""
+    from esftctl.describe import describe_bundle_set, describe_path, render
 
-    description = describe_path(path)
+    descriptions = [describe_path(p) for p in paths]
+    if len(descriptions) == 1:
+        description = descriptions[0]
+    elif all(d["kind"] == "bundle" for d in descriptions):
+        description = describe_bundle_set(descriptions)
+    else:
+        raise EsftError("several paths must all be adapter bundles")
     if as_json:
         print(json.dumps(description, indent=2))
     else:
         console.print(render(description))
+
+
+@app.command()
+def relevance(
+    model: Path = typer.Argument(..., help="The base model folder."),
+    data: Path = typer.Argument(..., help="Task data: JSONL with 'prompt' and 'completion' per line."),
+    out: Path = typer.Option(..., "--out", "-o", help="Scores file to write (JSON)."),
+    max_examples: int = typer.Option(1000, min=1, help="Score at most this many examples (the file's first)."),
+    batch_size: int = typer.Option(16, min=1, help="Examples per forward pass."),
+    metric: str = typer.Option("gate", help="Metric shown in the table: gate (average gate score) or token "
+                                            "(token selection ratio). The file holds both."),
+) -> None:
+    """Score every routed expert of every MoE layer on task data with both ESFT metrics."""
+    from rich.progress import Progress
+
+    from esftctl.relevance import METRICS, compute_relevance, relevance_table
+    from esftctl.world.tasks import read_jsonl
+
+    if metric not in METRICS:
+        raise EsftError(f"unknown metric {metric!r} (choose gate or token)")
+    texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(data))[:max_examples]]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("scoring", total=len(texts))
+        rel = compute_relevance(model, texts, batch_size, data_name=str(data),
+                                on_batch=lambda n: progress.advance(task, n))
+    rel.save(out)
+    console.print(relevance_table(rel, metric))
+    console.print(f"wrote {out}")
+
+
+@app.command()
+def select(
+    scores: Path = typer.Argument(..., help="A scores file from `esftctl relevance`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Expert config to write (DeepSeek ESFT layout)."),
+    threshold: float = typer.Option(0.2, "--threshold", "-p", help="Per layer, the fewest best experts whose "
+                                                                      "scores sum to at least p (0 < p <= 1)."),
+    metric: str = typer.Option("gate", help="gate (average gate score) or token (token selection ratio)."),
+) -> None:
+    """Choose the experts to fine-tune per layer: the smallest set reaching score mass p."""
+    from esftctl.relevance import METRICS, Relevance
+    from esftctl.selection import ExpertConfig, select_experts
+
+    if metric not in METRICS:
+        raise EsftError(f"unknown metric {metric!r} (choose gate or token)")
+    rel = Relevance.load(scores)
+    config = ExpertConfig(select_experts(rel.scores[metric], threshold))
+    config.save(out)
+    counts = [len(ids) for ids in config.experts.values()]
+    console.print(f"selected {sum(counts)} experts over {len(counts)} MoE layers (per layer: "
+                  f"{' '.join(map(str, counts))}) at p={threshold} ({metric}); wrote {out}")
+
+
+@app.command()
+def pack(
+    base: Path = typer.Argument(..., help="The base model folder."),
+    finetuned: Path = typer.Argument(..., help="The ESFT fine-tuned model folder (a full checkpoint)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Bundle folder to create."),
+    name: str = typer.Option(..., "--name", "-n", help="Adapter name (what requests will ask for)."),
+    config: Path = typer.Option(None, "--config", "-c", help="Expert config of the fine-tune (DeepSeek ESFT "
+                                                              "layout); without it the changed experts are found."),
+    include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights too instead of "
+                                                        "refusing the fine-tune."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the packed bundle's description as JSON."),
+) -> None:
+    """Pack a fine-tuned checkpoint's fine-tuned experts into an adapter bundle, verified against the base."""
+    from rich.progress import Progress
+
+    from esftctl.bundle import Bundle
+    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.describe import render
+    from esftctl.pack import pack as do_pack
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("comparing experts", total=len(MoECheckpoint(base).moe_layers))
+        report = do_pack(base, finetuned, out, name, config, include_non_expert, overwrite,
+                         on_layer=lambda layer: progress.advance(task))
+    description = Bundle.open(out).describe()
+    if as_json:
+        print(json.dumps(description, indent=2))
+        return
+    console.print(render(description))
+    if report.unchanged_listed:
+        console.print(f"[yellow]note:[/] {len(report.unchanged_listed)} expert(s) listed in the config are identical "
+                      f"to the base, e.g. (layer, expert) {report.unchanged_listed[0]}")
+    if report.non_expert_changed:
+        console.print(f"[yellow]note:[/] packed {len(report.non_expert_changed)} changed non-expert tensor(s)")
+    console.print(f"wrote {out}")
+
+
+@app.command()
+def merge(
+    base: Path = typer.Argument(..., help="The base model folder."),
+    bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base."),
+    out: Path = typer.Option(..., "--out", "-o", help="Merged model folder to create."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+) -> None:
+    """Write base + adapter as one full checkpoint (the merged model that serving is checked against)."""
+    from esftctl.merge import merge as do_merge
+
+    with console.status("merging"):
+        do_merge(base, bundle, out, overwrite)
+    console.print(f"wrote {out}")
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
-"""`esftctl inspect`: what a path holds, as a dict (for --json) and as a rich table."""
+"""`esftctl inspect`: what a path holds (model folder or adapter bundle), as a dict (--json) and a rich table."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from rich.table import Table
 
@@ -12,16 +13,39 @@ from esftctl.units import format_bytes
 
 
 def describe_path(path: Path) -> dict:
-    """Describe a model folder (bundles and stores join here as their formats land)."""
+    from esftctl.bundle import MANIFEST, Bundle
+
     if not path.exists():
         raise EsftError("no such file or folder", path)
+    if (path / MANIFEST).exists():
+        return Bundle.open(path).describe()
     if (path / "config.json").exists():
         return MoECheckpoint(path).describe()
-    raise EsftError("not a model folder (no config.json)", path)
+    raise EsftError("neither a model folder (config.json) nor an adapter bundle (manifest.json)", path)
+
+
+def describe_bundle_set(descriptions: Sequence[dict]) -> dict:
+    """Several bundles served together: the padding that one reservation E_max per adapter would cost.
+
+    Fragmentation factor = (adapters x MoE layers x E_max) / (total adapter experts), E_max the largest
+    per-layer expert count among the adapters (ExpertWeave, Table 1).
+    """
+    bases = {d["base_fingerprint"] for d in descriptions}
+    if len(bases) > 1:
+        raise EsftError("these bundles were packed for different base models; a set must share one base")
+    layers = len(descriptions[0]["moe_layers"])
+    e_max = max(d["max_experts_per_layer"] for d in descriptions)
+    total = sum(d["total_experts"] for d in descriptions)
+    return {
+        "kind": "bundle_set", "adapters": descriptions, "moe_layers": layers, "e_max": e_max,
+        "total_experts": total, "padded_experts": len(descriptions) * layers * e_max,
+        "fragmentation_factor": len(descriptions) * layers * e_max / total if total else 0.0,
+        "expert_bytes": descriptions[0]["expert_bytes"],
+    }
 
 
 def model_table(d: dict) -> Table:
-    table = Table(title=f"{d['path']}  ({d['architecture']})", show_header=True, header_style="bold")
+    table = Table(title=f"{d['path']}  ({d['architecture']})", header_style="bold")
     table.add_column("property")
     table.add_column("value", justify="right")
     rows = [
@@ -43,5 +67,26 @@ def model_table(d: dict) -> Table:
     return table
 
 
+def bundle_table(d: dict) -> Table:
+    return bundle_set_table(describe_bundle_set([d]))
+
+
+def bundle_set_table(s: dict) -> Table:
+    ads = s["adapters"]
+    title = (f"{len(ads)} adapter(s): E_max {s['e_max']}, padding would hold {s['padded_experts']} experts for "
+             f"{s['total_experts']} (fragmentation factor {s['fragmentation_factor']:.2f})")
+    table = Table(title=title, header_style="bold")
+    table.add_column("adapter")
+    table.add_column("experts per MoE layer")
+    for col in ("total", "max", "mean", "sparsity", "expert bytes", "bundle file"):
+        table.add_column(col, justify="right")
+    for d in ads:
+        table.add_row(d["name"], " ".join(map(str, d["experts_per_layer"])), str(d["total_experts"]),
+                      str(d["max_experts_per_layer"]), f"{d['mean_experts_per_layer']:.2f}",
+                      f"{d['sparsity_factor']:.2f}", format_bytes(d["total_experts"] * d["expert_bytes"]),
+                      format_bytes(d["bundle_bytes"]))
+    return table
+
+
 def render(d: dict) -> Table:
-    return {"model": model_table}[d["kind"]](d)
+    return {"model": model_table, "bundle": bundle_table, "bundle_set": bundle_set_table}[d["kind"]](d)

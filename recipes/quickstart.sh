@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The quick start, end to end on a fresh machine: set up .venv, build the tiny MoE world, inspect its base.
+# The quick start, end to end on a fresh machine: set up .venv, build the tiny MoE world, inspect its base,
+# and prepare one ESFT adapter bundle per task.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
@@ -8,3 +9,5 @@ world="$("$venv/bin/python" -c 'from esftctl.world.build import default_world_di
 
 "$venv/bin/python" "$root/recipes/tiny_world.py"
 "$venv/bin/esftctl" inspect "$world/base"
+# One ESFT adapter per task: relevance -> select -> fine-tune the selected experts -> pack -> inspect.
+"$venv/bin/python" "$root/recipes/esft_adapters.py"

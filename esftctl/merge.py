@@ -1,0 +1,18 @@
+"""`esftctl merge`: base + adapter bundle -> a full merged checkpoint, the baseline serving is checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from esftctl.bundle import Bundle
+from esftctl.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
+
+
+def merge(base_dir: Path, bundle_dir: Path, out: Path, overwrite: bool = False) -> Path:
+    base = MoECheckpoint(base_dir)
+    bundle = Bundle.open(bundle_dir)
+    bundle.check_base(base)
+    replacements = expert_replacements(base, {(l, e): w for l, per in bundle.read_experts().items()
+                                              for e, w in per.items()})
+    replacements.update(bundle.read_non_expert())
+    return write_checkpoint(base, out, replacements, overwrite=overwrite)

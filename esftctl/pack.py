@@ -1,0 +1,96 @@
+"""`esftctl pack`: a fine-tuned checkpoint (plus its base, plus optionally an expert config) -> an adapter bundle.
+
+The fine-tune is verified against the base tensor by tensor: same architecture and shapes, and no change
+outside the routed experts unless told to include such changes. Without an expert config, the adapter is
+exactly the experts that changed; with one, every changed expert must be listed in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from esftctl.bundle import base_identity, write_bundle
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.errors import EsftError
+from esftctl.selection import ExpertConfig
+
+
+@dataclass
+class PackReport:
+    name: str
+    out: Path
+    experts: dict[int, list[int]]
+    unchanged_listed: list[tuple[int, int]] = field(default_factory=list)  # in the config, identical to base
+    non_expert_changed: list[str] = field(default_factory=list)
+
+
+def changed_experts(base: MoECheckpoint, tuned: MoECheckpoint,
+                    on_layer: Callable[[int], None] = lambda l: None) -> dict[int, list[int]]:
+    """{layer: expert ids whose weights differ from the base}, every MoE layer present."""
+    changed = {}
+    for layer in base.moe_layers:
+        changed[layer] = [e for e in range(base.num_experts)
+                          if not base.read_expert(layer, e).equal(tuned.read_expert(layer, e))]
+        on_layer(layer)
+    return changed
+
+
+def changed_non_expert(base: MoECheckpoint, tuned: MoECheckpoint) -> list[str]:
+    return [n for n in base.tensors if not base.is_routed_expert_tensor(n)
+            and not torch.equal(base.read_tensor(n), tuned.read_tensor(n))]
+
+
+def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
+    b, t = base_identity(base), base_identity(tuned)
+    mismatch = [k for k in b if k != "fingerprint" and b[k] != t[k]]
+    if mismatch:
+        raise EsftError(f"fine-tuned model does not match the base ({', '.join(mismatch)} differ)", tuned.path)
+    if set(base.tensors) != set(tuned.tensors):
+        extra = sorted(set(base.tensors) ^ set(tuned.tensors))[:3]
+        raise EsftError(f"fine-tuned model has other tensors than the base (e.g. {extra})", tuned.path)
+    for name, info in base.tensors.items():
+        if tuned.tensors[name].shape != info.shape or tuned.tensors[name].dtype != info.dtype:
+            raise EsftError(f"tensor {name!r} is {tuned.tensors[name].dtype} {list(tuned.tensors[name].shape)} "
+                            f"here, {info.dtype} {list(info.shape)} in the base", tuned.tensors[name].file)
+
+
+def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None,
+         include_non_expert: bool = False, overwrite: bool = False,
+         on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
+    base, tuned = MoECheckpoint(base_dir), MoECheckpoint(tuned_dir)
+    _check_same_model(base, tuned)
+    config = None
+    if config_file is not None:
+        config = ExpertConfig.load(config_file)
+        config.validate(base.moe_layers, base.num_experts, config_file)
+    if out.exists() and not overwrite:
+        raise EsftError("output already exists (choose another path or pass --overwrite)", out)
+
+    non_expert = changed_non_expert(base, tuned)
+    if non_expert and not include_non_expert:
+        routers = [n for n in non_expert if n in {base.arch.router_tensor(l) for l in base.moe_layers}]
+        what = "the router" if routers else "non-expert weights"
+        raise EsftError(f"the fine-tune changed {what} ({len(non_expert)} tensors, e.g. {non_expert[0]!r}); "
+                        "ESFT adapters change routed experts only: pass --include-non-expert to pack them anyway",
+                        tuned.path)
+    changed = changed_experts(base, tuned, on_layer)
+    report = PackReport(name, out, {}, non_expert_changed=non_expert)
+    if config is None:
+        report.experts = {l: ids for l, ids in changed.items() if ids}
+    else:
+        listed = {l: list(ids) for l, ids in config.experts.items()}
+        unlisted = [(l, e) for l, ids in changed.items() for e in ids if e not in listed.get(l, [])]
+        if unlisted:
+            raise EsftError(f"experts changed that the expert config does not list (layer, expert): {unlisted[:5]}",
+                            config_file)
+        report.unchanged_listed = [(l, e) for l, ids in listed.items() for e in ids if e not in changed[l]]
+        report.experts = {l: ids for l, ids in listed.items() if ids}
+    if not report.experts and not non_expert:
+        raise EsftError("the fine-tuned model is identical to the base: nothing to pack", tuned.path)
+    experts = {l: {e: tuned.read_expert(l, e) for e in ids} for l, ids in report.experts.items()}
+    write_bundle(out, name, base, experts, {n: tuned.read_tensor(n) for n in non_expert}, overwrite=overwrite)
+    return report
