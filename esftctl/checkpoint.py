@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from esftctl.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
+from esftctl.units import format_ranges
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -202,7 +203,7 @@ class MoECheckpoint:
 
     def check_expert_id(self, layer: int, expert: int) -> None:
         if layer not in self.moe_layers:
-            raise EsftError(f"layer {layer} is not a MoE layer (MoE layers: {_ranges(self.moe_layers)})", self.path)
+            raise EsftError(f"layer {layer} is not a MoE layer (MoE layers: {format_ranges(self.moe_layers)})", self.path)
         if not 0 <= expert < self.num_experts:
             raise EsftError(f"expert {expert} out of range (layer {layer} has {self.num_experts} experts)", self.path)
 
@@ -270,15 +271,6 @@ class MoECheckpoint:
                         raise EsftError(
                             f"expert tensor {name!r} has shape {list(info.shape)}, expected {list(shapes[w])}",
                             info.file)
-
-
-def _ranges(values: Iterable[int]) -> str:
-    values = sorted(values)
-    if not values:
-        return "none"
-    if values == list(range(values[0], values[-1] + 1)):
-        return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
-    return ",".join(map(str, values))
 
 
 def expert_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, torch.Tensor]:

@@ -64,7 +64,7 @@ def relevance(
     from rich.progress import Progress
 
     from esftctl.relevance import METRICS, compute_relevance, relevance_table
-    from esftctl.world.tasks import read_jsonl
+    from esftctl.jsonl import read_jsonl
 
     if metric not in METRICS:
         raise EsftError(f"unknown metric {metric!r} (choose gate or token)")

@@ -7,9 +7,9 @@ from typing import Sequence
 
 from rich.table import Table
 
-from esftctl.checkpoint import MoECheckpoint, _ranges
+from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
-from esftctl.units import format_bytes
+from esftctl.units import format_bytes, format_ranges
 
 
 def describe_path(path: Path) -> dict:
@@ -50,7 +50,7 @@ def model_table(d: dict) -> Table:
     table.add_column("value", justify="right")
     rows = [
         ("layers", str(d["num_layers"])),
-        ("MoE layers", f"{d['num_moe_layers']}  ({_ranges(d['moe_layers'])})"),
+        ("MoE layers", f"{d['num_moe_layers']}  ({format_ranges(d['moe_layers'])})"),
         ("routed experts per layer", str(d["routed_experts_per_layer"])),
         ("top-k", str(d["top_k"])),
         ("shared experts per layer", str(d["shared_experts_per_layer"])),

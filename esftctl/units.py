@@ -1,4 +1,6 @@
-"""Formatting of sizes for tables."""
+"""Formatting of sizes and index ranges for tables and messages."""
+
+from typing import Iterable
 
 
 def format_bytes(n: float) -> str:
@@ -10,3 +12,13 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def format_ranges(values: Iterable[int]) -> str:
+    """[1, 2, 3] -> '1-3'; [0, 2, 5] -> '0,2,5'."""
+    values = sorted(values)
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
+    return ",".join(map(str, values))

@@ -23,7 +23,7 @@ from esftctl.bundle import Bundle
 from esftctl.selection import ExpertConfig
 from esftctl.world.build import build_world, default_world_dir
 from esftctl.world.esft import completion_loss, esft_finetune, exact_match
-from esftctl.world.tasks import read_jsonl
+from esftctl.jsonl import read_jsonl
 
 
 def esftctl(*args) -> None:

@@ -260,7 +260,7 @@ def test_cli_relevance_and_select(world, tmp_path):
 
 def test_esft_finetune_trains_only_selected_experts(world, tmp_path):
     from esftctl.world.esft import esft_finetune
-    from esftctl.world.tasks import read_jsonl
+    from esftctl.jsonl import read_jsonl
 
     config = ExpertConfig({1: [2, 5], 3: [0]})
     examples = list(read_jsonl(world.data_file("arithmetic", "train")))[:64]

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from esftctl.world.tasks import TASKS, read_jsonl
+from esftctl.jsonl import read_jsonl
+from esftctl.world.tasks import TASKS
 
 # Greedy tokens may part only where transformers itself nearly ties (bf16 kernels differ): a gap under this.
 NEAR_TIE = 0.25

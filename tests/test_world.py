@@ -8,7 +8,8 @@ import json
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.world.build import SPLITS, build_world
 from esftctl.world.report import routing_distance
-from esftctl.world.tasks import TASKS, read_jsonl
+from esftctl.jsonl import read_jsonl
+from esftctl.world.tasks import TASKS
 
 
 def test_data_files(world):

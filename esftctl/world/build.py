@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from esftctl.atomic import atomic_dir, atomic_file
-from esftctl.world.tasks import TASKS, read_jsonl, write_jsonl
+from esftctl.jsonl import read_jsonl, write_jsonl
+from esftctl.world.tasks import TASKS
 
 # Bump when the recipe changes, so cached worlds of an older recipe are rebuilt, not reused.
 WORLD_VERSION = 1

@@ -15,7 +15,7 @@ import torch
 from esftctl.atomic import atomic_dir
 from esftctl.selection import ExpertConfig
 from esftctl.world.models import save_model
-from esftctl.world.tasks import Example
+from esftctl.jsonl import Example
 from esftctl.world.training import train
 
 

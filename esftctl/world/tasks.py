@@ -6,15 +6,11 @@ words, English templates, single letters), and so exercises different experts of
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from esftctl.errors import EsftError
-
-Example = dict[str, str]
+from esftctl.jsonl import Example
 
 _ENGLISH = ("cat dog bird fish tree river stone fire water sun moon star red blue green big small old new "
             "house road king queen bread milk day night").split()
@@ -95,26 +91,3 @@ def task_by_name(name: str) -> Task:
         if t.name == name:
             return t
     raise KeyError(name)
-
-
-def write_jsonl(path: Path, examples: list[Example]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
-
-
-def read_jsonl(path: Path) -> Iterator[Example]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise EsftError("file not found", path) from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise EsftError(f"line {number} is not valid JSON", path) from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
-                or not isinstance(record.get("completion"), str):
-            raise EsftError(f"line {number} needs string fields 'prompt' and 'completion'", path)
-        yield record

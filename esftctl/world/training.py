@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from esftctl.world.tasks import Example
+from esftctl.jsonl import Example
 
 
 def encode_batch(tokenizer, examples: Sequence[Example], completion_only: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,37 @@
+"""Task data as JSONL: one {"prompt": ..., "completion": ...} object per line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from esftctl.errors import EsftError
+
+Example = dict[str, str]
+
+
+def write_jsonl(path: Path, examples: list[Example]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+
+
+def read_jsonl(path: Path) -> Iterator[Example]:
+    """Yield the examples of `path`, refusing a line that is not an object with string prompt and completion."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise EsftError("file not found", path) from None
+    except UnicodeDecodeError:
+        raise EsftError("not a UTF-8 text file", path) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise EsftError(f"line {number} is not valid JSON", path) from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
+                or not isinstance(record.get("completion"), str):
+            raise EsftError(f"line {number} needs string fields 'prompt' and 'completion'", path)
+        yield record
