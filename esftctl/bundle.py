@@ -3,7 +3,8 @@
 A bundle is a folder:
 
     manifest.json       format, version, name, the base's identity, expert ids per layer, dtype, shapes,
-                        the data file's SHA-256
+                        and a SHA-256 of the tensors (names, dtypes, shapes and bytes, in name order: the
+                        safetensors header's own key order is not stable, so the file's bytes are not hashed)
     experts.safetensors one tensor per expert weight, named layers.{L}.experts.{E}.{gate|up|down};
                         with --include-non-expert also non_expert.{checkpoint tensor name}
 
@@ -40,11 +41,18 @@ def expert_tensor_name(layer: int, expert: int, weight: str) -> str:
     return f"layers.{layer}.experts.{expert}.{weight}"
 
 
-def _sha256(path: Path) -> str:
+def tensors_sha256(path: Path) -> str:
+    """SHA-256 over a safetensors file's tensors: name, dtype, shape and bytes of each, in name order."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    try:
+        with safe_open(path, framework="pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name).contiguous()
+                h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    except Exception as e:
+        raise EsftError(f"corrupted or truncated: not a readable safetensors file "
+                        f"({' '.join(str(e).split())[:120]})", path) from None
     return h.hexdigest()
 
 
@@ -83,7 +91,7 @@ def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, d
             "shapes": {w: list(s) for w, s in base.expert_shapes().items()},
             "experts": {str(layer): sorted(ids) for layer, ids in sorted(experts.items()) if ids},
             "non_expert_tensors": sorted(non_expert or {}),
-            "file": DATA_FILE, "sha256": _sha256(tmp / DATA_FILE),
+            "file": DATA_FILE, "tensors_sha256": tensors_sha256(tmp / DATA_FILE),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
@@ -111,7 +119,7 @@ class Bundle:
         if m.get("version") != BUNDLE_VERSION:
             raise EsftError(f"bundle format version {m.get('version')!r} is not supported (this esftctl reads "
                             f"{BUNDLE_VERSION})", manifest_file)
-        for key in ("name", "base", "dtype", "shapes", "experts", "file", "sha256"):
+        for key in ("name", "base", "dtype", "shapes", "experts", "file", "tensors_sha256"):
             if key not in m:
                 raise EsftError(f"manifest has no {key!r}", manifest_file)
         bundle = cls(path, m)
@@ -122,13 +130,10 @@ class Bundle:
         data = self.data_file
         if not data.exists():
             raise EsftError("missing bundle data file", data)
-        if _sha256(data) != self.manifest["sha256"]:
+        if tensors_sha256(data) != self.manifest["tensors_sha256"]:
             raise EsftError("checksum mismatch: the file is corrupted or truncated", data)
-        try:
-            with safe_open(data, framework="pt") as f:
-                header = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
-        except Exception as e:
-            raise EsftError(f"not a readable safetensors file ({' '.join(str(e).split())[:150]})", data) from None
+        with safe_open(data, framework="pt") as f:
+            header = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
         shapes = {w: tuple(s) for w, s in self.manifest["shapes"].items()}
         expected = {expert_tensor_name(l, e, w): (shapes[w], self.manifest["dtype"])
                     for l, ids in self.experts.items() for e in ids for w in EXPERT_WEIGHTS}

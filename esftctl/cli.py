@@ -153,6 +153,51 @@ def merge(
     console.print(f"wrote {out}")
 
 
+@app.command()
+def compress(
+    source: Path = typer.Argument(..., help="A model folder (all its routed experts) or an adapter bundle."),
+    out: Path = typer.Option(..., "--out", "-o", help="Store folder to create."),
+    table_scope: str = typer.Option("layer", help="One Huffman code per layer (shared by its experts) or per "
+                                                  "tensor."),
+    chunk: int = typer.Option(1024, min=1, help="Values per independently decodable chunk."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the store's description as JSON."),
+) -> None:
+    """Write a Huffman-coded expert store: bf16 exponents entropy-coded, sign+mantissa raw; lossless."""
+    import time
+
+    from rich.progress import Progress
+
+    from esftctl.describe import render
+    from esftctl.store import ExpertStore, source_tensors, write_store
+
+    start = time.time()
+    origin, tensors = source_tensors(source)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("compressing", total=len(tensors))
+        write_store(origin, tensors, out, chunk, table_scope, overwrite, on_tensor=lambda name: progress.advance(task))
+    description = {**ExpertStore(out).describe(), "seconds": time.time() - start}
+    if as_json:
+        print(json.dumps(description, indent=2))
+    else:
+        console.print(render(description))
+        console.print(f"wrote {out} in {description['seconds']:.1f}s")
+
+
+@app.command()
+def decompress(
+    store: Path = typer.Argument(..., help="An expert store from `esftctl compress`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to create: the bundle again, or experts.safetensors."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+) -> None:
+    """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
+    from esftctl.store import decompress as do_decompress
+
+    with console.status("decoding"):
+        do_decompress(store, out, overwrite)
+    console.print(f"wrote {out}")
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit status 1, never a traceback."""
     try:

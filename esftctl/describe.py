@@ -14,14 +14,18 @@ from esftctl.units import format_bytes, format_ranges
 
 def describe_path(path: Path) -> dict:
     from esftctl.bundle import MANIFEST, Bundle
+    from esftctl.store import HEADER, ExpertStore
 
     if not path.exists():
         raise EsftError("no such file or folder", path)
+    if (path / HEADER).exists():
+        return ExpertStore(path).describe()
     if (path / MANIFEST).exists():
         return Bundle.open(path).describe()
     if (path / "config.json").exists():
         return MoECheckpoint(path).describe()
-    raise EsftError("neither a model folder (config.json) nor an adapter bundle (manifest.json)", path)
+    raise EsftError("not a model folder (config.json), adapter bundle (manifest.json) or expert store "
+                    "(store.json)", path)
 
 
 def describe_bundle_set(descriptions: Sequence[dict]) -> dict:
@@ -88,5 +92,23 @@ def bundle_set_table(s: dict) -> Table:
     return table
 
 
+def store_table(d: dict) -> Table:
+    table = Table(title=f"{d['path']}  (expert store of a {d['source']}: {d['source_path']})", header_style="bold")
+    table.add_column("property")
+    table.add_column("value", justify="right")
+    for name, value in (
+        ("tensors / values", f"{d['tensors']} / {d['values']:,}"),
+        ("code tables", f"{d['tables']} (per {d['table_scope']}), chunks of {d['chunk']} values"),
+        ("original (bf16)", format_bytes(d["original_bytes"])),
+        ("stored", f"{format_bytes(d['stored_bytes'])}  ({d['stored_over_original']:.2%} of bf16)"),
+        ("bits per weight", f"{d['bits_per_weight']:.3f}"),
+        ("exponent-entropy bound", f"{format_bytes(d['entropy_bound_bytes'])}  (stored = "
+                                   f"{d['stored_over_bound']:.4f} x bound)"),
+    ):
+        table.add_row(name, value)
+    return table
+
+
 def render(d: dict) -> Table:
-    return {"model": model_table, "bundle": bundle_table, "bundle_set": bundle_set_table}[d["kind"]](d)
+    return {"model": model_table, "bundle": bundle_table, "bundle_set": bundle_set_table,
+            "store": store_table}[d["kind"]](d)

@@ -199,9 +199,9 @@ def test_corrupted_and_truncated_bundles(finetune, tmp_path):
         else:
             raw = raw[: len(raw) - 100]
         data.write_bytes(bytes(raw))
-        with pytest.raises(EsftError, match="experts.safetensors: checksum mismatch"):
+        with pytest.raises(EsftError, match="experts.safetensors: (checksum mismatch: )?.*corrupted or truncated"):
             Bundle.open(copy)
-        with pytest.raises(EsftError, match="checksum mismatch"):
+        with pytest.raises(EsftError, match="corrupted or truncated"):
             merge(base, copy, tmp_path / f"merged-{how}")
         assert not (tmp_path / f"merged-{how}").exists()
     manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())

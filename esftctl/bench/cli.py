@@ -60,3 +60,24 @@ def reroute(
         for t in bench.tables(result):
             console.print(t)
     _save(result, out, "reroute", bench.plot)
+
+
+@app.command()
+def compress(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    experts: str = typer.Option("1,8,64", help="Comma-separated expert counts (64 = one DeepSeek-V2-Lite layer)."),
+    table_scope: str = typer.Option("layer", help="Code tables per layer or per tensor."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+) -> None:
+    """Huffman expert stores: size vs entropy bound and general-purpose compressors; GPU decode vs bandwidth."""
+    from esftctl.bench import compress as bench
+    from esftctl.errors import EsftError
+
+    try:
+        counts = tuple(int(x) for x in experts.split(","))
+    except ValueError:
+        raise EsftError(f"--experts takes comma-separated whole numbers, not {experts!r}") from None
+    with console.status("measuring") as status:
+        result = bench.run(counts=counts, table_scope=table_scope, on_step=lambda msg: status.update(msg))
+    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
+    _save(result, out, "compress", bench.plot)

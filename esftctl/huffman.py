@@ -1,0 +1,168 @@
+"""Canonical, length-limited Huffman coding of bf16 exponents, vectorized with numpy, decodable in chunks.
+
+A bf16 value is 1 sign, 8 exponent and 7 mantissa bits. The exponent byte is entropy-coded; sign and
+mantissa stay one raw byte per value (`split_bf16`). The coded stream of a tensor is cut into chunks of
+`chunk` symbols whose starting bit offsets are recorded, so chunks decode independently: the CPU decoder
+steps all chunks of a tensor in lockstep with numpy, the GPU decoder (esftctl.kernels.huffman_decode)
+gives each chunk a lane.
+
+Codes are canonical (a code is fully described by its lengths) and at most MAX_LENGTH bits long, so a
+decoder resolves a symbol with one lookup in a 2**MAX_LENGTH table of (symbol, length).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_LENGTH = 12
+
+
+def split_bf16(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 bit patterns (uint16) -> (exponent bytes, sign-and-mantissa bytes)."""
+    bits = bits.astype(np.uint16, copy=False)
+    exponent = ((bits >> 7) & 0xFF).astype(np.uint8)
+    sign_mantissa = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
+    return exponent, sign_mantissa
+
+
+def join_bf16(exponent: np.ndarray, sign_mantissa: np.ndarray) -> np.ndarray:
+    e = exponent.astype(np.uint16)
+    sm = sign_mantissa.astype(np.uint16)
+    return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+
+
+def entropy_bits(counts: np.ndarray) -> float:
+    """Shannon entropy in bits per symbol of a histogram."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def code_lengths(counts: np.ndarray, max_length: int = MAX_LENGTH) -> np.ndarray:
+    """Huffman code lengths (0 for unused symbols), then limited to `max_length` keeping Kraft's sum <= 1."""
+    lengths = np.zeros(len(counts), dtype=np.int64)
+    used = [int(s) for s in np.nonzero(counts)[0]]
+    if len(used) == 1:
+        lengths[used[0]] = 1
+        return lengths
+    heap = [(int(counts[s]), i, [s]) for i, s in enumerate(used)]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        c1, _, s1 = heapq.heappop(heap)
+        c2, _, s2 = heapq.heappop(heap)
+        for s in s1 + s2:
+            lengths[s] += 1
+        heapq.heappush(heap, (c1 + c2, tie, s1 + s2))
+        tie += 1
+    if lengths.max() > max_length:
+        lengths[lengths > max_length] = max_length
+        # Over-full now: lengthen the rarest symbols that still can be, until the code fits again.
+        budget = 1 << max_length
+        by_rarity = sorted(used, key=lambda s: (counts[s], -lengths[s]))
+        while sum(budget >> int(lengths[s]) for s in used) > budget:
+            for s in by_rarity:
+                if lengths[s] < max_length:
+                    lengths[s] += 1
+                    break
+    return lengths
+
+
+@dataclass(frozen=True)
+class Code:
+    """A canonical prefix code over byte symbols, from its code lengths."""
+
+    lengths: np.ndarray  # [256] int, 0 = unused
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max())
+
+    def codes(self) -> np.ndarray:
+        """[256] code values (MSB-first), canonical: by (length, symbol)."""
+        codes = np.zeros(256, dtype=np.uint64)
+        code, prev_len = 0, 0
+        for s in sorted(np.nonzero(self.lengths)[0], key=lambda s: (self.lengths[s], s)):
+            code <<= int(self.lengths[s]) - prev_len
+            codes[s] = code
+            code += 1
+            prev_len = int(self.lengths[s])
+        return codes
+
+    def decode_table(self, width: int = MAX_LENGTH) -> tuple[np.ndarray, np.ndarray]:
+        """Lookup tables of 2**width entries: the next `width` bits -> (symbol, code length)."""
+        symbols = np.zeros(1 << width, dtype=np.uint8)
+        lengths = np.zeros(1 << width, dtype=np.uint8)
+        codes = self.codes()
+        for s in np.nonzero(self.lengths)[0]:
+            n = int(self.lengths[s])
+            start = int(codes[s]) << (width - n)
+            symbols[start:start + (1 << (width - n))] = s
+            lengths[start:start + (1 << (width - n))] = n
+        return symbols, lengths
+
+
+def build_code(counts: np.ndarray, max_length: int = MAX_LENGTH) -> Code:
+    return Code(code_lengths(np.asarray(counts, dtype=np.int64), max_length))
+
+
+def encode(symbols: np.ndarray, code: Code, chunk: int) -> tuple[bytes, np.ndarray]:
+    """Pack `symbols` MSB-first; return (bytes, bit offset of every chunk of `chunk` symbols, uint64)."""
+    lengths = code.lengths.astype(np.uint64)[symbols]
+    values = code.codes()[symbols]
+    if np.any(lengths == 0):
+        raise ValueError("a symbol has no code")
+    ends = np.cumsum(lengths, dtype=np.uint64)
+    starts = ends - lengths
+    total_bits = int(ends[-1]) if len(ends) else 0
+    words = np.zeros(total_bits // 64 + 2, dtype=np.uint64)
+    word = (starts >> np.uint64(6)).astype(np.int64)
+    room = np.uint64(64) - (starts & np.uint64(63))  # bits left in the symbol's first word
+    fits = lengths <= room
+    # Codes within one word: shifted to their place. Codes across two: high part here, low part next word.
+    shift_in = np.where(fits, room - lengths, np.uint64(0))
+    spill = np.where(fits, np.uint64(0), lengths - room)
+    first = np.where(fits, values << shift_in, values >> spill)
+    second = np.where(fits, np.uint64(0), values << (np.uint64(64) - spill) % np.uint64(64))
+    _or_into(words, word, first)
+    crossing = ~fits
+    _or_into(words, word[crossing] + 1, second[crossing])
+    data = words.byteswap().tobytes()[: (total_bits + 7) // 8]
+    offsets = np.concatenate([[0], ends[chunk - 1::chunk][: (len(symbols) - 1) // chunk]]).astype(np.uint64) \
+        if len(symbols) else np.zeros(0, dtype=np.uint64)
+    return data, offsets
+
+
+def _or_into(words: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
+    """words[index] |= values for sorted `index` with repeats (OR-reduced per word first)."""
+    if len(index) == 0:
+        return
+    starts = np.concatenate([[0], np.nonzero(np.diff(index))[0] + 1])
+    words[index[starts]] |= np.bitwise_or.reduceat(values, starts)
+
+
+def decode(data: bytes, offsets: np.ndarray, count: int, code: Code, chunk: int) -> np.ndarray:
+    """Decode `count` symbols; all chunks advance together, one symbol per step (vectorized over chunks)."""
+    out = np.zeros(count, dtype=np.uint8)
+    if count == 0:
+        return out
+    width = MAX_LENGTH
+    table_sym, table_len = code.decode_table(width)
+    buf = np.frombuffer(bytes(data) + b"\0\0\0\0", dtype=np.uint8).astype(np.uint32)
+    pos = offsets.astype(np.int64).copy()
+    n_chunks = len(offsets)
+    base = np.arange(n_chunks, dtype=np.int64) * chunk
+    remaining = np.minimum(chunk, count - base)
+    for step in range(chunk):
+        live = remaining > step
+        if not live.any():
+            break
+        p = pos[live]
+        byte = p >> 3
+        window = (buf[byte] << 16) | (buf[byte + 1] << 8) | buf[byte + 2]  # 24 bits >= 12 + 7
+        peek = (window >> (24 - width - (p & 7)).astype(np.uint32)) & ((1 << width) - 1)
+        out[base[live] + step] = table_sym[peek]
+        pos[live] = p + table_len[peek]
+    return out

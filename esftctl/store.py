@@ -1,0 +1,275 @@
+"""Huffman-compressed expert stores: `esftctl compress`, `esftctl decompress`, and decoding for the runtime.
+
+A store is a folder:
+
+    store.json  format, version, source (model folder or adapter bundle), chunk size, code tables (code
+                lengths per symbol), and per tensor: name, shape, (layer, expert, weight), its code table,
+                and where its three sections lie in store.bin; the SHA-256 of store.bin
+    store.bin   per tensor: the Huffman-coded exponents, the chunks' starting bit offsets (uint32), and
+                one sign-and-mantissa byte per value; each section starts on a 16-byte boundary
+
+Only bf16 expert weights are stored; decoding is bit-exact. Code tables are per tensor or shared per layer
+(`--table-scope`): `esftctl bench compress` measures both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from esftctl import __version__
+from esftctl.atomic import atomic_dir
+from esftctl.errors import EsftError
+from esftctl.huffman import MAX_LENGTH, Code, build_code, decode, encode, entropy_bits, join_bf16, split_bf16
+
+STORE_FORMAT = "esftctl-expert-store"
+STORE_VERSION = 1
+HEADER, DATA = "store.json", "store.bin"
+DEFAULT_CHUNK = 1024
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    layer: int | None
+    expert: int | None
+    weight: str | None
+    read: Callable[[], torch.Tensor]
+
+
+def source_tensors(path: Path) -> tuple[dict, list[SourceTensor]]:
+    """What to store from a model folder (every routed expert) or an adapter bundle (all its tensors)."""
+    from esftctl.bundle import MANIFEST, Bundle, expert_tensor_name
+    from esftctl.checkpoint import MoECheckpoint
+
+    if (path / MANIFEST).exists():
+        bundle = Bundle.open(path)
+        from safetensors import safe_open
+
+        def reader(name):
+            def read():
+                with safe_open(bundle.data_file, framework="pt") as f:
+                    return f.get_tensor(name)
+            return read
+        tensors = [SourceTensor(expert_tensor_name(l, e, w), l, e, w, reader(expert_tensor_name(l, e, w)))
+                   for l, ids in bundle.experts.items() for e in ids for w in ("gate", "up", "down")]
+        tensors += [SourceTensor("non_expert." + n, None, None, None, reader("non_expert." + n))
+                    for n in bundle.non_expert_tensors]
+        return {"kind": "bundle", "path": str(path), "manifest": bundle.manifest}, tensors
+    ckpt = MoECheckpoint(path)
+    tensors = [SourceTensor(name, l, e, w, lambda name=name: ckpt.read_tensor(name))
+               for l in ckpt.moe_layers for e in range(ckpt.num_experts)
+               for w, name in ckpt.expert_tensor_names(l, e).items()]
+    return {"kind": "model", "path": str(path), "architecture": ckpt.arch.name}, tensors
+
+
+def _bf16_bits(t: torch.Tensor, name: str) -> np.ndarray:
+    if t.dtype != torch.bfloat16:
+        raise EsftError(f"tensor {name!r} is {t.dtype}; only bf16 expert weights can be stored")
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+
+
+def _pad(buf: bytearray) -> int:
+    buf.extend(b"\0" * (-len(buf) % ALIGN))
+    return len(buf)
+
+
+def compress(src: Path, out: Path, chunk: int = DEFAULT_CHUNK, table_scope: str = "layer",
+             overwrite: bool = False, on_tensor: Callable[[str], None] = lambda name: None) -> dict:
+    """Write a store for the experts of `src` (a model folder or a bundle); returns its header."""
+    source, tensors = source_tensors(src)
+    return write_store(source, tensors, out, chunk, table_scope, overwrite, on_tensor)
+
+
+def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int = DEFAULT_CHUNK,
+                table_scope: str = "layer", overwrite: bool = False,
+                on_tensor: Callable[[str], None] = lambda name: None) -> dict:
+    if table_scope not in ("tensor", "layer"):
+        raise EsftError(f"table scope must be 'tensor' or 'layer', not {table_scope!r}")
+    if chunk < 1:
+        raise EsftError("chunk size must be at least 1")
+    if out.exists() and not overwrite:
+        raise EsftError("output already exists (choose another path or pass --overwrite)", out)
+    groups: dict[object, list[SourceTensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.name if table_scope == "tensor" or t.layer is None else t.layer, []).append(t)
+    data = bytearray()
+    tables, entries = [], []
+    total = {"values": 0, "original_bytes": 0, "entropy_bound_bytes": 0.0}
+    for members in groups.values():
+        split, shapes = {}, {}
+        counts = np.zeros(256, dtype=np.int64)
+        for t in members:
+            tensor = t.read()
+            shapes[t.name] = list(tensor.shape)
+            split[t.name] = split_bf16(_bf16_bits(tensor, t.name))
+            counts += np.bincount(split[t.name][0], minlength=256)
+        code = build_code(counts) if counts.any() else Code(np.zeros(256, dtype=np.int64))
+        tables.append({"lengths": code.lengths.tolist()})
+        for t in members:
+            exponent, sign_mantissa = split.pop(t.name)
+            if len(exponent):
+                stream, offsets = encode(exponent, code, chunk)
+            else:
+                stream, offsets = b"", np.zeros(0, dtype=np.uint64)
+            if len(offsets) and int(offsets[-1]) >= 1 << 32:
+                raise EsftError(f"tensor {t.name!r} is too large for 32-bit chunk offsets")
+            entry = {"name": t.name, "layer": t.layer, "expert": t.expert, "weight": t.weight,
+                     "shape": shapes[t.name], "count": len(exponent), "table": len(tables) - 1}
+            entry["exp_offset"], entry["exp_bytes"] = _pad(data), len(stream)
+            data.extend(stream)
+            entry["chunk_offset"], entry["chunks"] = _pad(data), len(offsets)
+            data.extend(offsets.astype("<u4").tobytes())
+            entry["sm_offset"] = _pad(data)
+            data.extend(sign_mantissa.tobytes())
+            entries.append(entry)
+            h = entropy_bits(np.bincount(exponent, minlength=256)) if len(exponent) else 0.0
+            total["values"] += len(exponent)
+            total["original_bytes"] += 2 * len(exponent)
+            total["entropy_bound_bytes"] += len(exponent) * (h + 8) / 8
+            on_tensor(t.name)
+    _pad(data)
+    header = {"format": STORE_FORMAT, "version": STORE_VERSION, "created_by": f"esftctl {__version__}",
+              "source": source, "chunk": chunk, "max_code_length": MAX_LENGTH, "table_scope": table_scope,
+              "tables": tables, "tensors": entries, "data_file": DATA, "data_bytes": len(data),
+              "sha256": hashlib.sha256(data).hexdigest(), **total}
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        (tmp / DATA).write_bytes(bytes(data))
+        (tmp / HEADER).write_text(json.dumps(header))
+    return header
+
+
+class ExpertStore:
+    """An opened, verified store (checksum and section bounds checked); decodes on the CPU or a GPU."""
+
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.path = Path(path)
+        header_file = self.path / HEADER
+        try:
+            self.header = json.loads(header_file.read_text())
+        except FileNotFoundError:
+            raise EsftError(f"not an expert store (no {HEADER})", self.path) from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EsftError("not valid JSON", header_file) from None
+        if not isinstance(self.header, dict) or self.header.get("format") != STORE_FORMAT:
+            raise EsftError(f"not an esftctl expert store (format is not {STORE_FORMAT!r})", header_file)
+        if self.header.get("version") != STORE_VERSION:
+            raise EsftError(f"store version {self.header.get('version')!r} is not supported", header_file)
+        data_file = self.path / self.header["data_file"]
+        if not data_file.exists():
+            raise EsftError("missing store data file", data_file)
+        self.data = np.fromfile(data_file, dtype=np.uint8)
+        if len(self.data) != self.header["data_bytes"] or (
+                verify and hashlib.sha256(self.data.tobytes()).hexdigest() != self.header["sha256"]):
+            raise EsftError("checksum mismatch: the file is corrupted or truncated", data_file)
+        self.chunk = self.header["chunk"]
+        self.codes = [Code(np.array(t["lengths"], dtype=np.int64)) for t in self.header["tables"]]
+        self.tensors = {e["name"]: e for e in self.header["tensors"]}
+        self._device_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.header["tensors"])
+
+    def _sections(self, e: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        stream = self.data[e["exp_offset"]: e["exp_offset"] + e["exp_bytes"]]
+        offsets = self.data[e["chunk_offset"]: e["chunk_offset"] + 4 * e["chunks"]].view("<u4")
+        sign_mantissa = self.data[e["sm_offset"]: e["sm_offset"] + e["count"]]
+        return stream, offsets, sign_mantissa
+
+    def decode_tensor(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one tensor into `out` (any device; a GPU decodes with the Triton kernel) or a new CPU tensor."""
+        e = self._entry(name)
+        if out is None:
+            out = torch.empty(e["shape"], dtype=torch.bfloat16)
+        if out.device.type == "cuda":
+            self.plan([(name, out)]).run()
+            return out
+        self._check_destination(e, out)
+        stream, offsets, sign_mantissa = self._sections(e)
+        exponent = decode(stream.tobytes(), offsets.astype(np.uint64), e["count"], self.codes[e["table"]], self.chunk)
+        bits = join_bf16(exponent, sign_mantissa)
+        out.view(torch.int16).reshape(-1).copy_(torch.from_numpy(bits.view(np.int16)))
+        return out
+
+    def _entry(self, name: str) -> dict:
+        e = self.tensors.get(name)
+        if e is None:
+            raise EsftError(f"no tensor named {name!r} in the store", self.path)
+        return e
+
+    @staticmethod
+    def _check_destination(e: dict, out: torch.Tensor) -> None:
+        if list(out.shape) != e["shape"] or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"destination must be a contiguous bf16 tensor of shape {e['shape']}")
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store's data and decode tables on `device` (copied once, then kept)."""
+        key = str(device)
+        if key not in self._device_cache:
+            tables = np.stack([(s.astype(np.int32) | (l.astype(np.int32) << 8))
+                               for s, l in (c.decode_table() for c in self.codes)]) if self.codes else \
+                np.zeros((1, 1 << MAX_LENGTH), dtype=np.int32)
+            data = np.concatenate([self.data, np.zeros(4, dtype=np.uint8)])
+            self._device_cache[key] = (torch.from_numpy(data).to(device), torch.from_numpy(tables).to(device))
+        return self._device_cache[key]
+
+    def plan(self, targets: list[tuple[str, torch.Tensor]]):
+        """A DecodePlan writing each named tensor into its CUDA destination in one launch."""
+        from esftctl.kernels.huffman_decode import DecodePlan
+
+        device = targets[0][1].device
+        data, tables = self.to_device(device)
+        bits, sm, dst, lengths, table = [], [], [], [], []
+        for name, out in targets:
+            e = self._entry(name)
+            self._check_destination(e, out)
+            if out.device != device:
+                raise ValueError("all destinations of one plan must be on one device")
+            starts = np.arange(e["chunks"], dtype=np.int64) * self.chunk
+            _, offsets, _ = self._sections(e)
+            bits.append(8 * e["exp_offset"] + offsets.astype(np.int64))
+            sm.append(e["sm_offset"] + starts)
+            dst.append(out.data_ptr() + 2 * starts)
+            lengths.append(np.minimum(self.chunk, e["count"] - starts).astype(np.int32))
+            table.append(np.full(e["chunks"], e["table"], dtype=np.int32))
+        descriptors = {k: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).to(device)
+                       for k, v in (("bits", bits), ("sm", sm), ("dst", dst), ("len", lengths), ("table", table))}
+        return DecodePlan(data, tables, self.chunk, descriptors, [out for _, out in targets])
+
+    def describe(self) -> dict:
+        h = self.header
+        return {"kind": "store", "path": str(self.path), "source": h["source"]["kind"],
+                "source_path": h["source"]["path"], "tensors": len(h["tensors"]), "values": h["values"],
+                "table_scope": h["table_scope"], "tables": len(h["tables"]), "chunk": h["chunk"],
+                "original_bytes": h["original_bytes"], "stored_bytes": h["data_bytes"],
+                "entropy_bound_bytes": h["entropy_bound_bytes"],
+                "stored_over_original": h["data_bytes"] / max(1, h["original_bytes"]),
+                "stored_over_bound": h["data_bytes"] / max(1.0, h["entropy_bound_bytes"]),
+                "bits_per_weight": 8 * h["data_bytes"] / max(1, h["values"])}
+
+
+def decompress(store_dir: Path, out: Path, overwrite: bool = False) -> Path:
+    """Write the stored tensors back as safetensors: a bundle store becomes its bundle again, byte for byte;
+    a model store becomes a folder with experts.safetensors (the experts under their checkpoint names)."""
+    from safetensors.torch import save_file
+
+    from esftctl.bundle import DATA_FILE, MANIFEST
+
+    store = ExpertStore(store_dir)
+    tensors = {e["name"]: store.decode_tensor(e["name"]) for e in store}
+    source = store.header["source"]
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        if source["kind"] == "bundle":
+            manifest = source["manifest"]
+            save_file(tensors, tmp / DATA_FILE, metadata={"format": "esftctl-adapter", "name": manifest["name"]})
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        else:
+            save_file(tensors, tmp / "experts.safetensors", metadata={"format": "pt"})
+    return out

@@ -1,0 +1,149 @@
+"""Huffman-coded expert stores: bit-exact round trips, sizes against the entropy bound, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from esftctl.errors import EsftError
+from esftctl.huffman import MAX_LENGTH, build_code, code_lengths, decode, encode, entropy_bits, join_bf16, split_bf16
+from esftctl.store import ExpertStore, SourceTensor, compress, decompress, write_store
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+
+
+def _special_values(n: int, seed: int) -> torch.Tensor:
+    """Random bf16 bit patterns with NaNs, infinities, signed zeros and subnormals mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    specials = torch.tensor([0x7FC0, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFFFF],
+                            dtype=torch.int32).to(torch.int16)
+    bits[: len(specials)] = specials
+    return bits.view(torch.bfloat16)
+
+
+def _heavy_tailed(n: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return (torch.distributions.StudentT(2.0).sample((n,)) * 0.01).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("values", [
+    lambda: (torch.randn(5000) * 0.02).to(torch.bfloat16),
+    lambda: _heavy_tailed(20_000, 1),
+    lambda: _special_values(3000, 2),
+    lambda: torch.ones(1, dtype=torch.bfloat16),
+    lambda: torch.full((777,), 3.5, dtype=torch.bfloat16),  # one symbol only
+])
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+def test_huffman_round_trip_is_bit_exact(values, chunk):
+    bits = _bits(values())
+    exponent, sign_mantissa = split_bf16(bits)
+    assert np.array_equal(join_bf16(exponent, sign_mantissa), bits)
+    code = build_code(np.bincount(exponent, minlength=256))
+    assert code.max_length <= MAX_LENGTH
+    data, offsets = encode(exponent, code, chunk)
+    assert len(offsets) == -(-len(exponent) // chunk)
+    assert np.array_equal(decode(data, offsets, len(exponent), code, chunk), exponent)
+
+
+def test_length_limit_keeps_a_prefix_code():
+    counts = np.zeros(256, dtype=np.int64)
+    counts[:40] = [2 ** min(i, 40) for i in range(40)]  # Fibonacci-like skew: unlimited lengths reach 39
+    lengths = code_lengths(counts, max_length=12)
+    used = lengths[counts > 0]
+    assert used.max() == 12 and (used > 0).all()
+    assert sum(2.0 ** -l for l in used) <= 1.0
+    exponent = np.repeat(np.arange(40, dtype=np.uint8), 3)
+    code = build_code(counts)
+    data, offsets = encode(exponent, code, 16)
+    assert np.array_equal(decode(data, offsets, len(exponent), code, 16), exponent)
+
+
+def _store_of(tensors: dict[str, torch.Tensor], out, **kw):
+    sources = [SourceTensor(n, 0, i, "gate", lambda t=t: t) for i, (n, t) in enumerate(tensors.items())]
+    write_store({"kind": "tensors", "path": "test"}, sources, out, **kw)
+    return ExpertStore(out)
+
+
+@pytest.mark.parametrize("scope", ["tensor", "layer"])
+def test_store_round_trip_edge_tensors(tmp_path, scope):
+    tensors = {"specials": _special_values(4099, 3), "heavy": _heavy_tailed(3000, 4).reshape(30, 100),
+               "one": torch.tensor([[1.25]], dtype=torch.bfloat16), "empty": torch.zeros(0, 8, dtype=torch.bfloat16)}
+    store = _store_of(tensors, tmp_path / "s", chunk=64, table_scope=scope)
+    for name, t in tensors.items():
+        got = store.decode_tensor(name)
+        assert got.shape == t.shape and torch.equal(got.view(torch.int16), t.view(torch.int16)), name
+
+
+def test_model_store_size_and_round_trip(world, tmp_path):
+    from esftctl.checkpoint import MoECheckpoint
+
+    header = compress(world.base_dir, tmp_path / "store")
+    store = ExpertStore(tmp_path / "store")
+    d = store.describe()
+    assert d["stored_bytes"] < 0.70 * d["original_bytes"]  # trained bf16 weights: exponents ~2.5 bits
+    assert d["stored_bytes"] >= d["entropy_bound_bytes"]
+    ckpt = MoECheckpoint(world.base_dir)
+    for e in header["tensors"][:12]:
+        assert torch.equal(store.decode_tensor(e["name"]), ckpt.read_tensor(e["name"]))
+    decompress(tmp_path / "store", tmp_path / "out")
+    from safetensors.torch import load_file
+
+    restored = load_file(tmp_path / "out" / "experts.safetensors")
+    assert len(restored) == len(ckpt.moe_layers) * ckpt.num_experts * 3
+    for name, t in restored.items():
+        assert torch.equal(t, ckpt.read_tensor(name))
+
+
+def test_entropy_bound_matches_hand_count():
+    exponent = np.array([1, 1, 2, 3], dtype=np.uint8)
+    assert abs(entropy_bits(np.bincount(exponent, minlength=256)) - 1.5) < 1e-12
+
+
+def test_corrupted_truncated_and_wrong_inputs(world, tmp_path):
+    compress(world.base_dir, tmp_path / "store")
+    for how in ("flip", "truncate"):
+        copy = shutil.copytree(tmp_path / "store", tmp_path / how)
+        raw = bytearray((copy / "store.bin").read_bytes())
+        if how == "flip":
+            raw[len(raw) // 3] ^= 1
+        else:
+            raw = raw[:-17]
+        (copy / "store.bin").write_bytes(bytes(raw))
+        with pytest.raises(EsftError, match="store.bin: checksum mismatch"):
+            ExpertStore(copy)
+    proc = run_cli("decompress", tmp_path / "flip", "--out", tmp_path / "x")
+    assert proc.returncode == 1 and "checksum mismatch" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(EsftError, match="output already exists"):
+        compress(world.base_dir, tmp_path / "store")
+    with pytest.raises(EsftError, match="only bf16"):
+        _store_of({"f32": torch.zeros(4)}, tmp_path / "f32")
+    assert not (tmp_path / "f32").exists()
+
+
+def test_cli_compress_bundle_and_back(world, tmp_path):
+    from esftctl.bundle import Bundle
+    from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+    from esftctl.pack import pack
+
+    base = MoECheckpoint(world.base_dir)
+    new = {(2, 5): ExpertWeights(*(t * 2 for _, t in base.read_expert(2, 5).items()))}
+    tuned = write_checkpoint(base, tmp_path / "tuned", expert_replacements(base, new))
+    pack(world.base_dir, tuned, tmp_path / "bundle", "twice")
+    d = json.loads(run_cli("compress", tmp_path / "bundle", "--out", tmp_path / "store", "--json",
+                           check=True).stdout)
+    assert d["source"] == "bundle" and d["tensors"] == 3
+    run_cli("decompress", tmp_path / "store", "--out", tmp_path / "again", check=True)
+    again, original = Bundle.open(tmp_path / "again"), Bundle.open(tmp_path / "bundle")
+    assert again.manifest == original.manifest
+    assert again.read_expert(2, 5).equal(original.read_expert(2, 5))
+    d = json.loads(run_cli("inspect", tmp_path / "store", "--json", check=True).stdout)
+    assert d["kind"] == "store" and d["values"] == 3 * 256 * 64
