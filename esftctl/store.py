@@ -216,7 +216,7 @@ class ExpertStore:
             tables = np.stack([(s.astype(np.int32) | (l.astype(np.int32) << 8))
                                for s, l in (c.decode_table() for c in self.codes)]) if self.codes else \
                 np.zeros((1, 1 << MAX_LENGTH), dtype=np.int32)
-            data = np.concatenate([self.data, np.zeros(4, dtype=np.uint8)])
+            data = np.concatenate([self.data, np.zeros(16, dtype=np.uint8)])  # whole words, one to spare
             self._device_cache[key] = (torch.from_numpy(data).to(device), torch.from_numpy(tables).to(device))
         return self._device_cache[key]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,3 +148,33 @@ def test_cli_compress_bundle_and_back(world, tmp_path):
     assert again.read_expert(2, 5).equal(original.read_expert(2, 5))
     d = json.loads(run_cli("inspect", tmp_path / "store", "--json", check=True).stdout)
     assert d["kind"] == "store" and d["values"] == 3 * 256 * 64
+
+
+INTERPRETED_DECODE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_store import _store_of, _special_values, _heavy_tailed
+tensors = {{"specials": _special_values(3001, 1), "normal": (torch.randn(70, 50) * 0.02).to(torch.bfloat16),
+           "heavy": _heavy_tailed(999, 2), "one": torch.tensor([1.5], dtype=torch.bfloat16)}}
+for chunk in (7, 64):
+    store = _store_of(tensors, Path({tmp!r}) / f"s{{chunk}}", chunk=chunk, table_scope="layer")
+    outs = [(n, torch.full(t.shape, float("nan"), dtype=torch.bfloat16)) for n, t in tensors.items()]
+    store.plan(outs).run()
+    for n, out in outs:
+        assert torch.equal(out.view(torch.int16), tensors[n].view(torch.int16)), (chunk, n)
+print("ok")
+"""
+
+
+def test_triton_decoder_in_the_interpreter(tmp_path):
+    """The GPU kernel's logic, run by Triton's CPU interpreter, so machines without a GPU check it too."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = INTERPRETED_DECODE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
