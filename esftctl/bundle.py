@@ -29,6 +29,7 @@ from esftctl.architectures import EXPERT_WEIGHTS
 from esftctl.atomic import atomic_dir
 from esftctl.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json
 
 BUNDLE_FORMAT = "esftctl-adapter"
 BUNDLE_VERSION = 1
@@ -110,10 +111,7 @@ class Bundle:
         manifest_file = path / MANIFEST
         if not manifest_file.exists():
             raise EsftError(f"not an adapter bundle (no {MANIFEST})", path)
-        try:
-            m = json.loads(manifest_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EsftError("not valid JSON", manifest_file) from None
+        m = read_json(manifest_file)
         if not isinstance(m, dict) or m.get("format") != BUNDLE_FORMAT:
             raise EsftError(f"not an esftctl adapter manifest (format is not {BUNDLE_FORMAT!r})", manifest_file)
         if m.get("version") != BUNDLE_VERSION:

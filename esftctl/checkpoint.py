@@ -7,7 +7,6 @@ are read one at a time through memory maps, so a 16B model is never loaded whole
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,6 +20,7 @@ from safetensors.torch import save_file
 from esftctl.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json
 from esftctl.units import format_ranges
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -87,15 +87,6 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200]
 
 
-def _load_json(file: Path) -> dict:
-    try:
-        return json.loads(file.read_text())
-    except FileNotFoundError:
-        raise EsftError("file not found", file) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EsftError(f"not valid JSON ({_one_line(e)})", file) from None
-
-
 class MoECheckpoint:
     """A Hugging Face MoE checkpoint folder, opened without loading its tensors."""
 
@@ -103,7 +94,7 @@ class MoECheckpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise EsftError("not a model folder (expected a directory with config.json)", self.path)
-        self.config = _load_json(self.path / "config.json")
+        self.config = read_json(self.path / "config.json")
         model_type = self.config.get("model_type")
         arch = architecture_for(model_type) if isinstance(model_type, str) else None
         if arch is None:
@@ -234,7 +225,7 @@ class MoECheckpoint:
     def _read_tensor_infos(self) -> dict[str, TensorInfo]:
         index_file = self.path / INDEX_FILE
         if index_file.exists():
-            weight_map = _load_json(index_file).get("weight_map")
+            weight_map = read_json(index_file).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise EsftError("index has no weight_map", index_file)
             infos: dict[str, TensorInfo] = {}

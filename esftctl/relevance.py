@@ -8,16 +8,15 @@ Both sum to 1 over the experts of a layer.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from esftctl.atomic import atomic_file
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json, write_json
 from esftctl.routing import routing_scores
 
 METRICS = ("gate", "token")
@@ -40,17 +39,11 @@ class Relevance:
                 "scores": {m: {str(l): s for l, s in per.items()} for m, per in self.scores.items()}}
 
     def save(self, path: Path) -> None:
-        with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps(self.to_json(), indent=1))
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> "Relevance":
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise EsftError("file not found", path) from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EsftError("not valid JSON", path) from None
+        d = read_json(path)
         if not isinstance(d, dict) or d.get("format") != SCORES_FORMAT:
             raise EsftError(f"not an esftctl relevance scores file (format is not {SCORES_FORMAT!r})", path)
         try:

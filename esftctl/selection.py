@@ -11,13 +11,12 @@ keys are model layer indices (MoE layers only), values expert ids in order of re
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from esftctl.atomic import atomic_file
 from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json, write_json
 
 # Sums of float scores can fall short of p = 1 by rounding; a prefix this close counts as reaching p.
 _EPS = 1e-9
@@ -53,17 +52,11 @@ class ExpertConfig:
                 "shared_experts": self.shared_experts, "non_expert_modules": self.non_expert_modules}
 
     def save(self, path: Path) -> None:
-        with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps(self.to_json(), indent=2))
+        write_json(path, self.to_json(), indent=2)
 
     @classmethod
     def load(cls, path: Path) -> "ExpertConfig":
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise EsftError("file not found", path) from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EsftError("not valid JSON", path) from None
+        d = read_json(path)
         if not isinstance(d, dict) or not isinstance(d.get("experts"), dict):
             raise EsftError("expert config needs an 'experts' object keyed by layer index", path)
         experts: dict[int, list[int]] = {}

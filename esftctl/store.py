@@ -26,6 +26,7 @@ import torch
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json
 from esftctl.huffman import MAX_LENGTH, Code, build_code, decode, encode, entropy_bits, join_bf16, split_bf16
 
 STORE_FORMAT = "esftctl-expert-store"
@@ -152,12 +153,9 @@ class ExpertStore:
     def __init__(self, path: str | Path, verify: bool = True):
         self.path = Path(path)
         header_file = self.path / HEADER
-        try:
-            self.header = json.loads(header_file.read_text())
-        except FileNotFoundError:
-            raise EsftError(f"not an expert store (no {HEADER})", self.path) from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EsftError("not valid JSON", header_file) from None
+        if not header_file.exists():
+            raise EsftError(f"not an expert store (no {HEADER})", self.path)
+        self.header = read_json(header_file)
         if not isinstance(self.header, dict) or self.header.get("format") != STORE_FORMAT:
             raise EsftError(f"not an esftctl expert store (format is not {STORE_FORMAT!r})", header_file)
         if self.header.get("version") != STORE_VERSION:
