@@ -104,6 +104,31 @@ class Code:
         return symbols, lengths
 
 
+def multi_symbol_table(code: Code, width: int = MAX_LENGTH, most: int = 4) -> np.ndarray:
+    """For every `width`-bit window, all whole codes at its front (up to `most`), as one int64 entry:
+    symbols in bits 0-31 (first in the low byte), their count in bits 32-35, bits consumed in 36-40.
+
+    Codes are at most `width` bits, so a window that starts at a code boundary always yields at least one
+    symbol; at 2.6 bits per exponent a window yields about four, so a decoder needs a quarter of the steps.
+    """
+    sym_of, len_of = (t.astype(np.int64) for t in code.decode_table(width))
+    window = np.arange(1 << width, dtype=np.int64)
+    mask = (1 << width) - 1
+    symbols = np.zeros_like(window)
+    count = np.zeros_like(window)
+    used = np.zeros_like(window)
+    alive = np.ones(len(window), dtype=bool)
+    for k in range(most):
+        peek = (window << used) & mask
+        n = len_of[peek]
+        fits = alive & (n > 0) & (used + n <= width)
+        symbols |= np.where(fits, sym_of[peek] << (8 * k), 0)
+        count += fits
+        used += np.where(fits, n, 0)
+        alive = fits
+    return symbols | (count << 32) | (used << 36)
+
+
 def build_code(counts: np.ndarray, max_length: int = MAX_LENGTH) -> Code:
     return Code(code_lengths(np.asarray(counts, dtype=np.int64), max_length))
 

@@ -27,7 +27,8 @@ from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json
-from esftctl.huffman import MAX_LENGTH, Code, build_code, decode, encode, entropy_bits, join_bf16, split_bf16
+from esftctl.huffman import (MAX_LENGTH, Code, build_code, decode, encode, entropy_bits, join_bf16,
+                             multi_symbol_table, split_bf16)
 
 STORE_FORMAT = "esftctl-expert-store"
 STORE_VERSION = 1
@@ -211,9 +212,8 @@ class ExpertStore:
         """The store's data and decode tables on `device` (copied once, then kept)."""
         key = str(device)
         if key not in self._device_cache:
-            tables = np.stack([(s.astype(np.int32) | (l.astype(np.int32) << 8))
-                               for s, l in (c.decode_table() for c in self.codes)]) if self.codes else \
-                np.zeros((1, 1 << MAX_LENGTH), dtype=np.int32)
+            tables = np.stack([multi_symbol_table(c) for c in self.codes]) if self.codes else \
+                np.zeros((1, 1 << MAX_LENGTH), dtype=np.int64)
             data = np.concatenate([self.data, np.zeros(16, dtype=np.uint8)])  # whole words, one to spare
             self._device_cache[key] = (torch.from_numpy(data).to(device), torch.from_numpy(tables).to(device))
         return self._device_cache[key]
