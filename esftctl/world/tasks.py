@@ -85,9 +85,3 @@ TASKS: tuple[Task, ...] = (
     Task("reversal", "reverse a sequence of letters", _reversal),
 )
 
-
-def task_by_name(name: str) -> Task:
-    for t in TASKS:
-        if t.name == name:
-            return t
-    raise KeyError(name)
