@@ -3,7 +3,7 @@
     python recipes/tiny_world.py [--root DIR]
 
 Offline, seeded, cached: a second run returns at once. The world lands in $ESFTCTL_WORLD or
-~/.cache/esftctl/tiny-world-v1 unless --root says otherwise.
+~/.cache/esftctl/tiny-world-v{WORLD_VERSION} unless --root says otherwise.
 """
 
 from __future__ import annotations

@@ -47,8 +47,20 @@ def train(
     """AdamW with linear warm-up and cosine decay over `steps`; returns the loss of every step.
 
     `parameters` restricts what the optimizer updates; `after_backward` may edit gradients before each
-    step (ESFT zeroes those of the experts it does not train).
+    step (ESFT zeroes those of the experts it does not train). Runs with deterministic algorithms, so the
+    same seed gives the same weights on every run (without them, two pre-trainings of the tiny world differed).
     """
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _train(model, tokenizer, examples, steps, batch_size, lr, seed, completion_only, parameters,
+                      after_backward, on_step)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _train(model, tokenizer, examples, steps, batch_size, lr, seed, completion_only, parameters, after_backward,
+           on_step) -> list[float]:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = list(parameters) if parameters is not None else [p for p in model.parameters() if p.requires_grad]
