@@ -198,6 +198,80 @@ def decompress(
     console.print(f"wrote {out}")
 
 
+@app.command()
+def consolidate(
+    models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for expert_map.json, ranking.json, distances.png."),
+    capacity: int = typer.Option(None, min=0, help="Expert positions to load (across all MoE layers)."),
+    budget: str = typer.Option(None, help="Or a memory budget for experts, e.g. 12GiB or 500MB."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+) -> None:
+    """Rank expert positions by summed pairwise L2 distance and assign them round-robin under a capacity."""
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.consolidate import consolidate as do_consolidate
+
+    budget_bytes = _parse_bytes(budget) if budget is not None else None
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("distances", total=len(MoECheckpoint(models[0]).moe_layers))
+        emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite,
+                                         on_layer=lambda layer: progress.advance(task))
+    table = Table(title=f"Consolidated expert map: {len(models)} variants, capacity {emap.capacity} of "
+                        f"{emap.owner.size} positions", header_style="bold")
+    table.add_column("layer", justify="right")
+    for i in range(len(models)):
+        table.add_column(f"from #{i}", justify="right")
+    for col in ("not loaded", "mean distance", "min", "max"):
+        table.add_column(col, justify="right")
+    for li, layer in enumerate(emap.moe_layers):
+        row = emap.owner[li]
+        table.add_row(str(layer), *(str(int((row == i).sum())) for i in range(len(models))), str(int((row < 0).sum())),
+                      f"{distances[li].mean():.3f}", f"{distances[li].min():.3f}", f"{distances[li].max():.3f}")
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
+@app.command()
+def materialize(
+    map_dir: Path = typer.Argument(..., help="A folder written by `esftctl consolidate`."),
+    variant: int = typer.Option(..., help="Index of the variant (order given to consolidate)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+) -> None:
+    """Write the checkpoint a variant runs under a consolidated map (plain vLLM can serve it)."""
+    from esftctl.consolidate import materialize as do_materialize
+
+    with console.status("materializing"):
+        do_materialize(map_dir, variant, out, overwrite)
+    console.print(f"wrote {out}")
+
+
+@app.command()
+def average(
+    models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
+    out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+) -> None:
+    """Write the weight-averaging baseline of several variants."""
+    from esftctl.consolidate import average as do_average
+
+    with console.status("averaging"):
+        do_average(models, out, overwrite)
+    console.print(f"wrote {out}")
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in units:
+        raise EsftError(f"cannot read {text!r} as a size (examples: 500MB, 12GiB, 1048576)")
+    return int(float(m.group(1)) * units[m.group(2).upper()])
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit status 1, never a traceback."""
     try:

@@ -1,0 +1,179 @@
+"""Similarity-based expert consolidation of several fine-tuned variants of one MoE architecture.
+
+After "QoS-efficient serving of multiple MoE LLMs" (Algorithm 1), for M variants:
+
+- distance(l, e) = the sum over pairs of variants of the L2 norm of the difference of expert (l, e), all
+  its weights flattened (unordered pairs: the paper's ordered sum is exactly twice this, same ranking);
+- positions are ranked by distance, most similar first (ties by layer, then expert);
+- walking the ranking while fewer than C positions are assigned, rank r goes to variant r mod M: the map
+  records whose expert is loaded at each position; positions beyond the capacity are not loaded.
+
+At inference a position that is loaded serves every variant with the loaded expert (a hit); one that is not
+loaded serves each variant its own expert (a miss: loaded on demand). `materialize` writes the checkpoint a
+variant effectively runs: its own non-expert weights, the mapped experts where loaded, its own elsewhere.
+Experts are streamed one at a time: whole models are never held in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from esftctl.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json, write_json
+
+MAP_FILE, RANKING_FILE = "expert_map.json", "ranking.json"
+
+
+def check_same_architecture(models: Sequence[MoECheckpoint]) -> None:
+    if len(models) < 2:
+        raise EsftError("consolidation needs at least two model variants")
+    first = models[0]
+    want = (first.arch.name, first.moe_layers, first.num_experts, first.expert_shapes(), first.expert_dtype)
+    for m in models[1:]:
+        got = (m.arch.name, m.moe_layers, m.num_experts, m.expert_shapes(), m.expert_dtype)
+        if got != want:
+            names = ("architecture", "MoE layers", "experts per layer", "expert shapes", "expert dtype")
+            differ = [n for n, a, b in zip(names, want, got) if a != b]
+            raise EsftError(f"variant differs from {first.path} in {', '.join(differ)}", m.path)
+
+
+def _flat(m: MoECheckpoint, layer: int, expert: int) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).double() for _, t in m.read_expert(layer, expert).items()])
+
+
+def expert_distances(models: Sequence[MoECheckpoint], on_layer: Callable[[int], None] = lambda l: None) -> np.ndarray:
+    """[MoE layers, experts]: sum over variant pairs of ||expert_i - expert_j||_2."""
+    check_same_architecture(models)
+    first = models[0]
+    out = np.zeros((len(first.moe_layers), first.num_experts))
+    for li, layer in enumerate(first.moe_layers):
+        for e in range(first.num_experts):
+            flats = [_flat(m, layer, e) for m in models]
+            out[li, e] = sum(float(torch.linalg.vector_norm(flats[i] - flats[j]))
+                             for i in range(len(flats)) for j in range(i + 1, len(flats)))
+        on_layer(layer)
+    return out
+
+
+def rank_positions(distances: np.ndarray) -> list[tuple[int, int]]:
+    """(layer index, expert) pairs, most similar (smallest distance) first; ties in row-major order."""
+    order = np.lexsort((np.arange(distances.size), distances.reshape(-1)))
+    experts = distances.shape[1]
+    return [(int(i) // experts, int(i) % experts) for i in order]
+
+
+def assign_round_robin(ranking: Sequence[tuple[int, int]], num_models: int, capacity: int) -> dict[tuple[int, int], int]:
+    """Rank r < capacity -> variant r mod M (rank 1 to the first variant, rank 2 to the second, ...)."""
+    if num_models < 1 or capacity < 0:
+        raise EsftError("need at least one model and a non-negative capacity")
+    return {pos: r % num_models for r, pos in enumerate(ranking[:capacity])}
+
+
+@dataclass
+class ExpertMap:
+    models: list[str]
+    moe_layers: list[int]
+    num_experts: int
+    capacity: int
+    owner: np.ndarray  # [MoE layers, experts]: variant index whose expert is loaded, -1 = not loaded
+
+    def to_json(self) -> dict:
+        return {"format": "esftctl-expert-map", "version": 1, "models": self.models, "moe_layers": self.moe_layers,
+                "num_experts": self.num_experts, "capacity": self.capacity,
+                "map": {str(l): self.owner[i].tolist() for i, l in enumerate(self.moe_layers)}}
+
+    @classmethod
+    def load(cls, path: Path) -> "ExpertMap":
+        d = read_json(path)
+        if not isinstance(d, dict) or d.get("format") != "esftctl-expert-map":
+            raise EsftError("not an esftctl expert map", path)
+        owner = np.array([d["map"][str(l)] for l in d["moe_layers"]], dtype=np.int64)
+        return cls(d["models"], d["moe_layers"], d["num_experts"], d["capacity"], owner)
+
+
+def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = None, budget_bytes: int | None = None,
+                overwrite: bool = False, on_layer: Callable[[int], None] = lambda l: None) -> tuple[ExpertMap, np.ndarray]:
+    """Write DIR/expert_map.json, DIR/ranking.json and DIR/distances.png; return the map and distances."""
+    from esftctl.atomic import atomic_dir
+
+    models = [MoECheckpoint(p) for p in model_dirs]
+    check_same_architecture(models)
+    if (capacity is None) == (budget_bytes is None):
+        raise EsftError("give exactly one of a capacity in experts or a memory budget in bytes")
+    if capacity is None:
+        capacity = budget_bytes // models[0].expert_nbytes
+    if out.exists() and not overwrite:
+        raise EsftError("output already exists (choose another path or pass --overwrite)", out)
+    distances = expert_distances(models, on_layer)
+    ranking = rank_positions(distances)
+    assigned = assign_round_robin(ranking, len(models), capacity)
+    owner = np.full(distances.shape, -1, dtype=np.int64)
+    for (li, e), m in assigned.items():
+        owner[li, e] = m
+    emap = ExpertMap([str(p) for p in model_dirs], models[0].moe_layers, models[0].num_experts, capacity, owner)
+    layers = models[0].moe_layers
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        write_json(tmp / MAP_FILE, emap.to_json())
+        write_json(tmp / RANKING_FILE, [
+            {"rank": r + 1, "layer": layers[li], "expert": e, "distance": float(distances[li, e]),
+             "loaded_from": assigned.get((li, e), -1)} for r, (li, e) in enumerate(ranking)])
+        heat_map(distances, layers, tmp / "distances.png")
+    return emap, distances
+
+
+def heat_map(distances: np.ndarray, layers: Sequence[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, distances.shape[1] / 4), max(3, len(layers) / 3)))
+    image = ax.imshow(distances, aspect="auto", cmap="viridis")
+    ax.set_yticks(range(len(layers)), [str(l) for l in layers])
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title("summed pairwise L2 distance of experts")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+def materialize(map_dir: Path, variant: int, out: Path, overwrite: bool = False) -> Path:
+    """The checkpoint variant `variant` runs under the map: mapped experts where loaded, its own elsewhere."""
+    emap = ExpertMap.load(map_dir / MAP_FILE)
+    if not 0 <= variant < len(emap.models):
+        raise EsftError(f"variant {variant} out of range (the map has {len(emap.models)} models)", map_dir)
+    models = [MoECheckpoint(p) for p in emap.models]
+    check_same_architecture(models)
+    own = models[variant]
+    replacements = {}
+    for li, layer in enumerate(emap.moe_layers):
+        for e in range(emap.num_experts):
+            source = int(emap.owner[li, e])
+            if source >= 0 and source != variant:
+                replacements[(layer, e)] = models[source].read_expert(layer, e)
+    return write_checkpoint(own, out, expert_replacements(own, replacements), overwrite=overwrite)
+
+
+def average(model_dirs: Sequence[Path], out: Path, overwrite: bool = False) -> Path:
+    """The weight-averaging baseline: every tensor the mean of the variants' (float32, cast back).
+
+    Reads one tensor of each variant at a time; the averaged copy (one model's size) is held until written.
+    """
+    models = [MoECheckpoint(p) for p in model_dirs]
+    check_same_architecture(models)
+    first = models[0]
+    mean = {}
+    for name, info in first.tensors.items():
+        missing = [m.path for m in models[1:] if name not in m.tensors]
+        if missing:
+            raise EsftError(f"tensor {name!r} is missing from this variant", missing[0])
+        mean[name] = (sum(m.read_tensor(name).float() for m in models) / len(models)).to(info.torch_dtype)
+    return write_checkpoint(first, out, mean, overwrite=overwrite)

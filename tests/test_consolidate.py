@@ -1,0 +1,110 @@
+"""Consolidation: distances, ranking, round-robin assignment, materialized and averaged checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.consolidate import (ExpertMap, assign_round_robin, average, consolidate, expert_distances,
+                                 materialize, rank_positions)
+from esftctl.errors import EsftError
+
+
+def test_ranking_and_round_robin_on_hand_made_distances():
+    d = np.array([[3.0, 1.0, 2.0], [1.0, 0.5, 9.0]])
+    ranking = rank_positions(d)
+    assert ranking == [(1, 1), (0, 1), (1, 0), (0, 2), (0, 0), (1, 2)]  # tie 1.0: (0,1) before (1,0)
+    assert assign_round_robin(ranking, 2, 4) == {(1, 1): 0, (0, 1): 1, (1, 0): 0, (0, 2): 1}
+    assert assign_round_robin(ranking, 3, 2) == {(1, 1): 0, (0, 1): 1}
+    everything = assign_round_robin(ranking, 3, 100)  # capacity above the positions: all loaded
+    assert len(everything) == 6 and [everything[p] for p in ranking] == [0, 1, 2, 0, 1, 2]
+    assert assign_round_robin(ranking, 2, 0) == {}
+
+
+def _variant(base: MoECheckpoint, out, seed: int, changed):
+    g = torch.Generator().manual_seed(seed)
+    new = {key: ExpertWeights(*(t + (torch.randn(t.shape, generator=g) * 0.05).to(t.dtype)
+                                for _, t in base.read_expert(*key).items())) for key in changed}
+    router = base.arch.router_tensor(base.moe_layers[0])
+    reps = expert_replacements(base, new)
+    reps[router] = base.read_tensor(router) + 1  # variants differ in non-expert weights too
+    return write_checkpoint(base, out, reps)
+
+
+@pytest.fixture
+def variants(tiny_models, tmp_path):
+    base = MoECheckpoint(tiny_models["deepseek_v2"])
+    a = _variant(base, tmp_path / "a", 1, [(1, 0), (2, 3), (3, 7)])
+    b = _variant(base, tmp_path / "b", 2, [(1, 0), (3, 7), (3, 8)])
+    c = _variant(base, tmp_path / "c", 3, [(2, 3)])
+    return [a, b, c]
+
+
+def test_distances_match_direct_computation(variants):
+    models = [MoECheckpoint(p) for p in variants]
+    d = expert_distances(models)
+    for li, layer in enumerate(models[0].moe_layers):
+        for e in (0, 3, 7, 8, 15):
+            flat = [torch.cat([t.reshape(-1).double() for _, t in m.read_expert(layer, e).items()]) for m in models]
+            want = sum(float((flat[i] - flat[j]).norm()) for i, j in ((0, 1), (0, 2), (1, 2)))
+            assert abs(d[li, e] - want) < 1e-9 * max(1.0, want)
+    untouched = d.copy()
+    for li, e in ((0, 0), (1, 3), (2, 7), (2, 8)):
+        untouched[li, e] = np.nan
+    assert np.nanmax(untouched) == 0  # experts nobody changed are identical everywhere
+
+
+def test_consolidate_materialize_average(variants, tmp_path):
+    emap, d = consolidate(variants, tmp_path / "map", capacity=44)
+    assert (emap.owner >= 0).sum() == 44 and (tmp_path / "map" / "distances.png").exists()
+    # the four changed positions are the least similar: ranked last, so not loaded under capacity 44 of 48
+    for li, e in ((0, 0), (1, 3), (2, 7), (2, 8)):
+        assert emap.owner[li, e] == -1
+    assert ExpertMap.load(tmp_path / "map" / "expert_map.json").owner.tolist() == emap.owner.tolist()
+    ranking = json.loads((tmp_path / "map" / "ranking.json").read_text())
+    assert [r["rank"] for r in ranking] == list(range(1, 49))
+    assert all(ranking[i]["distance"] <= ranking[i + 1]["distance"] for i in range(47))
+
+    out = materialize(tmp_path / "map", 1, tmp_path / "m1")
+    m1, models = MoECheckpoint(out), [MoECheckpoint(p) for p in variants]
+    for li, layer in enumerate(m1.moe_layers):
+        for e in range(16):
+            source = emap.owner[li, e]
+            want = models[source if source >= 0 else 1].read_expert(layer, e)
+            assert m1.read_expert(layer, e).equal(want)
+    router = m1.arch.router_tensor(1)
+    assert torch.equal(m1.read_tensor(router), models[1].read_tensor(router))  # its own non-expert weights
+
+    avg = MoECheckpoint(average(variants[:2], tmp_path / "avg"))
+    name = m1.arch.expert_tensor(1, 0, "gate")
+    want = ((models[0].read_tensor(name).float() + models[1].read_tensor(name).float()) / 2).to(torch.bfloat16)
+    assert torch.equal(avg.read_tensor(name), want)
+
+
+def test_capacity_from_budget_and_refusals(variants, tiny_models, tmp_path):
+    expert = MoECheckpoint(variants[0]).expert_nbytes
+    emap, _ = consolidate(variants[:2], tmp_path / "map", budget_bytes=10 * expert + expert // 2)
+    assert emap.capacity == 10
+    with pytest.raises(EsftError, match="differs from .* in architecture"):
+        consolidate([variants[0], tiny_models["qwen3_moe"]], tmp_path / "x", capacity=4)
+    with pytest.raises(EsftError, match="exactly one of"):
+        consolidate(variants, tmp_path / "y")
+    with pytest.raises(EsftError, match="at least two"):
+        consolidate(variants[:1], tmp_path / "z", capacity=1)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_cli(variants, tmp_path):
+    proc = run_cli("consolidate", *variants, "--out", tmp_path / "map", "--budget", "1MiB", check=True)
+    assert "Consolidated expert map" in proc.stdout
+    assert ExpertMap.load(tmp_path / "map" / "expert_map.json").capacity == (1 << 20) // (3 * 256 * 64 * 2)
+    proc = run_cli("consolidate", *variants, "--out", tmp_path / "m2", "--budget", "lots")
+    assert proc.returncode == 1 and "cannot read 'lots' as a size" in proc.stderr
+    run_cli("materialize", tmp_path / "map", "--variant", "0", "--out", tmp_path / "v0", check=True)
+    proc = run_cli("materialize", tmp_path / "map", "--variant", "5", "--out", tmp_path / "v5")
+    assert proc.returncode == 1 and "variant 5 out of range" in proc.stderr
