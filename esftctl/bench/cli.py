@@ -81,3 +81,19 @@ def compress(
         result = bench.run(counts=counts, table_scope=table_scope, on_step=lambda msg: status.update(msg))
     print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
     _save(result, out, "compress", bench.plot)
+
+
+@app.command()
+def consolidate(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    steps: int = typer.Option(200, min=1, help="Full fine-tuning steps per variant (cached in the world)."),
+    eval_examples: int = typer.Option(40, min=1, help="Held-out examples per task."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+) -> None:
+    """Consolidated vs own vs weight-averaged variants of the tiny world, for 2, 3 and 4 variants."""
+    from esftctl.bench import consolidate as bench
+
+    with console.status("measuring") as status:
+        result = bench.run(steps=steps, eval_examples=eval_examples, on_step=lambda msg: status.update(msg))
+    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
+    _save(result, out, "consolidate", bench.plot)

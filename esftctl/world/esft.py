@@ -1,4 +1,6 @@
-"""ESFT fine-tuning of a transformers MoE model: only the selected routed experts learn.
+"""Fine-tuning recipes of the tiny world, and their evaluation.
+
+ESFT fine-tuning of a transformers MoE model: only the selected routed experts learn.
 
 Everything else (attention, norms, embeddings, shared experts, the router, every other expert) is frozen.
 transformers keeps a layer's experts fused ([E, 2I, H] and [E, H, I]), so the unselected experts' rows
@@ -44,6 +46,20 @@ def esft_finetune(base_dir: Path, config: ExpertConfig, examples: Sequence[Examp
 
     losses = train(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                    completion_only=True, parameters=trainable, after_backward=zero_unselected, on_step=on_step)
+    with atomic_dir(out_dir) as tmp:
+        save_model(model, tmp, tokenizer)
+    return losses
+
+
+def full_finetune(base_dir: Path, examples: Sequence[Example], out_dir: Path, steps: int, batch_size: int = 16,
+                  lr: float = 1e-3, seed: int = 0) -> list[float]:
+    """Fine-tune every weight (the consolidation experiment's variants), saved as a full bf16 checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    losses = train(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                   completion_only=True)
     with atomic_dir(out_dir) as tmp:
         save_model(model, tmp, tokenizer)
     return losses
