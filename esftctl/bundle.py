@@ -28,7 +28,7 @@ from esftctl import __version__
 from esftctl.architectures import EXPERT_WEIGHTS
 from esftctl.atomic import atomic_dir
 from esftctl.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint
-from esftctl.errors import EsftError
+from esftctl.errors import EsftError, one_line
 from esftctl.jsonfile import read_json
 
 BUNDLE_FORMAT = "esftctl-adapter"
@@ -53,7 +53,7 @@ def tensors_sha256(path: Path) -> str:
                 h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     except Exception as e:
         raise EsftError(f"corrupted or truncated: not a readable safetensors file "
-                        f"({' '.join(str(e).split())[:120]})", path) from None
+                        f"({one_line(e, 120)})", path) from None
     return h.hexdigest()
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from esftctl.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
 from esftctl.atomic import atomic_dir
-from esftctl.errors import EsftError
+from esftctl.errors import EsftError, one_line
 from esftctl.jsonfile import read_json
 from esftctl.units import format_ranges
 
@@ -80,11 +80,7 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
     except FileNotFoundError:
         raise EsftError("missing safetensors shard", file) from None
     except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
-        raise EsftError(f"not a readable safetensors file ({_one_line(e)})", file) from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200]
+        raise EsftError(f"not a readable safetensors file ({one_line(e)})", file) from None
 
 
 class MoECheckpoint:
@@ -183,7 +179,7 @@ class MoECheckpoint:
             with safe_open(info.file, framework="pt") as f:
                 return f.get_tensor(name)
         except Exception as e:
-            raise EsftError(f"cannot read tensor {name!r} ({_one_line(e)})", info.file) from None
+            raise EsftError(f"cannot read tensor {name!r} ({one_line(e)})", info.file) from None
 
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
         self.check_expert_id(layer, expert)

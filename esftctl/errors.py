@@ -5,6 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message folded onto one line and cut to `limit` characters, for EsftError texts."""
+    return " ".join(str(e).split())[:limit]
+
+
 class EsftError(Exception):
     """A problem with user input (a file, a flag, a model) that the user can fix.
 

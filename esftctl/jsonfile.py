@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from esftctl.atomic import atomic_file
-from esftctl.errors import EsftError
+from esftctl.errors import EsftError, one_line
 
 
 def read_json(path: str | Path) -> Any:
@@ -17,7 +17,7 @@ def read_json(path: str | Path) -> Any:
     except FileNotFoundError:
         raise EsftError("file not found", path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EsftError(f"not valid JSON ({' '.join(str(e).split())[:120]})", path) from None
+        raise EsftError(f"not valid JSON ({one_line(e, 120)})", path) from None
 
 
 def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:

@@ -88,14 +88,10 @@ def compute_relevance(model_dir: Path, texts: Sequence[str], batch_size: int = 1
 
 
 def concentration(scores: Sequence[float], mass: float) -> int:
-    """How many of the best experts it takes to reach `mass` of a layer's score."""
-    total, n = 0.0, 0
-    for s in sorted(scores, reverse=True):
-        total += s
-        n += 1
-        if total >= mass - 1e-9:
-            break
-    return n
+    """How many of the best experts it takes to reach `mass` of a layer's score (ESFT's selection size)."""
+    from esftctl.selection import select_layer
+
+    return len(select_layer(scores, mass))
 
 
 def relevance_table(rel: Relevance, metric: str, top: int = 5):

@@ -102,25 +102,16 @@ def _build_base(world: World, log: Callable[[str], None]) -> None:
 
 
 def expert_usage(model_dir: Path, data_files: dict[str, Path], limit: int = 200) -> dict:
-    """Per task and MoE layer, the share of (token, top-k slot) pairs that chose each routed expert."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Per task and MoE layer, the share of (token, top-k slot) pairs that chose each routed expert: ESFT's
+    token selection ratio, as `esftctl relevance` computes it."""
+    from esftctl.relevance import compute_relevance
 
-    from esftctl.checkpoint import MoECheckpoint
-    from esftctl.routing import routing_scores
-
-    ckpt = MoECheckpoint(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     usage: dict[str, dict[str, list[float]]] = {}
     for task, file in data_files.items():
         texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(file))[:limit]]
-        enc = tokenizer(texts, padding=True, return_tensors="pt")
-        scores = routing_scores(model, enc["input_ids"], enc["attention_mask"], ckpt.moe_layers)
-        usage[task] = {}
-        for layer, s in scores.items():
-            counts = torch.bincount(s.topk(ckpt.top_k, dim=-1).indices.reshape(-1), minlength=ckpt.num_experts)
-            usage[task][str(layer)] = (counts / counts.sum()).tolist()
-    return {"moe_layers": ckpt.moe_layers, "top_k": ckpt.top_k, "usage": usage}
+        rel = compute_relevance(model_dir, texts, batch_size=limit, data_name=str(file))
+        usage[task] = {str(layer): scores for layer, scores in rel.scores["token"].items()}
+    return {"moe_layers": rel.moe_layers, "top_k": rel.top_k, "usage": usage}
 
 
 def build_world(root: Path | None = None, log: Callable[[str], None] = lambda msg: None) -> World:
