@@ -19,7 +19,7 @@ from esftctl.jsonl import read_jsonl, write_jsonl
 from esftctl.world.tasks import TASKS
 
 # Bump when the recipe changes, so cached worlds of an older recipe are rebuilt, not reused.
-WORLD_VERSION = 2
+WORLD_VERSION = 3
 SPLITS = {"pretrain": 1500, "train": 1000, "test": 200}
 SEED = 0
 VOCAB_SIZE = 512
