@@ -8,12 +8,16 @@ freed by an eviction is the first to be reused.
 The expert map `table` [slots + 1, E] (int32, on the layer's device) says, for adapter slot a and base
 expert e, which row a token of adapter a uses where the router chose e; its last row, `base_row`, is the
 identity and serves the base model.
+
+An engine may keep experts in its own layout (vLLM's CPU kernels prepack and pad them): an `ExpertLayout`
+turns checkpoint weights into that layout's rows, and the rows' shapes follow from it.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -21,6 +25,27 @@ from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
 from esftctl.runtime.address_space import AddressSpace
 from esftctl.runtime.virtual_tensor import VirtualExpertTensor
+
+
+def stack_experts(experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint experts as fused tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I]."""
+    w13 = torch.stack([torch.cat([w.gate, w.up]) for w in experts])
+    w2 = torch.stack([w.down for w in experts])
+    return w13, w2
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How an engine stores experts: row shapes of w13 and w2, and the conversion from stacked checkpoint
+    weights (`stack_experts`) to such rows. The default is the checkpoint layout itself."""
+
+    w13_row: tuple[int, ...]
+    w2_row: tuple[int, ...]
+    convert: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = lambda w13, w2: (w13, w2)
+
+    @classmethod
+    def plain(cls, hidden_size: int, intermediate_size: int) -> "ExpertLayout":
+        return cls((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size))
 
 
 class VirtualMoELayer:
@@ -33,15 +58,16 @@ class VirtualMoELayer:
         experts_per_slot: int,
         dtype: torch.dtype,
         make_space: Callable[[int], AddressSpace],
+        layout: ExpertLayout | None = None,
     ):
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.num_rows = num_experts + num_slots * experts_per_slot
-        h, i = hidden_size, intermediate_size
-        self.w13 = VirtualExpertTensor(make_space(self.num_rows * 2 * i * h * dtype.itemsize),
-                                       self.num_rows, (2 * i, h), dtype)
-        self.w2 = VirtualExpertTensor(make_space(self.num_rows * h * i * dtype.itemsize),
-                                      self.num_rows, (h, i), dtype)
+        self.layout = layout or ExpertLayout.plain(hidden_size, intermediate_size)
+        self.w13 = VirtualExpertTensor(make_space(self.num_rows * _numel(self.layout.w13_row) * dtype.itemsize),
+                                       self.num_rows, self.layout.w13_row, dtype)
+        self.w2 = VirtualExpertTensor(make_space(self.num_rows * _numel(self.layout.w2_row) * dtype.itemsize),
+                                      self.num_rows, self.layout.w2_row, dtype)
         self.device = self.w13.space.device
         self.table = torch.arange(num_experts, dtype=torch.int32, device=self.device).repeat(num_slots + 1, 1)
         self._identity = self.table[0].clone()
@@ -60,11 +86,17 @@ class VirtualMoELayer:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
-    def _write(self, row: int, weights: ExpertWeights) -> None:
-        inter = weights.gate.shape[0]
-        self.w13.tensor[row, :inter].copy_(weights.gate, non_blocking=True)
-        self.w13.tensor[row, inter:].copy_(weights.up, non_blocking=True)
-        self.w2.tensor[row].copy_(weights.down, non_blocking=True)
+    def _write(self, rows: Sequence[int], experts: Sequence[ExpertWeights]) -> None:
+        if not rows:
+            return
+        w13, w2 = self.layout.convert(*stack_experts(experts))
+        self.write_rows(rows, w13, w2)
+
+    def write_rows(self, rows: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row]) into mapped rows."""
+        for k, row in enumerate(rows):
+            self.w13.tensor[row].copy_(w13[k], non_blocking=True)
+            self.w2.tensor[row].copy_(w2[k], non_blocking=True)
 
     def _map(self, rows: list[int]) -> None:
         self.w13.map_rows(rows)
@@ -75,8 +107,12 @@ class VirtualMoELayer:
         if sorted(experts) != list(range(self.num_experts)):
             raise ValueError(f"base needs experts 0..{self.num_experts - 1}")
         self._map(list(range(self.num_experts)))
-        for e, weights in experts.items():
-            self._write(e, weights)
+        self._write(list(range(self.num_experts)), [experts[e] for e in range(self.num_experts)])
+
+    def load_base_rows(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Map rows 0..E-1 and copy in base experts that are already in the layout (an engine's own tensors)."""
+        self._map(list(range(self.num_experts)))
+        self.write_rows(range(self.num_experts), w13, w2)
 
     def load(self, slot: int, experts: Mapping[int, ExpertWeights | None]) -> dict[int, int]:
         """Put an adapter's experts of this layer into free rows and point the slot's map row at them.
@@ -95,9 +131,8 @@ class VirtualMoELayer:
             raise EsftError(f"no room: {len(experts)} experts to load, {len(self._free_rows)} free rows in the layer")
         rows = {e: heapq.heappop(self._free_rows) for e in sorted(experts)}
         self._map(list(rows.values()))
-        for e, row in rows.items():
-            if experts[e] is not None:
-                self._write(row, experts[e])
+        written = [e for e in rows if experts[e] is not None]
+        self._write([rows[e] for e in written], [experts[e] for e in written])
         new_map = self._identity.clone()
         for e, row in rows.items():
             new_map[e] = row
@@ -131,3 +166,10 @@ class VirtualMoELayer:
     def close(self) -> None:
         self.w13.close()
         self.w2.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

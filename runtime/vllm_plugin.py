@@ -1,7 +1,11 @@
 """esftctl's vLLM plugin, loaded by vLLM in every process through the `vllm.general_plugins` entry point.
 
-Today it installs fixes for vLLM's CPU build; the ESFT runtime (virtual weight tensors, rerouting, paging)
-hooks in here as it lands.
+- On the CPU build it installs a fix for vLLM's CPU rotary embedding (esftctl.runtime.cpu_rope).
+- Under `esftctl serve` (the ESFTCTL_SERVE environment variable, see esftctl.runtime.serve_config) it
+  makes the model runner build esftctl's worker adapter manager instead of vLLM's LoRA one: the model
+  runner looks the class up in its module when it loads the model, so replacing that one name is the whole
+  hook; and it builds MoE layers with the kernels vLLM picks without LoRA (esftctl.runtime.vllm_layers).
+  Everything else (server, scheduler, model code, kernels) is vLLM's own.
 """
 
 from __future__ import annotations
@@ -14,3 +18,14 @@ def register() -> None:
         from esftctl.runtime import cpu_rope
 
         cpu_rope.register()
+
+    from esftctl.runtime.serve_config import ServeConfig
+
+    if ServeConfig.from_env() is not None:
+        from vllm.v1.worker import lora_model_runner_mixin
+
+        from esftctl.runtime import vllm_layers
+        from esftctl.runtime.vllm_worker import EsftWorkerManager
+
+        lora_model_runner_mixin.LRUCacheWorkerLoRAManager = EsftWorkerManager
+        vllm_layers.register()

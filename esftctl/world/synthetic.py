@@ -1,0 +1,38 @@
+"""Synthetic ESFT adapters: a bundle that replaces a few random experts per MoE layer with perturbed copies.
+
+Serving tests and `esftctl bench serve` need many adapters of any base quickly; what matters there is that
+each one changes the model's outputs in its own way, not that it learned a task (recipes/esft_adapters.py
+makes real ones for the tiny world). A replaced expert is base + `scale` x (the expert's own std) x noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from esftctl.bundle import write_bundle
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint
+
+
+def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | list[int],
+                      scale: float = 1.0) -> dict[int, dict[int, ExpertWeights]]:
+    g = torch.Generator().manual_seed(seed)
+    layers = base.moe_layers
+    counts = experts_per_layer if isinstance(experts_per_layer, list) else [experts_per_layer] * len(layers)
+    experts: dict[int, dict[int, ExpertWeights]] = {}
+    for layer, count in zip(layers, counts):
+        ids = sorted(torch.randperm(base.num_experts, generator=g)[:count].tolist())
+        experts[layer] = {}
+        for e in ids:
+            w = base.read_expert(layer, e)
+            experts[layer][e] = ExpertWeights(*(
+                (t.float() + scale * t.float().std() * torch.randn(t.shape, generator=g)).to(t.dtype)
+                for _, t in w.items()))
+    return experts
+
+
+def write_synthetic_adapter(base_dir: str | Path, out: str | Path, name: str, seed: int,
+                            experts_per_layer: int | list[int] = 4, scale: float = 1.0) -> Path:
+    base = MoECheckpoint(base_dir)
+    return write_bundle(Path(out), name, base, synthetic_experts(base, seed, experts_per_layer, scale))

@@ -1,0 +1,44 @@
+"""What `esftctl serve` tells the engine's processes, through one environment variable.
+
+vLLM starts its engine in processes of its own; they inherit the environment, and the plugin
+(esftctl.runtime.vllm_plugin) turns the ESFT runtime on only where `ESFTCTL_SERVE` is set, so a plain
+`vllm serve --enable-lora` with esftctl installed keeps vLLM's own LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from esftctl.bundle import Bundle
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.errors import EsftError
+
+ENV = "ESFTCTL_SERVE"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    slots: int  # adapters resident at once
+    experts_per_slot: int  # address space reserved per slot and layer (rows are pooled across slots)
+    status_file: str  # where the engine writes its adapter and memory table
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> "ServeConfig | None":
+        raw = os.environ.get(ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+
+def open_servable_bundle(path: str | Path, base: MoECheckpoint) -> Bundle:
+    """A verified bundle of `base` that changes routed experts only (what the runtime serves)."""
+    bundle = Bundle.open(path)
+    bundle.check_base(base)
+    if bundle.non_expert_tensors:
+        raise EsftError(f"bundle {bundle.name!r} also changes {len(bundle.non_expert_tensors)} non-expert tensors; "
+                        "serving swaps routed experts only (merge it into a full model instead)", bundle.path)
+    return bundle

@@ -1,0 +1,146 @@
+"""The ESFT runtime installed into a loaded vLLM model: virtual expert tensors and per-token rerouting.
+
+For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_experts` holding `w13_weight`
+[E, 2I, H] and `w2_weight` [E, H, I] in the kernel's own layout) this
+- builds a `VirtualMoELayer` whose first E rows receive the base experts exactly as vLLM loaded them, and
+  whose further rows take adapter experts, converted by vLLM's own weight processing for that kernel
+  (`process_weights_after_loading` of the layer's experts, on a stand-in layer), so the fused kernel reads
+  one ordinary tensor and is not changed;
+- checks that conversion once against the loaded base (expert 0 of the checkpoint, converted, must equal
+  row 0 bit for bit) and refuses a backend whose layout it cannot reproduce;
+- sets the router's capture callback, which vLLM calls with the logical top-k ids before it uses them, to
+  rewrite them in place: ids[t, j] = table[adapter(t), ids[t, j]] (esftctl.kernels.reroute). The per-token
+  adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it each
+  step. Static shapes, no host synchronization: CUDA graphs replay it as they replay the router.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.errors import EsftError
+from esftctl.kernels.reroute import reroute
+from esftctl.runtime.adapters import AdapterSlots
+from esftctl.runtime.address_space import HostAddressSpace
+from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
+
+
+@dataclass
+class EngineMoELayer:
+    """vLLM's parts of one MoE layer."""
+
+    index: int
+    experts: torch.nn.Module  # RoutedExperts: w13_weight, w2_weight, quant_method
+    router: object  # BaseRouter: set_capture_fn
+
+
+def find_moe_layers(model: torch.nn.Module) -> dict[int, EngineMoELayer]:
+    layers = {}
+    for name, module in model.named_modules():
+        experts, router = getattr(module, "routed_experts", None), getattr(module, "router", None)
+        if experts is None or not hasattr(experts, "w13_weight") or not hasattr(router, "set_capture_fn"):
+            continue
+        match = _LAYER_INDEX.search(name + ".")
+        if match is None:
+            raise EsftError(f"cannot tell the layer index of MoE module {name!r}")
+        layers[int(match.group(1))] = EngineMoELayer(int(match.group(1)), experts, router)
+    return dict(sorted(layers.items()))
+
+
+def engine_layout(experts: torch.nn.Module) -> ExpertLayout:
+    """The layer's kernel layout, as a conversion that runs vLLM's own processing on a stand-in layer."""
+    kernel_experts = experts.quant_method.moe_kernel.fused_experts
+    dtype = experts.w13_weight.dtype
+
+    def convert(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stand_in = torch.nn.Module()
+        stand_in.w13_weight = torch.nn.Parameter(w13.to(experts.w13_weight.device, dtype), requires_grad=False)
+        stand_in.w2_weight = torch.nn.Parameter(w2.to(experts.w2_weight.device, dtype), requires_grad=False)
+        stand_in.moe_config = experts.moe_config  # kernels decide by these, as for the real layer
+        stand_in.activation = experts.activation
+        kernel_experts.process_weights_after_loading(stand_in)
+        return stand_in.w13_weight.data, stand_in.w2_weight.data
+
+    return ExpertLayout(tuple(experts.w13_weight.shape[1:]), tuple(experts.w2_weight.shape[1:]), convert)
+
+
+def _make_space(device: torch.device) -> Callable[[int], object]:
+    if device.type == "cpu":
+        return lambda nbytes: HostAddressSpace(nbytes, page_size=HOST_PAGE)
+    from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
+
+    pool = PhysicalPagePool(device)
+    return lambda nbytes: CudaAddressSpace(nbytes, pool)
+
+
+def _replace_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    delattr(module, name)
+    module.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+class EsftModel:
+    """A vLLM model serving ESFT adapters: `slots` loads and evicts them, `set_token_adapters` routes."""
+
+    def __init__(self, model: torch.nn.Module, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
+                 max_tokens: int):
+        engine_layers = find_moe_layers(model)
+        if sorted(engine_layers) != base.moe_layers:
+            raise EsftError(f"{base.path}: the model's MoE layers {sorted(engine_layers)} are not the checkpoint's "
+                            f"{base.moe_layers}")
+        first = next(iter(engine_layers.values())).experts
+        self.device = first.w13_weight.device
+        self.token_adapters = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
+        make_space = _make_space(self.device)
+        self.layers: dict[int, VirtualMoELayer] = {}
+        for index, engine in engine_layers.items():
+            self.layers[index] = self._install(engine, base, num_slots, experts_per_slot, make_space)
+        self.slots = AdapterSlots(self.layers)
+
+    def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
+                 make_space) -> VirtualMoELayer:
+        w13, w2 = engine.experts.w13_weight.data, engine.experts.w2_weight.data
+        layout = engine_layout(engine.experts)
+        layer = VirtualMoELayer(w13.shape[0], base.hidden_size, base.moe_intermediate_size, num_slots,
+                                experts_per_slot, w13.dtype, make_space, layout)
+        layer.load_base_rows(w13, w2)
+        probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, 0)]))
+        if not (torch.equal(probe13[0], layer.w13.tensor[0]) and torch.equal(probe2[0], layer.w2.tensor[0])):
+            raise EsftError(f"layer {engine.index}: vLLM's expert layout for {type(engine.experts.quant_method).__name__}"
+                            " could not be reproduced from the checkpoint; this MoE backend is not supported")
+        _replace_weight(engine.experts, "w13_weight", layer.w13.tensor)
+        _replace_weight(engine.experts, "w2_weight", layer.w2.tensor)
+        engine.router.set_capture_fn(self._rerouter(layer.table, engine.router.capture_fn))
+        return layer
+
+    def _rerouter(self, table: torch.Tensor, previous: Callable | None) -> Callable[[torch.Tensor], None]:
+        adapters = self.token_adapters
+
+        def reroute_in_place(topk_ids: torch.Tensor) -> None:
+            if previous is not None:  # e.g. vLLM's routed-experts capture: it wants logical ids
+                previous(topk_ids)
+            reroute(topk_ids, adapters[: topk_ids.shape[0]], table, out=topk_ids)
+
+        return reroute_in_place
+
+    def set_token_adapters(self, slots: np.ndarray) -> None:
+        """This step's adapter slot per token (-1 = base), in the order of the tokens in the forward pass;
+        tokens past the end (padding) use the base."""
+        n = len(slots)
+        if n > len(self.token_adapters):
+            raise EsftError(f"{n} tokens in one step, more than the {len(self.token_adapters)} planned for")
+        self.token_adapters[:n].copy_(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int32)),
+                                      non_blocking=True)
+        self.token_adapters[n:].fill_(-1)
+
+    def expert_bytes(self) -> int:
+        return sum(l.expert_bytes for l in self.layers.values())

@@ -1,0 +1,171 @@
+"""ESFT adapters behind vLLM's LoRA plumbing, on the worker side.
+
+vLLM already does everything around an adapter that is not about its weights: the OpenAI server maps a
+request's `model` name to a LoRARequest (`--lora-modules`, /v1/load_lora_adapter, /v1/models), the
+scheduler keeps at most `max_loras` adapters in a batch, and every step the model runner hands its
+worker LoRA manager the batch's requests and the adapter id of every token. `EsftWorkerManager` takes that
+manager's place (vllm_plugin swaps the class the model runner builds) and, instead of wrapping layers
+with LoRA layers:
+- `create_lora_manager` installs the ESFT runtime into the model (esftctl.runtime.vllm_model);
+- `add_adapter` opens the LoRARequest's path as an ESFT bundle, checks it against the served base, and
+  loads its experts into a free slot; no free slot, a bundle of another base, a corrupted bundle: it
+  raises, vLLM answers the load request with the message, and serving goes on;
+- `set_active_adapters` turns the per-token LoRA ids into per-token slots for the rerouting.
+After every change it writes the adapter and memory table to the status file `esftctl serve` shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import numpy as np
+
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.errors import EsftError
+from esftctl.jsonfile import write_json
+from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
+from esftctl.runtime.vllm_model import EsftModel
+
+
+class EsftWorkerManager:
+    """The interface of vLLM's WorkerLoRAManager, over ESFT adapter slots."""
+
+    def __init__(self, vllm_config, device, embedding_modules=None, **_unused):
+        config = ServeConfig.from_env()
+        if config is None:
+            raise EsftError("the ESFT worker manager runs only under `esftctl serve`")
+        self.config = config
+        self.vllm_config = vllm_config
+        self.base = MoECheckpoint(vllm_config.model_config.model)
+        self.runtime: EsftModel | None = None
+        self.names: dict[int, str] = {}  # LoRA id -> adapter name (the slot key)
+        self.last_used: dict[int, float] = {}
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    @property
+    def is_enabled(self) -> bool:
+        return True
+
+    def create_lora_manager(self, model, vllm_config=None):
+        scheduler = self.vllm_config.scheduler_config
+        max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
+        self.runtime = EsftModel(model, self.base, self.config.slots, self.config.experts_per_slot, max_tokens)
+        self.write_status()
+        return model
+
+    # ---- adapters --------------------------------------------------------------------------------
+    def add_adapter(self, lora_request) -> bool:
+        lora_id = lora_request.lora_int_id
+        if lora_id in self.names:
+            return False
+        bundle = open_servable_bundle(lora_request.lora_path, self.base)
+        slots = self.runtime.slots
+        if not slots.free_slots():
+            taken = ", ".join(sorted(slots.adapters))
+            raise EsftError(f"no free adapter slot for {lora_request.lora_name!r}: all {slots.num_slots} are taken "
+                            f"({taken}); unload one, or serve with more --slots")
+        slots.load(lora_request.lora_name, bundle.read_experts())
+        self.names[lora_id] = lora_request.lora_name
+        self.last_used[lora_id] = time.monotonic()
+        self.write_status()
+        return True
+
+    def add_dummy_lora(self, lora_request, rank: int) -> bool:
+        """Warm-up adapters: a slot with no experts (its tokens take the base experts)."""
+        if lora_request.lora_int_id in self.names:
+            return False
+        self.runtime.slots.load(lora_request.lora_name, {})
+        self.names[lora_request.lora_int_id] = lora_request.lora_name
+        return True
+
+    @contextlib.contextmanager
+    def dummy_lora_cache(self):
+        yield
+
+    def get_dummy_lora_warmup_rank(self, default_rank: int) -> int:
+        return default_rank
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        name = self.names.pop(lora_id, None)
+        if name is None:
+            return False
+        self.last_used.pop(lora_id, None)
+        self.runtime.slots.evict(name)
+        self.write_status()
+        return True
+
+    def remove_all_adapters(self) -> None:
+        for lora_id in list(self.names):
+            self.remove_adapter(lora_id)
+
+    def pin_adapter(self, lora_id: int) -> bool:
+        return lora_id in self.names  # adapters stay resident until unloaded
+
+    def list_adapters(self) -> set[int]:
+        return set(self.names)
+
+    def supports_tower_connector_lora(self) -> bool:
+        return False
+
+    # ---- every step ------------------------------------------------------------------------------
+    def set_active_adapters(self, requests, mapping) -> None:
+        now = time.monotonic()
+        wanted = {r.lora_int_id: r for r in requests if r}
+        for lora_id, request in wanted.items():
+            if lora_id not in self.names:  # e.g. unloaded while its requests were still running
+                self._make_room(keep=set(wanted))
+                self.add_adapter(request)
+            self.last_used[lora_id] = now
+        if mapping is None:
+            return
+        lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)
+        slots = np.full(len(lora_ids), -1, dtype=np.int32)
+        for lora_id in np.unique(lora_ids):
+            if lora_id > 0:
+                slots[lora_ids == lora_id] = self.runtime.slots.slot_of(self.names[int(lora_id)])
+        self.runtime.set_token_adapters(slots)
+
+    def _make_room(self, keep: set[int]) -> None:
+        """Evict the least recently used adapter outside this batch when every slot is taken (vLLM's
+        scheduler keeps at most `slots` adapters in a batch, so one is always idle)."""
+        if self.runtime.slots.free_slots():
+            return
+        idle = [i for i in self.names if i not in keep]
+        if idle:
+            self.remove_adapter(min(idle, key=lambda i: self.last_used.get(i, 0.0)))
+
+    # ---- the status table ------------------------------------------------------------------------
+    def status(self) -> dict:
+        runtime = self.runtime
+        slots = runtime.slots
+        expert_bytes = runtime.expert_bytes()  # one expert in every MoE layer
+        base_experts = sum(l.num_experts * l.expert_bytes for l in runtime.layers.values())
+        adapters = []
+        for lora_id, name in sorted(self.names.items()):
+            info = slots.adapters[name]
+            adapters.append({"name": name, "lora_id": lora_id, "slot": info.slot, "bytes": info.nbytes,
+                             "experts_per_layer": [info.experts_per_layer.get(l, 0) for l in runtime.layers]})
+        widest = max((max(a["experts_per_layer"], default=0) for a in adapters), default=0)
+        physical_adapter = slots.physical_bytes() - base_experts  # boundary pages shared with the base count here
+        cache = self.vllm_config.cache_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return {
+            "updated": time.time(),
+            "base": str(self.base.path), "device": str(runtime.device),
+            "slots": slots.num_slots, "experts_per_slot": self.config.experts_per_slot,
+            "moe_layers": list(runtime.layers),
+            "adapters": adapters,
+            "base_expert_bytes": base_experts,
+            "model_bytes": self.base.total_nbytes,
+            "adapter_expert_bytes": slots.adapter_bytes(),
+            "adapter_physical_bytes": physical_adapter,
+            "padded_bytes": len(adapters) * widest * expert_bytes,
+            "merged_bytes": len(adapters) * self.base.total_nbytes,
+            "kv_cache_tokens": blocks * cache.block_size if blocks else None,
+        }
+
+    def write_status(self) -> None:
+        if self.config.status_file:
+            write_json(Path(self.config.status_file), self.status())
