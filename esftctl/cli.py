@@ -262,6 +262,101 @@ def average(
     console.print(f"wrote {out}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    base: Path = typer.Argument(..., help="The base model folder (a Hugging Face MoE checkpoint)."),
+    adapter: list[str] = typer.Option([], "--adapter", "-a", help="NAME=BUNDLE: serve this adapter under NAME "
+                                                                   "(repeat for more)."),
+    name: str = typer.Option(None, help="The base model's name in requests (default: the folder's name)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    slots: int = typer.Option(None, min=1, help="Adapters resident at once (default: the given ones + 2, at "
+                                                "least 4)."),
+    experts_per_slot: int = typer.Option(None, min=1, help="Expert rows reserved per slot and layer (address "
+                                                           "space only; rows are shared by all slots) (default: "
+                                                           "the most any given adapter has in one layer)."),
+    state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file (default: a new "
+                                              "temporary folder)."),
+    ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
+    cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
+                                                     "with vLLM's --gpu-memory-utilization)."),
+) -> None:
+    """Serve BASE and ESFT adapters through vLLM's OpenAI-compatible API; a request picks an adapter by its
+    `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager --max-model-len 256`)."""
+    from esftctl import serve_client
+    from esftctl.serve import Server, plan, stop_on_sigterm
+
+    kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib)
+    if state_dir is not None:
+        kwargs["state_dir"] = state_dir
+    serve_plan = plan(base, adapter, name, slots, experts_per_slot, **kwargs)
+    server = Server(serve_plan)
+    server.start()
+    try:
+        with console.status(f"starting vLLM (log: {serve_plan.log_file})") as status:
+            server.wait_ready(ready_timeout, lambda s: status.update(f"starting vLLM, {s:.0f} s (log: "
+                                                                     f"{serve_plan.log_file})"))
+        console.print(serve_client.status_table(serve_client.status(serve_plan.url),
+                                                serve_client.models(serve_plan.url)))
+        console.print(f"serving at {serve_plan.url}/v1 (models: {', '.join(serve_client.models(serve_plan.url))}); "
+                      "Ctrl-C stops")
+        stop_on_sigterm()
+        server.process.wait()
+        raise EsftError(f"vLLM exited with status {server.process.returncode}: {server.last_error()}",
+                        serve_plan.log_file)
+    except KeyboardInterrupt:
+        console.print("stopping")
+    finally:
+        server.stop()
+
+
+adapters_app = typer.Typer(help="List, load and unload the adapters of a running `esftctl serve`.",
+                           no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
+URL_HELP = "The server's address."
+
+
+@adapters_app.command("list")
+def adapters_list(
+    url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the status as JSON instead of a table."),
+) -> None:
+    """The served models and the adapter table (slots, experts per layer, memory, KV-cache room)."""
+    from esftctl import serve_client
+
+    served, status = serve_client.models(url), serve_client.status(url)
+    if as_json:
+        print(json.dumps({"models": served, **status}, indent=1))
+    else:
+        console.print(serve_client.status_table(status, served))
+
+
+@adapters_app.command("load")
+def adapters_load(
+    name: str = typer.Argument(..., help="The name requests will use."),
+    bundle: Path = typer.Argument(..., help="The adapter bundle folder (a path the server can read)."),
+    url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+) -> None:
+    """Load an adapter bundle into a running server."""
+    from esftctl import serve_client
+
+    if not bundle.exists():
+        raise EsftError("no such bundle folder", bundle)
+    console.print(serve_client.load(url, name, bundle))
+
+
+@adapters_app.command("unload")
+def adapters_unload(
+    name: str = typer.Argument(..., help="The adapter's name."),
+    url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+) -> None:
+    """Unload an adapter from a running server (its slot and expert memory are freed)."""
+    from esftctl import serve_client
+
+    console.print(serve_client.unload(url, name))
+
+
 def _parse_bytes(text: str) -> int:
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     import re

@@ -1,10 +1,12 @@
 """Greedy generation with plain vLLM, in a process of its own: the reference every serving test compares with.
 
-    python -m esftctl.vllm_generate MODEL_DIR REQUEST.json OUT.json
+    python -m esftctl.vllm_generate MODEL_DIR[,MODEL_DIR...] REQUEST.json OUT.json
 
 REQUEST.json holds {"prompts": [...], "max_tokens": N, "logprobs": K}; OUT.json gets, per prompt, the
-generated token ids, the text, and the top-K logprobs of every step. vLLM starts its engine in a spawned
-process, so this stays a script behind a `__main__` guard rather than a function imported by tests.
+generated token ids, the text, and the top-K logprobs of every step (for several models, comma-separated,
+an object {model dir: that list}; each model is served alone, one after another, by one plain vLLM
+engine at a time). vLLM starts its engine in a spawned process, so this stays a script behind a
+`__main__` guard rather than a function imported by tests.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ def engine_env() -> dict[str, str]:
 
 
 def generate(model_dir: str, prompts: list[str], max_tokens: int, logprobs: int) -> list[dict]:
+    import gc
+
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
@@ -37,6 +41,8 @@ def generate(model_dir: str, prompts: list[str], max_tokens: int, logprobs: int)
             "text": completion.text,
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (completion.logprobs or [])],
         })
+    del llm  # shuts its engine down before the next model's starts
+    gc.collect()
     return results
 
 
@@ -44,7 +50,12 @@ def main() -> None:
     model_dir, request_file, out_file = sys.argv[1:4]
     os.environ.update(engine_env())
     request = json.loads(Path(request_file).read_text())
-    results = generate(model_dir, request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5))
+    args = (request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5))
+    models = model_dir.split(",")
+    if len(models) == 1:
+        results = generate(models[0], *args)
+    else:
+        results = {m: generate(m, *args) for m in models}
     Path(out_file).write_text(json.dumps(results))
 
 

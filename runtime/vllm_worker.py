@@ -40,8 +40,10 @@ class EsftWorkerManager:
         self.vllm_config = vllm_config
         self.base = MoECheckpoint(vllm_config.model_config.model)
         self.runtime: EsftModel | None = None
-        self.names: dict[int, str] = {}  # LoRA id -> adapter name (the slot key)
+        self.names: dict[int, str] = {}  # LoRA id -> adapter name; slots are keyed by the id (see _key)
         self.last_used: dict[int, float] = {}
+        self.active: set[int] = set()  # LoRA ids of the last step's batch
+        self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -57,16 +59,22 @@ class EsftWorkerManager:
 
     # ---- adapters --------------------------------------------------------------------------------
     def add_adapter(self, lora_request) -> bool:
-        lora_id = lora_request.lora_int_id
+        lora_id, name = lora_request.lora_int_id, lora_request.lora_name
         if lora_id in self.names:
+            self.retiring.discard(lora_id)  # loaded again under the same id: keep it
             return False
-        bundle = open_servable_bundle(lora_request.lora_path, self.base)
         slots = self.runtime.slots
+        if not slots.free_slots() and self.retiring:  # unloaded ones first; a running one reloads on demand
+            self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))
         if not slots.free_slots():
-            taken = ", ".join(sorted(slots.adapters))
-            raise EsftError(f"no free adapter slot for {lora_request.lora_name!r}: all {slots.num_slots} are taken "
-                            f"({taken}); unload one, or serve with more --slots")
-        slots.load(lora_request.lora_name, bundle.read_experts())
+            taken = ", ".join(sorted(self.names.values()))
+            raise EsftError(f"no free adapter slot for {name!r}: all {slots.num_slots} are taken ({taken}); "
+                            "unload one, or serve with more --slots")
+        try:  # vLLM hides paths in the messages it returns, so the message names the adapter
+            bundle = open_servable_bundle(lora_request.lora_path, self.base)
+            slots.load(_key(lora_id), bundle.read_experts())
+        except EsftError as e:
+            raise EsftError(f"adapter {name!r}: {e}") from None
         self.names[lora_id] = lora_request.lora_name
         self.last_used[lora_id] = time.monotonic()
         self.write_status()
@@ -76,7 +84,7 @@ class EsftWorkerManager:
         """Warm-up adapters: a slot with no experts (its tokens take the base experts)."""
         if lora_request.lora_int_id in self.names:
             return False
-        self.runtime.slots.load(lora_request.lora_name, {})
+        self.runtime.slots.load(_key(lora_request.lora_int_id), {})
         self.names[lora_request.lora_int_id] = lora_request.lora_name
         return True
 
@@ -88,17 +96,25 @@ class EsftWorkerManager:
         return default_rank
 
     def remove_adapter(self, lora_id: int) -> bool:
-        name = self.names.pop(lora_id, None)
-        if name is None:
+        """Evict now, or, if the last step ran tokens of it, once its running requests have finished."""
+        if lora_id not in self.names:
             return False
-        self.last_used.pop(lora_id, None)
-        self.runtime.slots.evict(name)
-        self.write_status()
+        if lora_id in self.active:
+            self.retiring.add(lora_id)
+            return True
+        self._evict(lora_id)
         return True
+
+    def _evict(self, lora_id: int) -> None:
+        self.names.pop(lora_id)
+        self.last_used.pop(lora_id, None)
+        self.retiring.discard(lora_id)
+        self.runtime.slots.evict(_key(lora_id))
+        self.write_status()
 
     def remove_all_adapters(self) -> None:
         for lora_id in list(self.names):
-            self.remove_adapter(lora_id)
+            self._evict(lora_id)
 
     def pin_adapter(self, lora_id: int) -> bool:
         return lora_id in self.names  # adapters stay resident until unloaded
@@ -113,28 +129,33 @@ class EsftWorkerManager:
     def set_active_adapters(self, requests, mapping) -> None:
         now = time.monotonic()
         wanted = {r.lora_int_id: r for r in requests if r}
+        for lora_id in self.retiring - set(wanted):
+            self._evict(lora_id)
         for lora_id, request in wanted.items():
-            if lora_id not in self.names:  # e.g. unloaded while its requests were still running
+            if lora_id not in self.names:  # a request that was queued before its adapter was unloaded
                 self._make_room(keep=set(wanted))
                 self.add_adapter(request)
+                self.retiring.add(lora_id)
             self.last_used[lora_id] = now
+        self.active = set(wanted)
         if mapping is None:
             return
         lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)
         slots = np.full(len(lora_ids), -1, dtype=np.int32)
         for lora_id in np.unique(lora_ids):
             if lora_id > 0:
-                slots[lora_ids == lora_id] = self.runtime.slots.slot_of(self.names[int(lora_id)])
+                slots[lora_ids == lora_id] = self.runtime.slots.slot_of(_key(int(lora_id)))
         self.runtime.set_token_adapters(slots)
 
     def _make_room(self, keep: set[int]) -> None:
-        """Evict the least recently used adapter outside this batch when every slot is taken (vLLM's
-        scheduler keeps at most `slots` adapters in a batch, so one is always idle)."""
+        """Evict the least recently used adapter outside this batch when every slot is taken, unloaded ones
+        first (vLLM's scheduler keeps at most `slots` adapters in a batch, so one is always idle; an evicted
+        one that is still registered is loaded again by its next request)."""
         if self.runtime.slots.free_slots():
             return
         idle = [i for i in self.names if i not in keep]
         if idle:
-            self.remove_adapter(min(idle, key=lambda i: self.last_used.get(i, 0.0)))
+            self._evict(min(idle, key=lambda i: (i not in self.retiring, self.last_used.get(i, 0.0))))
 
     # ---- the status table ------------------------------------------------------------------------
     def status(self) -> dict:
@@ -144,8 +165,9 @@ class EsftWorkerManager:
         base_experts = sum(l.num_experts * l.expert_bytes for l in runtime.layers.values())
         adapters = []
         for lora_id, name in sorted(self.names.items()):
-            info = slots.adapters[name]
+            info = slots.adapters[_key(lora_id)]
             adapters.append({"name": name, "lora_id": lora_id, "slot": info.slot, "bytes": info.nbytes,
+                             "retiring": lora_id in self.retiring,
                              "experts_per_layer": [info.experts_per_layer.get(l, 0) for l in runtime.layers]})
         widest = max((max(a["experts_per_layer"], default=0) for a in adapters), default=0)
         physical_adapter = slots.physical_bytes() - base_experts  # boundary pages shared with the base count here
@@ -169,3 +191,8 @@ class EsftWorkerManager:
     def write_status(self) -> None:
         if self.config.status_file:
             write_json(Path(self.config.status_file), self.status())
+
+
+def _key(lora_id: int) -> str:
+    """The slot key of a LoRA id: ids, not names, since a name may be reused while its old adapter retires."""
+    return f"lora-{lora_id}"

@@ -1,0 +1,165 @@
+"""`esftctl serve`: vLLM's OpenAI-compatible server over one base model and many ESFT adapters.
+
+Everything is checked before vLLM starts (the base, every bundle against it), so a bad input costs a
+one-line error, not a minute of engine start-up. Then vLLM's own server runs in a child process with
+- LoRA support enabled for its plumbing: each adapter is a LoRA module name (`--lora-modules`), picked by
+  the request's `model` field, listed by /v1/models, loadable and unloadable at run time;
+- ESFTCTL_SERVE in the environment, which makes esftctl's vLLM plugin (esftctl.runtime.vllm_plugin) put
+  the ESFT runtime in place of vLLM's LoRA layers;
+- esftctl's status middleware (GET /esftctl/status).
+The launcher waits until the server answers, prints the adapter table, and forwards Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.errors import EsftError
+from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
+from esftctl.serve_client import request
+
+STATUS_MIDDLEWARE = "esftctl.runtime.vllm_status.status_middleware"
+
+
+@dataclass
+class ServePlan:
+    base: Path
+    name: str
+    adapters: dict[str, Path]
+    slots: int
+    experts_per_slot: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    state_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="esftctl-serve-")))
+    vllm_args: list[str] = field(default_factory=list)
+    cpu_kv_cache_gib: float = 1.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "vllm.log"
+
+    def config(self) -> ServeConfig:
+        return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"))
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self.base), "--served-model-name", self.name, "--host", self.host,
+               "--port", str(self.port), "--dtype", "bfloat16", "--enable-lora", "--max-loras", str(self.slots),
+               "--max-cpu-loras", str(self.slots), "--middleware", STATUS_MIDDLEWARE]
+        if self.adapters:
+            cmd += ["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
+        return cmd + self.vllm_args
+
+    def env(self) -> dict[str, str]:
+        # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization).
+        kv = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kv_cache_gib:g}")}
+        return {**os.environ, **kv, **self.config().to_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def parse_adapters(specs: list[str]) -> dict[str, Path]:
+    adapters: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise EsftError(f"--adapter {spec!r}: expected NAME=BUNDLE")
+        if name in adapters:
+            raise EsftError(f"--adapter {name!r} is given twice")
+        adapters[name] = Path(path).resolve()
+    return adapters
+
+
+def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slots: int | None = None,
+         experts_per_slot: int | None = None, **kwargs) -> ServePlan:
+    """Check the base and every bundle, and size the slots: by default room for the given adapters plus
+    two loaded later, each layer reserving the most experts any given adapter has in one layer."""
+    base = MoECheckpoint(base_dir)
+    adapters = parse_adapters(adapter_specs)
+    bundles = {n: open_servable_bundle(p, base) for n, p in adapters.items()}
+    name = name or base.path.resolve().name
+    if name in adapters:
+        raise EsftError(f"adapter name {name!r} is the base model's served name; pick another")
+    widest = max((max(b.experts_per_layer(), default=0) for b in bundles.values()), default=0)
+    slots = slots if slots is not None else max(len(adapters) + 2, 4)
+    if slots < max(len(adapters), 1):
+        raise EsftError(f"--slots {slots} cannot hold the {len(adapters)} adapters given")
+    experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
+    if experts_per_slot < widest:
+        raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
+                        "has in one layer")
+    return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, **kwargs)
+
+
+class Server:
+    """The vLLM server process of a plan: start, wait until it answers, stop."""
+
+    def __init__(self, plan: ServePlan):
+        self.plan = plan
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.plan.state_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.plan.log_file, "ab")
+        self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def wait_ready(self, timeout: float = 900, on_wait=lambda seconds: None) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.process.poll() is not None:
+                raise EsftError(f"vLLM exited with status {self.process.returncode} before it was ready: "
+                                f"{self.last_error()}", self.plan.log_file)
+            try:
+                request(self.plan.url, "/esftctl/status", timeout=5)
+                return
+            except EsftError:
+                on_wait(time.monotonic() - start)
+                time.sleep(1)
+        self.stop()
+        raise EsftError(f"vLLM was not ready after {timeout:.0f} s", self.plan.log_file)
+
+    def last_error(self) -> str:
+        """The root cause in vLLM's log: its first exception line (later ones are re-raises), else the last line."""
+        lines = [l for l in self.plan.log_file.read_text(errors="replace").splitlines() if l.strip()]
+        causes = [l.split("] ", 1)[-1] for l in lines if re.search(r"\b\w*(Error|Exception): ", l)]
+        return " ".join((causes[:1] or lines[-1:] or ["no output"])[0].split())[:400]
+
+    def stop(self, grace: float = 30) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            return self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """Let SIGTERM stop the launcher as Ctrl-C does, so the vLLM child is stopped too."""
+    signal.signal(signal.SIGTERM, _interrupt)

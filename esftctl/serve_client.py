@@ -1,0 +1,93 @@
+"""Talking to a running `esftctl serve`: its models, its adapter table, loading and unloading adapters.
+
+Plain HTTP against vLLM's own endpoints (/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter) and
+esftctl's /esftctl/status; errors come back as one-line EsftErrors carrying the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+
+from esftctl.errors import EsftError
+from esftctl.units import format_bytes
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def request(url: str, path: str, body: dict | None = None, timeout: float = 600) -> dict | str:
+    """GET (no body) or POST JSON; the decoded JSON reply, or its text when it is not JSON."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url.rstrip("/") + path, data=data,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as reply:
+            text = reply.read().decode()
+    except urllib.error.HTTPError as e:
+        raise EsftError(f"{path}: {_error_message(e.read().decode(errors='replace'))} (HTTP {e.code})", url) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise EsftError(f"cannot reach the server ({getattr(e, 'reason', e)})", url) from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _error_message(text: str) -> str:
+    try:
+        error = json.loads(text).get("error", {})
+        message = error.get("message") if isinstance(error, dict) else str(error)
+    except (ValueError, AttributeError):
+        message = None
+    message = " ".join((message or text or "no message").split())
+    # An engine-side refusal arrives wrapped: "Call to add_lora method failed: Worker failed with error '...'"
+    inner = re.search(r"Worker failed with error '(.*)', please check", message)
+    return inner.group(1) if inner else message
+
+
+def models(url: str) -> list[str]:
+    return [m["id"] for m in request(url, "/v1/models")["data"]]
+
+
+def status(url: str) -> dict:
+    return request(url, "/esftctl/status")
+
+
+def load(url: str, name: str, bundle: Path) -> str:
+    return str(request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(bundle).resolve())}))
+
+
+def unload(url: str, name: str) -> str:
+    return str(request(url, "/v1/unload_lora_adapter", {"lora_name": name}))
+
+
+def status_table(status: dict, served: list[str] | None = None) -> Group:
+    """Adapters, slots, experts per layer, and the memory they take against padding and merged copies."""
+    adapters = [a for a in status["adapters"] if not a["name"].startswith("warmup_")]
+    title = (f"{len(adapters)} adapter(s) in {status['slots']} slots over {status['base']} "
+             f"({status['device']}, {len(status['moe_layers'])} MoE layers)")
+    table = Table(title=title, title_justify="left")
+    for col in ("adapter", "slot", "experts per layer", "total", "bytes"):
+        table.add_column(col, justify="left" if col in ("adapter", "experts per layer") else "right")
+    if served:
+        table.add_row(served[0], "base", "-", "-", format_bytes(status["model_bytes"]))
+    for a in adapters:
+        counts = a["experts_per_layer"]
+        shown = " ".join(map(str, counts)) if len(counts) <= 16 else f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"
+        table.add_row(a["name"], str(a["slot"]), shown, str(sum(counts)), format_bytes(a["bytes"]))
+    physical, kv = status["adapter_physical_bytes"], status.get("kv_cache_tokens")
+    memory = Table(title="memory", title_justify="left", show_header=False)
+    memory.add_column("what")
+    memory.add_column("value", justify="right")
+    memory.add_row("adapter experts, their own bytes", format_bytes(status["adapter_expert_bytes"]))
+    memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
+    memory.add_row("saved vs padding to the widest adapter", format_bytes(max(status["padded_bytes"] - physical, 0)))
+    memory.add_row("saved vs a merged copy per adapter", format_bytes(max(status["merged_bytes"] - physical, 0)))
+    memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")
+    return Group(table, memory)

@@ -1,0 +1,231 @@
+"""`esftctl serve`: many adapters in one vLLM server give exactly what their merged models give alone.
+
+For each architecture: three synthetic adapters (2, 4 and 6 experts per layer) are packed, merged into full
+models, and the merged models and the base are each served alone by plain vLLM (esftctl.vllm_generate):
+the reference. Then one `esftctl serve` holds the base and all three adapters, and concurrent requests that
+mix every adapter and the base must get the reference's greedy tokens and log-probabilities.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from esftctl.errors import EsftError
+from esftctl.jsonl import read_jsonl
+from esftctl.merge import merge
+from esftctl.serve import Server, plan
+from esftctl.serve_client import load, models, request, status, unload
+from esftctl.world.synthetic import write_synthetic_adapter
+from esftctl.world.tasks import TASKS
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 6
+LOGPROBS = 3
+# The same kernels run in both, but in batches of other shapes: log-probabilities may differ in bf16's last
+# bits, and a greedy choice may differ only where the two best tokens are that close.
+BF16_NOISE = 0.05
+ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts_of(world) -> list[str]:
+    return [e["prompt"] for t in TASKS for e in list(read_jsonl(world.data_file(t.name, "test")))[:2]]
+
+
+def make_adapters(base: Path, root: Path, seed: int) -> tuple[dict[str, Path], dict[str, Path]]:
+    """Three synthetic adapters of `base` and their merged models: ({name: bundle}, {name: merged dir})."""
+    bundles, merged = {}, {}
+    for k, count in enumerate((2, 4, 6)):
+        name = f"task{k}"
+        bundles[name] = write_synthetic_adapter(base, root / "bundles" / name, name, seed=seed + k,
+                                                experts_per_layer=count, scale=4.0)
+        merged[name] = merge(base, bundles[name], root / "merged" / name)
+    return bundles, merged
+
+
+def reference(models_by_name: dict[str, Path], prompts: list[str], tmp: Path) -> dict[str, list[dict]]:
+    """Each model served alone by plain vLLM: {name: [per prompt: token_ids, logprobs]}."""
+    req, out = tmp / "reference_request.json", tmp / "reference.json"
+    req.write_text(json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}))
+    dirs = [str(models_by_name[n]) for n in models_by_name]
+    proc = subprocess.run([sys.executable, "-m", "esftctl.vllm_generate", ",".join(dirs), str(req), str(out)],
+                          capture_output=True, text=True, timeout=1800, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_dir = json.loads(out.read_text())
+    return {n: by_dir[str(d)] for n, d in models_by_name.items()}
+
+
+def complete(url: str, model: str, prompt: str) -> dict:
+    reply = request(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                             "temperature": 0.0, "logprobs": LOGPROBS, "return_token_ids": True})
+    choice = reply["choices"][0]
+    return {"token_ids": choice["token_ids"], "token_logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def assert_same_answer(served: dict, ref: dict, what: str) -> None:
+    for step, (got, want) in enumerate(zip(served["token_ids"], ref["token_ids"])):
+        ref_step = ref["logprobs"][step]
+        if got != want:  # only a near-tie may part, and then the contexts differ
+            gap = ref_step[str(want)] - ref_step.get(str(got), float("-inf"))
+            assert gap < BF16_NOISE, f"{what}: step {step} gave {got}, the merged model {want} (gap {gap:.3f})"
+            return
+        assert abs(served["token_logprobs"][step] - ref_step[str(want)]) < BF16_NOISE, (what, step)
+    assert len(served["token_ids"]) == len(ref["token_ids"]), what
+
+
+def serve_concurrently(url: str, names: list[str], prompts: list[str], ref: dict) -> None:
+    jobs = [(n, i) for n in names for i in range(len(prompts))]
+    random.Random(0).shuffle(jobs)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: complete(url, job[0], prompts[job[1]]), jobs))
+    for (name, i), answer in zip(jobs, answers):
+        assert_same_answer(answer, ref[name][i], f"{name} / {prompts[i]!r}")
+
+
+@pytest.fixture(scope="module")
+def deepseek(world, tmp_path_factory):
+    """The tiny world's DeepSeek-V2 base served with three adapters; the reference of every model."""
+    tmp = tmp_path_factory.mktemp("serve_deepseek")
+    bundles, merged = make_adapters(world.base_dir, tmp, seed=10)
+    prompts = prompts_of(world)
+    ref = reference({"base": world.base_dir, **merged}, prompts, tmp)
+    serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
+                      state_dir=tmp / "state", vllm_args=ENGINE_ARGS)
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        yield {"url": serve_plan.url, "bundles": bundles, "prompts": prompts, "ref": ref, "tmp": tmp,
+               "plan": serve_plan}
+
+
+def test_adapters_served_together_equal_their_merged_models(deepseek):
+    url = deepseek["url"]
+    assert models(url) == ["base", "task0", "task1", "task2"]
+    # The adapters really differ from the base and from each other, or the test would prove nothing.
+    ref = deepseek["ref"]
+    answers = {n: json.dumps([r["token_ids"] for r in ref[n]]) for n in ref}
+    assert len(set(answers.values())) == 4, answers
+    serve_concurrently(url, list(ref), deepseek["prompts"], ref)
+
+
+def test_status_table_accounts_adapter_memory(deepseek):
+    s = status(deepseek["url"])
+    adapters = {a["name"]: a for a in s["adapters"]}
+    assert set(adapters) == {"task0", "task1", "task2"}
+    layers = len(s["moe_layers"])
+    assert [adapters[f"task{k}"]["experts_per_layer"] for k in range(3)] == [[2] * layers, [4] * layers, [6] * layers]
+    assert s["adapter_expert_bytes"] == sum(a["bytes"] for a in adapters.values())
+    # Physical memory within one page per layer and tensor of the experts' own bytes; padding costs more.
+    assert s["adapter_expert_bytes"] <= s["adapter_physical_bytes"] <= s["adapter_expert_bytes"] + 2 * layers * 65536
+    assert s["padded_bytes"] > s["adapter_physical_bytes"]
+    assert s["kv_cache_tokens"] > 0
+    proc = run_cli("adapters", "list", "--url", deepseek["url"])
+    assert proc.returncode == 0, proc.stderr
+    assert "task2" in proc.stdout and "saved vs padding" in proc.stdout and "KV cache" in proc.stdout
+
+
+def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp_path):
+    url, bundles = deepseek["url"], deepseek["bundles"]
+    with pytest.raises(EsftError, match=r"model `nope` does not exist.*HTTP 404"):
+        complete(url, "nope", "1+1=")
+    other = write_synthetic_adapter(tiny_models["deepseek_v2"], tmp_path / "other", "other", seed=1)
+    with pytest.raises(EsftError, match="packed for another base model"):
+        load(url, "other", other)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(bundles["task1"], corrupt)
+    data = corrupt / "experts.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(EsftError, match="checksum mismatch"):
+        load(url, "corrupt", corrupt)
+    free = deepseek["plan"].slots - 3
+    for k in range(free):
+        load(url, f"spare{k}", bundles["task0"])
+    with pytest.raises(EsftError, match="no free adapter slot"):
+        load(url, "one_too_many", bundles["task0"])
+    for k in range(free):
+        unload(url, f"spare{k}")
+    assert models(url) == ["base", "task0", "task1", "task2"]
+    serve_concurrently(url, ["base", "task1"], deepseek["prompts"][:3], deepseek["ref"])
+
+
+def test_load_and_unload_under_load(deepseek):
+    url, prompts, ref = deepseek["url"], deepseek["prompts"], deepseek["ref"]
+    stop, failures, served = threading.Event(), [], []
+
+    def client(name: str) -> None:
+        i = 0
+        while not stop.is_set():
+            k = i % len(prompts)
+            try:
+                assert_same_answer(complete(url, name, prompts[k]), ref[name][k], f"{name} under load")
+                served.append(name)
+            except Exception as e:  # collected, so that the main thread reports it
+                failures.append(f"{name}: {e}")
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in ("base", "task0", "task1")]
+    for t in threads:
+        t.start()
+    try:
+        for round_ in range(3):
+            load(url, "extra", deepseek["bundles"]["task2"])
+            for k in range(2):
+                assert_same_answer(complete(url, "extra", prompts[k]), ref["task2"][k], f"extra, round {round_}")
+            unload(url, "extra")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:3]
+    assert {"base", "task0", "task1"} <= set(served)
+    assert "extra" not in [a["name"] for a in status(url)["adapters"]]
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_moe"])
+def test_other_architecture_served_exactly(architecture, world, tmp_path):
+    from transformers import AutoTokenizer
+
+    from esftctl.world.models import make_random_model
+
+    base = make_random_model(architecture, tmp_path / "base", seed=3,
+                             tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
+    bundles, merged = make_adapters(base, tmp_path, seed=20)
+    prompts = prompts_of(world)[:4]
+    ref = reference({"base": base, **merged}, prompts, tmp_path)
+    serve_plan = plan(base, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
+                      state_dir=tmp_path / "state", vllm_args=ENGINE_ARGS)
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(ref), prompts, ref)
+
+
+def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_path):
+    other = write_synthetic_adapter(tiny_models["deepseek_v2"], tmp_path / "other", "other", seed=1)
+    proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}")
+    assert proc.returncode == 1 and "packed for another base model" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--adapter", "no_equals_sign")
+    assert proc.returncode == 1 and "expected NAME=BUNDLE" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--adapter", f"x={tmp_path}")
+    assert proc.returncode == 1 and "not an adapter bundle" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
