@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
-from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
+from esftctl.runtime.serve_config import ENV, ServeConfig, open_servable_bundle
 from esftctl.serve_client import request
 
 STATUS_MIDDLEWARE = "esftctl.runtime.vllm_status.status_middleware"
@@ -42,6 +43,7 @@ class ServePlan:
     state_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="esftctl-serve-")))
     vllm_args: list[str] = field(default_factory=list)
     cpu_kv_cache_gib: float = 1.0
+    esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
 
     @property
     def url(self) -> str:
@@ -57,8 +59,11 @@ class ServePlan:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.base), "--served-model-name", self.name, "--host", self.host,
-               "--port", str(self.port), "--dtype", "bfloat16", "--enable-lora", "--max-loras", str(self.slots),
-               "--max-cpu-loras", str(self.slots), "--middleware", STATUS_MIDDLEWARE]
+               "--port", str(self.port), "--dtype", "bfloat16"]
+        if not self.esft:
+            return cmd + self.vllm_args
+        cmd += ["--enable-lora", "--max-loras", str(self.slots), "--max-cpu-loras", str(self.slots),
+                "--middleware", STATUS_MIDDLEWARE]
         if self.adapters:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
         return cmd + self.vllm_args
@@ -66,8 +71,18 @@ class ServePlan:
     def env(self) -> dict[str, str]:
         # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization).
         kv = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kv_cache_gib:g}")}
-        return {**os.environ, **kv, **self.config().to_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, **kv, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1"}
+        env.pop(ENV, None)
+        if self.esft:
+            env.update({**self.config().to_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def parse_adapters(specs: list[str]) -> dict[str, Path]:
@@ -124,7 +139,7 @@ class Server:
                 raise EsftError(f"vLLM exited with status {self.process.returncode} before it was ready: "
                                 f"{self.last_error()}", self.plan.log_file)
             try:
-                request(self.plan.url, "/esftctl/status", timeout=5)
+                request(self.plan.url, "/health", timeout=5)
                 return
             except EsftError:
                 on_wait(time.monotonic() - start)

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from conftest import run_cli
 from esftctl.errors import EsftError
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
-from esftctl.serve import Server, plan
+from esftctl.serve import Server, free_port, plan
 from esftctl.serve_client import load, models, request, status, unload
 from esftctl.world.synthetic import write_synthetic_adapter
 from esftctl.world.tasks import TASKS
@@ -38,12 +37,6 @@ LOGPROBS = 3
 # bits, and a greedy choice may differ only where the two best tokens are that close.
 BF16_NOISE = 0.05
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts_of(world) -> list[str]:
@@ -229,3 +222,18 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert proc.returncode == 1 and "not an adapter bundle" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
+
+
+def test_bench_request_shares():
+    from collections import Counter
+
+    from esftctl.bench.serve import request_models
+
+    names = [f"a{i}" for i in range(5)]
+    assert request_models(names, 0, "uniform", 1.0, 10, 0, "base") == ["base"] * 10
+    uniform = Counter(request_models(names, 5, "uniform", 1.0, 5000, 0, "base"))
+    skewed = Counter(request_models(names, 5, "skewed", 1.0, 5000, 0, "base"))
+    assert set(uniform) == set(skewed) == set(names)
+    assert max(uniform.values()) / min(uniform.values()) < 1.2
+    # Power law with alpha 1: shares 1 : 1/2 : ... : 1/5, so the first adapter gets ~5x the last.
+    assert 4 < skewed["a0"] / skewed["a4"] < 6.5 and skewed["a0"] > skewed["a1"] > skewed["a2"]

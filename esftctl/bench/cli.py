@@ -97,3 +97,29 @@ def consolidate(
         result = bench.run(steps=steps, eval_examples=eval_examples, on_step=lambda msg: status.update(msg))
     print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
     _save(result, out, "consolidate", bench.plot)
+
+
+@app.command()
+def serve(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    adapters: str = typer.Option("1,5,20", help="Comma-separated adapter counts to spread requests over."),
+    requests: int = typer.Option(64, min=2, help="Requests per run."),
+    output_len: int = typer.Option(32, min=2, help="Output tokens per request (ignore_eos)."),
+    concurrency: int = typer.Option(8, min=1, help="Requests in flight."),
+    alpha: float = typer.Option(1.0, help="Power-law exponent of the skewed request shares."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+) -> None:
+    """TTFT, TPOT and output throughput: plain vLLM (base, merged) vs esftctl serve with 1-20 adapters."""
+    from esftctl.bench import serve as bench
+    from esftctl.errors import EsftError
+
+    try:
+        counts = tuple(int(x) for x in adapters.split(","))
+    except ValueError:
+        raise EsftError(f"--adapters {adapters!r}: expected comma-separated counts such as 1,5,20") from None
+    if not counts or min(counts) < 1:
+        raise EsftError(f"--adapters {adapters!r}: counts must be at least 1")
+    with console.status("measuring") as status:
+        result = bench.run(counts, requests, output_len, concurrency, alpha, on_step=lambda msg: status.update(msg))
+    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
+    _save(result, out, "serve", bench.plot)

@@ -1,0 +1,139 @@
+"""EsftModel on CPU and CUDA, without vLLM: the runtime installed into a model shaped like vLLM's.
+
+vLLM is not installed on the GPU machine, so its CUDA path (virtual tensors from the CUDA driver behind the
+weights, the Triton reroute inside the router's capture callback, CUDA-graph replay while the per-token
+adapters change) is exercised here on a module tree with the attributes EsftModel uses: `layers.{L}.mlp.
+experts` holding a `router` (set_capture_fn) and `routed_experts` (w13_weight, w2_weight, and a kernel whose
+weight processing keeps the checkpoint layout). A plain PyTorch MoE reads the weights through the ids the
+capture callback left, as vLLM's fused kernel does. Served with adapters, each token must get what the
+merged model of its adapter gives.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.runtime.moe_layer import stack_experts
+from esftctl.runtime.vllm_model import EsftModel
+from esftctl.world.synthetic import synthetic_experts
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class Router:
+    def __init__(self, gate: torch.Tensor, top_k: int):
+        self.gate, self.top_k, self.capture_fn = gate, top_k, None
+
+    def set_capture_fn(self, fn) -> None:
+        self.capture_fn = fn
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = torch.topk(torch.softmax(x.float() @ self.gate.float().T, -1), self.top_k)
+        ids = ids.to(torch.int32)
+        if self.capture_fn is not None:
+            self.capture_fn(ids)
+        return weights, ids
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+        kernel = SimpleNamespace(process_weights_after_loading=lambda layer: None)
+        self.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=kernel))
+        self.moe_config, self.activation = None, "silu"
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, router: Router, experts: Experts):
+        super().__init__()
+        self.router, self.routed_experts = router, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router.select(x)
+        w13, w2 = self.routed_experts.w13_weight[ids.long()], self.routed_experts.w2_weight[ids.long()]
+        gate, up = (w13.float() @ x.float()[:, None, :, None]).squeeze(-1).chunk(2, -1)
+        out = (w2.float() @ (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
+        return (weights[..., None] * out).sum(1)
+
+
+def engine_model(ckpt: MoECheckpoint, experts: dict | None, device: str) -> torch.nn.Module:
+    """`ckpt`'s MoE layers (with `experts` replacing some, as in a merged model) as vLLM-shaped modules."""
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleDict()
+    for l in ckpt.moe_layers:
+        weights = [ckpt.read_expert(l, e) for e in range(ckpt.num_experts)]
+        for e, w in (experts or {}).get(l, {}).items():
+            weights[e] = w
+        w13, w2 = stack_experts(weights)
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = MoE(Router(ckpt.read_router(l).to(device), ckpt.top_k),
+                                Experts(w13.to(device), w2.to(device)))
+        root.layers[str(l)] = layer
+    return root
+
+
+def run_layers(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Every MoE layer on x, one after another (residual), as the model's forward would."""
+    for layer in model.layers.values():
+        x = x + layer.mlp.experts(x).to(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device):
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=k, experts_per_layer=2 + 2 * k, scale=4.0) for k in range(3)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=4, experts_per_slot=6, max_tokens=64)
+    slots = {name: runtime.slots.load(name, experts) for name, experts in adapters.items()}
+    assert isinstance(served.layers["1"].mlp.experts.routed_experts.w13_weight.data, torch.Tensor)
+    x = torch.randn(48, ckpt.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    owner = np.array([-1, 0, 1, 2] * 12, dtype=np.int32)  # base, a0, a1, a2 interleaved
+    runtime.set_token_adapters(owner)
+    got = run_layers(served, x)
+    for name, slot in [("base", -1), *slots.items()]:
+        merged = engine_model(ckpt, adapters.get(name), device)
+        want = run_layers(merged, x)
+        rows = owner == slot
+        torch.testing.assert_close(got[torch.from_numpy(rows).to(device)], want[torch.from_numpy(rows).to(device)],
+                                   rtol=0, atol=0, msg=f"tokens of {name}")
+    # The adapters change the outputs, so the comparison above means something.
+    assert not torch.equal(run_layers(engine_model(ckpt, adapters["a2"], device), x), run_layers(
+        engine_model(ckpt, None, device), x))
+
+
+@pytest.mark.gpu
+def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=10 + k, experts_per_layer=3, scale=4.0) for k in range(2)}
+    served = engine_model(ckpt, None, "cuda")
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=3, max_tokens=32)
+    for name, experts in adapters.items():
+        runtime.slots.load(name, experts)
+    x = torch.randn(32, ckpt.hidden_size, device="cuda", dtype=torch.bfloat16)
+    runtime.set_token_adapters(np.zeros(32, dtype=np.int32))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run_layers(served, x)  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = run_layers(served, x)
+    for pattern in ([-1] * 32, [0] * 32, [1, -1] * 16, [1] * 20):  # the last: 12 padding tokens take the base
+        runtime.set_token_adapters(np.array(pattern, dtype=np.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        owner = np.array(pattern + [-1] * (32 - len(pattern)))
+        for slot, name in [(-1, None), (0, "a0"), (1, "a1")]:
+            rows = torch.from_numpy(owner == slot).cuda()
+            if rows.any():
+                want = run_layers(engine_model(ckpt, adapters.get(name), "cuda"), x)
+                torch.testing.assert_close(out[rows], want[rows], rtol=0, atol=0)
