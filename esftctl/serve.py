@@ -148,10 +148,16 @@ class Server:
         raise EsftError(f"vLLM was not ready after {timeout:.0f} s", self.plan.log_file)
 
     def last_error(self) -> str:
-        """The root cause in vLLM's log: its first exception line (later ones are re-raises), else the last line."""
+        """The root cause in vLLM's log: its first exception line (later ones are re-raises; warnings that
+        mention errors are skipped; a validation error brings its detail line), else the last line."""
         lines = [l for l in self.plan.log_file.read_text(errors="replace").splitlines() if l.strip()]
-        causes = [l.split("] ", 1)[-1] for l in lines if re.search(r"\b\w*(Error|Exception): ", l)]
-        return " ".join((causes[:1] or lines[-1:] or ["no output"])[0].split())[:400]
+        for i, line in enumerate(lines):
+            if " WARNING " not in line and re.search(r"\b\w*(Error|Exception): ", line):
+                cause = line.split("] ", 1)[-1]
+                if "validation error" in cause and i + 1 < len(lines):
+                    cause += ": " + lines[i + 1]
+                return " ".join(cause.split())[:400]
+        return " ".join((lines[-1:] or ["no output"])[0].split())[:400]
 
     def stop(self, grace: float = 30) -> int:
         if self.process is None or self.process.poll() is not None:

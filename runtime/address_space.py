@@ -148,7 +148,9 @@ class PhysicalPagePool:
     allocation; `trim()` hands the free ones back.
     """
 
-    def __init__(self, device: int | torch.device | None = None):
+    def __init__(self, device: int | torch.device | None = None, page_size: int | None = None):
+        """`page_size`: the size of every page (handle), rounded up to the driver's granularity; by default
+        the granularity itself (2 MiB). Paging maps a whole layer's experts as one page."""
         driver = _driver()
         self.device = torch.device("cuda", torch.device(device or "cuda").index or 0)
         torch.cuda.init()
@@ -158,8 +160,10 @@ class PhysicalPagePool:
         self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self._prop.location.id = self.device.index
-        self.page_size = int(_cu(driver.cuMemGetAllocationGranularity(
+        granularity = int(_cu(driver.cuMemGetAllocationGranularity(
             self._prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        self.granularity = granularity
+        self.page_size = round_up(page_size or granularity, granularity)
         self._access = driver.CUmemAccessDesc()
         self._access.location = self._prop.location
         self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
@@ -202,7 +206,7 @@ class CudaAddressSpace:
         self.device = pool.device
         self.num_pages = max(1, -(-nbytes // self.page_size))
         self.nbytes = self.num_pages * self.page_size
-        self.base = int(_cu(driver.cuMemAddressReserve(self.nbytes, self.page_size, 0, 0)))
+        self.base = int(_cu(driver.cuMemAddressReserve(self.nbytes, pool.granularity, 0, 0)))
         self._handles: dict[int, object] = {}
 
     def _ptr(self, page: int):

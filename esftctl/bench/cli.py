@@ -123,3 +123,29 @@ def serve(
         result = bench.run(counts, requests, output_len, concurrency, alpha, on_step=lambda msg: status.update(msg))
     print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
     _save(result, out, "serve", bench.plot)
+
+
+@app.command()
+def paging(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    layers: int = typer.Option(8, min=3, help="MoE layers in the stack."),
+    window: int = typer.Option(2, min=1, help="Physical blocks (layers of experts) the paged stack holds."),
+    batches: str = typer.Option("1,4,16,64,256", help="Comma-separated batch sizes (sequences)."),
+    prompt_len: int = typer.Option(512, min=1, help="Tokens per sequence in prefill."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+) -> None:
+    """(GPU) DeepSeek-V2-Lite-sized MoE stack: resident vs paged from host, host + Huffman store, and planned."""
+    from esftctl.bench import paging as bench
+    from esftctl.errors import EsftError
+
+    try:
+        sizes = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise EsftError(f"--batches {batches!r}: expected comma-separated sizes such as 1,16,256") from None
+    if window >= layers:
+        raise EsftError(f"--window {window} must be smaller than --layers {layers}, or nothing is paged")
+    with console.status("measuring") as status:
+        result = bench.run(layers=layers, batches=sizes, prompt_len=prompt_len, window=window,
+                           on_step=lambda msg: status.update(msg))
+    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
+    _save(result, out, "paging", bench.plot)

@@ -32,7 +32,7 @@ from esftctl.serve import Server, free_port, plan
 from esftctl.world.build import build_world
 from esftctl.world.synthetic import write_synthetic_adapter
 
-ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32"]
+ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "32"]
 
 
 def stream_completion(url: str, model: str, prompt: str, output_len: int) -> dict:
