@@ -108,6 +108,9 @@ class EsftModel:
 
     def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
                  make_space) -> VirtualMoELayer:
+        if getattr(engine.experts.quant_method, "is_monolithic", False):
+            raise EsftError(f"layer {engine.index}: vLLM chose a monolithic MoE kernel, which routes inside the kernel "
+                            "where no reroute can reach; choose a modular one (e.g. `-- --moe-backend triton`)")
         w13, w2 = engine.experts.w13_weight.data, engine.experts.w2_weight.data
         layout = engine_layout(engine.experts)
         layer = VirtualMoELayer(w13.shape[0], base.hidden_size, base.moe_intermediate_size, num_slots,

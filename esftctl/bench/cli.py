@@ -25,6 +25,19 @@ def _save(result: dict, out: Path, name: str, plot) -> None:
     console.print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
 
 
+def _counts(option: str, text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive whole numbers, or a one-line error naming the option."""
+    from esftctl.errors import EsftError
+
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise EsftError(f"{option} takes comma-separated whole numbers (such as 1,8,64), not {text!r}") from None
+    if min(counts) < 1:
+        raise EsftError(f"{option} {text!r}: every number must be at least 1")
+    return counts
+
+
 @app.command()
 def memory(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
@@ -71,12 +84,8 @@ def compress(
 ) -> None:
     """Huffman expert stores: size vs entropy bound and general-purpose compressors; GPU decode vs bandwidth."""
     from esftctl.bench import compress as bench
-    from esftctl.errors import EsftError
 
-    try:
-        counts = tuple(int(x) for x in experts.split(","))
-    except ValueError:
-        raise EsftError(f"--experts takes comma-separated whole numbers, not {experts!r}") from None
+    counts = _counts("--experts", experts)
     with console.status("measuring") as status:
         result = bench.run(counts=counts, table_scope=table_scope, on_step=lambda msg: status.update(msg))
     print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
@@ -107,20 +116,16 @@ def serve(
     output_len: int = typer.Option(32, min=2, help="Output tokens per request (ignore_eos)."),
     concurrency: int = typer.Option(8, min=1, help="Requests in flight."),
     alpha: float = typer.Option(1.0, help="Power-law exponent of the skewed request shares."),
+    repeats: int = typer.Option(5, min=1, help="Runs per scenario (interleaved); the median is reported."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
 ) -> None:
     """TTFT, TPOT and output throughput: plain vLLM (base, merged) vs esftctl serve with 1-20 adapters."""
     from esftctl.bench import serve as bench
-    from esftctl.errors import EsftError
 
-    try:
-        counts = tuple(int(x) for x in adapters.split(","))
-    except ValueError:
-        raise EsftError(f"--adapters {adapters!r}: expected comma-separated counts such as 1,5,20") from None
-    if not counts or min(counts) < 1:
-        raise EsftError(f"--adapters {adapters!r}: counts must be at least 1")
+    counts = _counts("--adapters", adapters)
     with console.status("measuring") as status:
-        result = bench.run(counts, requests, output_len, concurrency, alpha, on_step=lambda msg: status.update(msg))
+        result = bench.run(counts, requests, output_len, concurrency, alpha, repeats=repeats,
+                           on_step=lambda msg: status.update(msg))
     print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
     _save(result, out, "serve", bench.plot)
 
@@ -138,10 +143,7 @@ def paging(
     from esftctl.bench import paging as bench
     from esftctl.errors import EsftError
 
-    try:
-        sizes = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise EsftError(f"--batches {batches!r}: expected comma-separated sizes such as 1,16,256") from None
+    sizes = _counts("--batches", batches)
     if window >= layers:
         raise EsftError(f"--window {window} must be smaller than --layers {layers}, or nothing is paged")
     with console.status("measuring") as status:

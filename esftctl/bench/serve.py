@@ -3,7 +3,8 @@
 vLLM's serving-benchmark conventions: streamed completions, TTFT (time to first token), TPOT (time per
 output token after the first = (latency - TTFT) / (output tokens - 1)), output throughput (all output
 tokens / wall time), means and p50/p99 over requests; a fixed number of requests, `concurrency` in flight,
-every request `output_len` tokens (ignore_eos).
+every request `output_len` tokens (ignore_eos). Each server's scenarios run `repeats` times, interleaved,
+and the median run is reported with the range of the runs' means.
 
 Servers, one after another on the same machine:
 - `base`: plain vLLM serving the base alone (the anchor of every ratio);
@@ -78,6 +79,14 @@ def run_load(url: str, models: list[str], prompts: list[str], output_len: int, c
             "tpot_p99_ms": 1e3 * _quantile(tpot, 0.99)}
 
 
+def _median(reps: list[dict]) -> dict:
+    """Per metric, the median over repeated runs, and the spread (min, max) of the means."""
+    out = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    for k in ("ttft_mean_ms", "tpot_mean_ms", "output_throughput"):
+        out[f"{k}_range"] = [min(r[k] for r in reps), max(r[k] for r in reps)]
+    return out
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -93,7 +102,7 @@ def request_models(adapters: list[str], n: int, share: str, alpha: float, count:
 
 
 def run(counts=(1, 5, 20), requests: int = 64, output_len: int = 32, concurrency: int = 8, alpha: float = 1.0,
-        experts_per_layer: int = 4, root: Path | None = None,
+        experts_per_layer: int = 4, repeats: int = 5, root: Path | None = None,
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
     world = build_world(root)
     examples = [e["prompt"] for t in world.task_names for e in read_jsonl(world.data_file(t, "test"))]
@@ -111,10 +120,13 @@ def run(counts=(1, 5, 20), requests: int = 64, output_len: int = 32, concurrency
         with Server(serve_plan) as server:
             server.wait_ready()
             run_load(serve_plan.url, [serve_plan.name] * concurrency, prompts[:concurrency], 4, concurrency)  # warm-up
-            for name, models in scenarios:
-                on_step(f"{label}: {name}")
-                runs.append({"server": label, "scenario": name, **run_load(serve_plan.url, models, prompts,
-                                                                           output_len, concurrency)})
+            measured: dict[str, list[dict]] = {name: [] for name, _ in scenarios}
+            for rep in range(repeats):  # scenarios interleaved, in a rotated order each round
+                for name, models in scenarios[rep % len(scenarios):] + scenarios[: rep % len(scenarios)]:
+                    on_step(f"{label}: {name} ({rep + 1}/{repeats})")
+                    measured[name].append(run_load(serve_plan.url, models, prompts, output_len, concurrency))
+            for name, reps in measured.items():
+                runs.append({"server": label, "scenario": name, **_median(reps), "repeats": reps})
 
     def settings(label: str) -> dict:
         return dict(state_dir=work / label, port=free_port(), vllm_args=ENGINE_ARGS)
@@ -138,7 +150,7 @@ def run(counts=(1, 5, 20), requests: int = 64, output_len: int = 32, concurrency
         r["tpot_ratio"] = r["tpot_mean_ms"] / anchor["tpot_mean_ms"]
         r["throughput_ratio"] = r["output_throughput"] / anchor["output_throughput"]
     return {"config": {"requests": requests, "output_len": output_len, "concurrency": concurrency, "alpha": alpha,
-                       "experts_per_layer": experts_per_layer, "base": str(world.base_dir),
+                       "experts_per_layer": experts_per_layer, "repeats": repeats, "base": str(world.base_dir),
                        "engine_args": ENGINE_ARGS},
             "runs": runs}
 
@@ -147,14 +159,17 @@ def table(result: dict):
     from rich.table import Table
 
     c = result["config"]
-    t = Table(title=f"serving, {c['requests']} requests x {c['output_len']} tokens, {c['concurrency']} in flight "
-                    "(ratios against plain vLLM serving the base alone)", title_justify="left")
-    for col in ("server", "scenario", "TTFT ms", "TPOT ms", "tok/s", "TTFT x", "TPOT x", "throughput x"):
+    t = Table(title=f"serving, {c['requests']} requests x {c['output_len']} tokens, {c['concurrency']} in flight, "
+                    f"median of {c['repeats']} runs (ratios against plain vLLM serving the base alone)",
+              title_justify="left")
+    for col in ("server", "scenario", "TTFT ms", "TPOT ms", "TPOT range", "tok/s", "TTFT x", "TPOT x",
+                "throughput x"):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for r in result["runs"]:
+        low, high = r["tpot_mean_ms_range"]
         t.add_row(r["server"], r["scenario"], f"{r['ttft_mean_ms']:.1f}", f"{r['tpot_mean_ms']:.2f}",
-                  f"{r['output_throughput']:.1f}", f"{r['ttft_ratio']:.3f}", f"{r['tpot_ratio']:.3f}",
-                  f"{r['throughput_ratio']:.3f}")
+                  f"{low:.2f}-{high:.2f}", f"{r['output_throughput']:.1f}", f"{r['ttft_ratio']:.3f}",
+                  f"{r['tpot_ratio']:.3f}", f"{r['throughput_ratio']:.3f}")
     return t
 
 
