@@ -279,6 +279,9 @@ def serve(
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file (default: a new "
                                               "temporary folder)."),
     ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
+    paging_window: int = typer.Option(0, help="Page the base experts: only this many MoE layers hold theirs at a "
+                                              "time, the others are loaded from host memory just before their "
+                                              "layer runs (0: off; implies vLLM's --enforce-eager)."),
     cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
                                                      "with vLLM's --gpu-memory-utilization)."),
 ) -> None:
@@ -287,7 +290,8 @@ def serve(
     from esftctl import serve_client
     from esftctl.serve import Server, plan, stop_on_sigterm
 
-    kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib)
+    kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
+                  paging_window=paging_window)
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
     serve_plan = plan(base, adapter, name, slots, experts_per_slot, **kwargs)

@@ -44,6 +44,7 @@ class ServePlan:
     vllm_args: list[str] = field(default_factory=list)
     cpu_kv_cache_gib: float = 1.0
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
+    paging_window: int = 0  # > 0: page the base experts through this many layers' worth of memory
 
     @property
     def url(self) -> str:
@@ -54,7 +55,8 @@ class ServePlan:
         return self.state_dir / "vllm.log"
 
     def config(self) -> ServeConfig:
-        return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"))
+        return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"),
+                           self.paging_window)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -66,6 +68,8 @@ class ServePlan:
                 "--middleware", STATUS_MIDDLEWARE]
         if self.adapters:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
+        if self.paging_window and "--enforce-eager" not in self.vllm_args:
+            cmd.append("--enforce-eager")  # paging runs host code between layers: no graphs, no compilation
         return cmd + self.vllm_args
 
     def env(self) -> dict[str, str]:
@@ -112,6 +116,10 @@ def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slot
     if slots < max(len(adapters), 1):
         raise EsftError(f"--slots {slots} cannot hold the {len(adapters)} adapters given")
     experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
+    window = kwargs.get("paging_window", 0)
+    if window < 0 or (window and window >= len(base.moe_layers)):
+        raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
+                        f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
     if experts_per_slot < widest:
         raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
                         "has in one layer")

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
 from esftctl.errors import EsftError
 from esftctl.runtime.address_space import HostAddressSpace, round_up
+
+if TYPE_CHECKING:
+    from esftctl.runtime.moe_layer import VirtualMoELayer
 
 
 @dataclass
@@ -53,34 +56,89 @@ class PagingStats:
     max_blocks_in_use: int = 0
 
 
+class OwnBlocks:
+    """Each layer its own reserved range (w13, then w2 at an aligned offset), backed by one physical block
+    (one driver handle on CUDA) while it is loaded."""
+
+    def __init__(self, sources: Mapping[int, LayerSource], device: torch.device):
+        first = next(iter(sources.values()))
+        self.w13_shape, self.w2_shape, dtype = tuple(first.w13.shape), tuple(first.w2.shape), first.w13.dtype
+        self._w2_offset = round_up(first.w13.numel() * dtype.itemsize, 256)
+        block = self._w2_offset + first.w2.numel() * dtype.itemsize
+        if device.type == "cuda":
+            from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
+
+            self.pool = PhysicalPagePool(device, page_size=block)
+            self.spaces = {l: CudaAddressSpace(block, self.pool) for l in sources}
+        else:
+            self.pool = None
+            self.spaces = {l: HostAddressSpace(block, page_size=round_up(block, mmap.PAGESIZE)) for l in sources}
+        self.views = {l: self._views(space, dtype) for l, space in self.spaces.items()}
+
+    def _views(self, space, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        raw = space.view(torch.uint8, (space.num_pages * space.page_size,))
+        n13, n2 = _numel(self.w13_shape) * dtype.itemsize, _numel(self.w2_shape) * dtype.itemsize
+        return (raw[:n13].view(dtype).view(self.w13_shape),
+                raw[self._w2_offset: self._w2_offset + n2].view(dtype).view(self.w2_shape))
+
+    def map(self, layer: int) -> None:
+        self.spaces[layer].map_page(0)
+
+    def unmap(self, layer: int) -> None:
+        self.spaces[layer].unmap_page(0)
+
+    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.views[layer]
+
+    def close(self) -> None:
+        for space in self.spaces.values():
+            space.close()
+        if self.pool is not None:
+            self.pool.trim()
+
+
+class BaseRowBlocks:
+    """The base rows 0..E-1 of ESFT virtual layers (esftctl.runtime.moe_layer): paged while the adapter rows
+    after them stay mapped; a page shared with an adapter row stays (the rows' page reference counts)."""
+
+    def __init__(self, layers: Mapping[int, "VirtualMoELayer"]):
+        self.layers = dict(layers)
+
+    def map(self, layer: int) -> None:
+        l = self.layers[layer]
+        l.w13.map_rows(range(l.num_experts))
+        l.w2.map_rows(range(l.num_experts))
+
+    def unmap(self, layer: int) -> None:
+        l = self.layers[layer]
+        l.w13.unmap_rows(range(l.num_experts))
+        l.w2.unmap_rows(range(l.num_experts))
+
+    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        l = self.layers[layer]
+        return l.w13.tensor[: l.num_experts], l.w2.tensor[: l.num_experts]
+
+    def close(self) -> None:
+        pass
+
+
 class PagedExperts:
-    def __init__(self, sources: Sequence[LayerSource], window: int = 2, resident: Sequence[int] = (),
-                 device: torch.device | str = "cuda"):
+    def __init__(self, sources: Sequence[LayerSource] | Mapping[int, LayerSource], window: int = 2,
+                 resident: Sequence[int] = (), device: torch.device | str = "cuda", blocks=None):
+        """`sources` by layer (a sequence: layers 0..n-1); `blocks` where the layers' experts live (default:
+        OwnBlocks); `resident` layers stay mapped."""
         if window < 1:
             raise EsftError("the paging window needs at least one block")
         self.device = torch.device(device)
-        self.sources = list(sources)
+        self.sources = dict(sources) if isinstance(sources, Mapping) else dict(enumerate(sources))
         self.window = window
         self.resident = set(resident)
-        first = self.sources[0]
-        self.w13_shape, self.w2_shape = tuple(first.w13.shape), tuple(first.w2.shape)
-        dtype = first.w13.dtype
-        w13_bytes = first.w13.numel() * dtype.itemsize
-        self._w2_offset = round_up(w13_bytes, 256)
-        block = self._w2_offset + first.w2.numel() * dtype.itemsize
+        self.blocks = blocks if blocks is not None else OwnBlocks(self.sources, self.device)
         if self.device.type == "cuda":
-            from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
-
-            self.pool = PhysicalPagePool(self.device, page_size=block)
-            self.spaces = [CudaAddressSpace(block, self.pool) for _ in self.sources]
             self.load_stream = torch.cuda.Stream(self.device)
             self.decode_stream = torch.cuda.Stream(self.device)  # the store tier, beside the host copies
         else:
-            self.pool = None
-            page = round_up(block, mmap.PAGESIZE)
-            self.spaces = [HostAddressSpace(block, page_size=page) for _ in self.sources]
             self.load_stream = None
-        self.views = [self._views(space, dtype) for space in self.spaces]
         self._decoders: dict[tuple[int, int], Callable[[], None]] = {}  # (layer, store experts) -> decode
         self.loaded: dict[int, object] = {}  # paged layer -> its load event (None on the CPU)
         self.last_use: dict[int, int] = {}
@@ -88,27 +146,15 @@ class PagedExperts:
         self._clock = 0
         self.stats = PagingStats()
         for layer in sorted(self.resident):
-            self.spaces[layer].map_page(0)
+            self.blocks.map(layer)
             self._fill(layer)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.load_stream)
 
-    def _views(self, space, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = space.view(torch.uint8, (space.num_pages * space.page_size,))
-        n13 = 1
-        for d in self.w13_shape:
-            n13 *= d
-        n2 = 1
-        for d in self.w2_shape:
-            n2 *= d
-        w13 = raw[: n13 * dtype.itemsize].view(dtype).view(self.w13_shape)
-        w2 = raw[self._w2_offset: self._w2_offset + n2 * dtype.itemsize].view(dtype).view(self.w2_shape)
-        return w13, w2
-
     # ---- what the model calls --------------------------------------------------------------------
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's (w13, w2) at their stable addresses; valid between `ensure(layer)` and `done(layer)`."""
-        return self.views[layer]
+        return self.blocks.weights(layer)
 
     def ensure(self, layer: int) -> None:
         """Before layer's kernels: load it if it is not, and order the compute stream after the load."""
@@ -144,13 +190,13 @@ class PagedExperts:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for layer in self.resident - layers:
-            self.spaces[layer].unmap_page(0)
+            self.blocks.unmap(layer)
         for layer in layers - self.resident:
             if layer in self.loaded:  # already in a block: it keeps it
                 self.loaded.pop(layer)
                 self._done.pop(layer, None)
             else:
-                self.spaces[layer].map_page(0)
+                self.blocks.map(layer)
                 self._fill(layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -158,7 +204,7 @@ class PagedExperts:
 
     def set_store_experts(self, count: int) -> None:
         """How many experts of each paged layer the store tier delivers from now on (the planner's choice)."""
-        for source in self.sources:
+        for source in self.sources.values():
             if count and source.make_decoder is None:
                 raise EsftError("these layers have no store tier")
             source.store_experts = min(count, source.w13.shape[0])
@@ -170,7 +216,7 @@ class PagedExperts:
             if not victims:
                 raise EsftError(f"paging window of {self.window} block(s) cannot hold layer {layer} beside {keep}")
             self._release(min(victims, key=lambda l: self.last_use.get(l, 0)))
-        self.spaces[layer].map_page(0)
+        self.blocks.map(layer)
         if self.device.type == "cuda":
             with torch.cuda.stream(self.load_stream):
                 self._fill(layer)
@@ -180,8 +226,7 @@ class PagedExperts:
             self._fill(layer)
             event = None
         self.loaded[layer] = event
-        in_use = len(self.loaded) if self.pool is None else self.pool.in_use - len(self.resident)
-        self.stats.max_blocks_in_use = max(self.stats.max_blocks_in_use, in_use)
+        self.stats.max_blocks_in_use = max(self.stats.max_blocks_in_use, len(self.loaded))
         self.stats.loads += 1
 
     def _release(self, layer: int) -> None:
@@ -192,12 +237,12 @@ class PagedExperts:
         load = self.loaded.pop(layer)
         if load is not None:  # and so must its own load, if it never ran
             load.synchronize()
-        self.spaces[layer].unmap_page(0)
+        self.blocks.unmap(layer)
 
     def _fill(self, layer: int) -> None:
         """Both tiers into the layer's block: on CUDA the decoder runs on its own stream, concurrently with
         the host copies on the load stream, which then waits for it (the load event covers both)."""
-        source, (w13, w2) = self.sources[layer], self.views[layer]
+        source, (w13, w2) = self.sources[layer], self.blocks.weights(layer)
         k = source.store_experts
         if k:
             if (layer, k) not in self._decoders:
@@ -219,10 +264,7 @@ class PagedExperts:
     def close(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for space in self.spaces:
-            space.close()
-        if self.pool is not None:
-            self.pool.trim()
+        self.blocks.close()
 
 
 def run_stack(pager: PagedExperts, order: Sequence[int], layer_fn: Callable[[int, torch.Tensor, torch.Tensor], None],
@@ -300,3 +342,10 @@ def tier_split(num_experts: int, host_bytes_per_s: float, store_bytes_per_s: flo
     share in proportion to its measured bandwidth (bytes of experts delivered per second)."""
     share = store_bytes_per_s / (store_bytes_per_s + host_bytes_per_s)
     return min(num_experts, max(0, round(num_experts * share)))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

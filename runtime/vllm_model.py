@@ -8,6 +8,9 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   one ordinary tensor and is not changed;
 - checks that conversion once against the loaded base (expert 0 of the checkpoint, converted, must equal
   row 0 bit for bit) and refuses a backend whose layout it cannot reproduce;
+- optionally pages the base experts (esftctl.runtime.paging with BaseRowBlocks): only `paging_window` layers
+  hold their base rows, the others are loaded from a host copy just before their layer runs (the experts
+  layer calls the pager around its kernel: esftctl.runtime.vllm_layers); adapter rows stay mapped;
 - sets the router's capture callback, which vLLM calls with the logical top-k ids before it uses them, to
   rewrite them in place: ids[t, j] = table[adapter(t), ids[t, j]] (esftctl.kernels.reroute). The per-token
   adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it each
@@ -30,6 +33,7 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
+from esftctl.runtime.paging import BaseRowBlocks, LayerSource, PagedExperts
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
@@ -92,7 +96,7 @@ class EsftModel:
     """A vLLM model serving ESFT adapters: `slots` loads and evicts them, `set_token_adapters` routes."""
 
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
-                 max_tokens: int):
+                 max_tokens: int, paging_window: int = 0):
         engine_layers = find_moe_layers(model)
         if sorted(engine_layers) != base.moe_layers:
             raise EsftError(f"{base.path}: the model's MoE layers {sorted(engine_layers)} are not the checkpoint's "
@@ -105,6 +109,25 @@ class EsftModel:
         for index, engine in engine_layers.items():
             self.layers[index] = self._install(engine, base, num_slots, experts_per_slot, make_space)
         self.slots = AdapterSlots(self.layers)
+        self.pager = self._page_base(engine_layers, paging_window) if paging_window else None
+
+    def _page_base(self, engine_layers: dict[int, EngineMoELayer], window: int) -> PagedExperts:
+        """Keep the base rows in host memory and let only `window` layers hold them on the device."""
+        sources = {}
+        for index, layer in self.layers.items():
+            e = layer.num_experts
+            host13, host2 = layer.w13.tensor[:e].cpu().clone(), layer.w2.tensor[:e].cpu().clone()
+            if self.device.type == "cuda":
+                host13, host2 = host13.pin_memory(), host2.pin_memory()
+            sources[index] = LayerSource(host13, host2)
+        blocks = BaseRowBlocks(self.layers)
+        for index in self.layers:
+            blocks.unmap(index)
+        pager = PagedExperts(sources, window=window, device=self.device, blocks=blocks)
+        order = list(self.layers)
+        for n, index in enumerate(order):  # forwards follow each other: after the last layer comes the first
+            engine_layers[index].experts.esft_paging = (pager, index, order[(n + 1) % len(order)])
+        return pager
 
     def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
                  make_space) -> VirtualMoELayer:

@@ -11,7 +11,8 @@ with LoRA layers:
   loads its experts into a free slot; no free slot, a bundle of another base, a corrupted bundle: it
   raises, vLLM answers the load request with the message, and serving goes on;
 - `set_active_adapters` turns the per-token LoRA ids into per-token slots for the rerouting.
-After every change it writes the adapter and memory table to the status file `esftctl serve` shows.
+After every change, and every second while serving, it writes the adapter and memory table to the status
+file `esftctl serve` shows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_model import EsftModel
 
 
+STATUS_EVERY_S = 1.0  # the status file is also rewritten at most this often while serving
+
+
 class EsftWorkerManager:
     """The interface of vLLM's WorkerLoRAManager, over ESFT adapter slots."""
 
@@ -44,6 +48,7 @@ class EsftWorkerManager:
         self.last_used: dict[int, float] = {}
         self.active: set[int] = set()  # LoRA ids of the last step's batch
         self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
+        self._status_written = 0.0
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -53,7 +58,8 @@ class EsftWorkerManager:
     def create_lora_manager(self, model, vllm_config=None):
         scheduler = self.vllm_config.scheduler_config
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
-        self.runtime = EsftModel(model, self.base, self.config.slots, self.config.experts_per_slot, max_tokens)
+        self.runtime = EsftModel(model, self.base, self.config.slots, self.config.experts_per_slot, max_tokens,
+                                 self.config.paging_window)
         self.write_status()
         return model
 
@@ -138,6 +144,8 @@ class EsftWorkerManager:
                 self.retiring.add(lora_id)
             self.last_used[lora_id] = now
         self.active = set(wanted)
+        if now - self._status_written > STATUS_EVERY_S:  # counters (paging loads, KV cache) stay current
+            self.write_status()
         if mapping is None:
             return
         lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)
@@ -186,9 +194,12 @@ class EsftWorkerManager:
             "padded_bytes": len(adapters) * widest * expert_bytes,
             "merged_bytes": len(adapters) * self.base.total_nbytes,
             "kv_cache_tokens": blocks * cache.block_size if blocks else None,
+            "paging_window": self.config.paging_window,
+            "paging_loads": runtime.pager.stats.loads if runtime.pager else 0,
         }
 
     def write_status(self) -> None:
+        self._status_written = time.monotonic()
         if self.config.status_file:
             write_json(Path(self.config.status_file), self.status())
 

@@ -92,7 +92,7 @@ def test_paging_equals_resident(device, window, resident, store_experts, tmp_pat
     assert pager.stats.loads >= paged_layers
     assert pager.stats.decoded_experts == store_experts * (pager.stats.loads + len(resident))
     if device == "cuda":
-        assert pager.pool.in_use <= window + len(resident)
+        assert pager.blocks.pool.in_use <= window + len(resident)
     pager.close()
 
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -193,6 +194,21 @@ def test_load_and_unload_under_load(deepseek):
     assert "extra" not in [a["name"] for a in status(url)["adapters"]]
 
 
+def test_paged_base_experts_serve_the_same_answers(deepseek, world):
+    """`--paging-window 1`: one MoE layer's base experts at a time, the others loaded just before they run."""
+    serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in deepseek["bundles"].items()], name="base",
+                      port=free_port(), state_dir=deepseek["tmp"] / "state_paged", vllm_args=ENGINE_ARGS,
+                      paging_window=1)
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
+        time.sleep(1.5)  # the engine rewrites its status at most once a second, at the start of a step
+        complete(serve_plan.url, "base", deepseek["prompts"][0])
+        s = status(serve_plan.url)
+        # Every step walks the layers: far more loads than layers, so paging was really in the path.
+        assert s["paging_window"] == 1 and s["paging_loads"] > 3 * len(s["moe_layers"])
+
+
 @pytest.mark.parametrize("architecture", ["qwen2_moe"])
 def test_other_architecture_served_exactly(architecture, world, tmp_path):
     from transformers import AutoTokenizer
@@ -220,6 +236,8 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert proc.returncode == 1 and "expected NAME=BUNDLE" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={tmp_path}")
     assert proc.returncode == 1 and "not an adapter bundle" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--paging-window", "3")
+    assert proc.returncode == 1 and "--paging-window 3: choose 1..2 layers" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
 

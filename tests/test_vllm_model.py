@@ -81,18 +81,28 @@ def engine_model(ckpt: MoECheckpoint, experts: dict | None, device: str) -> torc
 
 
 def run_layers(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Every MoE layer on x, one after another (residual), as the model's forward would."""
+    """Every MoE layer on x, one after another (residual), as the model's forward would; around a paged
+    layer's kernel, the pager calls that esftctl's RoutedExperts makes in vLLM (runtime/vllm_layers.py)."""
     for layer in model.layers.values():
+        paging = getattr(layer.mlp.experts.routed_experts, "esft_paging", None)
+        if paging is not None:
+            pager, index, following = paging
+            pager.ensure(index)
         x = x + layer.mlp.experts(x).to(x.dtype)
+        if paging is not None:
+            pager.done(index)
+            pager.prefetch(following, current=index)
     return x
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device):
+@pytest.mark.parametrize("paging_window", [0, 1, 2])
+def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device, paging_window):
+    """With base experts paged (window 1 or 2 of 3 MoE layers) or not."""
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
     adapters = {f"a{k}": synthetic_experts(ckpt, seed=k, experts_per_layer=2 + 2 * k, scale=4.0) for k in range(3)}
     served = engine_model(ckpt, None, device)
-    runtime = EsftModel(served, ckpt, num_slots=4, experts_per_slot=6, max_tokens=64)
+    runtime = EsftModel(served, ckpt, num_slots=4, experts_per_slot=6, max_tokens=64, paging_window=paging_window)
     slots = {name: runtime.slots.load(name, experts) for name, experts in adapters.items()}
     assert isinstance(served.layers["1"].mlp.experts.routed_experts.w13_weight.data, torch.Tensor)
     x = torch.randn(48, ckpt.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
@@ -105,6 +115,8 @@ def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device):
         rows = owner == slot
         torch.testing.assert_close(got[torch.from_numpy(rows).to(device)], want[torch.from_numpy(rows).to(device)],
                                    rtol=0, atol=0, msg=f"tokens of {name}")
+    if paging_window:
+        assert runtime.pager.stats.loads >= len(runtime.layers) and runtime.pager.stats.max_blocks_in_use <= paging_window
     # The adapters change the outputs, so the comparison above means something.
     assert not torch.equal(run_layers(engine_model(ckpt, adapters["a2"], device), x), run_layers(
         engine_model(ckpt, None, device), x))
