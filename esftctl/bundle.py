@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -198,7 +199,7 @@ class Bundle:
         layers = len(counts)
         most = max(counts) if counts else 0
         mean = sum(counts) / layers if layers else 0.0
-        expert_bytes = sum(_numel(s) for s in self.manifest["shapes"].values()) * TORCH_DTYPES[self.manifest["dtype"]].itemsize
+        expert_bytes = sum(math.prod(s) for s in self.manifest["shapes"].values()) * TORCH_DTYPES[self.manifest["dtype"]].itemsize
         return {
             "kind": "bundle", "path": str(self.path), "name": self.name, "architecture": self.base["architecture"],
             "base_fingerprint": self.base["fingerprint"], "moe_layers": self.base["moe_layers"],
@@ -207,10 +208,3 @@ class Bundle:
             "expert_bytes": expert_bytes,
             "bundle_bytes": self.data_file.stat().st_size, "non_expert_tensors": len(self.non_expert_tensors),
         }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -16,6 +16,7 @@ turns checkpoint weights into that layout's rows, and the rows' shapes follow fr
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -64,9 +65,9 @@ class VirtualMoELayer:
         self.num_slots = num_slots
         self.num_rows = num_experts + num_slots * experts_per_slot
         self.layout = layout or ExpertLayout.plain(hidden_size, intermediate_size)
-        self.w13 = VirtualExpertTensor(make_space(self.num_rows * _numel(self.layout.w13_row) * dtype.itemsize),
+        self.w13 = VirtualExpertTensor(make_space(self.num_rows * math.prod(self.layout.w13_row) * dtype.itemsize),
                                        self.num_rows, self.layout.w13_row, dtype)
-        self.w2 = VirtualExpertTensor(make_space(self.num_rows * _numel(self.layout.w2_row) * dtype.itemsize),
+        self.w2 = VirtualExpertTensor(make_space(self.num_rows * math.prod(self.layout.w2_row) * dtype.itemsize),
                                       self.num_rows, self.layout.w2_row, dtype)
         self.device = self.w13.space.device
         self.table = torch.arange(num_experts, dtype=torch.int32, device=self.device).repeat(num_slots + 1, 1)
@@ -166,10 +167,3 @@ class VirtualMoELayer:
     def close(self) -> None:
         self.w13.close()
         self.w2.close()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

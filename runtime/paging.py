@@ -23,6 +23,7 @@ ordering logic are exercised by CI; the speed question exists only on a GPU.
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
@@ -77,7 +78,7 @@ class OwnBlocks:
 
     def _views(self, space, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         raw = space.view(torch.uint8, (space.num_pages * space.page_size,))
-        n13, n2 = _numel(self.w13_shape) * dtype.itemsize, _numel(self.w2_shape) * dtype.itemsize
+        n13, n2 = math.prod(self.w13_shape) * dtype.itemsize, math.prod(self.w2_shape) * dtype.itemsize
         return (raw[:n13].view(dtype).view(self.w13_shape),
                 raw[self._w2_offset: self._w2_offset + n2].view(dtype).view(self.w2_shape))
 
@@ -342,10 +343,3 @@ def tier_split(num_experts: int, host_bytes_per_s: float, store_bytes_per_s: flo
     share in proportion to its measured bandwidth (bytes of experts delivered per second)."""
     share = store_bytes_per_s / (store_bytes_per_s + host_bytes_per_s)
     return min(num_experts, max(0, round(num_experts * share)))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -7,6 +7,7 @@ shared pages counted so that neighbours keep them alive.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -21,9 +22,7 @@ class VirtualExpertTensor:
         self.num_rows = num_rows
         self.row_shape = tuple(row_shape)
         self.dtype = dtype
-        self.row_bytes = dtype.itemsize
-        for d in self.row_shape:
-            self.row_bytes *= d
+        self.row_bytes = dtype.itemsize * math.prod(self.row_shape)
         if num_rows * self.row_bytes > space.num_pages * space.page_size:
             raise ValueError("address space smaller than the tensor")
         self.pages = PageRefCounts(space.page_size, space.num_pages)
