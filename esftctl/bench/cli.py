@@ -25,6 +25,18 @@ def _save(result: dict, out: Path, name: str, plot) -> None:
     console.print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
 
 
+def _measure(bench, name: str, out: Path, as_json: bool, *args, **kwargs) -> None:
+    """Run `bench.run(*args, **kwargs)` under a status line, print its table(s) or JSON, save JSON and plot."""
+    with console.status("measuring") as status:
+        result = bench.run(*args, **kwargs, on_step=lambda msg: status.update(f"measuring: {msg}"))
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        for table in bench.tables(result) if hasattr(bench, "tables") else [bench.table(result)]:
+            console.print(table)
+    _save(result, out, name, bench.plot)
+
+
 def _counts(option: str, text: str) -> tuple[int, ...]:
     """A comma-separated list of positive whole numbers, or a one-line error naming the option."""
     from esftctl.errors import EsftError
@@ -51,10 +63,7 @@ def memory(
 
     if backend not in ("auto", "cuda", "accounting"):
         raise EsftError(f"unknown backend {backend!r} (choose auto, cuda or accounting)")
-    with console.status("measuring") as status:
-        result = bench.run(backend, on_step=lambda msg: status.update(f"measuring: {msg}"))
-    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
-    _save(result, out, "memory", bench.plot)
+    _measure(bench, "memory", out, as_json, backend)
 
 
 @app.command()
@@ -65,14 +74,7 @@ def reroute(
     """Rerouting cost in a DeepSeek-V2-Lite MoE layer on the GPU: fused vs unfused, and 1-20 adapters vs base."""
     from esftctl.bench import reroute as bench
 
-    with console.status("measuring") as status:
-        result = bench.run(on_step=lambda msg: status.update(f"measuring: {msg}"))
-    if as_json:
-        print(json.dumps(result, indent=1))
-    else:
-        for t in bench.tables(result):
-            console.print(t)
-    _save(result, out, "reroute", bench.plot)
+    _measure(bench, "reroute", out, as_json)
 
 
 @app.command()
@@ -85,11 +87,7 @@ def compress(
     """Huffman expert stores: size vs entropy bound and general-purpose compressors; GPU decode vs bandwidth."""
     from esftctl.bench import compress as bench
 
-    counts = _counts("--experts", experts)
-    with console.status("measuring") as status:
-        result = bench.run(counts=counts, table_scope=table_scope, on_step=lambda msg: status.update(msg))
-    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
-    _save(result, out, "compress", bench.plot)
+    _measure(bench, "compress", out, as_json, counts=_counts("--experts", experts), table_scope=table_scope)
 
 
 @app.command()
@@ -102,10 +100,7 @@ def consolidate(
     """Consolidated vs own vs weight-averaged variants of the tiny world, for 2, 3 and 4 variants."""
     from esftctl.bench import consolidate as bench
 
-    with console.status("measuring") as status:
-        result = bench.run(steps=steps, eval_examples=eval_examples, on_step=lambda msg: status.update(msg))
-    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
-    _save(result, out, "consolidate", bench.plot)
+    _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples)
 
 
 @app.command()
@@ -122,12 +117,8 @@ def serve(
     """TTFT, TPOT and output throughput: plain vLLM (base, merged) vs esftctl serve with 1-20 adapters."""
     from esftctl.bench import serve as bench
 
-    counts = _counts("--adapters", adapters)
-    with console.status("measuring") as status:
-        result = bench.run(counts, requests, output_len, concurrency, alpha, repeats=repeats,
-                           on_step=lambda msg: status.update(msg))
-    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
-    _save(result, out, "serve", bench.plot)
+    _measure(bench, "serve", out, as_json, _counts("--adapters", adapters), requests, output_len, concurrency,
+             alpha, repeats=repeats)
 
 
 @app.command()
@@ -146,8 +137,4 @@ def paging(
     sizes = _counts("--batches", batches)
     if window >= layers:
         raise EsftError(f"--window {window} must be smaller than --layers {layers}, or nothing is paged")
-    with console.status("measuring") as status:
-        result = bench.run(layers=layers, batches=sizes, prompt_len=prompt_len, window=window,
-                           on_step=lambda msg: status.update(msg))
-    print(json.dumps(result, indent=1)) if as_json else console.print(bench.table(result))
-    _save(result, out, "paging", bench.plot)
+    _measure(bench, "paging", out, as_json, layers=layers, batches=sizes, prompt_len=prompt_len, window=window)
