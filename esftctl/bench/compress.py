@@ -22,14 +22,19 @@ from esftctl.store import ExpertStore, SourceTensor, write_store
 EXPERT_COUNTS = (1, 8, 64)
 
 
+def trained_like(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """bf16 weights like trained ones: normal values, a log-normal scale per output row (std 0.02 x e^N(0, 0.25)),
+    on the generator's device."""
+    device = generator.device
+    scale = torch.exp(torch.randn(*shape[:-1], 1, generator=generator, device=device) * 0.5) * 0.02
+    return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16)
+
+
 def trained_like_expert(shape: MoEShape, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for w, (rows, cols) in (("gate", (shape.intermediate, shape.hidden)), ("up", (shape.intermediate, shape.hidden)),
-                            ("down", (shape.hidden, shape.intermediate))):
-        scale = torch.exp(torch.randn(rows, 1, generator=g) * 0.5) * 0.02
-        out[w] = (torch.randn(rows, cols, generator=g) * scale).to(torch.bfloat16)
-    return out
+    return {w: trained_like(rows_cols, g) for w, rows_cols in (
+        ("gate", (shape.intermediate, shape.hidden)), ("up", (shape.intermediate, shape.hidden)),
+        ("down", (shape.hidden, shape.intermediate)))}
 
 
 def _general_purpose(raw: bytes) -> dict[str, int]:

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from esftctl.bench.compress import trained_like
 from esftctl.bench.moe_layer import experts as moe_experts
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape
 from esftctl.errors import EsftError
@@ -32,13 +33,10 @@ KV_BYTES_PER_TOKEN = 27 * 576 * 2  # DeepSeek-V2-Lite MLA cache, bf16
 
 
 def _layer_weights(shape: MoEShape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole layer of trained-like experts, made on the GPU: w13 [E, 2I, H], w2 [E, H, I]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     e, h, i = shape.experts, shape.hidden, shape.intermediate
-    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16)
-    w13 *= (torch.exp(torch.randn(e, 2 * i, 1, device="cuda", generator=g) * 0.5) * 0.02).to(torch.bfloat16)
-    w2 = torch.randn(e, h, i, device="cuda", generator=g, dtype=torch.bfloat16)
-    w2 *= (torch.exp(torch.randn(e, h, 1, device="cuda", generator=g) * 0.5) * 0.02).to(torch.bfloat16)
-    return w13, w2
+    return trained_like((e, 2 * i, h), g), trained_like((e, h, i), g)
 
 
 def _store(w13: torch.Tensor, w2: torch.Tensor, folder: Path):
