@@ -116,7 +116,7 @@ class EsftModel:
         sources = {}
         for index, layer in self.layers.items():
             e = layer.num_experts
-            host13, host2 = layer.w13.tensor[:e].cpu().clone(), layer.w2.tensor[:e].cpu().clone()
+            host13, host2 = layer.w13.tensor[:e].to("cpu", copy=True), layer.w2.tensor[:e].to("cpu", copy=True)
             if self.device.type == "cuda":
                 host13, host2 = host13.pin_memory(), host2.pin_memory()
             sources[index] = LayerSource(host13, host2)

@@ -54,6 +54,23 @@ def tiny_models(tmp_path_factory):
             for arch in ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral")}
 
 
+def plain_vllm(models: dict[str, Path], prompts: list[str], tmp: Path, max_tokens: int, logprobs: int
+               ) -> dict[str, list[dict]]:
+    """Each model served alone by plain vLLM (esftctl.vllm_generate, one subprocess for all): {name: per prompt
+    its token_ids, text and top logprobs}."""
+    import json
+
+    req, out = tmp / "plain_vllm_request.json", tmp / "plain_vllm.json"
+    req.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs}))
+    dirs = [str(d) for d in models.values()]
+    proc = subprocess.run([sys.executable, "-m", "esftctl.vllm_generate", ",".join(dirs), str(req), str(out)],
+                          capture_output=True, text=True, timeout=1800, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    by_dir = results if len(dirs) > 1 else {dirs[0]: results}  # one model: vllm_generate writes its list
+    return {name: by_dir[str(d)] for name, d in models.items()}
+
+
 def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     """Run `esftctl ARGS` in a subprocess, as a user would."""
     proc = subprocess.run([sys.executable, "-m", "esftctl.cli", *map(str, args)], capture_output=True, text=True,

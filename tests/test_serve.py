@@ -9,11 +9,8 @@ mix every adapter and the base must get the reference's greedy tokens and log-pr
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import plain_vllm, run_cli
 from esftctl.errors import EsftError
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
@@ -57,14 +54,7 @@ def make_adapters(base: Path, root: Path, seed: int) -> tuple[dict[str, Path], d
 
 def reference(models_by_name: dict[str, Path], prompts: list[str], tmp: Path) -> dict[str, list[dict]]:
     """Each model served alone by plain vLLM: {name: [per prompt: token_ids, logprobs]}."""
-    req, out = tmp / "reference_request.json", tmp / "reference.json"
-    req.write_text(json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}))
-    dirs = [str(models_by_name[n]) for n in models_by_name]
-    proc = subprocess.run([sys.executable, "-m", "esftctl.vllm_generate", ",".join(dirs), str(req), str(out)],
-                          capture_output=True, text=True, timeout=1800, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    by_dir = json.loads(out.read_text())
-    return {n: by_dir[str(d)] for n, d in models_by_name.items()}
+    return plain_vllm(models_by_name, prompts, tmp, MAX_TOKENS, LOGPROBS)
 
 
 def complete(url: str, model: str, prompt: str) -> dict:

@@ -6,14 +6,10 @@ parted from transformers with gaps of 2.6 nats); esftctl's vLLM plugin (runtime/
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from conftest import plain_vllm
 from esftctl.jsonl import read_jsonl
 from esftctl.world.tasks import TASKS
 
@@ -44,13 +40,7 @@ def test_vllm_greedy_matches_transformers(world, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompts = [e["prompt"] for t in TASKS for e in list(read_jsonl(world.data_file(t.name, "test")))[:2]]
-    request = tmp_path / "request.json"
-    request.write_text(json.dumps({"prompts": prompts, "max_tokens": 4, "logprobs": 5}))
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "esftctl.vllm_generate", str(world.base_dir), str(request), str(out)],
-                          capture_output=True, text=True, timeout=900, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = plain_vllm({"base": world.base_dir}, prompts, tmp_path, max_tokens=4, logprobs=5)["base"]
 
     tok = AutoTokenizer.from_pretrained(world.base_dir)
     model = AutoModelForCausalLM.from_pretrained(world.base_dir, dtype=torch.float32).eval()
