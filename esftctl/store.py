@@ -239,7 +239,8 @@ class ExpertStore:
             table.append(np.full(e["chunks"], e["table"], dtype=np.int32))
         descriptors = {k: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).to(device)
                        for k, v in (("bits", bits), ("sm", sm), ("dst", dst), ("len", lengths), ("table", table))}
-        return DecodePlan(data, tables, self.chunk, descriptors, [out for _, out in targets])
+        aligned = all(out.data_ptr() % (2 * DecodePlan.GROUP) == 0 for _, out in targets)
+        return DecodePlan(data, tables, self.chunk, descriptors, [out for _, out in targets], aligned)
 
     def describe(self) -> dict:
         h = self.header

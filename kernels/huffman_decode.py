@@ -10,7 +10,8 @@ MAX_LENGTH bits remain. Each dependent step looks up the next MAX_LENGTH bits in
 (esftctl.huffman.multi_symbol_table): every whole code at the window's front, up to four, and the bits they
 use; at about 2.6 bits per exponent a step yields about four values. Values queue in registers (one byte
 each) until GROUP are ready; then they are joined with their sign-and-mantissa bytes and written as GROUP
-contiguous bf16 values, so the lane's loads of those bytes and its stores are 32-byte runs, not scattered.
+contiguous bf16 values. Where the plan proved every chunk starts on a group boundary (in the store and in
+memory), those bytes move as vectors: one 16-byte load and two 16-byte stores a lane, not 32 scalar ones.
 A program is one warp: "does any lane still need values for this group?" is a warp vote.
 
 The plain reference is the CPU decoder (esftctl.huffman.decode + join_bf16); the tests compare the two.
@@ -36,7 +37,7 @@ try:
     @triton.jit
     def _decode_chunks_kernel(words_ptr, data_ptr, multi_ptr, bit_ptr, sm_ptr, dst_ptr, len_ptr, table_ptr,
                               n_chunks, CHUNK: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
         lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < n_chunks
         bit = tl.load(bit_ptr + lanes, mask=ok, other=0)
@@ -55,6 +56,13 @@ try:
         spill = tl.zeros([BLOCK], dtype=tl.uint64)
         queued = tl.zeros([BLOCK], dtype=tl.int32)
         cols = tl.arange(0, GROUP)
+        quarter = (cols // 4)[None, :]
+        shifts = (8 * (cols % 4)).to(tl.uint32)[None, :]
+        if ALIGNED:  # the plan checked: every chunk's bytes and destination start on a GROUP-value boundary
+            sm_at = tl.multiple_of(sm_at, GROUP)
+            out = tl.multiple_of(out, 2 * GROUP)
+        sm_ptrs = data_ptr + sm_at[:, None] + cols[None, :]
+        out_ptrs = out[:, None] + cols[None, :]
         for g in range(0, CHUNK, GROUP):
             want = tl.minimum(n - g, GROUP)
             while tl.max(want - queued, axis=0) > 0:
@@ -79,13 +87,22 @@ try:
                 nbits -= used
                 # A window with no whole code can only be bits past the stream's end: stop that lane.
                 queued = tl.where(active, tl.where(count == 0, want, queued + count), queued)
-            index = g + cols
-            live = ok[:, None] & (index[None, :] < n[:, None])
-            packed = tl.where(cols[None, :] < 8, lo[:, None], hi[:, None])
-            symbols16 = ((packed >> (8 * (cols % 8))[None, :].to(tl.uint64)) & 0xFF).to(tl.int32)
-            sm = tl.load(data_ptr + sm_at[:, None] + index[None, :], mask=live, other=0).to(tl.int32)
-            bits = ((sm & 0x80) << 8) | (symbols16 << 7) | (sm & 0x7F)
-            tl.store(out[:, None] + index[None, :], bits.to(tl.int16), mask=live)
+            # 32-bit words of the queue; which word a column reads is known at compile time.
+            w0, w1 = lo.to(tl.uint32)[:, None], (lo >> 32).to(tl.uint32)[:, None]
+            w2, w3 = hi.to(tl.uint32)[:, None], (hi >> 32).to(tl.uint32)[:, None]
+            packed = tl.where(quarter < 2, tl.where(quarter == 0, w0, w1), tl.where(quarter == 2, w2, w3))
+            exponents = ((packed >> shifts) & 0xFF).to(tl.int16)
+            # Whole groups: one mask per lane, so each lane's bytes move as vectors (16 B in, 32 B out).
+            whole = ok & (g + GROUP <= n)
+            sm = tl.load(sm_ptrs, mask=whole[:, None], other=0).to(tl.int16)
+            tl.store(out_ptrs, (sm & -128) << 8 | (exponents << 7) | (sm & 0x7F), mask=whole[:, None])
+            tail = ok & (g < n) & ~whole
+            if tl.max(tail.to(tl.int32), axis=0) > 0:  # a lane's last, partial group (a tensor's tail)
+                mask = tail[:, None] & (cols[None, :] < (n - g)[:, None])
+                sm = tl.load(sm_ptrs, mask=mask, other=0).to(tl.int16)
+                tl.store(out_ptrs, (sm & -128) << 8 | (exponents << 7) | (sm & 0x7F), mask=mask)
+            sm_ptrs += GROUP
+            out_ptrs += GROUP
             lo, hi, spill = spill, tl.zeros([BLOCK], dtype=tl.uint64), tl.zeros([BLOCK], dtype=tl.uint64)
             queued = tl.maximum(queued - GROUP, 0)
 
@@ -100,7 +117,7 @@ class DecodePlan:
     GROUP = 16
 
     def __init__(self, data: torch.Tensor, tables: torch.Tensor, chunk: int, descriptors: dict[str, torch.Tensor],
-                 keepalive: list[torch.Tensor]):
+                 keepalive: list[torch.Tensor], aligned: bool = False):
         if data.numel() % 4:
             raise ValueError("the data buffer must hold whole 32-bit words")
         self.data, self.tables, self.chunk = data, tables, chunk
@@ -108,6 +125,9 @@ class DecodePlan:
         self.d = descriptors
         self._keepalive = keepalive  # the destinations: their addresses are baked into the descriptors
         self.n_chunks = int(descriptors["bits"].numel())
+        self.group = min(self.GROUP, triton.next_power_of_2(chunk)) if triton else self.GROUP
+        # Vector loads and stores need every chunk to start on a group boundary, in the store and in memory.
+        self.aligned = aligned and chunk % self.group == 0
 
     def run(self) -> None:
         if triton is None:
@@ -117,4 +137,4 @@ class DecodePlan:
         _decode_chunks_kernel[(triton.cdiv(self.n_chunks, self.BLOCK),)](
             self.words, self.data, self.tables, self.d["bits"], self.d["sm"], self.d["dst"], self.d["len"],
             self.d["table"], self.n_chunks, CHUNK=self.chunk, WIDTH=MAX_LENGTH,
-            GROUP=min(self.GROUP, triton.next_power_of_2(self.chunk)), BLOCK=self.BLOCK, num_warps=self.BLOCK // 32)
+            GROUP=self.group, BLOCK=self.BLOCK, ALIGNED=self.aligned, num_warps=self.BLOCK // 32)

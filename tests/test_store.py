@@ -156,9 +156,10 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_store import _store_of, _special_values, _heavy_tailed
 tensors = {{"specials": _special_values(3001, 1), "normal": (torch.randn(70, 50) * 0.02).to(torch.bfloat16),
-           "heavy": _heavy_tailed(999, 2), "one": torch.tensor([1.5], dtype=torch.bfloat16)}}
-for chunk in (7, 64):
-    store = _store_of(tensors, Path({tmp!r}) / f"s{{chunk}}", chunk=chunk, table_scope="layer")
+           "heavy": _heavy_tailed(999, 2), "one": torch.tensor([1.5], dtype=torch.bfloat16),
+           "constant": torch.full((333,), 0.25, dtype=torch.bfloat16)}}
+for chunk, scope in ((7, "layer"), (64, "tensor"), (48, "layer")):  # 64: vector path; "tensor": one-symbol code
+    store = _store_of(tensors, Path({tmp!r}) / f"s{{chunk}}", chunk=chunk, table_scope=scope)
     outs = [(n, torch.full(t.shape, float("nan"), dtype=torch.bfloat16)) for n, t in tensors.items()]
     store.plan(outs).run()
     for n, out in outs:
