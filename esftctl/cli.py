@@ -279,9 +279,9 @@ def serve(
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file (default: a new "
                                               "temporary folder)."),
     ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
-    paging_window: int = typer.Option(0, help="Page the base experts: only this many MoE layers hold theirs at a "
-                                              "time, the others are loaded from host memory just before their "
-                                              "layer runs (0: off; implies vLLM's --enforce-eager)."),
+    paging_window: int = typer.Option(0, help="Page the experts, base and adapters': only this many MoE layers hold "
+                                              "theirs at a time, the others are loaded from host memory just before "
+                                              "their layer runs (0: off; implies vLLM's --enforce-eager)."),
     cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
                                                      "with vLLM's --gpu-memory-utilization)."),
 ) -> None:

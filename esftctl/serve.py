@@ -44,7 +44,7 @@ class ServePlan:
     vllm_args: list[str] = field(default_factory=list)
     cpu_kv_cache_gib: float = 1.0
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
-    paging_window: int = 0  # > 0: page the base experts through this many layers' worth of memory
+    paging_window: int = 0  # > 0: page the experts (base and adapters) through this many layers' worth of memory
 
     @property
     def url(self) -> str:

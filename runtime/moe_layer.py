@@ -74,6 +74,9 @@ class VirtualMoELayer:
         self._identity = self.table[0].clone()
         self._free_rows = list(range(num_experts, self.num_rows))  # a heap: lowest row first
         self.slot_rows: dict[int, dict[int, int]] = {}
+        # Paging (esftctl.runtime.paging): a host copy of every row, and whether the rows are on the device.
+        self.host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.paged_out = False
 
     @property
     def expert_bytes(self) -> int:
@@ -94,10 +97,55 @@ class VirtualMoELayer:
         self.write_rows(rows, w13, w2)
 
     def write_rows(self, rows: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row]) into mapped rows."""
+        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row]) into their rows: the
+        device rows unless the layer is paged out, and the host copy if the layer keeps one."""
         for k, row in enumerate(rows):
-            self.w13.tensor[row].copy_(w13[k], non_blocking=True)
-            self.w2.tensor[row].copy_(w2[k], non_blocking=True)
+            if self.host is not None:
+                self.host[0][row].copy_(w13[k])
+                self.host[1][row].copy_(w2[k])
+            if not self.paged_out:
+                self.w13.tensor[row].copy_(w13[k], non_blocking=True)
+                self.w2.tensor[row].copy_(w2[k], non_blocking=True)
+
+    # ---- paging: every expert of the layer, base and adapters alike, leaves and returns together ----
+    def keep_host_copy(self) -> None:
+        """From now on keep every row in host memory too (pinned beside a GPU), starting with the base rows."""
+        pin = self.device.type == "cuda"
+        self.host = tuple(torch.empty((self.num_rows, *row), dtype=t.dtype, pin_memory=pin)
+                          for row, t in ((self.layout.w13_row, self.w13), (self.layout.w2_row, self.w2)))
+        for held in (range(self.num_experts), *(rows.values() for rows in self.slot_rows.values())):
+            for row in held:
+                self.host[0][row].copy_(self.w13.tensor[row])
+                self.host[1][row].copy_(self.w2.tensor[row])
+
+    def held_rows(self) -> list[int]:
+        """The rows with experts in use: the base's and those of attached adapters."""
+        return sorted({*range(self.num_experts), *(r for rows in self.slot_rows.values() for r in rows.values())})
+
+    def held_runs(self) -> list[tuple[int, int]]:
+        """`held_rows` as runs [start, stop) of consecutive rows: one copy each."""
+        runs: list[tuple[int, int]] = []
+        for row in self.held_rows():
+            if runs and runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], row + 1)
+            else:
+                runs.append((row, row + 1))
+        return runs
+
+    def page_out(self) -> None:
+        """Unmap every held row (the caller made sure no queued kernel reads them); the host copy stays."""
+        if self.host is None:
+            raise EsftError("a layer pages out only once it keeps a host copy of its rows")
+        rows = [r for r in self.held_rows() if self.w13.is_mapped(r)]
+        self.w13.unmap_rows(rows)
+        self.w2.unmap_rows(rows)
+        self.paged_out = True
+
+    def page_in(self) -> None:
+        """Map every held row again; their contents are the caller's to copy in (from `host`)."""
+        rows = [r for r in self.held_rows() if not self.w13.is_mapped(r)]
+        self._map(rows)
+        self.paged_out = False
 
     def _map(self, rows: list[int]) -> None:
         self.w13.map_rows(rows)
@@ -131,7 +179,8 @@ class VirtualMoELayer:
         if len(experts) > len(self._free_rows):
             raise EsftError(f"no room: {len(experts)} experts to load, {len(self._free_rows)} free rows in the layer")
         rows = {e: heapq.heappop(self._free_rows) for e in sorted(experts)}
-        self._map(list(rows.values()))
+        if not self.paged_out:  # a paged-out layer gets the rows mapped (and filled) when it pages in
+            self._map(list(rows.values()))
         written = [e for e in rows if experts[e] is not None]
         self._write([rows[e] for e in written], [experts[e] for e in written])
         new_map = self._identity.clone()
@@ -153,8 +202,9 @@ class VirtualMoELayer:
         return list(rows.values())
 
     def release_rows(self, rows: list[int]) -> None:
-        self.w13.unmap_rows(rows)
-        self.w2.unmap_rows(rows)
+        mapped = [r for r in rows if self.w13.is_mapped(r)]  # a paged-out layer's rows are not
+        self.w13.unmap_rows(mapped)
+        self.w2.unmap_rows(mapped)
         for row in rows:
             heapq.heappush(self._free_rows, row)
 

@@ -40,12 +40,14 @@ if TYPE_CHECKING:
 @dataclass
 class LayerSource:
     """Where one layer's experts come from: pinned host tensors, and optionally a decode plan that writes
-    experts [0, store_experts) into given destinations (built with the layer's stable w13/w2)."""
+    experts [0, store_experts) into given destinations (built with the layer's stable w13/w2). The store
+    holds `stored` experts (an ESFT layer's base experts; its adapter rows come from the host)."""
 
-    w13: torch.Tensor  # [E, 2I, H], pinned host memory on CUDA
-    w2: torch.Tensor  # [E, H, I]
+    w13: torch.Tensor  # [rows, 2I, H], pinned host memory on CUDA
+    w2: torch.Tensor  # [rows, H, I]
     store_experts: int = 0
     make_decoder: Callable[[torch.Tensor, torch.Tensor], Callable[[], None]] | None = None
+    stored: int | None = None  # None: every row
 
 
 @dataclass
@@ -91,6 +93,10 @@ class OwnBlocks:
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.views[layer]
 
+    def runs(self, layer: int) -> list[tuple[int, int]]:
+        """Which rows of the block hold experts: all of them."""
+        return [(0, self.w13_shape[0])]
+
     def close(self) -> None:
         for space in self.spaces.values():
             space.close()
@@ -98,26 +104,26 @@ class OwnBlocks:
             self.pool.trim()
 
 
-class BaseRowBlocks:
-    """The base rows 0..E-1 of ESFT virtual layers (esftctl.runtime.moe_layer): paged while the adapter rows
-    after them stay mapped; a page shared with an adapter row stays (the rows' page reference counts)."""
+class HeldRowBlocks:
+    """The held rows of ESFT virtual layers (esftctl.runtime.moe_layer): the base experts and every attached
+    adapter's, paged together in their layer's own tensors. The layers keep host copies of all rows; an
+    adapter loaded while its layer is out is written there and comes in with the layer."""
 
     def __init__(self, layers: Mapping[int, "VirtualMoELayer"]):
         self.layers = dict(layers)
 
     def map(self, layer: int) -> None:
-        l = self.layers[layer]
-        l.w13.map_rows(range(l.num_experts))
-        l.w2.map_rows(range(l.num_experts))
+        self.layers[layer].page_in()
 
     def unmap(self, layer: int) -> None:
-        l = self.layers[layer]
-        l.w13.unmap_rows(range(l.num_experts))
-        l.w2.unmap_rows(range(l.num_experts))
+        self.layers[layer].page_out()
 
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         l = self.layers[layer]
-        return l.w13.tensor[: l.num_experts], l.w2.tensor[: l.num_experts]
+        return l.w13.tensor, l.w2.tensor
+
+    def runs(self, layer: int) -> list[tuple[int, int]]:
+        return self.layers[layer].held_runs()
 
     def close(self) -> None:
         pass
@@ -208,7 +214,7 @@ class PagedExperts:
         for source in self.sources.values():
             if count and source.make_decoder is None:
                 raise EsftError("these layers have no store tier")
-            source.store_experts = min(count, source.w13.shape[0])
+            source.store_experts = min(count, source.w13.shape[0] if source.stored is None else source.stored)
 
     # ---- loading ---------------------------------------------------------------------------------
     def _load(self, layer: int, keep: int) -> None:
@@ -256,11 +262,15 @@ class PagedExperts:
             else:
                 self._decoders[layer, k]()
             self.stats.decoded_experts += k
-        w13[k:].copy_(source.w13[k:], non_blocking=True)
-        w2[k:].copy_(source.w2[k:], non_blocking=True)
+        for start, stop in self.blocks.runs(layer):  # the rest from host memory, one copy per run of rows
+            start = max(start, k)
+            if start < stop:
+                w13[start:stop].copy_(source.w13[start:stop], non_blocking=True)
+                w2[start:stop].copy_(source.w2[start:stop], non_blocking=True)
+                self.stats.host_bytes += (source.w13[start:stop].numel() + source.w2[start:stop].numel()) * \
+                    source.w13.element_size()
         if k and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
-        self.stats.host_bytes += (source.w13[k:].numel() + source.w2[k:].numel()) * source.w13.element_size()
 
     def close(self) -> None:
         if self.device.type == "cuda":

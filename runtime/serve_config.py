@@ -24,7 +24,7 @@ class ServeConfig:
     slots: int  # adapters resident at once
     experts_per_slot: int  # address space reserved per slot and layer (rows are pooled across slots)
     status_file: str  # where the engine writes its adapter and memory table
-    paging_window: int = 0  # > 0: base experts paged through this many layers' worth of memory
+    paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

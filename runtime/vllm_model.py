@@ -8,9 +8,10 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   one ordinary tensor and is not changed;
 - checks that conversion once against the loaded base (expert 0 of the checkpoint, converted, must equal
   row 0 bit for bit) and refuses a backend whose layout it cannot reproduce;
-- optionally pages the base experts (esftctl.runtime.paging with BaseRowBlocks): only `paging_window` layers
-  hold their base rows, the others are loaded from a host copy just before their layer runs (the experts
-  layer calls the pager around its kernel: esftctl.runtime.vllm_layers); adapter rows stay mapped;
+- optionally pages the experts (esftctl.runtime.paging with HeldRowBlocks): only `paging_window` layers hold
+  their rows, base and adapter alike; the others are loaded from the layer's host copy just before their
+  layer runs (the experts layer calls the pager around its kernel: esftctl.runtime.vllm_layers), and an
+  adapter loaded meanwhile is written to the host copies of the layers that are out;
 - sets the router's capture callback, which vLLM calls with the logical top-k ids before it uses them, to
   rewrite them in place: ids[t, j] = table[adapter(t), ids[t, j]] (esftctl.kernels.reroute). The per-token
   adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it each
@@ -33,7 +34,7 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
-from esftctl.runtime.paging import BaseRowBlocks, LayerSource, PagedExperts
+from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
@@ -109,18 +110,15 @@ class EsftModel:
         for index, engine in engine_layers.items():
             self.layers[index] = self._install(engine, base, num_slots, experts_per_slot, make_space)
         self.slots = AdapterSlots(self.layers)
-        self.pager = self._page_base(engine_layers, paging_window) if paging_window else None
+        self.pager = self._page_experts(engine_layers, paging_window) if paging_window else None
 
-    def _page_base(self, engine_layers: dict[int, EngineMoELayer], window: int) -> PagedExperts:
-        """Keep the base rows in host memory and let only `window` layers hold them on the device."""
+    def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int) -> PagedExperts:
+        """Keep every layer's rows in host memory and let only `window` layers hold them on the device."""
         sources = {}
         for index, layer in self.layers.items():
-            e = layer.num_experts
-            host13, host2 = layer.w13.tensor[:e].to("cpu", copy=True), layer.w2.tensor[:e].to("cpu", copy=True)
-            if self.device.type == "cuda":
-                host13, host2 = host13.pin_memory(), host2.pin_memory()
-            sources[index] = LayerSource(host13, host2)
-        blocks = BaseRowBlocks(self.layers)
+            layer.keep_host_copy()
+            sources[index] = LayerSource(*layer.host, stored=layer.num_experts)
+        blocks = HeldRowBlocks(self.layers)
         for index in self.layers:
             blocks.unmap(index)
         pager = PagedExperts(sources, window=window, device=self.device, blocks=blocks)

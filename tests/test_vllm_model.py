@@ -122,6 +122,45 @@ def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device, pagi
         engine_model(ckpt, None, device), x))
 
 
+def _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed):
+    x = torch.randn(40, ckpt.hidden_size, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+    owner = np.array(([-1] + sorted(slots.values())) * 40, dtype=np.int32)[:40]
+    runtime.set_token_adapters(owner)
+    got = run_layers(served, x)
+    for name, slot in [("base", -1), *slots.items()]:
+        rows = torch.from_numpy(owner == slot).to(device)
+        want = run_layers(engine_model(ckpt, adapters.get(name), device), x)
+        torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=0, msg=f"tokens of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adapter_experts_page_with_their_layer(tiny_models, device):
+    """Window 1 of 3 layers: outside the window a layer holds no device memory at all, its adapters' experts
+    included; adapters loaded and unloaded while their layers are out still give their merged models."""
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=20 + k, experts_per_layer=3 + k, scale=4.0) for k in range(4)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=3, experts_per_slot=6, max_tokens=64, paging_window=1)
+    slots = {name: runtime.slots.load(name, adapters[name]) for name in ("a0", "a1")}
+    _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=1)
+    held = {index: layer.physical_bytes() for index, layer in runtime.layers.items()}
+    last = list(runtime.layers)[-1]  # the window holds the last layer run, or the first after the prefetch
+    assert sum(1 for b in held.values() if b) == 1, held
+    in_window = next(index for index, b in held.items() if b)
+    layer = runtime.layers[in_window]
+    assert held[in_window] >= layer.needed_bytes() > layer.num_experts * layer.expert_bytes  # adapter rows too
+    assert in_window in (last, list(runtime.layers)[0])
+
+    runtime.slots.evict("a0")
+    runtime.slots.collect()
+    slots.pop("a0")
+    slots["a2"] = runtime.slots.load("a2", adapters["a2"])  # written to the host copies of the layers that are out
+    slots["a3"] = runtime.slots.load("a3", adapters["a3"])
+    _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=2)
+    assert sum(1 for l in runtime.layers.values() if l.physical_bytes()) == 1
+    runtime.pager.close()
+
+
 @pytest.mark.gpu
 def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
