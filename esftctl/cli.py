@@ -282,6 +282,15 @@ def serve(
     paging_window: int = typer.Option(0, help="Page the experts, base and adapters': only this many MoE layers hold "
                                               "theirs at a time, the others are loaded from host memory just before "
                                               "their layer runs (0: off; implies vLLM's --enforce-eager)."),
+    paging_store: Path = typer.Option(None, help="With --paging-window: a Huffman store of the base (`esftctl "
+                                                 "compress BASE`); its GPU decoder delivers some base experts "
+                                                 "of each layer beside the host copies (needs an engine that "
+                                                 "keeps experts in the checkpoint's layout: vLLM on CUDA)."),
+    store_experts: int = typer.Option(None, help="With --paging-store: base experts per layer taken from the store "
+                                                 "(default: split by the two tiers' speeds, measured at start)."),
+    paging_adaptive: bool = typer.Option(False, help="With --paging-window: keep more layers resident while loads "
+                                                     "show (compute / load < 0.9) and fewer while compute hides "
+                                                     "them (> 1), within the memory vLLM left free."),
     cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
                                                      "with vLLM's --gpu-memory-utilization)."),
 ) -> None:
@@ -291,7 +300,8 @@ def serve(
     from esftctl.serve import Server, plan, stop_on_sigterm
 
     kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
-                  paging_window=paging_window)
+                  paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
+                  paging_adaptive=paging_adaptive)
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
     serve_plan = plan(base, adapter, name, slots, experts_per_slot, **kwargs)

@@ -45,6 +45,9 @@ class ServePlan:
     cpu_kv_cache_gib: float = 1.0
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
     paging_window: int = 0  # > 0: page the experts (base and adapters) through this many layers' worth of memory
+    paging_store: Path | None = None  # a Huffman store of the base (`esftctl compress BASE`): the GPU tier
+    store_experts: int | None = None  # base experts per layer from the store (None: by measured speeds)
+    paging_adaptive: bool = False  # let the residency planner keep layers resident while loads show
 
     @property
     def url(self) -> str:
@@ -56,7 +59,8 @@ class ServePlan:
 
     def config(self) -> ServeConfig:
         return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"),
-                           self.paging_window)
+                           self.paging_window, str(self.paging_store) if self.paging_store else None,
+                           self.store_experts, self.paging_adaptive)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -120,10 +124,35 @@ def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slot
     if window < 0 or (window and window >= len(base.moe_layers)):
         raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
                         f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
+    _check_paging_options(base, window, kwargs)
     if experts_per_slot < widest:
         raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
                         "has in one layer")
     return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, **kwargs)
+
+
+def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> None:
+    store, count = options.get("paging_store"), options.get("store_experts")
+    if not window and (store is not None or count is not None or options.get("paging_adaptive")):
+        raise EsftError("--paging-store, --store-experts and --paging-adaptive need --paging-window")
+    if count is not None and store is None:
+        raise EsftError("--store-experts needs --paging-store")
+    if count is not None and not 0 <= count <= base.num_experts:
+        raise EsftError(f"--store-experts {count}: choose 0..{base.num_experts} (the base's experts per layer)")
+    if store is not None:
+        from esftctl.store import ExpertStore
+
+        options["paging_store"] = Path(store).resolve()
+        header = ExpertStore(store, verify=False).header  # the engine verifies the checksum when it opens it
+        if header["source"]["kind"] != "model":
+            raise EsftError("--paging-store: this store holds an adapter bundle; make one of the base with "
+                            "`esftctl compress BASE`", store)
+        names = {e["name"] for e in header["tensors"]}
+        missing = [n for l in base.moe_layers for e in range(base.num_experts)
+                   for n in base.expert_tensor_names(l, e).values() if n not in names]
+        if missing:
+            raise EsftError(f"--paging-store: the store lacks {len(missing)} expert tensors of this base (e.g. "
+                            f"{missing[0]!r}); it was made from another model", store)
 
 
 class Server:

@@ -86,8 +86,15 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
     memory.add_column("what")
     memory.add_column("value", justify="right")
     memory.add_row("adapter experts, their own bytes", format_bytes(status["adapter_expert_bytes"]))
-    memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
-    memory.add_row("saved vs padding to the widest adapter", format_bytes(max(status["padded_bytes"] - physical, 0)))
-    memory.add_row("saved vs a merged copy per adapter", format_bytes(max(status["merged_bytes"] - physical, 0)))
+    if physical is not None:
+        memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
+        memory.add_row("saved vs padding to the widest adapter", format_bytes(max(status["padded_bytes"] - physical, 0)))
+        memory.add_row("saved vs a merged copy per adapter", format_bytes(max(status["merged_bytes"] - physical, 0)))
+    else:  # paged: what the device holds now, base and adapters together
+        memory.add_row(f"experts on the device now (paging window {status['paging_window']})",
+                       format_bytes(status["expert_device_bytes"]))
+        memory.add_row("layers kept resident by the planner", str(len(status["paging_resident_layers"])))
+        memory.add_row("base experts per layer from the store", str(status["paging_store_experts"]))
+        memory.add_row("layer loads so far", f"{status['paging_loads']:,}")
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")
     return Group(table, memory)

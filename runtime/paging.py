@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -57,6 +58,51 @@ class PagingStats:
     decoded_experts: int = 0
     waits: int = 0  # times the host waited for a layer's kernels before taking its block
     max_blocks_in_use: int = 0
+
+
+class LayerTimes:
+    """Milliseconds of paged layers' loads and of their kernels, for the planner's rho = compute / load.
+
+    On CUDA each span is a pair of timing events, read once the second has completed (never waited for);
+    on the CPU, where everything runs synchronously, the host clock."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._open: dict[tuple[str, int], object] = {}
+        self._pending: list[tuple[str, object, object]] = []
+        self._done: dict[str, list[float]] = {"load": [], "compute": []}
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, kind: str, layer: int) -> None:
+        self._open[kind, layer] = self._now()
+
+    def stop(self, kind: str, layer: int) -> None:
+        start = self._open.pop((kind, layer), None)
+        if start is None:
+            return
+        end = self._now()
+        if self.cuda:
+            self._pending.append((kind, start, end))
+        else:
+            self._done[kind].append(1e3 * (end - start))
+
+    def take(self) -> tuple[list[float], list[float]]:
+        """The spans finished since the last call: (compute ms, load ms)."""
+        waiting = []
+        for kind, start, end in self._pending:
+            if end.query():
+                self._done[kind].append(start.elapsed_time(end))
+            else:
+                waiting.append((kind, start, end))
+        self._pending = waiting
+        done, self._done = self._done, {"load": [], "compute": []}
+        return done["compute"], done["load"]
 
 
 class OwnBlocks:
@@ -152,6 +198,8 @@ class PagedExperts:
         self._done: dict[int, object] = {}
         self._clock = 0
         self.stats = PagingStats()
+        self.times = LayerTimes(self.device.type == "cuda")
+        self.before_pass: tuple[int, Callable[[], None]] | None = None  # (first layer, call) at each pass start
         for layer in sorted(self.resident):
             self.blocks.map(layer)
             self._fill(layer)
@@ -168,6 +216,8 @@ class PagedExperts:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise EsftError("expert paging remaps memory from the host between layers and cannot run inside "
                             "CUDA-graph capture; serve with --enforce-eager or without paging")
+        if self.before_pass is not None and layer == self.before_pass[0]:
+            self.before_pass[1]()  # between passes: where the planner may change what stays resident
         self._clock += 1
         self.last_use[layer] = self._clock
         if layer in self.resident:
@@ -177,10 +227,14 @@ class PagedExperts:
         event = self.loaded[layer]
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+        self.times.start("compute", layer)
 
     def done(self, layer: int) -> None:
         """After layer's kernels are queued on the compute stream."""
-        if self.device.type == "cuda" and layer not in self.resident:
+        if layer in self.resident:
+            return
+        self.times.stop("compute", layer)
+        if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._done[layer] = event
@@ -216,6 +270,22 @@ class PagedExperts:
                 raise EsftError("these layers have no store tier")
             source.store_experts = min(count, source.w13.shape[0] if source.stored is None else source.stored)
 
+    def timed_load(self, layer: int, store_experts: int) -> float:
+        """Seconds to load a paged-out layer with `store_experts` from the store, the rest from the host; the
+        layer is paged out again after (a calibration outside serving; its load counts nowhere)."""
+        source, keep = self.sources[layer], self.sources[layer].store_experts
+        source.store_experts = store_experts
+        self.blocks.map(layer)
+        start = time.perf_counter()
+        stats, self.stats = self.stats, PagingStats()
+        self._fill(layer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - start
+        self.stats, source.store_experts = stats, keep
+        self.blocks.unmap(layer)
+        return took
+
     # ---- loading ---------------------------------------------------------------------------------
     def _load(self, layer: int, keep: int) -> None:
         if len(self.loaded) >= self.window:
@@ -226,11 +296,15 @@ class PagedExperts:
         self.blocks.map(layer)
         if self.device.type == "cuda":
             with torch.cuda.stream(self.load_stream):
+                self.times.start("load", layer)
                 self._fill(layer)
+                self.times.stop("load", layer)
                 event = torch.cuda.Event()
                 event.record(self.load_stream)
         else:
+            self.times.start("load", layer)
             self._fill(layer)
+            self.times.stop("load", layer)
             event = None
         self.loaded[layer] = event
         self.stats.max_blocks_in_use = max(self.stats.max_blocks_in_use, len(self.loaded))

@@ -25,6 +25,9 @@ class ServeConfig:
     experts_per_slot: int  # address space reserved per slot and layer (rows are pooled across slots)
     status_file: str  # where the engine writes its adapter and memory table
     paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
+    paging_store: str | None = None  # a Huffman store of the base: the GPU tier of paging
+    store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
+    paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

@@ -34,7 +34,9 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
-from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts
+from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts, store_decoder, tier_split
+from esftctl.runtime.residency import AdaptiveResidency
+from esftctl.store import ExpertStore
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
@@ -97,7 +99,12 @@ class EsftModel:
     """A vLLM model serving ESFT adapters: `slots` loads and evicts them, `set_token_adapters` routes."""
 
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
-                 max_tokens: int, paging_window: int = 0):
+                 max_tokens: int, paging_window: int = 0, paging_store: ExpertStore | None = None,
+                 store_experts: int | None = None, adaptive: bool = False):
+        """`paging_window` > 0 pages the experts through that many layers' blocks; `paging_store` (a store of
+        the base, `esftctl compress BASE`) delivers the first `store_experts` base experts of each layer
+        (None: split by the two tiers' measured speeds); `adaptive` lets the residency planner keep layers
+        resident while loads show."""
         engine_layers = find_moe_layers(model)
         if sorted(engine_layers) != base.moe_layers:
             raise EsftError(f"{base.path}: the model's MoE layers {sorted(engine_layers)} are not the checkpoint's "
@@ -110,22 +117,58 @@ class EsftModel:
         for index, engine in engine_layers.items():
             self.layers[index] = self._install(engine, base, num_slots, experts_per_slot, make_space)
         self.slots = AdapterSlots(self.layers)
-        self.pager = self._page_experts(engine_layers, paging_window) if paging_window else None
+        self.pager, self.residency = None, None
+        if paging_window:
+            self.pager = self._page_experts(engine_layers, paging_window, base, paging_store, store_experts)
+            if adaptive:
+                first = self.layers[next(iter(self.layers))]
+                self.residency = AdaptiveResidency(self.pager, list(self.layers), first.needed_bytes())
 
-    def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int) -> PagedExperts:
+    def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int, base: MoECheckpoint,
+                      store: ExpertStore | None, store_experts: int | None) -> PagedExperts:
         """Keep every layer's rows in host memory and let only `window` layers hold them on the device."""
+        make_decoder = self._store_tier(base, store) if store is not None else None
         sources = {}
         for index, layer in self.layers.items():
             layer.keep_host_copy()
-            sources[index] = LayerSource(*layer.host, stored=layer.num_experts)
+            names = [base.expert_tensor_names(index, e) for e in range(layer.num_experts)]
+            sources[index] = LayerSource(*layer.host, make_decoder=make_decoder and make_decoder(names),
+                                         stored=layer.num_experts)
         blocks = HeldRowBlocks(self.layers)
         for index in self.layers:
             blocks.unmap(index)
         pager = PagedExperts(sources, window=window, device=self.device, blocks=blocks)
+        if store is not None:
+            pager.set_store_experts(store_experts if store_experts is not None else self._measured_split(pager))
         order = list(self.layers)
         for n, index in enumerate(order):  # forwards follow each other: after the last layer comes the first
             engine_layers[index].experts.esft_paging = (pager, index, order[(n + 1) % len(order)])
         return pager
+
+    def _store_tier(self, base: MoECheckpoint, store: ExpertStore):
+        """The store's decoder for base experts, if the engine keeps experts in the checkpoint's layout (the
+        decoder writes that layout straight into the rows; an engine that repacks experts cannot use it)."""
+        index, layer = next(iter(self.layers.items()))
+        raw = stack_experts([base.read_expert(index, 0)])
+        converted = layer.layout.convert(*raw)
+        if not all(c.shape == r.shape and torch.equal(c.cpu(), r.to(c.dtype)) for c, r in zip(converted, raw)):
+            raise EsftError(f"{store.path}: the store tier writes experts in the checkpoint's layout, but this engine's "
+                            "MoE kernel keeps its own (e.g. vLLM's CPU build prepacks them); page from host memory "
+                            "only")
+        missing = [n for l in self.layers for e in range(base.num_experts)
+                   for n in base.expert_tensor_names(l, e).values() if n not in store.tensors]
+        if missing:
+            raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make it "
+                            "with `esftctl compress BASE`", store.path)
+        return lambda names: store_decoder(store, names)
+
+    def _measured_split(self, pager: PagedExperts) -> int:
+        """How many base experts a layer takes from the store: both tiers timed once on the first layer."""
+        index, layer = next(iter(self.layers.items()))
+        e = layer.num_experts
+        pager.timed_load(index, store_experts=e)  # warm-up: the decoder's plan and kernel
+        nbytes = e * layer.expert_bytes
+        return tier_split(e, nbytes / pager.timed_load(index, 0), nbytes / pager.timed_load(index, e))
 
     def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
                  make_space) -> VirtualMoELayer:

@@ -28,6 +28,7 @@ from esftctl.errors import EsftError
 from esftctl.jsonfile import write_json
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_model import EsftModel
+from esftctl.store import ExpertStore
 
 
 STATUS_EVERY_S = 1.0  # the status file is also rewritten at most this often while serving
@@ -58,8 +59,10 @@ class EsftWorkerManager:
     def create_lora_manager(self, model, vllm_config=None):
         scheduler = self.vllm_config.scheduler_config
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
+        store = ExpertStore(self.config.paging_store) if self.config.paging_store else None
         self.runtime = EsftModel(model, self.base, self.config.slots, self.config.experts_per_slot, max_tokens,
-                                 self.config.paging_window)
+                                 self.config.paging_window, store, self.config.store_experts,
+                                 self.config.paging_adaptive)
         self.write_status()
         return model
 
@@ -178,7 +181,8 @@ class EsftWorkerManager:
                              "retiring": lora_id in self.retiring,
                              "experts_per_layer": [info.experts_per_layer.get(l, 0) for l in runtime.layers]})
         widest = max((max(a["experts_per_layer"], default=0) for a in adapters), default=0)
-        physical_adapter = slots.physical_bytes() - base_experts  # boundary pages shared with the base count here
+        # Boundary pages shared with the base count here. Paged, only the layers in the window hold any memory.
+        physical_adapter = None if runtime.pager else slots.physical_bytes() - base_experts
         cache = self.vllm_config.cache_config
         blocks = getattr(cache, "num_gpu_blocks", None)
         return {
@@ -191,12 +195,21 @@ class EsftWorkerManager:
             "model_bytes": self.base.total_nbytes,
             "adapter_expert_bytes": slots.adapter_bytes(),
             "adapter_physical_bytes": physical_adapter,
+            "expert_device_bytes": slots.physical_bytes(),
             "padded_bytes": len(adapters) * widest * expert_bytes,
             "merged_bytes": len(adapters) * self.base.total_nbytes,
             "kv_cache_tokens": blocks * cache.block_size if blocks else None,
             "paging_window": self.config.paging_window,
             "paging_loads": runtime.pager.stats.loads if runtime.pager else 0,
+            **(self._paging_status() if runtime.pager else {}),
         }
+
+    def _paging_status(self) -> dict:
+        pager, residency = self.runtime.pager, self.runtime.residency
+        return {"paging_store_experts": next(iter(pager.sources.values())).store_experts,
+                "paging_decoded_experts": pager.stats.decoded_experts,
+                "paging_resident_layers": sorted(pager.resident),
+                "paging_decisions": residency.decisions[-5:] if residency else []}
 
     def write_status(self) -> None:
         self._status_written = time.monotonic()

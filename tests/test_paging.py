@@ -14,6 +14,7 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.runtime.paging import LayerSource, PagedExperts, ResidencyPlanner, run_stack, store_decoder
+from esftctl.runtime.residency import AdaptiveResidency
 from test_store import _store_of
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -152,4 +153,51 @@ def test_changing_the_tier_split_keeps_outputs(device, tmp_path):
     for count in (0, 3, E, 1):
         pager.set_store_experts(count)
         assert torch.equal(paged_outputs(pager, layers, x, order, device), want), count
+    pager.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pager_times_loads_and_computes(device):
+    """What the serving planner reads: one load span per load, one compute span per paged layer run."""
+    layers = make_layers(9)
+    pager = PagedExperts(sources(layers, device), window=2, resident=(2,), device=device)
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    paged_outputs(pager, layers, x, list(range(LAYERS)), device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    compute, load = pager.times.take()
+    assert len(compute) == LAYERS - 1 and len(load) == pager.stats.loads  # resident layer 2: neither
+    assert all(ms >= 0 for ms in compute + load) and sum(load) > 0
+    assert pager.times.take() == ([], [])  # each span is handed out once
+    pager.close()
+
+
+def test_adaptive_residency_follows_rho_within_spare_memory():
+    """Fed timings: loads that show make layers resident (spread over the stack, never more than the spare
+    memory or the layers outside the window allow); compute that hides the loads gives them back."""
+    layers = make_layers(11)
+    pager = PagedExperts(sources(layers, "cpu"), window=1, device="cpu")
+    timings, spare = [], {"layers": 3}
+    residency = AdaptiveResidency(pager, list(range(LAYERS)), layer_bytes=1, every=2,
+                                  measure=lambda: timings.pop(0), spare=lambda: spare["layers"])
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = resident_outputs(layers, x, list(range(LAYERS)), "cpu")
+
+    def passes(compute_ms, load_ms, count=2):
+        for _ in range(count):
+            timings.append(([compute_ms], [load_ms]))
+        for _ in range(count):  # the planner runs on every second pass, at the first layer's ensure
+            assert torch.equal(paged_outputs(pager, layers, x, list(range(LAYERS)), "cpu"), want)
+        timings.clear()
+        return sorted(pager.resident)
+
+    assert passes(1.0, 4.0) == [0]  # rho 0.25: one layer more
+    assert passes(1.0, 4.0) == [0, 3]
+    spare["layers"] = 0  # memory taken meanwhile: no further growth
+    assert passes(1.0, 4.0) == [0, 3]
+    spare["layers"] = 10
+    assert passes(1.0, 4.0, count=8) == [0, 1, 2, 3, 4]  # at most the 5 layers outside the window of 1
+    assert passes(0.95, 1.0) == [0, 1, 2, 3, 4]  # rho 0.95: the dead zone, nothing changes
+    assert passes(8.0, 1.0) == [0, 1, 3, 4]  # rho 8: compute hides loads, one layer fewer
+    assert [d["resident"] for d in residency.decisions] == [1, 2, 2, 3, 4, 5, 5, 5, 4]
     pager.close()

@@ -8,6 +8,7 @@ mix every adapter and the base must get the reference's greedy tokens and log-pr
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import shutil
@@ -17,13 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from conftest import plain_vllm, run_cli
 from esftctl.errors import EsftError
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
 from esftctl.serve import Server, free_port, plan
-from esftctl.serve_client import load, models, request, status, unload
+from esftctl.serve_client import load, models, request, status, status_table, unload
 from esftctl.world.synthetic import write_synthetic_adapter
 from esftctl.world.tasks import TASKS
 
@@ -184,11 +186,12 @@ def test_load_and_unload_under_load(deepseek):
     assert "extra" not in [a["name"] for a in status(url)["adapters"]]
 
 
-def test_paged_base_experts_serve_the_same_answers(deepseek, world):
-    """`--paging-window 1`: one MoE layer's base experts at a time, the others loaded just before they run."""
+def test_paged_experts_serve_the_same_answers(deepseek, world):
+    """`--paging-window 1 --paging-adaptive`: one MoE layer's experts (base and adapters) at a time, the others
+    loaded just before they run, and the residency planner deciding between passes."""
     serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in deepseek["bundles"].items()], name="base",
                       port=free_port(), state_dir=deepseek["tmp"] / "state_paged", vllm_args=ENGINE_ARGS,
-                      paging_window=1)
+                      paging_window=1, paging_adaptive=True)
     with Server(serve_plan) as server:
         server.wait_ready()
         serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
@@ -197,6 +200,14 @@ def test_paged_base_experts_serve_the_same_answers(deepseek, world):
         s = status(serve_plan.url)
         # Every step walks the layers: far more loads than layers, so paging was really in the path.
         assert s["paging_window"] == 1 and s["paging_loads"] > 3 * len(s["moe_layers"])
+        layers = len(s["moe_layers"])
+        assert len(s["paging_resident_layers"]) <= layers - 1 and s["adapter_physical_bytes"] is None
+        # Outside the window nothing stays on the device: at most the window's and the resident layers' experts.
+        per_layer = s["base_expert_bytes"] / layers + s["adapter_expert_bytes"] / layers
+        assert s["expert_device_bytes"] <= (1 + len(s["paging_resident_layers"])) * per_layer + 4 * 65536 * layers
+        console = Console(file=io.StringIO(), width=200)
+        console.print(status_table(s))
+        assert "experts on the device now" in console.file.getvalue()
 
 
 @pytest.mark.parametrize("architecture", ["qwen2_moe"])
@@ -228,6 +239,11 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert proc.returncode == 1 and "not an adapter bundle" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--paging-window", "3")
     assert proc.returncode == 1 and "--paging-window 3: choose 1..2 layers" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--paging-adaptive")
+    assert proc.returncode == 1 and "need --paging-window" in proc.stderr
+    run_cli("compress", other, "--out", tmp_path / "bundle_store", check=True)
+    proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--paging-store", tmp_path / "bundle_store")
+    assert proc.returncode == 1 and "holds an adapter bundle" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
 

@@ -161,6 +161,48 @@ def test_adapter_experts_page_with_their_layer(tiny_models, device):
     runtime.pager.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("store_experts", [3, None])  # None: split by the tiers' measured speeds
+def test_store_tier_and_planner_page_the_same_answers(tiny_models, tmp_path, device, store_experts):
+    """Base experts decoded from a Huffman store of the base (the first `store_experts` of each layer), the
+    rest and the adapters' from host copies, with the residency planner running every pass."""
+    from esftctl.store import ExpertStore, compress
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    compress(ckpt.path, tmp_path / "store")
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=30 + k, experts_per_layer=2 + k, scale=4.0) for k in range(2)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=64, paging_window=1,
+                        paging_store=ExpertStore(tmp_path / "store"), store_experts=store_experts, adaptive=True)
+    runtime.residency.every = 1
+    split = next(iter(runtime.pager.sources.values())).store_experts
+    assert split == 3 if store_experts else 0 <= split <= ckpt.num_experts
+    slots = {name: runtime.slots.load(name, experts) for name, experts in adapters.items()}
+    for seed in range(3):  # the planner may change what stays resident between these passes
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=seed)
+    assert (runtime.pager.stats.decoded_experts > 0) == (split > 0)
+    assert runtime.residency.decisions and runtime.pager.stats.loads
+    runtime.pager.close()
+
+
+def test_store_tier_refuses_an_engine_layout_it_cannot_write(tiny_models, tmp_path):
+    from esftctl.errors import EsftError
+    from esftctl.store import ExpertStore, compress
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    compress(ckpt.path, tmp_path / "store")
+    served = engine_model(ckpt, None, "cpu")
+    for layer in served.layers.values():  # an engine that keeps w13 with up before gate
+        experts = layer.mlp.experts.routed_experts
+        def swap(module):
+            module.w13_weight.data = torch.cat(module.w13_weight.data.chunk(2, 1)[::-1], 1).contiguous()
+        experts.quant_method.moe_kernel.fused_experts.process_weights_after_loading = swap
+        swap(experts)
+    with pytest.raises(EsftError, match="checkpoint's layout"):
+        EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=16, paging_window=1,
+                  paging_store=ExpertStore(tmp_path / "store"))
+
+
 @pytest.mark.gpu
 def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])

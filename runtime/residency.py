@@ -1,0 +1,73 @@
+"""The residency planner at work while a model serves: between forward passes it reads how long paged layers
+took to compute and to load, and keeps more or fewer layers resident (esftctl.runtime.paging.ResidencyPlanner).
+
+rho = compute / load of a paged layer. Above 1 the load hides under the compute, so a resident layer can
+give its memory back; below 0.9 loads show, so one more layer stays resident, up to what the device can
+spare: the memory free once the engine has taken its own (vLLM allocates its KV cache at start-up, before
+any request), less a margin for activations. Resident layers are spread evenly over the stack, so the
+loads between them get the most compute to hide under. Every decision is logged and kept for the status.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+from esftctl.runtime.paging import PagedExperts, ResidencyPlanner
+
+log = logging.getLogger("esftctl.paging")
+
+
+def spread(order: Sequence[int], count: int) -> list[int]:
+    """`count` layers of `order`, evenly spaced."""
+    if count <= 0:
+        return []
+    return sorted({order[(k * len(order)) // count] for k in range(count)})
+
+
+def spare_layers(device: torch.device, layer_bytes: int, margin: float = 0.1) -> int:
+    """How many more layers of `layer_bytes` fit in the device memory nobody holds now, keeping `margin` of it."""
+    if device.type != "cuda":
+        return 1 << 30  # host memory: the planner's cap is the number of layers
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * (1 - margin) // max(1, layer_bytes))
+
+
+class AdaptiveResidency:
+    """Runs the planner every `every` passes on the timings the pager measured meanwhile."""
+
+    def __init__(self, pager: PagedExperts, order: Sequence[int], layer_bytes: int, every: int = 16,
+                 measure: Callable[[], tuple[list[float], list[float]]] | None = None,
+                 spare: Callable[[], int] | None = None):
+        self.pager, self.order, self.every = pager, list(order), every
+        self.measure = measure or pager.times.take
+        self.spare = spare or (lambda: spare_layers(pager.device, layer_bytes))
+        cap = min(len(self.order) - pager.window, len(pager.resident) + self.spare())
+        self.planner = ResidencyPlanner(len(self.order), max(0, cap), resident=len(pager.resident))
+        self.passes = 0
+        pager.before_pass = (self.order[0], self.on_pass)
+
+    def on_pass(self) -> None:
+        self.passes += 1
+        if self.passes % self.every:
+            return
+        compute, load = self.measure()
+        if not compute or not load:
+            return  # nothing was paged in these passes
+        # What may stay resident: those already are, plus what fits now (memory can have been taken meanwhile).
+        self.planner.max_resident = min(len(self.order) - self.pager.window,
+                                        len(self.pager.resident) + self.spare())
+        before = len(self.pager.resident)
+        after = self.planner.update(statistics.median(compute), statistics.median(load))
+        decision = self.planner.decisions[-1]
+        log.info("paging planner: rho %.2f (compute %.3f ms, load %.3f ms): %d -> %d resident layers",
+                 decision["rho"], decision["compute_ms"], decision["load_ms"], before, after)
+        if after != before:
+            self.pager.set_resident(spread(self.order, after))
+
+    @property
+    def decisions(self) -> list[dict]:
+        return self.planner.decisions
