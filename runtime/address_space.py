@@ -1,14 +1,18 @@
 """Reserved address ranges whose pages get physical memory only when mapped: on the host and on CUDA.
 
-Both backends have one interface: reserve `nbytes` once, `map_page(i)` / `unmap_page(i)` by page index,
-and `view(dtype, shape)` returns an ordinary contiguous torch tensor over the whole range without copying.
+Both backends have one interface: reserve `nbytes` once, `map_pages(pages)` / `unmap_pages(pages)` by page
+index (each run of consecutive pages costs one call where the backend allows it: a layer of a large model
+is hundreds of pages), and `view(dtype, shape)` returns an ordinary contiguous torch tensor over the whole
+range without copying.
 Touching an unmapped page faults (SIGSEGV on the host, an illegal-address error on CUDA), so a bug that
 reads an expert that is not there cannot pass silently.
 
-- Host: mmap(PROT_NONE, MAP_NORESERVE) reserves; mprotect(READ|WRITE) commits a page (the kernel backs it
-  on first touch); madvise(DONTNEED) + mprotect(NONE) gives it back. `resident_pages()` asks mincore.
+- Host: mmap(PROT_NONE, MAP_NORESERVE) reserves; mprotect(READ|WRITE) commits a run of pages (the kernel
+  backs them on first touch); madvise(DONTNEED) + mprotect(NONE) gives them back. `resident_pages()` asks
+  mincore.
 - CUDA: the driver's virtual memory API through cuda-bindings: cuMemAddressReserve, cuMemCreate (from a
-  PhysicalPagePool), cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease. Granularity from the driver.
+  PhysicalPagePool), cuMemMap per page (a page is one handle), then one cuMemSetAccess per run of pages
+  (the driver's costliest call per page), cuMemUnmap per run, cuMemRelease. Granularity from the driver.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -26,14 +30,25 @@ class AddressSpace(Protocol):
     num_pages: int
     device: torch.device
 
-    def map_page(self, page: int) -> None: ...
-    def unmap_page(self, page: int) -> None: ...
+    def map_pages(self, pages: Iterable[int]) -> None: ...
+    def unmap_pages(self, pages: Iterable[int]) -> None: ...
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
     def close(self) -> None: ...
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
+    """Pages as runs of consecutive ones: [(first page, count), ...]."""
+    runs: list[tuple[int, int]] = []
+    for page in sorted(pages):
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
 
 
 class AccountingAddressSpace:
@@ -44,10 +59,10 @@ class AccountingAddressSpace:
         self.num_pages = max(1, -(-nbytes // page_size))
         self.device = torch.device("cpu")
 
-    def map_page(self, page: int) -> None:
+    def map_pages(self, pages: Iterable[int]) -> None:
         pass
 
-    def unmap_page(self, page: int) -> None:
+    def unmap_pages(self, pages: Iterable[int]) -> None:
         pass
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -95,13 +110,15 @@ class HostAddressSpace:
         self.base = addr
         self._buffer = (ctypes.c_uint8 * self.nbytes).from_address(addr)
 
-    def map_page(self, page: int) -> None:
-        _check(_libc.mprotect(self.base + page * self.page_size, self.page_size, _PROT_RW), "mprotect")
+    def map_pages(self, pages: Iterable[int]) -> None:
+        for first, count in page_runs(pages):
+            _check(_libc.mprotect(self.base + first * self.page_size, count * self.page_size, _PROT_RW), "mprotect")
 
-    def unmap_page(self, page: int) -> None:
-        addr = self.base + page * self.page_size
-        _check(_libc.madvise(addr, self.page_size, _MADV_DONTNEED), "madvise")
-        _check(_libc.mprotect(addr, self.page_size, _PROT_NONE), "mprotect")
+    def unmap_pages(self, pages: Iterable[int]) -> None:
+        for first, count in page_runs(pages):
+            addr, size = self.base + first * self.page_size, count * self.page_size
+            _check(_libc.madvise(addr, size, _MADV_DONTNEED), "madvise")
+            _check(_libc.mprotect(addr, size, _PROT_NONE), "mprotect")
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
@@ -212,16 +229,22 @@ class CudaAddressSpace:
     def _ptr(self, page: int):
         return _driver().CUdeviceptr(self.base + page * self.page_size)
 
-    def map_page(self, page: int) -> None:
+    def map_pages(self, pages: Iterable[int]) -> None:
         driver = _driver()
-        handle = self.pool.take()
-        _cu(driver.cuMemMap(self._ptr(page), self.page_size, 0, handle, 0))
-        _cu(driver.cuMemSetAccess(self._ptr(page), self.page_size, [self.pool._access], 1))
-        self._handles[page] = handle
+        runs = page_runs(pages)
+        for first, count in runs:
+            for page in range(first, first + count):
+                handle = self.pool.take()
+                _cu(driver.cuMemMap(self._ptr(page), self.page_size, 0, handle, 0))
+                self._handles[page] = handle
+        for first, count in runs:  # one call may cover several mappings, each entirely
+            _cu(driver.cuMemSetAccess(self._ptr(first), count * self.page_size, [self.pool._access], 1))
 
-    def unmap_page(self, page: int) -> None:
-        _cu(_driver().cuMemUnmap(self._ptr(page), self.page_size))
-        self.pool.give(self._handles.pop(page))
+    def unmap_pages(self, pages: Iterable[int]) -> None:
+        for first, count in page_runs(pages):
+            _cu(_driver().cuMemUnmap(self._ptr(first), count * self.page_size))
+            for page in range(first, first + count):
+                self.pool.give(self._handles.pop(page))
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = dtype.itemsize
@@ -233,7 +256,6 @@ class CudaAddressSpace:
     def close(self) -> None:
         if self.base is None:
             return
-        for page in list(self._handles):
-            self.unmap_page(page)
+        self.unmap_pages(list(self._handles))
         _cu(_driver().cuMemAddressFree(_driver().CUdeviceptr(self.base), self.nbytes))
         self.base = None

@@ -131,10 +131,10 @@ class OwnBlocks:
                 raw[self._w2_offset: self._w2_offset + n2].view(dtype).view(self.w2_shape))
 
     def map(self, layer: int) -> None:
-        self.spaces[layer].map_page(0)
+        self.spaces[layer].map_pages([0])
 
     def unmap(self, layer: int) -> None:
-        self.spaces[layer].unmap_page(0)
+        self.spaces[layer].unmap_pages([0])
 
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.views[layer]

@@ -42,20 +42,22 @@ class VirtualExpertTensor:
         return row * self.row_bytes, (row + 1) * self.row_bytes
 
     def map_rows(self, rows: Iterable[int]) -> None:
+        rows = list(rows)
         for row in rows:
-            if row in self._mapped_rows:
+            if row in self._mapped_rows or rows.count(row) > 1:
                 raise ValueError(f"row {row} is already mapped")
-            for page in self.pages.acquire(*self._range(row)):
-                self.space.map_page(page)
-            self._mapped_rows.add(row)
+        pages = [page for row in rows for page in self.pages.acquire(*self._range(row))]
+        self.space.map_pages(pages)  # all at once: runs of pages cost one call
+        self._mapped_rows.update(rows)
 
     def unmap_rows(self, rows: Iterable[int]) -> None:
+        rows = list(rows)
         for row in rows:
-            if row not in self._mapped_rows:
+            if row not in self._mapped_rows or rows.count(row) > 1:
                 raise ValueError(f"row {row} is not mapped")
-            for page in self.pages.release(*self._range(row)):
-                self.space.unmap_page(page)
-            self._mapped_rows.discard(row)
+        pages = [page for row in rows for page in self.pages.release(*self._range(row))]
+        self.space.unmap_pages(pages)
+        self._mapped_rows.difference_update(rows)
 
     def is_mapped(self, row: int) -> bool:
         return row in self._mapped_rows

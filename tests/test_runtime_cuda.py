@@ -38,7 +38,7 @@ def test_granularity_and_memory_follow_mappings(pool):
     space = CudaAddressSpace(64 * page, pool)  # reserving costs no memory
     assert free0 - torch.cuda.mem_get_info()[0] < page
     for p in range(0, 64, 2):
-        space.map_page(p)
+        space.map_pages([p])
     used = free0 - torch.cuda.mem_get_info()[0]
     assert 32 * page <= used < 34 * page
     view = space.view(torch.float32, (64 * page // 4,))
@@ -48,11 +48,35 @@ def test_granularity_and_memory_follow_mappings(pool):
     torch.cuda.synchronize()
     assert all(float(view[p * per + 7]) == p for p in range(0, 64, 2))
     for p in range(0, 64, 2):
-        space.unmap_page(p)
+        space.unmap_pages([p])
     assert pool.free_pages == 32  # back in the pool, not yet returned
     pool.trim()
     assert free0 - torch.cuda.mem_get_info()[0] < page
     space.close()
+
+
+def test_runs_of_pages_map_and_unmap_in_one_call_each(pool):
+    """A run of pages is mapped page by page but made accessible, and unmapped, with one driver call; a run
+    inside a mapped run can go and come back while its neighbours keep their data."""
+    from esftctl.runtime.address_space import CudaAddressSpace
+
+    page = pool.page_size
+    space = CudaAddressSpace(40 * page, pool)
+    space.map_pages(range(10, 20))
+    space.map_pages([30, 31, 33])
+    view = space.view(torch.int32, (40 * page // 4,))
+    per = page // 4
+    for p in (*range(10, 20), 30, 31, 33):
+        view[p * per:(p + 1) * per].fill_(p)
+    space.unmap_pages([12, 13, 14, 31])
+    space.map_pages([13, 12, 14])
+    view[12 * per:15 * per].fill_(-1)
+    torch.cuda.synchronize()
+    for p in (10, 11, 15, 19, 30, 33):
+        assert int(view[p * per]) == p and int(view[(p + 1) * per - 1]) == p
+    assert int(view[13 * per + 5]) == -1
+    space.close()
+    assert pool.in_use == 0
 
 
 def _cuda_layer(pool, e, h, i, slots, per_slot):

@@ -64,15 +64,15 @@ def test_host_pages_commit_and_return_memory():
     try:
         assert space.resident_pages() == 0
         view = space.view(torch.float32, (space.nbytes // 4,))
-        space.map_page(2)
+        space.map_pages([2])
         per_page = space.page_size // 4
         chunk = view[2 * per_page: 3 * per_page]
         chunk.copy_(torch.arange(per_page, dtype=torch.float32))
         assert space.resident_pages() == 4  # the whole 4-OS-page page was written
         assert torch.equal(chunk, torch.arange(per_page, dtype=torch.float32))
-        space.unmap_page(2)
+        space.unmap_pages([2])
         assert space.resident_pages() == 0
-        space.map_page(2)
+        space.map_pages([2])
         assert torch.count_nonzero(view[2 * per_page: 3 * per_page]) == 0  # fresh memory, old data gone
     finally:
         space.close()
@@ -272,3 +272,10 @@ def test_router_reference_on_cpu():
     top = torch.softmax(logits, -1).topk(2)
     assert torch.equal(ids, torch.where(top.indices == 3, 42, top.indices).to(torch.int32))
     torch.testing.assert_close(weights, top.values / top.values.sum(-1, keepdim=True))
+
+
+def test_page_runs():
+    from esftctl.runtime.address_space import page_runs
+
+    assert page_runs([5, 1, 2, 3, 9, 10]) == [(1, 3), (5, 1), (9, 2)]
+    assert page_runs([]) == []
