@@ -11,8 +11,8 @@ reads an expert that is not there cannot pass silently.
   backs them on first touch); madvise(DONTNEED) + mprotect(NONE) gives them back. `resident_pages()` asks
   mincore.
 - CUDA: the driver's virtual memory API through cuda-bindings: cuMemAddressReserve, cuMemCreate (from a
-  PhysicalPagePool), cuMemMap per page (a page is one handle), then one cuMemSetAccess per run of pages
-  (the driver's costliest call per page), cuMemUnmap per run, cuMemRelease. Granularity from the driver.
+  PhysicalPagePool), cuMemMap of a few large handles per run of pages, one cuMemSetAccess per run,
+  cuMemUnmap, cuMemRelease. Granularity from the driver.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
@@ -159,15 +160,19 @@ def _cu(result):
 
 
 class PhysicalPagePool:
-    """Physical pages (one cuMemCreate handle each) of one GPU, reused across address spaces.
+    """Physical memory (cuMemCreate handles) of one GPU in handles of 1, 2, 4, ... MAX_RUN pages, reused
+    across address spaces.
 
-    Unmapped pages return here instead of to the driver, so evicting and loading adapters does not pay for
-    allocation; `trim()` hands the free ones back.
+    Unmapped handles return here instead of to the driver, so evicting and loading adapters, or paging a
+    layer, does not pay for allocation; `trim()` hands the free ones back. Sizes are powers of two, so the
+    free handles stay few kinds however long the runs that spaces map.
     """
 
+    MAX_RUN = 32  # pages in the largest handle: 64 MiB at the usual 2 MiB
+
     def __init__(self, device: int | torch.device | None = None, page_size: int | None = None):
-        """`page_size`: the size of every page (handle), rounded up to the driver's granularity; by default
-        the granularity itself (2 MiB). Paging maps a whole layer's experts as one page."""
+        """`page_size`: the size of a page, rounded up to the driver's granularity; by default the granularity
+        itself (2 MiB). Paging with one block per layer maps a whole layer's experts as one page."""
         driver = _driver()
         self.device = torch.device("cuda", torch.device(device or "cuda").index or 0)
         torch.cuda.init()
@@ -184,26 +189,39 @@ class PhysicalPagePool:
         self._access = driver.CUmemAccessDesc()
         self._access.location = self._prop.location
         self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._free: list = []
-        self.in_use = 0
+        self._free: dict[int, list] = {}  # pages per handle -> free handles
+        self.in_use = 0  # pages
 
-    def take(self):
-        self.in_use += 1
-        if self._free:
-            return self._free.pop()
-        return _cu(_driver().cuMemCreate(self.page_size, self._prop, 0))
+    def take(self, pages: int = 1):
+        self.in_use += pages
+        free = self._free.get(pages)
+        if free:
+            return free.pop()
+        return _cu(_driver().cuMemCreate(pages * self.page_size, self._prop, 0))
 
-    def give(self, handle) -> None:
-        self.in_use -= 1
-        self._free.append(handle)
+    def give(self, handle, pages: int = 1) -> None:
+        self.in_use -= pages
+        self._free.setdefault(pages, []).append(handle)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return sum(pages * len(handles) for pages, handles in self._free.items())
 
     def trim(self) -> None:
-        while self._free:
-            _cu(_driver().cuMemRelease(self._free.pop()))
+        for handles in self._free.values():
+            while handles:
+                _cu(_driver().cuMemRelease(handles.pop()))
+
+
+def handle_sizes(count: int, largest: int) -> list[int]:
+    """A run of `count` pages as handles of power-of-two pages, largest first (578, 32 -> 18 x 32, 2)."""
+    sizes = [largest] * (count // largest)
+    rest = count % largest
+    while rest:
+        size = 1 << (rest.bit_length() - 1)
+        sizes.append(size)
+        rest -= size
+    return sizes
 
 
 class _CudaArray:
@@ -213,8 +231,22 @@ class _CudaArray:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
+@dataclass
+class _Mapping:
+    first: int  # page
+    pages: int
+    handle: object
+    live: int  # pages of it that are mapped for a user
+
+
 class CudaAddressSpace:
-    """A reserved range of GPU virtual addresses, backed page by page from a PhysicalPagePool."""
+    """A reserved range of GPU virtual addresses, backed from a PhysicalPagePool.
+
+    A run of pages is backed by a few large handles (`handle_sizes`), one cuMemMap each, and made accessible
+    with one cuMemSetAccess: the driver's calls cost tens of microseconds per mapping, and a layer of a large
+    model is hundreds of pages. A handle goes back to the pool only when all its pages are unmapped; until
+    then its unmapped pages stay backed (and are reused by the next map of those pages).
+    """
 
     def __init__(self, nbytes: int, pool: PhysicalPagePool):
         driver = _driver()
@@ -224,27 +256,53 @@ class CudaAddressSpace:
         self.num_pages = max(1, -(-nbytes // self.page_size))
         self.nbytes = self.num_pages * self.page_size
         self.base = int(_cu(driver.cuMemAddressReserve(self.nbytes, pool.granularity, 0, 0)))
-        self._handles: dict[int, object] = {}
+        self._backing: dict[int, _Mapping] = {}  # page -> the mapping that backs it
+        self._live: set[int] = set()
 
     def _ptr(self, page: int):
         return _driver().CUdeviceptr(self.base + page * self.page_size)
 
     def map_pages(self, pages: Iterable[int]) -> None:
         driver = _driver()
-        runs = page_runs(pages)
-        for first, count in runs:
-            for page in range(first, first + count):
-                handle = self.pool.take()
-                _cu(driver.cuMemMap(self._ptr(page), self.page_size, 0, handle, 0))
-                self._handles[page] = handle
-        for first, count in runs:  # one call may cover several mappings, each entirely
+        new = []
+        for page in pages:
+            if page in self._live:
+                raise ValueError(f"page {page} is already mapped")
+            self._live.add(page)
+            if page in self._backing:  # still backed: an unmapped page of a handle that other pages hold
+                self._backing[page].live += 1
+            else:
+                new.append(page)
+        for first, count in page_runs(new):
+            page = first
+            for size in handle_sizes(count, self.pool.MAX_RUN):
+                mapping = _Mapping(page, size, self.pool.take(size), live=size)
+                _cu(driver.cuMemMap(self._ptr(page), size * self.page_size, 0, mapping.handle, 0))
+                for p in range(page, page + size):
+                    self._backing[p] = mapping
+                page += size
             _cu(driver.cuMemSetAccess(self._ptr(first), count * self.page_size, [self.pool._access], 1))
 
     def unmap_pages(self, pages: Iterable[int]) -> None:
-        for first, count in page_runs(pages):
-            _cu(_driver().cuMemUnmap(self._ptr(first), count * self.page_size))
-            for page in range(first, first + count):
-                self.pool.give(self._handles.pop(page))
+        for page in pages:
+            if page not in self._live:
+                raise ValueError(f"page {page} is not mapped")
+            self._live.discard(page)
+            mapping = self._backing[page]
+            mapping.live -= 1
+            if mapping.live == 0:
+                self._release(mapping)
+
+    def _release(self, mapping: _Mapping) -> None:
+        _cu(_driver().cuMemUnmap(self._ptr(mapping.first), mapping.pages * self.page_size))
+        self.pool.give(mapping.handle, mapping.pages)
+        for p in range(mapping.first, mapping.first + mapping.pages):
+            del self._backing[p]
+
+    @property
+    def handles(self) -> int:
+        """Physical handles mapped now (each one driver mapping)."""
+        return len({id(m) for m in self._backing.values()})
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = dtype.itemsize
@@ -256,6 +314,8 @@ class CudaAddressSpace:
     def close(self) -> None:
         if self.base is None:
             return
-        self.unmap_pages(list(self._handles))
+        for mapping in {id(m): m for m in self._backing.values()}.values():
+            self._release(mapping)
+        self._live.clear()
         _cu(_driver().cuMemAddressFree(_driver().CUdeviceptr(self.base), self.nbytes))
         self.base = None

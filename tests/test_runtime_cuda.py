@@ -55,24 +55,34 @@ def test_granularity_and_memory_follow_mappings(pool):
     space.close()
 
 
-def test_runs_of_pages_map_and_unmap_in_one_call_each(pool):
-    """A run of pages is mapped page by page but made accessible, and unmapped, with one driver call; a run
-    inside a mapped run can go and come back while its neighbours keep their data."""
+def test_runs_of_pages_map_as_few_large_handles(pool):
+    """A run of pages is backed by power-of-two handles of at most 32 pages (one driver mapping each); pages
+    inside a handle can go and come back while its other pages keep their data, and the handle's memory
+    returns to the pool only when all its pages are gone."""
     from esftctl.runtime.address_space import CudaAddressSpace
 
     page = pool.page_size
-    space = CudaAddressSpace(40 * page, pool)
-    space.map_pages(range(10, 20))
+    pool.trim()
+    space = CudaAddressSpace(120 * page, pool)
+    space.map_pages(range(40, 110))  # 70 pages: 32 + 32 + 4 + 2
+    assert space.handles == 4 and pool.in_use == 70
+    space.unmap_pages(range(40, 110))
+    assert space.handles == 0 and pool.in_use == 0 and pool.free_pages == 70
+    space.map_pages(range(10, 20))  # 8 + 2 pages: the 2 from the pool, the 8 from the driver
     space.map_pages([30, 31, 33])
+    assert space.handles == 4
     view = space.view(torch.int32, (40 * page // 4,))
     per = page // 4
     for p in (*range(10, 20), 30, 31, 33):
         view[p * per:(p + 1) * per].fill_(p)
     space.unmap_pages([12, 13, 14, 31])
+    assert space.handles == 4 and pool.in_use == 13  # each of those handles still holds mapped pages
+    space.unmap_pages([30])
+    assert space.handles == 3 and pool.in_use == 11
     space.map_pages([13, 12, 14])
     view[12 * per:15 * per].fill_(-1)
     torch.cuda.synchronize()
-    for p in (10, 11, 15, 19, 30, 33):
+    for p in (10, 11, 15, 19, 33):
         assert int(view[p * per]) == p and int(view[(p + 1) * per - 1]) == p
     assert int(view[13 * per + 5]) == -1
     space.close()
