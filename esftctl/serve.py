@@ -140,19 +140,24 @@ def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> No
     if count is not None and not 0 <= count <= base.num_experts:
         raise EsftError(f"--store-experts {count}: choose 0..{base.num_experts} (the base's experts per layer)")
     if store is not None:
-        from esftctl.store import ExpertStore
+        import torch
+
+        from esftctl.store import ExpertStore, missing_base_experts
 
         options["paging_store"] = Path(store).resolve()
-        header = ExpertStore(store, verify=False).header  # the engine verifies the checksum when it opens it
+        opened = ExpertStore(store, verify=False)  # the engine verifies the checksum when it opens it
+        header = opened.header
         if header["source"]["kind"] != "model":
             raise EsftError("--paging-store: this store holds an adapter bundle; make one of the base with "
                             "`esftctl compress BASE`", store)
-        names = {e["name"] for e in header["tensors"]}
-        missing = [n for l in base.moe_layers for e in range(base.num_experts)
-                   for n in base.expert_tensor_names(l, e).values() if n not in names]
+        missing = missing_base_experts(base, {e["name"] for e in header["tensors"]})
         if missing:
             raise EsftError(f"--paging-store: the store lacks {len(missing)} expert tensors of this base (e.g. "
                             f"{missing[0]!r}); it was made from another model", store)
+        probe = base.expert_tensor_names(base.moe_layers[0], 0)["gate"]  # same names, same weights?
+        if not torch.equal(opened.decode_tensor(probe).view(torch.int16), base.read_tensor(probe).view(torch.int16)):
+            raise EsftError(f"--paging-store: its {probe} differs from the base's; it was made from another model",
+                            store)
 
 
 class Server:

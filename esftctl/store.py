@@ -148,6 +148,13 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
     return header
 
 
+def missing_base_experts(base, stored: set[str]) -> list[str]:
+    """The routed-expert tensor names of `base` (an MoECheckpoint) that are not among `stored`: a store of the
+    base itself (`esftctl compress BASE`) misses none."""
+    return [n for l in base.moe_layers for e in range(base.num_experts)
+            for n in base.expert_tensor_names(l, e).values() if n not in stored]
+
+
 class ExpertStore:
     """An opened, verified store (checksum and section bounds checked); decodes on the CPU or a GPU."""
 

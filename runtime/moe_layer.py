@@ -74,8 +74,10 @@ class VirtualMoELayer:
         self._identity = self.table[0].clone()
         self._free_rows = list(range(num_experts, self.num_rows))  # a heap: lowest row first
         self.slot_rows: dict[int, dict[int, int]] = {}
-        # Paging (esftctl.runtime.paging): a host copy of every row, and whether the rows are on the device.
+        # Paging (esftctl.runtime.paging): host copies of the held rows (base rows in one pair of tensors,
+        # adapter rows one pair each, made as adapters load), and whether the rows are on the device.
         self.host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.host_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.paged_out = False
 
     @property
@@ -101,36 +103,47 @@ class VirtualMoELayer:
         device rows unless the layer is paged out, and the host copy if the layer keeps one."""
         for k, row in enumerate(rows):
             if self.host is not None:
-                self.host[0][row].copy_(w13[k])
-                self.host[1][row].copy_(w2[k])
+                self._host_copy(row, w13[k], w2[k])
             if not self.paged_out:
                 self.w13.tensor[row].copy_(w13[k], non_blocking=True)
                 self.w2.tensor[row].copy_(w2[k], non_blocking=True)
 
     # ---- paging: every expert of the layer, base and adapters alike, leaves and returns together ----
     def keep_host_copy(self) -> None:
-        """From now on keep every row in host memory too (pinned beside a GPU), starting with the base rows."""
+        """From now on keep every held row in host memory too (pinned beside a GPU)."""
         pin = self.device.type == "cuda"
-        self.host = tuple(torch.empty((self.num_rows, *row), dtype=t.dtype, pin_memory=pin)
+        self.host = tuple(torch.empty((self.num_experts, *row), dtype=t.dtype, pin_memory=pin)
                           for row, t in ((self.layout.w13_row, self.w13), (self.layout.w2_row, self.w2)))
-        for held in (range(self.num_experts), *(rows.values() for rows in self.slot_rows.values())):
-            for row in held:
-                self.host[0][row].copy_(self.w13.tensor[row])
-                self.host[1][row].copy_(self.w2.tensor[row])
+        for row in self.held_rows():
+            self._host_copy(row, self.w13.tensor[row], self.w2.tensor[row])
+
+    def _host_copy(self, row: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        if row < self.num_experts:
+            self.host[0][row].copy_(w13)
+            self.host[1][row].copy_(w2)
+        else:  # adapter rows: only those in use take host memory, not the slots' whole reservation
+            pin = self.device.type == "cuda"
+            self.host_rows[row] = (w13.to("cpu", copy=True).pin_memory() if pin else w13.to("cpu", copy=True),
+                                   w2.to("cpu", copy=True).pin_memory() if pin else w2.to("cpu", copy=True))
 
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
         return sorted({*range(self.num_experts), *(r for rows in self.slot_rows.values() for r in rows.values())})
 
-    def held_runs(self) -> list[tuple[int, int]]:
-        """`held_rows` as runs [start, stop) of consecutive rows: one copy each."""
-        runs: list[tuple[int, int]] = []
-        for row in self.held_rows():
-            if runs and runs[-1][1] == row:
-                runs[-1] = (runs[-1][0], row + 1)
-            else:
-                runs.append((row, row + 1))
-        return runs
+    def copy_in(self, skip: int = 0) -> int:
+        """Queue copies of the held rows from the host copies into the (mapped) rows, base rows from `skip`
+        on (the others come from elsewhere); returns the bytes."""
+        e, copied = self.num_experts, 0
+        if skip < e:
+            self.w13.tensor[skip:e].copy_(self.host[0][skip:], non_blocking=True)
+            self.w2.tensor[skip:e].copy_(self.host[1][skip:], non_blocking=True)
+            copied += (e - skip) * self.expert_bytes
+        for row in self.held_rows()[e:]:
+            w13, w2 = self.host_rows[row]
+            self.w13.tensor[row].copy_(w13, non_blocking=True)
+            self.w2.tensor[row].copy_(w2, non_blocking=True)
+            copied += self.expert_bytes
+        return copied
 
     def page_out(self) -> None:
         """Unmap every held row (the caller made sure no queued kernel reads them); the host copy stays."""
@@ -206,6 +219,7 @@ class VirtualMoELayer:
         self.w13.unmap_rows(mapped)
         self.w2.unmap_rows(mapped)
         for row in rows:
+            self.host_rows.pop(row, None)
             heapq.heappush(self._free_rows, row)
 
     def physical_bytes(self) -> int:

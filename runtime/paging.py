@@ -139,9 +139,12 @@ class OwnBlocks:
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.views[layer]
 
-    def runs(self, layer: int) -> list[tuple[int, int]]:
-        """Which rows of the block hold experts: all of them."""
-        return [(0, self.w13_shape[0])]
+    def copy_in(self, layer: int, source: LayerSource, skip: int) -> int:
+        """Experts from `skip` on, from the source's host tensors into the block (queued); bytes copied."""
+        w13, w2 = self.views[layer]
+        w13[skip:].copy_(source.w13[skip:], non_blocking=True)
+        w2[skip:].copy_(source.w2[skip:], non_blocking=True)
+        return (source.w13[skip:].numel() + source.w2[skip:].numel()) * source.w13.element_size()
 
     def close(self) -> None:
         for space in self.spaces.values():
@@ -152,8 +155,9 @@ class OwnBlocks:
 
 class HeldRowBlocks:
     """The held rows of ESFT virtual layers (esftctl.runtime.moe_layer): the base experts and every attached
-    adapter's, paged together in their layer's own tensors. The layers keep host copies of all rows; an
-    adapter loaded while its layer is out is written there and comes in with the layer."""
+    adapter's, paged together in their layer's own tensors. The layers keep host copies of their rows (the
+    sources' tensors are the base rows'); an adapter loaded while its layer is out is written there and
+    comes in with the layer."""
 
     def __init__(self, layers: Mapping[int, "VirtualMoELayer"]):
         self.layers = dict(layers)
@@ -168,8 +172,8 @@ class HeldRowBlocks:
         l = self.layers[layer]
         return l.w13.tensor, l.w2.tensor
 
-    def runs(self, layer: int) -> list[tuple[int, int]]:
-        return self.layers[layer].held_runs()
+    def copy_in(self, layer: int, source: LayerSource, skip: int) -> int:
+        return self.layers[layer].copy_in(skip)
 
     def close(self) -> None:
         pass
@@ -336,13 +340,7 @@ class PagedExperts:
             else:
                 self._decoders[layer, k]()
             self.stats.decoded_experts += k
-        for start, stop in self.blocks.runs(layer):  # the rest from host memory, one copy per run of rows
-            start = max(start, k)
-            if start < stop:
-                w13[start:stop].copy_(source.w13[start:stop], non_blocking=True)
-                w2[start:stop].copy_(source.w2[start:stop], non_blocking=True)
-                self.stats.host_bytes += (source.w13[start:stop].numel() + source.w2[start:stop].numel()) * \
-                    source.w13.element_size()
+        self.stats.host_bytes += self.blocks.copy_in(layer, source, skip=k)  # the rest from host memory
         if k and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
 

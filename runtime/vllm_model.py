@@ -36,7 +36,7 @@ from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts, store_decoder, tier_split
 from esftctl.runtime.residency import AdaptiveResidency
-from esftctl.store import ExpertStore
+from esftctl.store import ExpertStore, missing_base_experts
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
@@ -155,8 +155,7 @@ class EsftModel:
             raise EsftError(f"{store.path}: the store tier writes experts in the checkpoint's layout, but this engine's "
                             "MoE kernel keeps its own (e.g. vLLM's CPU build prepacks them); page from host memory "
                             "only")
-        missing = [n for l in self.layers for e in range(base.num_experts)
-                   for n in base.expert_tensor_names(l, e).values() if n not in store.tensors]
+        missing = missing_base_experts(base, set(store.tensors))
         if missing:
             raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make it "
                             "with `esftctl compress BASE`", store.path)

@@ -244,6 +244,18 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     run_cli("compress", other, "--out", tmp_path / "bundle_store", check=True)
     proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--paging-store", tmp_path / "bundle_store")
     assert proc.returncode == 1 and "holds an adapter bundle" in proc.stderr
+    run_cli("compress", tiny_models["qwen2_moe"], "--out", tmp_path / "other_store", check=True)
+    proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--paging-store", tmp_path / "other_store")
+    assert proc.returncode == 1 and "made from another model" in proc.stderr  # same names and shapes, other weights
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--store-experts", "2")
+    assert proc.returncode == 1 and "--store-experts needs --paging-store" in proc.stderr
+    # A store of this base passes the checks, but vLLM's CPU build prepacks experts, which the store tier cannot
+    # write: the engine refuses at start-up, and the CLI reports that one line.
+    run_cli("compress", world.base_dir, "--out", tmp_path / "base_store", check=True)
+    proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--paging-store", tmp_path / "base_store",
+                   "--port", str(free_port()), "--", *ENGINE_ARGS)
+    assert proc.returncode == 1 and "keeps its own" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
 
