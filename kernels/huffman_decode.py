@@ -5,8 +5,9 @@ layer's virtual weight tensors). Every chunk of every tensor becomes one lane, d
 its absolute bit position in the store's data on the device, where its sign-and-mantissa bytes start,
 the device address of its first output value, how many values it holds, and its code table.
 
-A lane keeps its next bits in a 64-bit register, refilled from aligned 32-bit words only when fewer than
-MAX_LENGTH bits remain. Each dependent step looks up the next MAX_LENGTH bits in a multi-symbol table
+A lane keeps its next bits in a 64-bit register, never fewer than MAX_LENGTH of them; whenever 32 more fit,
+the next aligned 32-bit word is fetched beside the step's table lookup (not before it), so the two loads'
+latencies overlap. Each dependent step looks up the next MAX_LENGTH bits in a multi-symbol table
 (esftctl.huffman.multi_symbol_table): every whole code at the window's front, up to four, and the bits they
 use; at about 2.6 bits per exponent a step yields about four values. Values queue in registers (one byte
 each) until GROUP are ready; then they are joined with their sign-and-mantissa bytes and written as GROUP
@@ -47,9 +48,10 @@ try:
         base = tl.load(table_ptr + lanes, mask=ok, other=0).to(tl.int64) << WIDTH
         word = bit >> 5
         first = _bswap32(tl.load(words_ptr + word, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
-        buf = (first << 32) << (bit & 31).to(tl.uint64)
-        nbits = 32 - (bit & 31).to(tl.int32)
-        word += 1
+        second = _bswap32(tl.load(words_ptr + word + 1, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
+        buf = ((first << 32) | second) << (bit & 31).to(tl.uint64)
+        nbits = 64 - (bit & 31).to(tl.int32)
+        word += 2
         # A queue of decoded exponents, one byte each: lo holds 0-7, hi 8-15, spill 16-18.
         lo = tl.zeros([BLOCK], dtype=tl.uint64)
         hi = tl.zeros([BLOCK], dtype=tl.uint64)
@@ -67,11 +69,10 @@ try:
             want = tl.minimum(n - g, GROUP)
             while tl.max(want - queued, axis=0) > 0:
                 active = queued < want
-                need = active & (nbits < WIDTH)
+                # The buffer holds at least WIDTH bits at every step, so this step's lookup never waits for
+                # a refill: the next word is fetched beside the lookup and joins the buffer after it.
+                need = active & (nbits <= 32)
                 w = _bswap32(tl.load(words_ptr + word, mask=need, other=0).to(tl.uint32)).to(tl.uint64)
-                buf = tl.where(need, buf | (w << (32 - nbits).to(tl.uint64)), buf)
-                nbits = tl.where(need, nbits + 32, nbits)
-                word = tl.where(need, word + 1, word)
                 entry = tl.load(multi_ptr + base + (buf >> (64 - WIDTH)).to(tl.int64), mask=active, other=0)
                 count = ((entry >> 32) & 0xF).to(tl.int32)
                 used = tl.where(active, ((entry >> 36) & 0x1F).to(tl.int32), 0)
@@ -85,6 +86,9 @@ try:
                 spill |= tl.where(in_hi & (q > 12), symbols >> (64 - 8 * (q - 8)).to(tl.uint64), 0)
                 buf = buf << used.to(tl.uint64)
                 nbits -= used
+                buf = tl.where(need, buf | (w << (32 - nbits).to(tl.uint64)), buf)
+                nbits = tl.where(need, nbits + 32, nbits)
+                word = tl.where(need, word + 1, word)
                 # A window with no whole code can only be bits past the stream's end: stop that lane.
                 queued = tl.where(active, tl.where(count == 0, want, queued + count), queued)
             # 32-bit words of the queue; which word a column reads is known at compile time.
