@@ -17,6 +17,10 @@ of a layer, from a Huffman-coded store already in GPU memory (esftctl.kernels.hu
 straight into the mapped block; its plan is built once per layer, since the addresses never change).
 `resident` layers are mapped once and never paged.
 
+Where the experts live is the `blocks` object's business: `OwnBlocks` (a range and one handle per layer:
+the benchmark's stack) or `HeldRowBlocks` (an ESFT layer's own virtual tensors, base and adapter rows
+together: serving). `times` measures loads and kernels for the residency planner (esftctl.runtime.residency).
+
 On the CPU the same code runs with host address spaces and synchronous copies: the window and the
 ordering logic are exercised by CI; the speed question exists only on a GPU.
 """
@@ -41,14 +45,12 @@ if TYPE_CHECKING:
 @dataclass
 class LayerSource:
     """Where one layer's experts come from: pinned host tensors, and optionally a decode plan that writes
-    experts [0, store_experts) into given destinations (built with the layer's stable w13/w2). The store
-    holds `stored` experts (an ESFT layer's base experts; its adapter rows come from the host)."""
+    experts [0, store_experts) into given destinations (built with the layer's stable w13/w2)."""
 
-    w13: torch.Tensor  # [rows, 2I, H], pinned host memory on CUDA
-    w2: torch.Tensor  # [rows, H, I]
+    w13: torch.Tensor  # [E, 2I, H], pinned host memory on CUDA
+    w2: torch.Tensor  # [E, H, I]
     store_experts: int = 0
     make_decoder: Callable[[torch.Tensor, torch.Tensor], Callable[[], None]] | None = None
-    stored: int | None = None  # None: every row
 
 
 @dataclass
@@ -64,10 +66,12 @@ class LayerTimes:
     """Milliseconds of paged layers' loads and of their kernels, for the planner's rho = compute / load.
 
     On CUDA each span is a pair of timing events, read once the second has completed (never waited for);
-    on the CPU, where everything runs synchronously, the host clock."""
+    on the CPU, where everything runs synchronously, the host clock. Off until a planner turns it on (spans
+    pile up until someone takes them)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
+        self.enabled = False
         self._open: dict[tuple[str, int], object] = {}
         self._pending: list[tuple[str, object, object]] = []
         self._done: dict[str, list[float]] = {"load": [], "compute": []}
@@ -80,7 +84,8 @@ class LayerTimes:
         return event
 
     def start(self, kind: str, layer: int) -> None:
-        self._open[kind, layer] = self._now()
+        if self.enabled:
+            self._open[kind, layer] = self._now()
 
     def stop(self, kind: str, layer: int) -> None:
         start = self._open.pop((kind, layer), None)
@@ -272,7 +277,7 @@ class PagedExperts:
         for source in self.sources.values():
             if count and source.make_decoder is None:
                 raise EsftError("these layers have no store tier")
-            source.store_experts = min(count, source.w13.shape[0] if source.stored is None else source.stored)
+            source.store_experts = min(count, source.w13.shape[0])
 
     def timed_load(self, layer: int, store_experts: int) -> float:
         """Seconds to load a paged-out layer with `store_experts` from the store, the rest from the host; the

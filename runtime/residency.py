@@ -44,6 +44,7 @@ class AdaptiveResidency:
                  spare: Callable[[], int] | None = None):
         self.pager, self.order, self.every = pager, list(order), every
         self.measure = measure or pager.times.take
+        pager.times.enabled = True
         self.spare = spare or (lambda: spare_layers(pager.device, layer_bytes))
         cap = min(len(self.order) - pager.window, len(pager.resident) + self.spare())
         self.planner = ResidencyPlanner(len(self.order), max(0, cap), resident=len(pager.resident))

@@ -132,8 +132,7 @@ class EsftModel:
         for index, layer in self.layers.items():
             layer.keep_host_copy()
             names = [base.expert_tensor_names(index, e) for e in range(layer.num_experts)]
-            sources[index] = LayerSource(*layer.host, make_decoder=make_decoder and make_decoder(names),
-                                         stored=layer.num_experts)
+            sources[index] = LayerSource(*layer.host, make_decoder=make_decoder and make_decoder(names))
         blocks = HeldRowBlocks(self.layers)
         for index in self.layers:
             blocks.unmap(index)

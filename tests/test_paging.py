@@ -161,6 +161,7 @@ def test_pager_times_loads_and_computes(device):
     """What the serving planner reads: one load span per load, one compute span per paged layer run."""
     layers = make_layers(9)
     pager = PagedExperts(sources(layers, device), window=2, resident=(2,), device=device)
+    pager.times.enabled = True  # a planner turns it on
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     paged_outputs(pager, layers, x, list(range(LAYERS)), device)
     if device == "cuda":
