@@ -299,10 +299,13 @@ class CudaAddressSpace:
         for p in range(mapping.first, mapping.first + mapping.pages):
             del self._backing[p]
 
+    def _mappings(self) -> list[_Mapping]:
+        return list({id(m): m for m in self._backing.values()}.values())
+
     @property
     def handles(self) -> int:
         """Physical handles mapped now (each one driver mapping)."""
-        return len({id(m) for m in self._backing.values()})
+        return len(self._mappings())
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = dtype.itemsize
@@ -314,7 +317,7 @@ class CudaAddressSpace:
     def close(self) -> None:
         if self.base is None:
             return
-        for mapping in {id(m): m for m in self._backing.values()}.values():
+        for mapping in self._mappings():
             self._release(mapping)
         self._live.clear()
         _cu(_driver().cuMemAddressFree(_driver().CUdeviceptr(self.base), self.nbytes))

@@ -41,19 +41,25 @@ class VirtualExpertTensor:
             raise IndexError(f"row {row} outside 0..{self.num_rows - 1}")
         return row * self.row_bytes, (row + 1) * self.row_bytes
 
-    def map_rows(self, rows: Iterable[int]) -> None:
+    def _distinct(self, rows: Iterable[int]) -> list[int]:
         rows = list(rows)
+        if len(set(rows)) < len(rows):
+            raise ValueError(f"rows {sorted(rows)} name a row twice")
+        return rows
+
+    def map_rows(self, rows: Iterable[int]) -> None:
+        rows = self._distinct(rows)
         for row in rows:
-            if row in self._mapped_rows or rows.count(row) > 1:
+            if row in self._mapped_rows:
                 raise ValueError(f"row {row} is already mapped")
         pages = [page for row in rows for page in self.pages.acquire(*self._range(row))]
         self.space.map_pages(pages)  # all at once: runs of pages cost one call
         self._mapped_rows.update(rows)
 
     def unmap_rows(self, rows: Iterable[int]) -> None:
-        rows = list(rows)
+        rows = self._distinct(rows)
         for row in rows:
-            if row not in self._mapped_rows or rows.count(row) > 1:
+            if row not in self._mapped_rows:
                 raise ValueError(f"row {row} is not mapped")
         pages = [page for row in rows for page in self.pages.release(*self._range(row))]
         self.space.unmap_pages(pages)
