@@ -109,26 +109,31 @@ class VirtualMoELayer:
                 self.w2.tensor[row].copy_(w2[k], non_blocking=True)
 
     # ---- paging: every expert of the layer, base and adapters alike, leaves and returns together ----
+    def _host_empty(self, *shape: int) -> torch.Tensor:
+        """Host memory for rows: pinned beside a GPU, so copies to the device run asynchronously."""
+        return torch.empty(shape, dtype=self.w13.dtype, pin_memory=self.device.type == "cuda")
+
     def keep_host_copy(self) -> None:
-        """From now on keep every held row in host memory too (pinned beside a GPU)."""
-        pin = self.device.type == "cuda"
-        self.host = tuple(torch.empty((self.num_experts, *row), dtype=t.dtype, pin_memory=pin)
-                          for row, t in ((self.layout.w13_row, self.w13), (self.layout.w2_row, self.w2)))
+        """From now on keep every held row in host memory too."""
+        self.host = (self._host_empty(self.num_experts, *self.layout.w13_row),
+                     self._host_empty(self.num_experts, *self.layout.w2_row))
         for row in self.held_rows():
             self._host_copy(row, self.w13.tensor[row], self.w2.tensor[row])
 
     def _host_copy(self, row: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        if row < self.num_experts:
-            self.host[0][row].copy_(w13)
-            self.host[1][row].copy_(w2)
-        else:  # adapter rows: only those in use take host memory, not the slots' whole reservation
-            pin = self.device.type == "cuda"
-            self.host_rows[row] = (w13.to("cpu", copy=True).pin_memory() if pin else w13.to("cpu", copy=True),
-                                   w2.to("cpu", copy=True).pin_memory() if pin else w2.to("cpu", copy=True))
+        if row >= self.num_experts:  # adapter rows: only those in use take host memory, not the whole reservation
+            self.host_rows[row] = (self._host_empty(*self.layout.w13_row), self._host_empty(*self.layout.w2_row))
+        host13, host2 = (self.host[0][row], self.host[1][row]) if row < self.num_experts else self.host_rows[row]
+        host13.copy_(w13)
+        host2.copy_(w2)
 
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
         return sorted({*range(self.num_experts), *(r for rows in self.slot_rows.values() for r in rows.values())})
+
+    def held_bytes(self) -> int:
+        """Bytes of the held rows' experts (what the layer takes on the device when it is paged in)."""
+        return len(self.held_rows()) * self.expert_bytes
 
     def copy_in(self, skip: int = 0) -> int:
         """Queue copies of the held rows from the host copies into the (mapped) rows, base rows from `skip`

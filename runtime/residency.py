@@ -39,17 +39,22 @@ def spare_layers(device: torch.device, layer_bytes: int, margin: float = 0.1) ->
 class AdaptiveResidency:
     """Runs the planner every `every` passes on the timings the pager measured meanwhile."""
 
-    def __init__(self, pager: PagedExperts, order: Sequence[int], layer_bytes: int, every: int = 16,
+    def __init__(self, pager: PagedExperts, order: Sequence[int], layer_bytes: Callable[[], int], every: int = 16,
                  measure: Callable[[], tuple[list[float], list[float]]] | None = None,
                  spare: Callable[[], int] | None = None):
+        """`layer_bytes`: what one more resident layer would take now (adapters change it)."""
         self.pager, self.order, self.every = pager, list(order), every
         self.measure = measure or pager.times.take
         pager.times.enabled = True
-        self.spare = spare or (lambda: spare_layers(pager.device, layer_bytes))
-        cap = min(len(self.order) - pager.window, len(pager.resident) + self.spare())
-        self.planner = ResidencyPlanner(len(self.order), max(0, cap), resident=len(pager.resident))
+        self.spare = spare or (lambda: spare_layers(pager.device, layer_bytes()))
+        self.planner = ResidencyPlanner(len(self.order), self._cap(), resident=len(pager.resident))
         self.passes = 0
         pager.before_pass = (self.order[0], self.on_pass)
+
+    def _cap(self) -> int:
+        """What may stay resident: the layers outside the window, as far as those resident now plus what fits
+        in free memory now allow (memory can have been taken meanwhile)."""
+        return max(0, min(len(self.order) - self.pager.window, len(self.pager.resident) + self.spare()))
 
     def on_pass(self) -> None:
         self.passes += 1
@@ -58,9 +63,7 @@ class AdaptiveResidency:
         compute, load = self.measure()
         if not compute or not load:
             return  # nothing was paged in these passes
-        # What may stay resident: those already are, plus what fits now (memory can have been taken meanwhile).
-        self.planner.max_resident = min(len(self.order) - self.pager.window,
-                                        len(self.pager.resident) + self.spare())
+        self.planner.max_resident = self._cap()
         before = len(self.pager.resident)
         after = self.planner.update(statistics.median(compute), statistics.median(load))
         decision = self.planner.decisions[-1]

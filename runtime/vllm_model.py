@@ -121,8 +121,8 @@ class EsftModel:
         if paging_window:
             self.pager = self._page_experts(engine_layers, paging_window, base, paging_store, store_experts)
             if adaptive:
-                first = self.layers[next(iter(self.layers))]
-                self.residency = AdaptiveResidency(self.pager, list(self.layers), first.needed_bytes())
+                self.residency = AdaptiveResidency(self.pager, list(self.layers), lambda: max(
+                    l.held_bytes() for l in self.layers.values()))
 
     def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int, base: MoECheckpoint,
                       store: ExpertStore | None, store_experts: int | None) -> PagedExperts:

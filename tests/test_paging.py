@@ -179,7 +179,7 @@ def test_adaptive_residency_follows_rho_within_spare_memory():
     layers = make_layers(11)
     pager = PagedExperts(sources(layers, "cpu"), window=1, device="cpu")
     timings, spare = [], {"layers": 3}
-    residency = AdaptiveResidency(pager, list(range(LAYERS)), layer_bytes=1, every=2,
+    residency = AdaptiveResidency(pager, list(range(LAYERS)), layer_bytes=lambda: 1, every=2,
                                   measure=lambda: timings.pop(0), spare=lambda: spare["layers"])
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     want = resident_outputs(layers, x, list(range(LAYERS)), "cpu")

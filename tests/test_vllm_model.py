@@ -150,6 +150,8 @@ def test_adapter_experts_page_with_their_layer(tiny_models, device):
     layer = runtime.layers[in_window]
     assert held[in_window] >= layer.needed_bytes() > layer.num_experts * layer.expert_bytes  # adapter rows too
     assert in_window in (last, list(runtime.layers)[0])
+    out = runtime.layers[next(index for index, b in held.items() if not b)]  # what the planner sizes a layer by
+    assert out.held_bytes() == (out.num_experts + 3 + 4) * out.expert_bytes  # a0's 3 experts, a1's 4
 
     runtime.slots.evict("a0")
     runtime.slots.collect()
