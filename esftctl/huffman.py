@@ -2,9 +2,14 @@
 
 A bf16 value is 1 sign, 8 exponent and 7 mantissa bits. The exponent byte is entropy-coded; sign and
 mantissa stay one raw byte per value (`split_bf16`). The coded stream of a tensor is cut into chunks of
-`chunk` symbols whose starting bit offsets are recorded, so chunks decode independently: the CPU decoder
-steps all chunks of a tensor in lockstep with numpy, the GPU decoder (esftctl.kernels.huffman_decode)
+at most `chunk` symbols whose starting bit offsets are recorded, so chunks decode independently: the CPU
+decoder steps all chunks of a tensor in lockstep with numpy, the GPU decoder (esftctl.kernels.huffman_decode)
 gives each chunk a lane.
+
+Which values a chunk holds is chosen for the GPU (`chunk_layout`): LANES chunks, decoded side by side by one
+warp, share a block of LANES * chunk values, taking turns by GROUP values. When a warp writes its lanes'
+next GROUP values each, it writes LANES * GROUP contiguous values (and reads as many sign-and-mantissa
+bytes): whole cache lines, not one line per lane.
 
 Codes are canonical (a code is fully described by its lengths) and at most MAX_LENGTH bits long, so a
 decoder resolves a symbol with one lookup in a 2**MAX_LENGTH table of (symbol, length).
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_LENGTH = 12
+LANES = 32  # chunks that share a block of values: one warp's lanes
+GROUP = 16  # values a chunk takes in turn: a lane's vector of output
 
 
 def split_bf16(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -133,8 +140,35 @@ def build_code(counts: np.ndarray, max_length: int = MAX_LENGTH) -> Code:
     return Code(code_lengths(np.asarray(counts, dtype=np.int64), max_length))
 
 
+def chunk_layout(count: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lengths): the value indices in stream order, chunk after chunk, and each chunk's length.
+
+    Chunk c of block b holds values b * LANES * chunk + g * LANES * GROUP + c * GROUP + j, for groups g
+    and j < GROUP, that are below `count`; empty chunks at the end are left out.
+    """
+    if chunk % GROUP:
+        raise ValueError(f"chunk size must be a multiple of {GROUP}")
+    blocks = -(-count // (LANES * chunk))
+    index = (np.arange(blocks, dtype=np.int64)[:, None, None, None] * (LANES * chunk)
+             + np.arange(LANES, dtype=np.int64)[None, :, None, None] * GROUP
+             + np.arange(chunk // GROUP, dtype=np.int64)[None, None, :, None] * (LANES * GROUP)
+             + np.arange(GROUP, dtype=np.int64)[None, None, None, :])
+    inside = index < count
+    lengths = inside.sum(axis=(2, 3)).reshape(-1)
+    return index[inside], lengths[: int(np.count_nonzero(lengths))]
+
+
+def chunk_firsts(count: int, chunk: int) -> np.ndarray:
+    """The index of each chunk's first value (chunk_layout's chunks, in order)."""
+    _, lengths = chunk_layout(count, chunk)
+    k = np.arange(len(lengths), dtype=np.int64)
+    return (k // LANES) * (LANES * chunk) + (k % LANES) * GROUP
+
+
 def encode(symbols: np.ndarray, code: Code, chunk: int) -> tuple[bytes, np.ndarray]:
-    """Pack `symbols` MSB-first; return (bytes, bit offset of every chunk of `chunk` symbols, uint64)."""
+    """Pack `symbols` MSB-first in chunk_layout's order; return (bytes, each chunk's starting bit, uint64)."""
+    order, chunk_lengths = chunk_layout(len(symbols), chunk)
+    symbols = symbols[order]
     lengths = code.lengths.astype(np.uint64)[symbols]
     values = code.codes()[symbols]
     if np.any(lengths == 0):
@@ -155,9 +189,8 @@ def encode(symbols: np.ndarray, code: Code, chunk: int) -> tuple[bytes, np.ndarr
     crossing = ~fits
     _or_into(words, word[crossing] + 1, second[crossing])
     data = words.byteswap().tobytes()[: (total_bits + 7) // 8]
-    offsets = np.concatenate([[0], ends[chunk - 1::chunk][: (len(symbols) - 1) // chunk]]).astype(np.uint64) \
-        if len(symbols) else np.zeros(0, dtype=np.uint64)
-    return data, offsets
+    first_symbol = np.cumsum(chunk_lengths) - chunk_lengths
+    return data, starts[first_symbol].astype(np.uint64)
 
 
 def _or_into(words: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
@@ -173,21 +206,22 @@ def decode(data: bytes, offsets: np.ndarray, count: int, code: Code, chunk: int)
     out = np.zeros(count, dtype=np.uint8)
     if count == 0:
         return out
+    order, lengths = chunk_layout(count, chunk)
+    if len(offsets) != len(lengths):
+        raise ValueError(f"{len(offsets)} chunk offsets for {len(lengths)} chunks")
     width = MAX_LENGTH
     table_sym, table_len = code.decode_table(width)
     buf = np.frombuffer(bytes(data) + b"\0\0\0\0", dtype=np.uint8).astype(np.uint32)
     pos = offsets.astype(np.int64).copy()
-    n_chunks = len(offsets)
-    base = np.arange(n_chunks, dtype=np.int64) * chunk
-    remaining = np.minimum(chunk, count - base)
-    for step in range(chunk):
-        live = remaining > step
-        if not live.any():
-            break
+    first = np.cumsum(lengths) - lengths
+    stream = np.zeros(count, dtype=np.uint8)
+    for step in range(int(lengths.max())):
+        live = lengths > step
         p = pos[live]
         byte = p >> 3
         window = (buf[byte] << 16) | (buf[byte + 1] << 8) | buf[byte + 2]  # 24 bits >= 12 + 7
         peek = (window >> (24 - width - (p & 7)).astype(np.uint32)) & ((1 << width) - 1)
-        out[base[live] + step] = table_sym[peek]
+        stream[first[live] + step] = table_sym[peek]
         pos[live] = p + table_len[peek]
+    out[order] = stream
     return out

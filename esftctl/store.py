@@ -5,8 +5,9 @@ A store is a folder:
     store.json  format, version, source (model folder or adapter bundle), chunk size, code tables (code
                 lengths per symbol), and per tensor: name, shape, (layer, expert, weight), its code table,
                 and where its three sections lie in store.bin; the SHA-256 of store.bin
-    store.bin   per tensor: the Huffman-coded exponents, the chunks' starting bit offsets (uint32), and
-                one sign-and-mantissa byte per value; each section starts on a 16-byte boundary
+    store.bin   per tensor: the Huffman-coded exponents (chunks laid out as esftctl.huffman.chunk_layout
+                says: a warp's 32 chunks take turns by 16 values), the chunks' starting bit offsets
+                (uint32), and one sign-and-mantissa byte per value; each section starts on a 16-byte boundary
 
 Only bf16 expert weights are stored; decoding is bit-exact. Code tables are per tensor or shared per layer
 (`--table-scope`): `esftctl bench compress` measures both.
@@ -27,11 +28,11 @@ from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json
-from esftctl.huffman import (MAX_LENGTH, Code, build_code, decode, encode, entropy_bits, join_bf16,
-                             multi_symbol_table, split_bf16)
+from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, Code, build_code, chunk_firsts, decode, encode,
+                             entropy_bits, join_bf16, multi_symbol_table, split_bf16)
 
 STORE_FORMAT = "esftctl-expert-store"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 1: chunks held consecutive values
 HEADER, DATA = "store.json", "store.bin"
 DEFAULT_CHUNK = 1024
 ALIGN = 16
@@ -95,8 +96,8 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
                 on_tensor: Callable[[str], None] = lambda name: None) -> dict:
     if table_scope not in ("tensor", "layer"):
         raise EsftError(f"table scope must be 'tensor' or 'layer', not {table_scope!r}")
-    if chunk < 1:
-        raise EsftError("chunk size must be at least 1")
+    if chunk < GROUP or chunk % GROUP:
+        raise EsftError(f"chunk size must be a positive multiple of {GROUP}, not {chunk}")
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
     groups: dict[object, list[SourceTensor]] = {}
@@ -139,7 +140,7 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
             on_tensor(t.name)
     _pad(data)
     header = {"format": STORE_FORMAT, "version": STORE_VERSION, "created_by": f"esftctl {__version__}",
-              "source": source, "chunk": chunk, "max_code_length": MAX_LENGTH, "table_scope": table_scope,
+              "source": source, "chunk": chunk, "lanes": LANES, "group": GROUP, "max_code_length": MAX_LENGTH, "table_scope": table_scope,
               "tables": tables, "tensors": entries, "data_file": DATA, "data_bytes": len(data),
               "sha256": hashlib.sha256(data).hexdigest(), **total}
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -167,7 +168,8 @@ class ExpertStore:
         if not isinstance(self.header, dict) or self.header.get("format") != STORE_FORMAT:
             raise EsftError(f"not an esftctl expert store (format is not {STORE_FORMAT!r})", header_file)
         if self.header.get("version") != STORE_VERSION:
-            raise EsftError(f"store version {self.header.get('version')!r} is not supported", header_file)
+            raise EsftError(f"store version {self.header.get('version')!r} is not supported (this esftctl reads "
+                            f"version {STORE_VERSION}; compress the model again)", header_file)
         data_file = self.path / self.header["data_file"]
         if not data_file.exists():
             raise EsftError("missing store data file", data_file)
@@ -231,22 +233,26 @@ class ExpertStore:
 
         device = targets[0][1].device
         data, tables = self.to_device(device)
-        bits, sm, dst, lengths, table = [], [], [], [], []
+        bits, sm, dst, remaining, table = [], [], [], [], []
         for name, out in targets:
             e = self._entry(name)
             self._check_destination(e, out)
             if out.device != device:
                 raise ValueError("all destinations of one plan must be on one device")
-            starts = np.arange(e["chunks"], dtype=np.int64) * self.chunk
             _, offsets, _ = self._sections(e)
-            bits.append(8 * e["exp_offset"] + offsets.astype(np.int64))
-            sm.append(e["sm_offset"] + starts)
-            dst.append(out.data_ptr() + 2 * starts)
-            lengths.append(np.minimum(self.chunk, e["count"] - starts).astype(np.int32))
-            table.append(np.full(e["chunks"], e["table"], dtype=np.int32))
+            firsts = chunk_firsts(e["count"], self.chunk)
+            # Each tensor's chunks start a warp: its lanes then read and write whole lines. Lanes that pad
+            # the last warp have no values.
+            pad = -len(firsts) % LANES
+            bits.append(np.pad(8 * e["exp_offset"] + offsets.astype(np.int64), (0, pad)))
+            sm.append(np.pad(e["sm_offset"] + firsts, (0, pad)))
+            dst.append(np.pad(out.data_ptr() + 2 * firsts, (0, pad)))
+            remaining.append(np.pad((e["count"] - firsts).astype(np.int32), (0, pad)))
+            table.append(np.full(len(firsts) + pad, e["table"], dtype=np.int32))
         descriptors = {k: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).to(device)
-                       for k, v in (("bits", bits), ("sm", sm), ("dst", dst), ("len", lengths), ("table", table))}
-        aligned = all(out.data_ptr() % (2 * DecodePlan.GROUP) == 0 for _, out in targets)
+                       for k, v in (("bits", bits), ("sm", sm), ("dst", dst), ("remaining", remaining),
+                                    ("table", table))}
+        aligned = all(out.data_ptr() % (2 * GROUP) == 0 for _, out in targets)
         return DecodePlan(data, tables, self.chunk, descriptors, [out for _, out in targets], aligned)
 
     def describe(self) -> dict:

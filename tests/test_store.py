@@ -12,7 +12,8 @@ import torch
 
 from conftest import run_cli
 from esftctl.errors import EsftError
-from esftctl.huffman import MAX_LENGTH, build_code, code_lengths, decode, encode, entropy_bits, join_bf16, split_bf16
+from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, build_code, chunk_layout, code_lengths, decode, encode,
+                             entropy_bits, join_bf16, split_bf16)
 from esftctl.store import ExpertStore, SourceTensor, compress, decompress, write_store
 
 
@@ -42,7 +43,7 @@ def _heavy_tailed(n: int, seed: int) -> torch.Tensor:
     lambda: torch.ones(1, dtype=torch.bfloat16),
     lambda: torch.full((777,), 3.5, dtype=torch.bfloat16),  # one symbol only
 ])
-@pytest.mark.parametrize("chunk", [1, 7, 1024])
+@pytest.mark.parametrize("chunk", [16, 48, 1024])
 def test_huffman_round_trip_is_bit_exact(values, chunk):
     bits = _bits(values())
     exponent, sign_mantissa = split_bf16(bits)
@@ -50,8 +51,26 @@ def test_huffman_round_trip_is_bit_exact(values, chunk):
     code = build_code(np.bincount(exponent, minlength=256))
     assert code.max_length <= MAX_LENGTH
     data, offsets = encode(exponent, code, chunk)
-    assert len(offsets) == -(-len(exponent) // chunk)
+    assert len(offsets) == len(chunk_layout(len(exponent), chunk)[1])
     assert np.array_equal(decode(data, offsets, len(exponent), code, chunk), exponent)
+
+
+@pytest.mark.parametrize("count", [0, 1, 17, 5000, 2 * LANES * 64 + 100])
+def test_chunk_layout_gives_every_value_once_a_warp_writes_whole_runs(count):
+    """Chunks of one block take turns by GROUP values: every value once, and at a group's turn the block's
+    lanes hold one contiguous run."""
+    chunk = 64
+    order, lengths = chunk_layout(count, chunk)
+    assert np.array_equal(np.sort(order), np.arange(count))
+    assert lengths.sum() == count and (lengths > 0).all() and (lengths <= chunk).all()
+    starts = np.cumsum(lengths) - lengths
+    for block in range(-(-len(lengths) // LANES)):
+        lanes = range(block * LANES, min(len(lengths), (block + 1) * LANES))
+        for g in range(chunk // GROUP):
+            turn = np.concatenate([[]] + [order[starts[k] + g * GROUP: starts[k] + min(lengths[k], (g + 1) * GROUP)]
+                                          for k in lanes]).astype(np.int64)
+            if len(turn):
+                assert np.array_equal(turn, np.arange(turn[0], turn[0] + len(turn)))
 
 
 def test_length_limit_keeps_a_prefix_code():
@@ -158,7 +177,7 @@ from test_store import _store_of, _special_values, _heavy_tailed
 tensors = {{"specials": _special_values(3001, 1), "normal": (torch.randn(70, 50) * 0.02).to(torch.bfloat16),
            "heavy": _heavy_tailed(999, 2), "one": torch.tensor([1.5], dtype=torch.bfloat16),
            "constant": torch.full((333,), 0.25, dtype=torch.bfloat16)}}
-for chunk, scope in ((7, "layer"), (64, "tensor"), (48, "layer")):  # 64: vector path; "tensor": one-symbol code
+for chunk, scope in ((16, "layer"), (64, "tensor"), (48, "layer")):  # "tensor": a one-symbol code
     store = _store_of(tensors, Path({tmp!r}) / f"s{{chunk}}", chunk=chunk, table_scope=scope)
     outs = [(n, torch.full(t.shape, float("nan"), dtype=torch.bfloat16)) for n, t in tensors.items()]
     store.plan(outs).run()
