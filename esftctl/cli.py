@@ -159,7 +159,9 @@ def compress(
     out: Path = typer.Option(..., "--out", "-o", help="Store folder to create."),
     table_scope: str = typer.Option("layer", help="One Huffman code per layer (shared by its experts) or per "
                                                   "tensor."),
-    chunk: int = typer.Option(1024, min=1, help="Values per independently decodable chunk."),
+    chunk: int = typer.Option(1024, min=16, help="Values per independently decodable chunk, a multiple of 16 "
+                                                 "(the GPU decoder gives each chunk a lane; 32 chunks share a "
+                                                 "block of values, taking turns by 16)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the store's description as JSON."),
 ) -> None:

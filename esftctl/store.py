@@ -177,7 +177,9 @@ class ExpertStore:
         if len(self.data) != self.header["data_bytes"] or (
                 verify and hashlib.sha256(self.data.tobytes()).hexdigest() != self.header["sha256"]):
             raise EsftError("checksum mismatch: the file is corrupted or truncated", data_file)
-        self.chunk = self.header["chunk"]
+        self.chunk = self.header.get("chunk")
+        if not isinstance(self.chunk, int) or self.chunk < GROUP or self.chunk % GROUP:
+            raise EsftError(f"chunk size {self.chunk!r} is not a positive multiple of {GROUP}", header_file)
         self.codes = [Code(np.array(t["lengths"], dtype=np.int64)) for t in self.header["tables"]]
         self.tensors = {e["name"]: e for e in self.header["tensors"]}
         self._device_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -5,17 +5,19 @@ layer's virtual weight tensors). Every chunk of every tensor becomes one lane, d
 its absolute bit position in the store's data on the device, where its sign-and-mantissa bytes start,
 the device address of its first output value, how many of the tensor's values lie from there on, and its
 code table. A program is one warp: the 32 chunks of a block (esftctl.huffman.chunk_layout), which take
-turns by GROUP values, so each time the warp writes a group it writes 32 * GROUP contiguous values.
+turns by GROUP values, so each time the warp writes a group it writes 32 * GROUP contiguous values and
+reads as many contiguous sign-and-mantissa bytes. "Does any lane still need values for this group?" is a
+warp vote.
 
-A lane keeps its next bits in a 64-bit register, never fewer than MAX_LENGTH of them; whenever 32 more fit,
-the next aligned 32-bit word is fetched beside the step's table lookup (not before it), so the two loads'
-latencies overlap. Each dependent step looks up the next MAX_LENGTH bits in a multi-symbol table
-(esftctl.huffman.multi_symbol_table): every whole code at the window's front, up to four, and the bits they
-use; at about 2.6 bits per exponent a step yields about four values. Values queue in registers (one byte
-each) until GROUP are ready; then they are joined with their sign-and-mantissa bytes and written as GROUP
-contiguous bf16 values. Where the plan proved the destinations start on a group boundary in memory, those
-bytes move as vectors: one 16-byte load and two 16-byte stores a lane, not 32 scalar ones. "Does any lane
-still need values for this group?" is a warp vote.
+A lane keeps its next bits in a 64-bit register. One aligned 32-bit refill leaves at least STEPS * WIDTH
+bits there, enough for STEPS dependent lookups in a multi-symbol table (esftctl.huffman.multi_symbol_table:
+every whole code at the front of a WIDTH-bit window, up to four, and the bits they use); at about 2.6 bits
+per exponent a lookup yields about four values. Decoded bytes enter a 20-byte queue at the top with funnel
+shifts, so a step never needs to know where its values land; once GROUP are queued, the oldest GROUP are
+joined with their sign-and-mantissa bytes and written as contiguous bf16 values, as vectors where the plan
+proved the destinations start on a group boundary. The kernel is kept lean on purpose: at ~50 registers a
+lane, twice as many warps fit on an SM as with a wider queue, and the coalesced layout keeps their byte
+streams from thrashing L1 (RESULTS.md has the measurements).
 
 The plain reference is the CPU decoder (esftctl.huffman.decode + join_bf16); the tests compare the two.
 A DecodePlan holds the descriptors on the device, so `run()` is one launch with no host work, and can be
@@ -38,9 +40,16 @@ try:
         return ((x & 0xFF) << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | ((x >> 24) & 0xFF)
 
     @triton.jit
+    def _funnel(high, low, shift):
+        """The low 32 bits of the 64-bit value high:low shifted right by `shift` (0 to 32) bits."""
+        return (((high.to(tl.uint64) << 32) | low.to(tl.uint64)) >> shift).to(tl.uint32)
+
+    @triton.jit
     def _decode_chunks_kernel(words_ptr, data_ptr, multi_ptr, bit_ptr, sm_ptr, dst_ptr, remaining_ptr, table_ptr,
                               n_chunks, CHUNK: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr):
+        tl.static_assert(GROUP == 16, "the queue holds a group of 16 values and the up to 3 decoded past it")
+        tl.static_assert(STEPS * WIDTH <= 32, "one 32-bit refill must cover STEPS lookups in a 64-bit buffer")
         STRIDE: tl.constexpr = BLOCK * GROUP  # a block's lanes take turns by GROUP values
         lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < n_chunks
@@ -51,68 +60,66 @@ try:
         base = tl.load(table_ptr + lanes, mask=ok, other=0).to(tl.int64) << WIDTH
         word = bit >> 5
         first = _bswap32(tl.load(words_ptr + word, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
-        second = _bswap32(tl.load(words_ptr + word + 1, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
-        buf = ((first << 32) | second) << (bit & 31).to(tl.uint64)
-        nbits = 64 - (bit & 31).to(tl.int32)
-        word += 2
-        # A queue of decoded exponents, one byte each: lo holds 0-7, hi 8-15, spill 16-18.
-        lo = tl.zeros([BLOCK], dtype=tl.uint64)
-        hi = tl.zeros([BLOCK], dtype=tl.uint64)
-        spill = tl.zeros([BLOCK], dtype=tl.uint64)
+        buf = (first << 32) << (bit & 31).to(tl.uint64)
+        nbits = 32 - (bit & 31).to(tl.int32)
+        word += 1
+        # The queue: the last 20 decoded exponents, one byte each, oldest in the low byte of q0.
+        q0 = tl.zeros([BLOCK], dtype=tl.uint32)
+        q1 = tl.zeros([BLOCK], dtype=tl.uint32)
+        q2 = tl.zeros([BLOCK], dtype=tl.uint32)
+        q3 = tl.zeros([BLOCK], dtype=tl.uint32)
+        q4 = tl.zeros([BLOCK], dtype=tl.uint32)
         queued = tl.zeros([BLOCK], dtype=tl.int32)
-        cols = tl.arange(0, GROUP)
-        quarter = (cols // 4)[None, :]
-        shifts = (8 * (cols % 4)).to(tl.uint32)[None, :]
+        HALF: tl.constexpr = GROUP // 2
+        half_cols = tl.arange(0, HALF)[None, :]
+        shifts = (8 * (half_cols % 4)).to(tl.uint32)
         if ALIGNED:  # the plan checked: every chunk's bytes and destination start on a GROUP-value boundary
             sm_at = tl.multiple_of(sm_at, GROUP)
             out = tl.multiple_of(out, 2 * GROUP)
-        sm_ptrs = data_ptr + sm_at[:, None] + cols[None, :]
-        out_ptrs = out[:, None] + cols[None, :]
+        sm_ptrs = data_ptr + sm_at[:, None]
+        out_ptrs = out[:, None]
         for g in range(0, CHUNK // GROUP):
             left = n - g * STRIDE  # the tensor's values from this group's first on
-            want = tl.minimum(left, GROUP)
-            while tl.max(want - queued, axis=0) > 0:
-                active = queued < want
-                # The buffer holds at least WIDTH bits at every step, so this step's lookup never waits for
-                # a refill: the next word is fetched beside the lookup and joins the buffer after it.
-                need = active & (nbits <= 32)
+            live = ok & (left > 0)
+            while tl.max(tl.where(live, GROUP - queued, 0), axis=0) > 0:
+                need = live & (queued < GROUP) & (nbits < STEPS * WIDTH)
                 w = _bswap32(tl.load(words_ptr + word, mask=need, other=0).to(tl.uint32)).to(tl.uint64)
-                entry = tl.load(multi_ptr + base + (buf >> (64 - WIDTH)).to(tl.int64), mask=active, other=0)
-                count = ((entry >> 32) & 0xF).to(tl.int32)
-                used = tl.where(active, ((entry >> 36) & 0x1F).to(tl.int32), 0)
-                symbols = (entry & 0xFFFFFFFF).to(tl.uint64)
-                q = queued
-                in_lo = active & (q < 8)
-                in_hi = active & (q >= 8)
-                lo |= tl.where(in_lo, symbols << (8 * q).to(tl.uint64), 0)
-                carry_lo = tl.where(in_lo & (q > 4), symbols >> (64 - 8 * q).to(tl.uint64), 0)
-                hi |= tl.where(in_hi, symbols << (8 * (q - 8)).to(tl.uint64), 0) | carry_lo
-                spill |= tl.where(in_hi & (q > 12), symbols >> (64 - 8 * (q - 8)).to(tl.uint64), 0)
-                buf = buf << used.to(tl.uint64)
-                nbits -= used
                 buf = tl.where(need, buf | (w << (32 - nbits).to(tl.uint64)), buf)
                 nbits = tl.where(need, nbits + 32, nbits)
                 word = tl.where(need, word + 1, word)
-                # A window with no whole code can only be bits past the stream's end: stop that lane.
-                queued = tl.where(active, tl.where(count == 0, want, queued + count), queued)
-            # 32-bit words of the queue; which word a column reads is known at compile time.
-            w0, w1 = lo.to(tl.uint32)[:, None], (lo >> 32).to(tl.uint32)[:, None]
-            w2, w3 = hi.to(tl.uint32)[:, None], (hi >> 32).to(tl.uint32)[:, None]
-            packed = tl.where(quarter < 2, tl.where(quarter == 0, w0, w1), tl.where(quarter == 2, w2, w3))
-            exponents = ((packed >> shifts) & 0xFF).to(tl.int16)
-            # Whole groups: one mask per lane, so each lane's bytes move as vectors (16 B in, 32 B out).
+                for _ in tl.static_range(STEPS):
+                    active = live & (queued < GROUP)
+                    entry = tl.load(multi_ptr + base + (buf >> (64 - WIDTH)).to(tl.int64), mask=active, other=0)
+                    # A window with no whole code lies past the stream's end (only in a tensor's last group,
+                    # which then decodes filler it never writes): it counts as one byte, so the lane fills up.
+                    count = tl.maximum(((entry >> 32) & 0xF).to(tl.int32), active.to(tl.int32))
+                    used = ((entry >> 36) & 0x1F).to(tl.uint64)
+                    step = (8 * count).to(tl.uint64)  # 0 for a lane that is done: its queue stays
+                    q0, q1, q2 = _funnel(q1, q0, step), _funnel(q2, q1, step), _funnel(q3, q2, step)
+                    q3, q4 = _funnel(q4, q3, step), _funnel(entry.to(tl.uint32), q4, step)
+                    buf = buf << used
+                    nbits -= used.to(tl.int32)
+                    queued += count
+            # The group's values are the oldest GROUP of the `queued` (16 to 19) at the top of the queue.
+            skip = (8 * (20 - queued)).to(tl.uint64)
             whole = ok & (left >= GROUP)
-            sm = tl.load(sm_ptrs, mask=whole[:, None], other=0).to(tl.int16)
-            tl.store(out_ptrs, (sm & -128) << 8 | (exponents << 7) | (sm & 0x7F), mask=whole[:, None])
-            tail = ok & (left > 0) & ~whole
-            if tl.max(tail.to(tl.int32), axis=0) > 0:  # a tensor's last, partial group
-                mask = tail[:, None] & (cols[None, :] < left[:, None])
-                sm = tl.load(sm_ptrs, mask=mask, other=0).to(tl.int16)
-                tl.store(out_ptrs, (sm & -128) << 8 | (exponents << 7) | (sm & 0x7F), mask=mask)
+            tail = live & ~whole
+            any_tail = tl.max(tail.to(tl.int32), axis=0) > 0
+            for half in tl.static_range(2):  # 8 values a half: one row of a tile per thread, no shuffles
+                qa, qb, qc = (q0, q1, q2) if half == 0 else (q2, q3, q4)
+                ea, eb = _funnel(qb, qa, skip)[:, None], _funnel(qc, qb, skip)[:, None]
+                exponents = ((tl.where(half_cols < 4, ea, eb) >> shifts) & 0xFF).to(tl.int16)
+                at = half * HALF + half_cols
+                # Whole groups: one mask per lane, so each lane's bytes move as vectors (8 B in, 16 B out).
+                sm = tl.load(sm_ptrs + at, mask=whole[:, None], other=0).to(tl.int16)
+                tl.store(out_ptrs + at, (sm & -128) << 8 | (exponents << 7) | (sm & 0x7F), mask=whole[:, None])
+                if any_tail:  # the tensor's last, partial group: value by value
+                    mask = tail[:, None] & (at < left[:, None])
+                    sm = tl.load(sm_ptrs + at, mask=mask, other=0).to(tl.int16)
+                    tl.store(out_ptrs + at, (sm & -128) << 8 | (exponents << 7) | (sm & 0x7F), mask=mask)
             sm_ptrs += STRIDE
             out_ptrs += STRIDE
-            lo, hi, spill = spill, tl.zeros([BLOCK], dtype=tl.uint64), tl.zeros([BLOCK], dtype=tl.uint64)
-            queued = tl.maximum(queued - GROUP, 0)
+            queued -= GROUP
 
 except ImportError:
     triton = None
@@ -122,6 +129,7 @@ class DecodePlan:
     """Chunk descriptors for decoding a set of tensors into fixed destinations, ready on the device."""
 
     BLOCK = LANES  # lanes per program: one warp, so "does any lane still need values?" is a warp vote
+    STEPS = 2  # lookups per bit-buffer refill and per vote
 
     def __init__(self, data: torch.Tensor, tables: torch.Tensor, chunk: int, descriptors: dict[str, torch.Tensor],
                  keepalive: list[torch.Tensor], aligned: bool = False):
@@ -142,5 +150,5 @@ class DecodePlan:
             return
         _decode_chunks_kernel[(triton.cdiv(self.n_chunks, self.BLOCK),)](
             self.words, self.data, self.tables, self.d["bits"], self.d["sm"], self.d["dst"], self.d["remaining"],
-            self.d["table"], self.n_chunks, CHUNK=self.chunk, WIDTH=MAX_LENGTH,
-            GROUP=GROUP, BLOCK=self.BLOCK, ALIGNED=self.aligned, num_warps=self.BLOCK // 32)
+            self.d["table"], self.n_chunks, CHUNK=self.chunk, WIDTH=MAX_LENGTH, GROUP=GROUP, BLOCK=self.BLOCK,
+            ALIGNED=self.aligned, STEPS=self.STEPS, num_warps=self.BLOCK // 32)

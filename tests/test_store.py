@@ -144,6 +144,13 @@ def test_corrupted_truncated_and_wrong_inputs(world, tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(EsftError, match="output already exists"):
         compress(world.base_dir, tmp_path / "store")
+    with pytest.raises(EsftError, match="multiple of 16"):
+        _store_of({"x": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "odd", chunk=24)
+    old = shutil.copytree(tmp_path / "store", tmp_path / "v1")
+    header = json.loads((old / "store.json").read_text())
+    (old / "store.json").write_text(json.dumps({**header, "version": 1}))
+    with pytest.raises(EsftError, match="store.json: store version 1 is not supported .*compress the model again"):
+        ExpertStore(old)
     with pytest.raises(EsftError, match="only bf16"):
         _store_of({"f32": torch.zeros(4)}, tmp_path / "f32")
     assert not (tmp_path / "f32").exists()
