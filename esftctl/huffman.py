@@ -158,10 +158,16 @@ def chunk_layout(count: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     return index[inside], lengths[: int(np.count_nonzero(lengths))]
 
 
+def chunk_count(count: int, chunk: int) -> int:
+    """How many chunks chunk_layout makes of `count` values: LANES per whole block, then one per GROUP
+    values that the last block starts, at most LANES."""
+    whole, rest = divmod(count, LANES * chunk)
+    return whole * LANES + min(LANES, -(-rest // GROUP))
+
+
 def chunk_firsts(count: int, chunk: int) -> np.ndarray:
-    """The index of each chunk's first value (chunk_layout's chunks, in order)."""
-    _, lengths = chunk_layout(count, chunk)
-    k = np.arange(len(lengths), dtype=np.int64)
+    """The index of each chunk's first value (chunk_layout's chunks, in order), without laying out the values."""
+    k = np.arange(chunk_count(count, chunk), dtype=np.int64)
     return (k // LANES) * (LANES * chunk) + (k % LANES) * GROUP
 
 

@@ -28,8 +28,8 @@ from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json
-from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, Code, build_code, chunk_firsts, decode, encode,
-                             entropy_bits, join_bf16, multi_symbol_table, split_bf16)
+from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, Code, build_code, chunk_count, chunk_firsts, decode,
+                             encode, entropy_bits, join_bf16, multi_symbol_table, split_bf16)
 
 STORE_FORMAT = "esftctl-expert-store"
 STORE_VERSION = 2  # 1: chunks held consecutive values
@@ -140,7 +140,8 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
             on_tensor(t.name)
     _pad(data)
     header = {"format": STORE_FORMAT, "version": STORE_VERSION, "created_by": f"esftctl {__version__}",
-              "source": source, "chunk": chunk, "lanes": LANES, "group": GROUP, "max_code_length": MAX_LENGTH, "table_scope": table_scope,
+              "source": source, "chunk": chunk, "lanes": LANES, "group": GROUP, "max_code_length": MAX_LENGTH,
+              "table_scope": table_scope,
               "tables": tables, "tensors": entries, "data_file": DATA, "data_bytes": len(data),
               "sha256": hashlib.sha256(data).hexdigest(), **total}
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -180,6 +181,13 @@ class ExpertStore:
         self.chunk = self.header.get("chunk")
         if not isinstance(self.chunk, int) or self.chunk < GROUP or self.chunk % GROUP:
             raise EsftError(f"chunk size {self.chunk!r} is not a positive multiple of {GROUP}", header_file)
+        if (self.header.get("lanes"), self.header.get("group")) != (LANES, GROUP):
+            raise EsftError(f"chunks laid out for {self.header.get('lanes')!r} lanes of {self.header.get('group')!r} "
+                            f"values; this esftctl reads {LANES} of {GROUP}", header_file)
+        for e in self.header["tensors"]:
+            if e["chunks"] != chunk_count(e["count"], self.chunk):
+                raise EsftError(f"tensor {e['name']!r} has {e['chunks']} chunks, not the "
+                                f"{chunk_count(e['count'], self.chunk)} its size needs", header_file)
         self.codes = [Code(np.array(t["lengths"], dtype=np.int64)) for t in self.header["tables"]]
         self.tensors = {e["name"]: e for e in self.header["tensors"]}
         self._device_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -12,8 +12,8 @@ import torch
 
 from conftest import run_cli
 from esftctl.errors import EsftError
-from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, build_code, chunk_layout, code_lengths, decode, encode,
-                             entropy_bits, join_bf16, split_bf16)
+from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, build_code, chunk_count, chunk_firsts, chunk_layout,
+                             code_lengths, decode, encode, entropy_bits, join_bf16, split_bf16)
 from esftctl.store import ExpertStore, SourceTensor, compress, decompress, write_store
 
 
@@ -64,6 +64,8 @@ def test_chunk_layout_gives_every_value_once_a_warp_writes_whole_runs(count):
     assert np.array_equal(np.sort(order), np.arange(count))
     assert lengths.sum() == count and (lengths > 0).all() and (lengths <= chunk).all()
     starts = np.cumsum(lengths) - lengths
+    assert chunk_count(count, chunk) == len(lengths)
+    assert np.array_equal(chunk_firsts(count, chunk), order[starts])
     for block in range(-(-len(lengths) // LANES)):
         lanes = range(block * LANES, min(len(lengths), (block + 1) * LANES))
         for g in range(chunk // GROUP):
@@ -150,6 +152,9 @@ def test_corrupted_truncated_and_wrong_inputs(world, tmp_path):
     header = json.loads((old / "store.json").read_text())
     (old / "store.json").write_text(json.dumps({**header, "version": 1}))
     with pytest.raises(EsftError, match="store.json: store version 1 is not supported .*compress the model again"):
+        ExpertStore(old)
+    (old / "store.json").write_text(json.dumps({**header, "lanes": 64}))
+    with pytest.raises(EsftError, match="store.json: chunks laid out for 64 lanes"):
         ExpertStore(old)
     with pytest.raises(EsftError, match="only bf16"):
         _store_of({"f32": torch.zeros(4)}, tmp_path / "f32")
