@@ -50,6 +50,7 @@ try:
                               BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr):
         tl.static_assert(GROUP == 16, "the queue holds a group of 16 values and the up to 3 decoded past it")
         tl.static_assert(STEPS * WIDTH <= 32, "one 32-bit refill must cover STEPS lookups in a 64-bit buffer")
+        tl.static_assert(BLOCK == 32, "a program is one block of esftctl.huffman.chunk_layout: LANES = 32 chunks")
         STRIDE: tl.constexpr = BLOCK * GROUP  # a block's lanes take turns by GROUP values
         lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < n_chunks

@@ -4,7 +4,7 @@
 no layer is ever wrapped with LoRA. But a MoE layer built while LoRA is enabled picks a LoRA-capable
 expert kernel (the Triton one, which the CPU build cannot run). This out-of-tree RoutedExperts builds the
 layer with the kernel vLLM would pick without LoRA, which is also the one the merged model runs on.
-When base experts are paged, it also brackets its kernel with the pager's ensure / done / prefetch.
+When experts are paged, it also brackets its kernel with the pager's ensure / done / prefetch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
 
 class EsftRoutedExperts(RoutedExperts):
-    # (pager, this layer, the layer after it), set by EsftModel when base experts are paged.
+    # (pager, this layer, the layer after it), set by EsftModel when experts are paged.
     esft_paging = None
 
     def __init__(self, layer_name, params_dtype, moe_config, *args, **kwargs):
@@ -27,7 +27,7 @@ class EsftRoutedExperts(RoutedExperts):
         if self.esft_paging is None:
             return super().forward_modular(*args, **kwargs)
         pager, layer, following = self.esft_paging
-        pager.ensure(layer)  # this layer's base experts are in place before its kernel reads them
+        pager.ensure(layer)  # this layer's experts are in place before its kernel reads them
         out = super().forward_modular(*args, **kwargs)
         pager.done(layer)
         pager.prefetch(following, current=layer)  # loads while this layer computes

@@ -24,7 +24,7 @@ def test_gpu_decode_matches_cpu(tmp_path, chunk):
         # At the allocation's start the plan uses vector loads and stores; one value in, it cannot.
         for out in (poisoned[:-1].view(t.shape), poisoned[1:].view(t.shape)):
             plan = store.plan([(name, out)])
-            assert plan.aligned == (chunk % 16 == 0 and out.data_ptr() % 32 == 0)
+            assert plan.aligned == (out.data_ptr() % 32 == 0)  # chunks are whole groups in every store
             plan.run()
             torch.cuda.synchronize()
             assert torch.equal(out.cpu().view(torch.int16), store.decode_tensor(name).view(torch.int16)), name
