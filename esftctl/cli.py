@@ -278,6 +278,10 @@ def serve(
     experts_per_slot: int = typer.Option(None, min=1, help="Expert rows reserved per slot and layer (address "
                                                            "space only; rows are shared by all slots) (default: "
                                                            "the most any given adapter has in one layer)."),
+    adapter_memory: str = typer.Option(None, help="Adapter experts loaded at once, as a size (e.g. 12GiB): their GPU "
+                                                  "memory is set aside before vLLM sizes its KV cache, and a load "
+                                                  "past it is refused (default: --slots times the largest given "
+                                                  "adapter; with none given, every slot's full reservation)."),
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file (default: a new "
                                               "temporary folder)."),
     ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
@@ -306,7 +310,8 @@ def serve(
                   paging_adaptive=paging_adaptive)
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
-    serve_plan = plan(base, adapter, name, slots, experts_per_slot, **kwargs)
+    serve_plan = plan(base, adapter, name, slots, experts_per_slot,
+                      _parse_bytes(adapter_memory) if adapter_memory is not None else None, **kwargs)
     server = Server(serve_plan)
     server.start()
     try:

@@ -26,7 +26,9 @@ from pathlib import Path
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.runtime.serve_config import ENV, ServeConfig, open_servable_bundle
+from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS, check_rows
 from esftctl.serve_client import request
+from esftctl.units import format_bytes
 
 STATUS_MIDDLEWARE = "esftctl.runtime.vllm_status.status_middleware"
 
@@ -38,6 +40,7 @@ class ServePlan:
     adapters: dict[str, Path]
     slots: int
     experts_per_slot: int
+    adapter_budget: int | None = None  # adapter experts (all layers) loaded at once; memory reserved at start
     host: str = "127.0.0.1"
     port: int = 8000
     state_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="esftctl-serve-")))
@@ -59,8 +62,9 @@ class ServePlan:
 
     def config(self) -> ServeConfig:
         return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"),
-                           self.paging_window, str(self.paging_store) if self.paging_store else None,
-                           self.store_experts, self.paging_adaptive)
+                           self.adapter_budget, self.paging_window,
+                           str(self.paging_store) if self.paging_store else None, self.store_experts,
+                           self.paging_adaptive)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -106,9 +110,12 @@ def parse_adapters(specs: list[str]) -> dict[str, Path]:
 
 
 def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slots: int | None = None,
-         experts_per_slot: int | None = None, **kwargs) -> ServePlan:
+         experts_per_slot: int | None = None, adapter_memory: int | None = None, **kwargs) -> ServePlan:
     """Check the base and every bundle, and size the slots: by default room for the given adapters plus
-    two loaded later, each layer reserving the most experts any given adapter has in one layer."""
+    two loaded later (fewer where vLLM's Triton kernel limits the rows), each layer reserving the most
+    experts any given adapter has in one layer. `adapter_memory` (bytes of adapter experts loaded at once,
+    reserved before vLLM sizes its KV cache) defaults to `slots` times the largest given adapter, or with
+    none given to every slot's full reservation."""
     base = MoECheckpoint(base_dir)
     adapters = parse_adapters(adapter_specs)
     bundles = {n: open_servable_bundle(p, base) for n, p in adapters.items()}
@@ -116,19 +123,43 @@ def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slot
     if name in adapters:
         raise EsftError(f"adapter name {name!r} is the base model's served name; pick another")
     widest = max((max(b.experts_per_layer(), default=0) for b in bundles.values()), default=0)
-    slots = slots if slots is not None else max(len(adapters) + 2, 4)
+    experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
+    if experts_per_slot < widest:
+        raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
+                        "has in one layer")
+    row_limit = launch_row_limit()
+    if slots is None:
+        slots = max(len(adapters) + 2, 4)
+        if row_limit is not None:  # as many as the kernel computes, but never fewer than the adapters given
+            slots = max(min(slots, (row_limit - base.num_experts) // experts_per_slot), len(adapters), 1)
     if slots < max(len(adapters), 1):
         raise EsftError(f"--slots {slots} cannot hold the {len(adapters)} adapters given")
-    experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
+    check_rows(base.num_experts + slots * experts_per_slot, row_limit, base.num_experts, str(base.path))
     window = kwargs.get("paging_window", 0)
     if window < 0 or (window and window >= len(base.moe_layers)):
         raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
                         f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
     _check_paging_options(base, window, kwargs)
-    if experts_per_slot < widest:
-        raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
-                        "has in one layer")
-    return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, **kwargs)
+    if adapter_memory is None:
+        budget = slots * max((b.num_experts for b in bundles.values()), default=experts_per_slot * len(base.moe_layers))
+    else:
+        budget = adapter_memory // base.expert_nbytes
+        largest = max(bundles.values(), key=lambda b: b.num_experts, default=None)
+        if largest is not None and budget < largest.num_experts:
+            raise EsftError(f"--adapter-memory {format_bytes(adapter_memory)} is below adapter {largest.name!r}'s "
+                            f"{format_bytes(largest.num_experts * base.expert_nbytes)} of experts")
+    if budget < sum(b.num_experts for b in bundles.values()):
+        raise EsftError(f"--adapter-memory {format_bytes(budget * base.expert_nbytes)} cannot hold the given "
+                        f"adapters' {format_bytes(sum(b.num_experts for b in bundles.values()) * base.expert_nbytes)}")
+    return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, budget, **kwargs)
+
+
+def launch_row_limit() -> int | None:
+    """The expert rows per layer vLLM's kernel computes here: the Triton kernel's limit on a CUDA machine
+    (checked again in the engine, on the kernel vLLM picked), none on the CPU build."""
+    import torch
+
+    return KERNEL_MAX_ROWS if torch.cuda.is_available() else None
 
 
 def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> None:

@@ -86,6 +86,10 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
     memory.add_column("what")
     memory.add_column("value", justify="right")
     memory.add_row("adapter experts, their own bytes", format_bytes(status["adapter_expert_bytes"]))
+    if status.get("adapter_budget_bytes") is not None:
+        memory.add_row("adapter memory budget (--adapter-memory)", format_bytes(status["adapter_budget_bytes"]))
+    if status.get("reserved_bytes"):
+        memory.add_row("GPU memory set aside before the KV cache", format_bytes(status["reserved_bytes"]))
     if physical is not None:
         memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
         memory.add_row("saved vs padding to the widest adapter", format_bytes(max(status["padded_bytes"] - physical, 0)))

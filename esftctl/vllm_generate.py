@@ -2,7 +2,9 @@
 
     python -m esftctl.vllm_generate MODEL_DIR[,MODEL_DIR...] REQUEST.json OUT.json
 
-REQUEST.json holds {"prompts": [...], "max_tokens": N, "logprobs": K}; OUT.json gets, per prompt, the
+REQUEST.json holds {"prompts": [...], "max_tokens": N, "logprobs": K, "engine": {vLLM engine arguments}}
+("engine" is optional: by default eager, max_model_len 256, max_num_seqs 16; a serving test passes the
+settings its server runs with, e.g. enforce_eager false for CUDA graphs); OUT.json gets, per prompt, the
 generated token ids, the text, and the top-K logprobs of every step (for several models, comma-separated,
 an object {model dir: that list}; each model is served alone, one after another, by one plain vLLM
 engine at a time). vLLM starts its engine in a spawned process, so this stays a script behind a
@@ -18,18 +20,23 @@ from pathlib import Path
 
 
 def engine_env() -> dict[str, str]:
-    """Environment for a small vLLM engine on the CPU: 1 GiB of KV cache, no usage reporting."""
+    """Environment for a small vLLM engine: on the CPU 1 GiB of KV cache; the engine in this process (it starts
+    tens of seconds sooner, once per model); no usage reporting."""
     return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def generate(model_dir: str, prompts: list[str], max_tokens: int, logprobs: int) -> list[dict]:
+DEFAULT_ENGINE = {"enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16}
+
+
+def generate(model_dir: str, prompts: list[str], max_tokens: int, logprobs: int, engine: dict | None = None
+             ) -> list[dict]:
     import gc
 
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
-              max_num_seqs=16)
+    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **(engine if engine is not None else DEFAULT_ENGINE))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
     results = []
     for out in llm.generate(prompts, params, use_tqdm=False):
@@ -50,7 +57,7 @@ def main() -> None:
     model_dir, request_file, out_file = sys.argv[1:4]
     os.environ.update(engine_env())
     request = json.loads(Path(request_file).read_text())
-    args = (request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5))
+    args = (request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5), request.get("engine"))
     models = model_dir.split(",")
     if len(models) == 1:
         results = generate(models[0], *args)

@@ -5,6 +5,10 @@ every kernel queued afterwards sees the base) and records an event on the given 
 rows stay mapped until those events have completed, and only `collect` (run by every load, or by hand)
 unmaps them and returns their rows. A kernel that was queued before the eviction therefore never reads
 unmapped memory, and a newly loaded adapter never overwrites rows such a kernel still reads.
+
+`budget` caps the adapter experts loaded at once (counted in experts of all layers): a load past it is
+refused before anything is mapped. The engine reserves the budget's memory before vLLM sizes its KV cache
+(esftctl.runtime.vllm_model), so a load within it never fails for lack of device memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
 from esftctl.runtime.moe_layer import VirtualMoELayer
+from esftctl.units import format_bytes
 
 # Experts of one adapter: {MoE layer index: {base expert id: fine-tuned weights, or None to map only}}.
 AdapterExperts = Mapping[int, Mapping[int, ExpertWeights | None]]
@@ -44,8 +49,10 @@ class AdapterInfo:
 
 
 class AdapterSlots:
-    def __init__(self, layers: Mapping[int, VirtualMoELayer]):
+    def __init__(self, layers: Mapping[int, VirtualMoELayer], budget: int | None = None):
+        """`budget`: the most adapter experts (summed over layers) loaded at once; None: no limit."""
         self.layers = dict(layers)
+        self.budget = budget
         first = next(iter(self.layers.values()))
         self.num_slots = first.num_slots
         self.device = first.device
@@ -80,6 +87,13 @@ class AdapterSlots:
         free = self.free_slots()
         if not free:
             raise EsftError(f"no free adapter slot for {name!r} (all {self.num_slots} are taken)")
+        count = sum(len(e) for e in experts.values())
+        if self.budget is not None and self.loaded_experts() + count > self.budget:
+            size = next(iter(self.layers.values())).expert_bytes
+            raise EsftError(f"adapter memory budget exceeded: {name!r} needs {format_bytes(count * size)} ({count} "
+                            f"experts), {format_bytes(self.loaded_experts() * size)} of the "
+                            f"{format_bytes(self.budget * size)} budget are in use; unload an adapter, or serve with a "
+                            "larger --adapter-memory")
         self._make_room(experts)
         slot = free[0]
         info = AdapterInfo(name, slot)
@@ -139,6 +153,9 @@ class AdapterSlots:
     # ---- memory ----------------------------------------------------------------------------------
     def adapter_bytes(self) -> int:
         return sum(a.nbytes for a in self.adapters.values())
+
+    def loaded_experts(self) -> int:
+        return sum(sum(a.experts_per_layer.values()) for a in self.adapters.values())
 
     def physical_bytes(self) -> int:
         return sum(l.physical_bytes() for l in self.layers.values())

@@ -166,6 +166,10 @@ class PhysicalPagePool:
     Unmapped handles return here instead of to the driver, so evicting and loading adapters, or paging a
     layer, does not pay for allocation; `trim()` hands the free ones back. Sizes are powers of two, so the
     free handles stay few kinds however long the runs that spaces map.
+
+    `reserve(pages)` sets memory aside now for handles made later: an engine that sizes its caches from the
+    memory left free (vLLM's KV cache) then leaves room for them. A take that needs a new handle first gives
+    back as much of the reserve (so the total never grows past what was reserved while reserve remains).
     """
 
     MAX_RUN = 32  # pages in the largest handle: 64 MiB at the usual 2 MiB
@@ -190,27 +194,51 @@ class PhysicalPagePool:
         self._access.location = self._prop.location
         self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._free: dict[int, list] = {}  # pages per handle -> free handles
+        self._reserve: list[tuple[object, int]] = []  # (handle, pages) set aside by `reserve`
         self.in_use = 0  # pages
+
+    def _create(self, pages: int):
+        return _cu(_driver().cuMemCreate(pages * self.page_size, self._prop, 0))
 
     def take(self, pages: int = 1):
         self.in_use += pages
         free = self._free.get(pages)
         if free:
             return free.pop()
-        return _cu(_driver().cuMemCreate(pages * self.page_size, self._prop, 0))
+        released = 0
+        while self._reserve and released < pages:  # the reserve makes room for what is created now
+            handle, size = self._reserve.pop()
+            _cu(_driver().cuMemRelease(handle))
+            released += size
+        if released > pages:  # the rest of the last reserve handle stays set aside
+            self._reserve.extend((self._create(size), size) for size in handle_sizes(released - pages, self.MAX_RUN))
+        return self._create(pages)
 
     def give(self, handle, pages: int = 1) -> None:
         self.in_use -= pages
         self._free.setdefault(pages, []).append(handle)
 
+    def reserve(self, pages: int) -> None:
+        """Set `pages` more pages of physical memory aside for later takes."""
+        self._reserve.extend((self._create(size), size) for size in handle_sizes(pages, self.MAX_RUN))
+
     @property
     def free_pages(self) -> int:
         return sum(pages * len(handles) for pages, handles in self._free.items())
 
+    @property
+    def reserved_pages(self) -> int:
+        return sum(pages for _, pages in self._reserve)
+
     def trim(self) -> None:
+        """Give the free handles back to the driver (the reserve stays)."""
         for handles in self._free.values():
             while handles:
                 _cu(_driver().cuMemRelease(handles.pop()))
+
+    def release_reserve(self) -> None:
+        while self._reserve:
+            _cu(_driver().cuMemRelease(self._reserve.pop()[0]))
 
 
 def handle_sizes(count: int, largest: int) -> list[int]:

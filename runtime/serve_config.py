@@ -24,6 +24,7 @@ class ServeConfig:
     slots: int  # adapters resident at once
     experts_per_slot: int  # address space reserved per slot and layer (rows are pooled across slots)
     status_file: str  # where the engine writes its adapter and memory table
+    adapter_budget: int | None = None  # adapter experts (all layers) loaded at once, reserved before the KV cache
     paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
     paging_store: str | None = None  # a Huffman store of the base: the GPU tier of paging
     store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)

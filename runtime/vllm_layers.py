@@ -4,7 +4,9 @@
 no layer is ever wrapped with LoRA. But a MoE layer built while LoRA is enabled picks a LoRA-capable
 expert kernel (the Triton one, which the CPU build cannot run). This out-of-tree RoutedExperts builds the
 layer with the kernel vLLM would pick without LoRA, which is also the one the merged model runs on.
-When experts are paged, it also brackets its kernel with the pager's ensure / done / prefetch.
+It runs its kernel with the tile config vLLM would pick for the base's expert count (esftctl.runtime.vllm_moe:
+the widened row count matches no tuned config file). When experts are paged, it also brackets its kernel
+with the pager's ensure / done / prefetch.
 """
 
 from __future__ import annotations
@@ -12,18 +14,27 @@ from __future__ import annotations
 import dataclasses
 
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+from vllm.model_executor.layers.fused_moe import override_config
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
 
 class EsftRoutedExperts(RoutedExperts):
     # (pager, this layer, the layer after it), set by EsftModel when experts are paged.
     esft_paging = None
+    # num_tokens -> the kernel's tile config for the base's expert count (vllm_moe.kernel_config), or None.
+    esft_kernel_config = None
 
     def __init__(self, layer_name, params_dtype, moe_config, *args, **kwargs):
         super().__init__(layer_name, params_dtype, dataclasses.replace(moe_config, is_lora_enabled=False),
                          *args, **kwargs)
 
-    def forward_modular(self, *args, **kwargs):
+    def forward_modular(self, x, *args, **kwargs):
+        if self.esft_kernel_config is None:
+            return self._forward_paged(x, *args, **kwargs)
+        with override_config(self.esft_kernel_config(x.shape[0])):
+            return self._forward_paged(x, *args, **kwargs)
+
+    def _forward_paged(self, *args, **kwargs):
         if self.esft_paging is None:
             return super().forward_modular(*args, **kwargs)
         pager, layer, following = self.esft_paging

@@ -21,8 +21,6 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
 from __future__ import annotations
 
 import mmap
-import re
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -32,41 +30,21 @@ from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
-from esftctl.runtime.address_space import HostAddressSpace
+from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts, store_decoder, tier_split
 from esftctl.runtime.residency import AdaptiveResidency
+from esftctl.runtime.vllm_moe import (EngineMoELayer, check_rows, check_supported, find_moe_layers,
+                                     kernel_config, max_rows, widen_to_rows)
 from esftctl.store import ExpertStore, missing_base_experts
+from esftctl.units import format_bytes
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
 
 
-@dataclass
-class EngineMoELayer:
-    """vLLM's parts of one MoE layer."""
-
-    index: int
-    experts: torch.nn.Module  # RoutedExperts: w13_weight, w2_weight, quant_method
-    router: object  # BaseRouter: set_capture_fn
-
-
-def find_moe_layers(model: torch.nn.Module) -> dict[int, EngineMoELayer]:
-    layers = {}
-    for name, module in model.named_modules():
-        experts, router = getattr(module, "routed_experts", None), getattr(module, "router", None)
-        if experts is None or not hasattr(experts, "w13_weight") or not hasattr(router, "set_capture_fn"):
-            continue
-        match = _LAYER_INDEX.search(name + ".")
-        if match is None:
-            raise EsftError(f"cannot tell the layer index of MoE module {name!r}")
-        layers[int(match.group(1))] = EngineMoELayer(int(match.group(1)), experts, router)
-    return dict(sorted(layers.items()))
-
-
-def engine_layout(experts: torch.nn.Module) -> ExpertLayout:
+def engine_layout(engine: EngineMoELayer) -> ExpertLayout:
     """The layer's kernel layout, as a conversion that runs vLLM's own processing on a stand-in layer."""
-    kernel_experts = experts.quant_method.moe_kernel.fused_experts
+    experts, kernel = engine.experts, engine.kernel
     dtype = experts.w13_weight.dtype
 
     def convert(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,19 +53,10 @@ def engine_layout(experts: torch.nn.Module) -> ExpertLayout:
         stand_in.w2_weight = torch.nn.Parameter(w2.to(experts.w2_weight.device, dtype), requires_grad=False)
         stand_in.moe_config = experts.moe_config  # kernels decide by these, as for the real layer
         stand_in.activation = experts.activation
-        kernel_experts.process_weights_after_loading(stand_in)
+        kernel.process_weights_after_loading(stand_in)
         return stand_in.w13_weight.data, stand_in.w2_weight.data
 
     return ExpertLayout(tuple(experts.w13_weight.shape[1:]), tuple(experts.w2_weight.shape[1:]), convert)
-
-
-def _make_space(device: torch.device) -> Callable[[int], object]:
-    if device.type == "cpu":
-        return lambda nbytes: HostAddressSpace(nbytes, page_size=HOST_PAGE)
-    from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
-
-    pool = PhysicalPagePool(device)
-    return lambda nbytes: CudaAddressSpace(nbytes, pool)
 
 
 def _replace_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -98,13 +67,14 @@ def _replace_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) ->
 class EsftModel:
     """A vLLM model serving ESFT adapters: `slots` loads and evicts them, `set_token_adapters` routes."""
 
-    def __init__(self, model: torch.nn.Module, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
-                 max_tokens: int, paging_window: int = 0, paging_store: ExpertStore | None = None,
-                 store_experts: int | None = None, adaptive: bool = False):
-        """`paging_window` > 0 pages the experts through that many layers' blocks; `paging_store` (a store of
-        the base, `esftctl compress BASE`) delivers the first `store_experts` base experts of each layer
-        (None: split by the two tiers' measured speeds); `adaptive` lets the residency planner keep layers
-        resident while loads show."""
+    def __init__(self, model: torch.nn.Module, base: MoECheckpoint, *, num_slots: int, experts_per_slot: int,
+                 max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
+                 paging_store: ExpertStore | None = None, store_experts: int | None = None, adaptive: bool = False):
+        """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
+        reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
+        layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
+        `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `adaptive`
+        lets the residency planner keep layers resident while loads show."""
         engine_layers = find_moe_layers(model)
         if sorted(engine_layers) != base.moe_layers:
             raise EsftError(f"{base.path}: the model's MoE layers {sorted(engine_layers)} are not the checkpoint's "
@@ -112,21 +82,58 @@ class EsftModel:
         first = next(iter(engine_layers.values())).experts
         self.device = first.w13_weight.device
         self.token_adapters = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
-        make_space = _make_space(self.device)
+        self.pool = None if self.device.type == "cpu" else PhysicalPagePool(self.device)
         self.layers: dict[int, VirtualMoELayer] = {}
         for index, engine in engine_layers.items():
-            self.layers[index] = self._install(engine, base, num_slots, experts_per_slot, make_space)
-        self.slots = AdapterSlots(self.layers)
+            self.layers[index] = self._install(engine, base, num_slots, experts_per_slot)
+        self.slots = AdapterSlots(self.layers, budget=adapter_budget)
         self.pager, self.residency = None, None
         if paging_window:
             self.pager = self._page_experts(engine_layers, paging_window, base, paging_store, store_experts)
             if adaptive:
                 self.residency = AdaptiveResidency(self.pager, list(self.layers), lambda: max(
                     l.held_bytes() for l in self.layers.values()))
+        self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
+
+    def _make_space(self, nbytes: int):
+        if self.pool is None:
+            return HostAddressSpace(nbytes, page_size=HOST_PAGE)
+        return CudaAddressSpace(nbytes, self.pool)
+
+    def _reserve_device_memory(self, budget: int | None, window: int, rows_per_layer: int) -> int:
+        """Set device memory aside now for what serving maps later, since vLLM sizes its KV cache from the
+        memory left free once the model is loaded (adapters, `--lora-modules` ones too, load after that): the
+        adapter budget's experts, or with paging the window's layers; layers paged out give theirs back, so
+        the KV cache gets it. Returns the bytes set aside."""
+        if self.pool is None:
+            return 0
+        torch.cuda.empty_cache()  # vLLM's own tensors of the base experts, replaced by the virtual ones
+        layer = next(iter(self.layers.values()))
+        page, n = self.pool.page_size, len(self.layers)
+        adapter_experts = budget or 0
+        if window:
+            self.pool.trim()
+            per_layer = layer.num_experts + min(adapter_experts, rows_per_layer)
+            nbytes = window * (per_layer * layer.expert_bytes + 4 * page)
+        else:  # an adapter's rows in a layer start and end inside a page: two more pages per tensor and layer
+            nbytes = adapter_experts * layer.expert_bytes + (4 * n * page if adapter_experts else 0)
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if nbytes > free:
+            raise EsftError(f"the adapter memory budget needs {format_bytes(nbytes)} of GPU memory, but "
+                            f"{format_bytes(free)} are free after loading the model; serve with a smaller "
+                            "--adapter-memory, or fewer --slots or --experts-per-slot")
+        pages = -(-nbytes // page)
+        self.pool.reserve(pages)
+        return pages * page
 
     def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int, base: MoECheckpoint,
                       store: ExpertStore | None, store_experts: int | None) -> PagedExperts:
         """Keep every layer's rows in host memory and let only `window` layers hold them on the device."""
+        custom = [i for i, e in engine_layers.items() if not hasattr(type(e.experts), "esft_paging")]
+        if custom:
+            raise EsftError(f"layer {custom[0]}: this model builds its experts with its own class "
+                            f"({type(engine_layers[custom[0]].experts).__name__}), which esftctl's pager cannot "
+                            "bracket; serve it without --paging-window")
         make_decoder = self._store_tier(base, store) if store is not None else None
         sources = {}
         for index, layer in self.layers.items():
@@ -168,15 +175,15 @@ class EsftModel:
         nbytes = e * layer.expert_bytes
         return tier_split(e, nbytes / pager.timed_load(index, 0), nbytes / pager.timed_load(index, e))
 
-    def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int, experts_per_slot: int,
-                 make_space) -> VirtualMoELayer:
-        if getattr(engine.experts.quant_method, "is_monolithic", False):
-            raise EsftError(f"layer {engine.index}: vLLM chose a monolithic MoE kernel, which routes inside the kernel "
-                            "where no reroute can reach; choose a modular one (e.g. `-- --moe-backend triton`)")
+    def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int,
+                 experts_per_slot: int) -> VirtualMoELayer:
+        check_supported(engine)
         w13, w2 = engine.experts.w13_weight.data, engine.experts.w2_weight.data
-        layout = engine_layout(engine.experts)
+        check_rows(w13.shape[0] + num_slots * experts_per_slot, max_rows(engine), w13.shape[0],
+                   f"layer {engine.index}")
+        layout = engine_layout(engine)
         layer = VirtualMoELayer(w13.shape[0], base.hidden_size, base.moe_intermediate_size, num_slots,
-                                experts_per_slot, w13.dtype, make_space, layout)
+                                experts_per_slot, w13.dtype, self._make_space, layout)
         layer.load_base_rows(w13, w2)
         probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, 0)]))
         if not (torch.equal(probe13[0], layer.w13.tensor[0]) and torch.equal(probe2[0], layer.w2.tensor[0])):
@@ -184,6 +191,8 @@ class EsftModel:
                             " could not be reproduced from the checkpoint; this MoE backend is not supported")
         _replace_weight(engine.experts, "w13_weight", layer.w13.tensor)
         _replace_weight(engine.experts, "w2_weight", layer.w2.tensor)
+        widen_to_rows(engine, layer.num_rows)
+        engine.experts.esft_kernel_config = kernel_config(engine, layer.num_experts)
         engine.router.set_capture_fn(self._rerouter(layer.table, engine.router.capture_fn))
         return layer
 

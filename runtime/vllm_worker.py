@@ -28,6 +28,7 @@ from esftctl.errors import EsftError
 from esftctl.jsonfile import write_json
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_model import EsftModel
+from esftctl.runtime.vllm_moe import check_engine
 from esftctl.store import ExpertStore
 
 
@@ -57,12 +58,15 @@ class EsftWorkerManager:
         return True
 
     def create_lora_manager(self, model, vllm_config=None):
+        check_engine(self.vllm_config)
         scheduler = self.vllm_config.scheduler_config
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
         store = ExpertStore(self.config.paging_store) if self.config.paging_store else None
-        self.runtime = EsftModel(model, self.base, self.config.slots, self.config.experts_per_slot, max_tokens,
-                                 self.config.paging_window, store, self.config.store_experts,
-                                 self.config.paging_adaptive)
+        config = self.config
+        self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
+                                 max_tokens=max_tokens, adapter_budget=config.adapter_budget,
+                                 paging_window=config.paging_window, paging_store=store,
+                                 store_experts=config.store_experts, adaptive=config.paging_adaptive)
         self.write_status()
         return model
 
@@ -194,6 +198,9 @@ class EsftWorkerManager:
             "base_expert_bytes": base_experts,
             "model_bytes": self.base.total_nbytes,
             "adapter_expert_bytes": slots.adapter_bytes(),
+            "adapter_budget_bytes": slots.budget * expert_bytes // len(runtime.layers) if slots.budget is not None
+            else None,
+            "reserved_bytes": runtime.reserved_bytes,
             "adapter_physical_bytes": physical_adapter,
             "expert_device_bytes": slots.physical_bytes(),
             "padded_bytes": len(adapters) * widest * expert_bytes,

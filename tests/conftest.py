@@ -54,14 +54,34 @@ def tiny_models(tmp_path_factory):
             for arch in ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral")}
 
 
-def plain_vllm(models: dict[str, Path], prompts: list[str], tmp: Path, max_tokens: int, logprobs: int
-               ) -> dict[str, list[dict]]:
-    """Each model served alone by plain vLLM (esftctl.vllm_generate, one subprocess for all): {name: per prompt
-    its token_ids, text and top logprobs}."""
+def engine_settings(*, graphs: bool = False) -> dict:
+    """vLLM engine settings for serving tests, as `vllm.LLM` arguments: small; eager, or with vLLM's default
+    compilation and CUDA graphs; on a GPU a tenth of its memory each (servers and references run side by side).
+    `server_args` gives the same settings as server flags, so a server and its reference run alike."""
+    settings = {"enforce_eager": not graphs, "max_model_len": 256, "max_num_seqs": 16}
+    if has_gpu():
+        settings["gpu_memory_utilization"] = 0.1
+    return settings
+
+
+def server_args(settings: dict) -> list[str]:
+    args = ["--max-model-len", str(settings["max_model_len"]), "--max-num-seqs", str(settings["max_num_seqs"])]
+    if settings["enforce_eager"]:
+        args.append("--enforce-eager")
+    if "gpu_memory_utilization" in settings:
+        args += ["--gpu-memory-utilization", str(settings["gpu_memory_utilization"])]
+    return args
+
+
+def plain_vllm(models: dict[str, Path], prompts: list[str], tmp: Path, max_tokens: int, logprobs: int,
+               engine: dict | None = None) -> dict[str, list[dict]]:
+    """Each model served alone by plain vLLM (esftctl.vllm_generate, one subprocess for all) with `engine`'s
+    settings (default: `engine_settings()`): {name: per prompt its token_ids, text and top logprobs}."""
     import json
 
     req, out = tmp / "plain_vllm_request.json", tmp / "plain_vllm.json"
-    req.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs}))
+    req.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
+                               "engine": engine or engine_settings()}))
     dirs = [str(d) for d in models.values()]
     proc = subprocess.run([sys.executable, "-m", "esftctl.vllm_generate", ",".join(dirs), str(req), str(out)],
                           capture_output=True, text=True, timeout=1800, env=os.environ.copy())

@@ -1,9 +1,12 @@
 """`esftctl serve`: many adapters in one vLLM server give exactly what their merged models give alone.
 
 For each architecture: three synthetic adapters (2, 4 and 6 experts per layer) are packed, merged into full
-models, and the merged models and the base are each served alone by plain vLLM (esftctl.vllm_generate):
-the reference. Then one `esftctl serve` holds the base and all three adapters, and concurrent requests that
-mix every adapter and the base must get the reference's greedy tokens and log-probabilities.
+models, and the merged models and the base are each served alone by plain vLLM (esftctl.vllm_generate) with
+the server's engine settings: the reference. Then one `esftctl serve` holds the base and all three adapters,
+and concurrent requests that mix every adapter and the base must get the reference's greedy tokens and
+log-probabilities. The same tests run on vLLM's CPU build (CI) and its CUDA build (the GPU machine), where
+vLLM's Triton MoE kernel runs and, in the `gpu` tests, CUDA graphs, the Huffman store tier and a GPU with no
+memory left but the adapter budget.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import plain_vllm, run_cli
+from conftest import engine_settings, has_gpu, plain_vllm, run_cli, server_args
+from esftctl.bundle import Bundle
+from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
@@ -36,7 +41,7 @@ LOGPROBS = 3
 # The same kernels run in both, but in batches of other shapes: log-probabilities may differ in bf16's last
 # bits, and a greedy choice may differ only where the two best tokens are that close.
 BF16_NOISE = 0.05
-ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16"]
+ENGINE_ARGS = server_args(engine_settings())
 
 
 def prompts_of(world) -> list[str]:
@@ -54,9 +59,32 @@ def make_adapters(base: Path, root: Path, seed: int) -> tuple[dict[str, Path], d
     return bundles, merged
 
 
-def reference(models_by_name: dict[str, Path], prompts: list[str], tmp: Path) -> dict[str, list[dict]]:
+def reference(models_by_name: dict[str, Path], prompts: list[str], tmp: Path, engine: dict | None = None
+              ) -> dict[str, list[dict]]:
     """Each model served alone by plain vLLM: {name: [per prompt: token_ids, logprobs]}."""
-    return plain_vllm(models_by_name, prompts, tmp, MAX_TOKENS, LOGPROBS)
+    return plain_vllm(models_by_name, prompts, tmp, MAX_TOKENS, LOGPROBS, engine)
+
+
+def random_base(architecture: str, world, root: Path) -> Path:
+    """A small random base of another architecture, with the tiny world's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from esftctl.world.models import make_random_model
+
+    return make_random_model(architecture, root / "base", seed=3,
+                             tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
+
+
+def serve_exactly(base: Path, prompts: list[str], tmp: Path, engine: dict, seed: int, **options) -> None:
+    """Three adapters of `base` served together, with the base, answer as their merged models served alone by
+    plain vLLM with the same engine settings."""
+    bundles, merged = make_adapters(base, tmp, seed=seed)
+    ref = reference({"base": base, **merged}, prompts, tmp, engine)
+    serve_plan = plan(base, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
+                      state_dir=tmp / "state", vllm_args=server_args(engine), **options)
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(ref), prompts, ref)
 
 
 def complete(url: str, model: str, prompt: str) -> dict:
@@ -210,22 +238,73 @@ def test_paged_experts_serve_the_same_answers(deepseek, world):
         assert "experts on the device now" in console.file.getvalue()
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_moe"])
-def test_other_architecture_served_exactly(architecture, world, tmp_path):
-    from transformers import AutoTokenizer
-
-    from esftctl.world.models import make_random_model
-
-    base = make_random_model(architecture, tmp_path / "base", seed=3,
-                             tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
-    bundles, merged = make_adapters(base, tmp_path, seed=20)
-    prompts = prompts_of(world)[:4]
-    ref = reference({"base": base, **merged}, prompts, tmp_path)
-    serve_plan = plan(base, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
-                      state_dir=tmp_path / "state", vllm_args=ENGINE_ARGS)
+@pytest.mark.gpu
+def test_store_tier_served_exactly(deepseek, world):
+    """`--paging-window 1 --paging-store`: half of every layer's base experts decoded from a Huffman store of
+    the base by the GPU decoder, the rest and the adapters' from host copies, inside the real engine."""
+    store = deepseek["tmp"] / "base_store"
+    run_cli("compress", world.base_dir, "--out", store, check=True)
+    serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in deepseek["bundles"].items()], name="base",
+                      port=free_port(), state_dir=deepseek["tmp"] / "state_store", vllm_args=ENGINE_ARGS,
+                      paging_window=1, paging_store=store, store_experts=MoECheckpoint(world.base_dir).num_experts // 2)
     with Server(serve_plan) as server:
         server.wait_ready()
-        serve_concurrently(serve_plan.url, list(ref), prompts, ref)
+        serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
+        s = status(serve_plan.url)
+    assert s["paging_store_experts"] == MoECheckpoint(world.base_dir).num_experts // 2
+    assert s["paging_decoded_experts"] > 0
+
+
+def fill_gpu_memory() -> list:
+    """Take every free byte of GPU memory in this process, 2 MiB at a time (what the driver maps), so that
+    nothing but memory reserved beforehand is left for a server on the same GPU."""
+    import torch
+
+    held, chunk = [], 2 << 20
+    while True:
+        try:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            return held
+
+
+def test_adapter_memory_budget_is_reserved_and_enforced(deepseek, world):
+    """`--adapter-memory` of exactly two adapters: their memory is set aside before vLLM sizes its KV cache, so
+    on a GPU whose free memory another process then takes to the last page both still load and answer
+    exactly; a third is refused with one line, and serving goes on."""
+    bundles, ref, prompts = deepseek["bundles"], deepseek["ref"], deepseek["prompts"][:3]
+    base = MoECheckpoint(world.base_dir)
+    two = sum(Bundle.open(bundles[n]).num_experts for n in ("task1", "task2"))
+    serve_plan = plan(world.base_dir, [], name="base", adapter_memory=two * base.expert_nbytes, port=free_port(),
+                      state_dir=deepseek["tmp"] / "state_budget", vllm_args=ENGINE_ARGS)
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        url, held = serve_plan.url, fill_gpu_memory() if has_gpu() else []
+        try:
+            for name in ("task1", "task2"):
+                load(url, name, bundles[name])
+            with pytest.raises(EsftError, match="adapter memory budget exceeded"):
+                load(url, "task0", bundles["task0"])
+            serve_concurrently(url, ["base", "task1", "task2"], prompts, ref)
+            s = status(url)
+        finally:
+            del held
+    assert s["adapter_expert_bytes"] == s["adapter_budget_bytes"]
+    assert (s["reserved_bytes"] >= s["adapter_budget_bytes"]) if has_gpu() else s["reserved_bytes"] == 0
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_moe"])
+def test_other_architecture_served_exactly(architecture, world, tmp_path):
+    serve_exactly(random_base(architecture, world, tmp_path), prompts_of(world)[:4], tmp_path, engine_settings(),
+                  seed=20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen2_moe"])
+def test_cuda_graphs_served_exactly(architecture, world, tmp_path):
+    """vLLM's default compilation and CUDA graphs, on the server and on the plain-vLLM reference alike."""
+    base = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    serve_exactly(base, prompts_of(world)[:4], tmp_path, engine_settings(graphs=True), seed=30)
 
 
 def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_path):
@@ -250,6 +329,8 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--store-experts", "2")
     assert proc.returncode == 1 and "--store-experts needs --paging-store" in proc.stderr
+    if has_gpu():
+        return  # vLLM's CUDA build keeps experts in the checkpoint's layout: test_store_tier_served_exactly
     # A store of this base passes the checks, but vLLM's CPU build prepacks experts, which the store tier cannot
     # write: the engine refuses at start-up, and the CLI reports that one line.
     run_cli("compress", world.base_dir, "--out", tmp_path / "base_store", check=True)

@@ -40,14 +40,36 @@ class Router:
         return weights, ids
 
 
+class CPUUnquantizedExperts:
+    """Named as vLLM's CPU kernel, which indexes weights by expert id, as MoE.forward below does."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+
+class UnquantizedFusedMoEMethod:
+    """Named as vLLM's method for bf16 experts: EsftModel refuses other methods and kernels by name."""
+
+    is_monolithic = False
+
+    def __init__(self):
+        self.moe_kernel = SimpleNamespace(fused_experts=CPUUnquantizedExperts())
+
+
 class Experts(torch.nn.Module):
+    """Shaped as esftctl's RoutedExperts in vLLM: `run_layers` calls the pager around it as that class does."""
+
+    esft_paging = None
+
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         super().__init__()
         self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
         self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
-        kernel = SimpleNamespace(process_weights_after_loading=lambda layer: None)
-        self.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=kernel))
-        self.moe_config, self.activation = None, "silu"
+        self.quant_method = UnquantizedFusedMoEMethod()
+        self.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, enable_eplb=False),
+                                          num_experts=w13.shape[0])
+        self.expert_map_manager = SimpleNamespace(num_fused_shared_experts=0)
+        self.activation, self.expert_map, self.global_num_experts = "silu", None, w13.shape[0]
 
 
 class MoE(torch.nn.Module):
@@ -232,3 +254,51 @@ def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
             if rows.any():
                 want = run_layers(engine_model(ckpt, adapters.get(name), "cuda"), x)
                 torch.testing.assert_close(out[rows], want[rows], rtol=0, atol=0)
+
+
+def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_models):
+    """The experts layer's expert count (what vLLM's Triton kernel aligns over) becomes the row count, while
+    the router keeps routing over the base's E; layer set-ups in which adapter rows would be dropped or
+    mis-mapped are refused with one line."""
+    from esftctl.errors import EsftError
+    from esftctl.runtime import vllm_moe
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    served = engine_model(ckpt, None, "cpu")
+    runtime = EsftModel(served, ckpt, num_slots=3, experts_per_slot=5, max_tokens=16)
+    for index, layer in runtime.layers.items():
+        experts = served.layers[str(index)].mlp.experts.routed_experts
+        assert experts.global_num_experts == layer.num_rows == ckpt.num_experts + 3 * 5
+        assert experts.esft_kernel_config is None  # the by-id kernel has no tile configs
+
+    def refused(change, match):
+        model = engine_model(ckpt, None, "cpu")
+        moe = model.layers[str(ckpt.moe_layers[0])].mlp.experts
+        change(moe.routed_experts)
+        with pytest.raises(EsftError, match=match):
+            EsftModel(model, ckpt, num_slots=2, experts_per_slot=2, max_tokens=16)
+
+    refused(lambda e: setattr(e.quant_method, "is_monolithic", True), "monolithic")
+    refused(lambda e: setattr(e, "quant_method", SimpleNamespace(is_monolithic=False)), "quantized experts")
+    refused(lambda e: setattr(e.quant_method.moe_kernel, "fused_experts", object()), "has not been checked on")
+    refused(lambda e: setattr(e.moe_config.moe_parallel_config, "use_ep", True), "expert parallelism")
+    refused(lambda e: setattr(e, "expert_map", torch.arange(ckpt.num_experts)), "expert parallelism")
+    refused(lambda e: setattr(e.moe_config.moe_parallel_config, "enable_eplb", True), "EPLB")
+    refused(lambda e: setattr(e.expert_map_manager, "num_fused_shared_experts", 1), "shared experts fused")
+    refused(lambda e: setattr(e.moe_config, "num_logical_experts", ckpt.num_experts - 1), "redundant experts")
+    model = engine_model(ckpt, None, "cpu")
+    model.layers[str(ckpt.moe_layers[0])].mlp.experts.router.zero_expert_type = "identity"
+    with pytest.raises(EsftError, match="zero-expert routing"):
+        EsftModel(model, ckpt, num_slots=2, experts_per_slot=2, max_tokens=16)
+    engine = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=False),
+                             aux_output_config=SimpleNamespace(enable_return_routed_experts=True),
+                             parallel_config=SimpleNamespace(enable_dbo=False))
+    with pytest.raises(EsftError, match="returning routed experts"):
+        vllm_moe.check_engine(engine)
+    engine.aux_output_config.enable_return_routed_experts = False
+    vllm_moe.check_engine(engine)
+    # The Triton kernel's alignment limit: checked per layer, with what to lower.
+    with pytest.raises(EsftError, match=r"1000 expert rows per layer .* exceed the 992"):
+        vllm_moe.check_rows(1000, vllm_moe.KERNEL_MAX_ROWS, 64, "layer 1")
+    vllm_moe.check_rows(992, vllm_moe.KERNEL_MAX_ROWS, 64, "layer 1")
+    vllm_moe.check_rows(5000, None, 64, "layer 1")  # a by-id kernel has no limit

@@ -1,0 +1,163 @@
+"""What the ESFT runtime assumes about vLLM's fused-MoE layers, checked and applied in one place.
+
+The runtime widens a layer's `w13_weight` / `w2_weight` into virtual tensors of R = E + slots x
+experts_per_slot rows and rewrites the router's top-k ids to rows >= E. That is right only where the
+kernel computes every row an id names, and vLLM's kernels differ:
+
+- The CPU build's kernel (CPUUnquantizedExperts) indexes weights by id: any row is computed.
+- The Triton kernel (TritonExperts, CUDA) sorts the token-expert pairs into blocks per expert with
+  `moe_align_block_size(topk_ids, block, global_num_experts)`, which counts only ids below
+  `global_num_experts`; pairs with larger ids are silently never computed. On an H100 (vLLM 0.25) that made
+  every adapter prefill wrong while one-token decodes looked right: batches with tokens x top_k x 4 <=
+  global_num_experts skip the alignment and index by id. So the experts layer's `global_num_experts` (the
+  RoutedExperts attribute vLLM hands the kernel; the router keeps its own E for routing) must be R
+  (`widen_to_rows`). The alignment op handles fewer than 1024 experts after padding to a warp
+  (KERNEL_MAX_ROWS), so a larger R is refused before vLLM starts and again here. (vLLM 0.32 aligns over
+  w13's row count instead; the widening is right there too.)
+- Tuned tile configs: TritonExperts looks its config up by w2's row count and N (files named
+  `E=..,N=..,device_name=...json`), and R matches no file, so widening alone would drop a model's tuned
+  config for vLLM's default one. `kernel_config` looks the config up for the base's E and the layer uses it
+  for every call. On the H100 with vLLM 0.25 it matters for e.g. Mixtral at TP 2 (E=8, N=7168 has a file);
+  DeepSeek-V2-Lite (E=64, N=1408) has none there and runs the default config either way.
+
+Refused at start-up, each with one line (`check_supported`, `check_engine`): a kernel not in KERNELS
+(FlashInfer's, AITER's: unchecked layouts and id handling; `-- --moe-backend triton` picks Triton),
+quantized experts (per-expert scales that adapter rows lack), expert parallelism, EPLB and redundant
+experts (ids pass through vLLM's expert maps, which know E experts), fused shared experts (AITER puts them
+at rows E.., where adapters live), zero-expert routers (ids >= E mean "no expert" there), monolithic kernels
+(routing inside the kernel, where no reroute reaches), vLLM's returned routed experts (its capture callback
+replaces the reroute) and micro-batched or sequence-parallel MoE (the router then sees a part of the step's
+tokens, not the order the per-token adapters follow).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from esftctl.errors import EsftError
+
+# vLLM's modular expert kernels the runtime serves on: class name -> whether it aligns pairs over
+# `global_num_experts` (True) or indexes weights by id (False).
+KERNELS = {"TritonExperts": True, "CPUUnquantizedExperts": False}
+# moe_align_block_size pads the expert count to a multiple of 32 and wants it below 1024.
+KERNEL_MAX_ROWS = 1024 - 32
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class EngineMoELayer:
+    """vLLM's parts of one MoE layer."""
+
+    index: int
+    experts: torch.nn.Module  # RoutedExperts: w13_weight, w2_weight, quant_method, global_num_experts
+    router: object  # BaseRouter: set_capture_fn
+
+    @property
+    def kernel(self):
+        """The modular expert kernel object (its weight processing and `apply`)."""
+        return self.experts.quant_method.moe_kernel.fused_experts
+
+
+def find_moe_layers(model: torch.nn.Module) -> dict[int, EngineMoELayer]:
+    layers = {}
+    for name, module in model.named_modules():
+        experts, router = getattr(module, "routed_experts", None), getattr(module, "router", None)
+        if experts is None or not hasattr(experts, "w13_weight") or not hasattr(router, "set_capture_fn"):
+            continue
+        match = _LAYER_INDEX.search(name + ".")
+        if match is None:
+            raise EsftError(f"cannot tell the layer index of MoE module {name!r}")
+        layers[int(match.group(1))] = EngineMoELayer(int(match.group(1)), experts, router)
+    return dict(sorted(layers.items()))
+
+
+def kernel_name(layer: EngineMoELayer) -> str | None:
+    """The name in KERNELS the layer's kernel is (or derives from), or None."""
+    quant_method = layer.experts.quant_method
+    if getattr(quant_method, "is_monolithic", False):
+        return None
+    names = {c.__name__ for c in type(layer.kernel).__mro__}
+    return next((k for k in KERNELS if k in names), None)
+
+
+def check_supported(layer: EngineMoELayer) -> None:
+    """Refuse, with one line, every layer configuration in which some adapter row would be computed wrongly
+    or not at all."""
+    experts, where = layer.experts, f"layer {layer.index}"
+    quant_method = experts.quant_method
+    if getattr(quant_method, "is_monolithic", False):
+        raise EsftError(f"{where}: vLLM chose a monolithic MoE kernel ({type(quant_method).__name__}), which "
+                        "routes inside the kernel where no reroute can reach; choose `-- --moe-backend triton`")
+    if type(quant_method).__name__ != "UnquantizedFusedMoEMethod":
+        raise EsftError(f"{where}: quantized experts ({type(quant_method).__name__}) are not supported; serve a "
+                        "bf16/fp16 base")
+    if kernel_name(layer) is None:
+        raise EsftError(f"{where}: vLLM chose the MoE kernel {type(layer.kernel).__name__}, which esftctl has not "
+                        f"been checked on (supported: {', '.join(KERNELS)}); choose `-- --moe-backend triton`")
+    parallel = experts.moe_config.moe_parallel_config
+    if parallel.use_ep or getattr(experts, "expert_map", None) is not None:
+        raise EsftError(f"{where}: expert parallelism is not supported yet (vLLM's expert map knows only the "
+                        "base's experts); serve without --enable-expert-parallel")
+    if parallel.enable_eplb:
+        raise EsftError(f"{where}: EPLB (redundant experts) is not supported; serve without --enable-eplb")
+    logical = getattr(experts.moe_config, "num_logical_experts", None)
+    if logical is not None and logical != experts.moe_config.num_experts:
+        raise EsftError(f"{where}: redundant experts are not supported; serve without EPLB")
+    if getattr(experts.expert_map_manager, "num_fused_shared_experts", 0):
+        raise EsftError(f"{where}: shared experts fused into the routed ones take the rows adapters use; turn "
+                        "shared-expert fusion off (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+    if getattr(layer.router, "zero_expert_type", None) is not None:
+        raise EsftError(f"{where}: zero-expert routing (ids past the experts mean none) is not supported")
+    if getattr(parallel, "is_sequence_parallel", False):
+        raise EsftError(f"{where}: sequence-parallel MoE is not supported (each rank routes part of the tokens)")
+
+
+def check_engine(vllm_config) -> None:
+    """Refuse engine options under which the reroute would be undone or misapplied. Where vLLM versions keep
+    an option in different places, both are read here."""
+    places = (vllm_config.model_config, getattr(vllm_config, "aux_output_config", None))  # 0.25, 0.32
+    if any(getattr(place, "enable_return_routed_experts", False) for place in places):
+        raise EsftError("returning routed experts is not supported: vLLM's capture of them replaces the reroute; "
+                        "serve without --enable-return-routed-experts")
+    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+        raise EsftError("dual-batch overlap is not supported (a micro-batch's router sees part of the step's "
+                        "tokens); serve without --enable-dbo")
+
+
+def max_rows(layer: EngineMoELayer) -> int | None:
+    """The most expert rows the layer's kernel computes, or None where it has no limit."""
+    return KERNEL_MAX_ROWS if KERNELS[kernel_name(layer)] else None
+
+
+def check_rows(rows: int, limit: int | None, base_experts: int, where: str) -> None:
+    if limit is not None and rows > limit:
+        raise EsftError(f"{where}: {rows} expert rows per layer ({base_experts} base + slots x experts per slot) "
+                        f"exceed the {limit} that vLLM's Triton MoE kernel aligns; lower --slots or "
+                        "--experts-per-slot")
+
+
+def widen_to_rows(layer: EngineMoELayer, rows: int) -> None:
+    """Make the kernel compute every one of `rows` expert rows (the router still routes over its E)."""
+    layer.experts.global_num_experts = rows
+
+
+def kernel_config(layer: EngineMoELayer, base_experts: int):
+    """For aligning Triton kernels, a function num_tokens -> the tile config vLLM would pick for the base's
+    own expert count (its tuned file where there is one); None for other kernels."""
+    if not KERNELS[kernel_name(layer)]:
+        return None
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    experts, kernel = layer.experts, layer.kernel
+    w13_shape = (base_experts, *experts.w13_weight.shape[1:])
+    w2_shape = (base_experts, *experts.w2_weight.shape[1:])
+    dtype_name = kernel.quant_config.config_name(experts.w13_weight.dtype)
+
+    def config(num_tokens: int) -> dict:
+        return try_get_optimal_moe_config(w13_shape, w2_shape, experts.top_k, dtype_name, num_tokens,
+                                          block_shape=kernel.block_shape)
+
+    return config

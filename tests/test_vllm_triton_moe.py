@@ -1,0 +1,98 @@
+"""vLLM's own Triton fused-MoE kernel over esftctl's virtual expert tensors, with rerouted ids >= E.
+
+This is the kernel that served adapters wrongly on the H100 (vLLM 0.25): it aligns token-expert pairs over
+`global_num_experts`, so pairs rerouted to adapter rows were never computed once a batch was large enough
+to be aligned (prefill). Here the kernel runs on CUDA virtual tensors (driver-mapped pages, adapters loaded
+into rows past the base's) at decode and prefill sizes, with ids rerouted by esftctl's Triton reroute, and
+must give what a plain PyTorch MoE gives on the same rows; the test also shows that the base's expert count
+drops rows, so it fails where the fix is missing. Needs vLLM's CUDA build: skipped elsewhere (CI).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+E, HIDDEN, INTERMEDIATE, TOP_K, SLOTS, PER_SLOT = 16, 256, 128, 4, 3, 6
+
+
+def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * down(silu(gate(x)) * up(x)) of the rows ids[t, k], in float32."""
+    rows13, rows2 = w13[ids.long()].float(), w2[ids.long()].float()  # [T, k, 2I, H], [T, k, H, I]
+    gate, up = (rows13 @ x.float()[:, None, :, None]).squeeze(-1).chunk(2, -1)
+    out = (rows2 @ (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
+    return (weights[..., None] * out).sum(1)
+
+
+@pytest.fixture(scope="module")
+def layer():
+    """A virtual MoE layer on the GPU: E base experts and three adapters in the rows after them."""
+    pytest.importorskip("vllm")
+    from esftctl.checkpoint import ExpertWeights
+    from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
+    from esftctl.runtime.moe_layer import VirtualMoELayer
+
+    pool = PhysicalPagePool("cuda")
+    virtual = VirtualMoELayer(E, HIDDEN, INTERMEDIATE, SLOTS, PER_SLOT, torch.bfloat16,
+                              lambda nbytes: CudaAddressSpace(nbytes, pool))
+    g = torch.Generator().manual_seed(0)
+
+    def expert() -> ExpertWeights:
+        gate, up = (torch.randn(INTERMEDIATE, HIDDEN, generator=g) / HIDDEN**0.5 for _ in range(2))
+        down = torch.randn(HIDDEN, INTERMEDIATE, generator=g) / INTERMEDIATE**0.5
+        return ExpertWeights(gate.bfloat16(), up.bfloat16(), down.bfloat16())
+
+    virtual.load_base({e: expert() for e in range(E)})
+    for slot in range(SLOTS):
+        chosen = torch.randperm(E, generator=g)[: 2 + 2 * slot].tolist()
+        virtual.load(slot, {e: expert() for e in chosen})
+    yield virtual
+    virtual.close()
+
+
+def routed(tokens: int, seed: int):
+    """Inputs, top-k weights and ids over the base's E, and each token's adapter slot (-1: base)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
+    logits = torch.randn(tokens, E, generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), TOP_K)
+    adapters = torch.randint(-1, SLOTS, (tokens,), generator=g, dtype=torch.int32)
+    return x, weights.cuda(), ids.to(torch.int32).cuda(), adapters.cuda()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 512, 2048])
+def test_triton_kernel_computes_adapter_rows(layer, tokens):
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    from esftctl.kernels.reroute import reroute
+
+    x, weights, ids, adapters = routed(tokens, seed=tokens)
+    rerouted = reroute(ids, adapters, layer.table)
+    assert (rerouted >= E).any() or tokens < 8  # adapter rows are really in play
+    w13, w2 = layer.w13.tensor, layer.w2.tensor
+    want = reference_moe(x, w13, w2, weights, rerouted)
+    got = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=layer.num_rows).float()
+    error = (got - want).norm() / want.norm()
+    assert error < 1e-2, f"{tokens} tokens: relative error {error:.2e}"
+    if tokens * TOP_K * 4 > layer.num_rows:  # aligned over the base's experts, vLLM drops the adapter rows
+        dropped = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=E).float()
+        assert (dropped - want).norm() / want.norm() > 0.1
+
+
+def test_alignment_limit_is_the_one_esftctl_enforces():
+    """moe_align_block_size takes KERNEL_MAX_ROWS experts and refuses the next warp's worth."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    ids = torch.randint(0, KERNEL_MAX_ROWS, (4096, TOP_K), dtype=torch.int32, device="cuda")
+    sorted_ids, expert_ids, padded = moe_align_block_size(ids, 64, KERNEL_MAX_ROWS)
+    torch.cuda.synchronize()
+    assert int(padded) >= ids.numel()
+    with pytest.raises(RuntimeError):
+        moe_align_block_size(ids, 64, KERNEL_MAX_ROWS + 32)
+        torch.cuda.synchronize()
