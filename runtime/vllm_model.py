@@ -95,6 +95,11 @@ class EsftModel:
                     l.held_bytes() for l in self.layers.values()))
         self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
 
+    @property
+    def page_bytes(self) -> int:
+        """The page by which expert memory is mapped (2 MiB on CUDA, HOST_PAGE on the host)."""
+        return HOST_PAGE if self.pool is None else self.pool.page_size
+
     def _make_space(self, nbytes: int):
         if self.pool is None:
             return HostAddressSpace(nbytes, page_size=HOST_PAGE)

@@ -201,6 +201,7 @@ class EsftWorkerManager:
             "adapter_budget_bytes": slots.budget * expert_bytes // len(runtime.layers) if slots.budget is not None
             else None,
             "reserved_bytes": runtime.reserved_bytes,
+            "page_bytes": runtime.page_bytes,
             "adapter_physical_bytes": physical_adapter,
             "expert_device_bytes": slots.physical_bytes(),
             "padded_bytes": len(adapters) * widest * expert_bytes,

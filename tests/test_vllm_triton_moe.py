@@ -81,7 +81,7 @@ def test_triton_kernel_computes_adapter_rows(layer, tokens):
     assert error < 1e-2, f"{tokens} tokens: relative error {error:.2e}"
     if tokens * TOP_K * 4 > layer.num_rows:  # aligned over the base's experts, vLLM drops the adapter rows
         dropped = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=E).float()
-        assert (dropped - want).norm() / want.norm() > 0.1
+        assert not (dropped - want).norm() / want.norm() < 0.1  # wrong, or NaN where nothing was written
 
 
 def test_alignment_limit_is_the_one_esftctl_enforces():
