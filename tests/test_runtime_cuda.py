@@ -55,6 +55,29 @@ def test_granularity_and_memory_follow_mappings(pool):
     space.close()
 
 
+def test_reserve_sets_memory_aside_and_takes_draw_it_down(pool):
+    """Reserved pages hold device memory at once; maps made later use it up before the device gives more, so
+    the memory in use stays at the reservation while mappings fit in it."""
+    from esftctl.runtime.address_space import CudaAddressSpace
+
+    page = pool.page_size
+    pool.trim()
+    free0 = torch.cuda.mem_get_info()[0]
+    pool.reserve(40)
+    assert pool.reserved_pages == 40 and 40 * page <= free0 - torch.cuda.mem_get_info()[0] < 42 * page
+    space = CudaAddressSpace(64 * page, pool)
+    space.map_pages(range(0, 3))  # one handle of 2 pages and one of 1: taken from the reserve
+    space.map_pages(range(10, 30))
+    assert pool.reserved_pages == 40 - 23
+    assert 40 * page <= free0 - torch.cuda.mem_get_info()[0] < 42 * page  # no more than reserved
+    space.map_pages(range(30, 60))  # past the reserve: 13 more pages from the device
+    assert pool.reserved_pages == 0 and 53 * page <= free0 - torch.cuda.mem_get_info()[0] < 55 * page
+    space.close()
+    pool.trim()
+    pool.release_reserve()
+    assert free0 - torch.cuda.mem_get_info()[0] < page
+
+
 def test_runs_of_pages_map_as_few_large_handles(pool):
     """A run of pages is backed by power-of-two handles of at most 32 pages (one driver mapping each); pages
     inside a handle can go and come back while its other pages keep their data, and the handle's memory
