@@ -149,7 +149,8 @@ def test_status_table_accounts_adapter_memory(deepseek):
     # Physical memory within one page per layer and tensor of the experts' own bytes; padding costs more.
     page = s["page_bytes"]  # 64 KiB on the host, 2 MiB on CUDA
     assert s["adapter_expert_bytes"] <= s["adapter_physical_bytes"] <= s["adapter_expert_bytes"] + 2 * layers * page
-    assert s["padded_bytes"] > s["adapter_physical_bytes"]
+    if s["adapter_expert_bytes"] > 4 * 2 * layers * page:  # pages small against experts (the host's, not CUDA's
+        assert s["padded_bytes"] > s["adapter_physical_bytes"]  # 2 MiB under these ~100 KB experts)
     assert s["kv_cache_tokens"] > 0
     proc = run_cli("adapters", "list", "--url", deepseek["url"])
     assert proc.returncode == 0, proc.stderr
