@@ -26,8 +26,9 @@ quantized experts (per-expert scales that adapter rows lack), expert parallelism
 experts (ids pass through vLLM's expert maps, which know E experts), fused shared experts (AITER puts them
 at rows E.., where adapters live), zero-expert routers (ids >= E mean "no expert" there), monolithic kernels
 (routing inside the kernel, where no reroute reaches), vLLM's returned routed experts (its capture callback
-replaces the reroute) and micro-batched or sequence-parallel MoE (the router then sees a part of the step's
-tokens, not the order the per-token adapters follow).
+replaces the reroute), micro-batched or sequence-parallel MoE (the router then sees a part of the step's
+tokens, not the order the per-token adapters follow), data parallelism (its idle steps remove every
+adapter) and sleep mode (it frees vLLM's memory but not the virtual tensors').
 """
 
 from __future__ import annotations
@@ -122,9 +123,16 @@ def check_engine(vllm_config) -> None:
     if any(getattr(place, "enable_return_routed_experts", False) for place in places):
         raise EsftError("returning routed experts is not supported: vLLM's capture of them replaces the reroute; "
                         "serve without --enable-return-routed-experts")
-    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "enable_dbo", False):
         raise EsftError("dual-batch overlap is not supported (a micro-batch's router sees part of the step's "
                         "tokens); serve without --enable-dbo")
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise EsftError("data parallelism is not supported (vLLM's idle data-parallel steps remove every adapter); "
+                        "serve without --data-parallel-size")
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        raise EsftError("sleep mode is not supported (it frees vLLM's memory, not the adapters' virtual tensors); "
+                        "serve without --enable-sleep-mode")
 
 
 def max_rows(layer: EngineMoELayer) -> int | None:

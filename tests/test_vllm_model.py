@@ -292,11 +292,14 @@ def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_model
         EsftModel(model, ckpt, num_slots=2, experts_per_slot=2, max_tokens=16)
     engine = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=False),
                              aux_output_config=SimpleNamespace(enable_return_routed_experts=True),
-                             parallel_config=SimpleNamespace(enable_dbo=False))
+                             parallel_config=SimpleNamespace(enable_dbo=False, data_parallel_size=1))
     with pytest.raises(EsftError, match="returning routed experts"):
         vllm_moe.check_engine(engine)
     engine.aux_output_config.enable_return_routed_experts = False
     vllm_moe.check_engine(engine)
+    engine.parallel_config.data_parallel_size = 2
+    with pytest.raises(EsftError, match="data parallelism"):
+        vllm_moe.check_engine(engine)
     # The Triton kernel's alignment limit: checked per layer, with what to lower.
     with pytest.raises(EsftError, match=r"1000 expert rows per layer .* exceed the 992"):
         vllm_moe.check_rows(1000, vllm_moe.KERNEL_MAX_ROWS, 64, "layer 1")
