@@ -12,6 +12,10 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   their rows, base and adapter alike; the others are loaded from the layer's host copy just before their
   layer runs (the experts layer calls the pager around its kernel: esftctl.runtime.vllm_layers), and an
   adapter loaded meanwhile is written to the host copies of the layers that are out;
+- makes the kernel compute every row (its expert count becomes the row count) and refuses set-ups in which
+  some adapter row would be dropped or mis-mapped (esftctl.runtime.vllm_moe);
+- sets device memory aside for the adapter budget (or the paging window) before vLLM sizes its KV cache
+  from the memory left free: adapters load after that sizing;
 - sets the router's capture callback, which vLLM calls with the logical top-k ids before it uses them, to
   rewrite them in place: ids[t, j] = table[adapter(t), ids[t, j]] (esftctl.kernels.reroute). The per-token
   adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it each
@@ -124,9 +128,10 @@ class EsftModel:
             nbytes = adapter_experts * layer.expert_bytes + (4 * n * page if adapter_experts else 0)
         free = torch.cuda.mem_get_info(self.device)[0]
         if nbytes > free:
-            raise EsftError(f"the adapter memory budget needs {format_bytes(nbytes)} of GPU memory, but "
-                            f"{format_bytes(free)} are free after loading the model; serve with a smaller "
-                            "--adapter-memory, or fewer --slots or --experts-per-slot")
+            what = "the paging window and its adapters need" if window else "the adapter memory budget needs"
+            raise EsftError(f"{what} {format_bytes(nbytes)} of GPU memory, but {format_bytes(free)} are free after "
+                            "loading the model; serve with a smaller --adapter-memory or --paging-window, or fewer "
+                            "--slots or --experts-per-slot")
         pages = -(-nbytes // page)
         self.pool.reserve(pages)
         return pages * page
