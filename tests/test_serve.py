@@ -319,6 +319,11 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert proc.returncode == 1 and "expected NAME=BUNDLE" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={tmp_path}")
     assert proc.returncode == 1 and "not an adapter bundle" in proc.stderr
+    mine = write_synthetic_adapter(world.base_dir, tmp_path / "mine", "mine", seed=2)
+    proc = run_cli("serve", world.base_dir, "--adapter", f"mine={mine}", "--adapter-memory", "1KB")
+    assert proc.returncode == 1 and "--adapter-memory 1000 B is below adapter 'mine'" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--adapter-memory", "lots")
+    assert proc.returncode == 1 and "cannot read 'lots' as a size" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--paging-window", "3")
     assert proc.returncode == 1 and "--paging-window 3: choose 1..2 layers" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--paging-adaptive")
