@@ -33,6 +33,7 @@ adapter) and sleep mode (it frees vLLM's memory but not the virtual tensors').
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -164,6 +165,7 @@ def kernel_config(layer: EngineMoELayer, base_experts: int):
     w2_shape = (base_experts, *experts.w2_weight.shape[1:])
     dtype_name = kernel.quant_config.config_name(experts.w13_weight.dtype)
 
+    @functools.lru_cache(maxsize=None)  # one lookup per batch size, not one per layer call
     def config(num_tokens: int) -> dict:
         return try_get_optimal_moe_config(w13_shape, w2_shape, experts.top_k, dtype_name, num_tokens,
                                           block_shape=kernel.block_shape)
