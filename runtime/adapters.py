@@ -89,7 +89,7 @@ class AdapterSlots:
             raise EsftError(f"no free adapter slot for {name!r} (all {self.num_slots} are taken)")
         count = sum(len(e) for e in experts.values())
         if self.budget is not None and self.loaded_experts() + count > self.budget:
-            size = next(iter(self.layers.values())).expert_bytes
+            size = self.expert_bytes
             raise EsftError(f"adapter memory budget exceeded: {name!r} needs {format_bytes(count * size)} ({count} "
                             f"experts), {format_bytes(self.loaded_experts() * size)} of the "
                             f"{format_bytes(self.budget * size)} budget are in use; unload an adapter, or serve with a "
@@ -153,6 +153,11 @@ class AdapterSlots:
     # ---- memory ----------------------------------------------------------------------------------
     def adapter_bytes(self) -> int:
         return sum(a.nbytes for a in self.adapters.values())
+
+    @property
+    def expert_bytes(self) -> int:
+        """One expert's bytes in a layer (every MoE layer's experts have one shape)."""
+        return next(iter(self.layers.values())).expert_bytes
 
     def loaded_experts(self) -> int:
         return sum(sum(a.experts_per_layer.values()) for a in self.adapters.values())

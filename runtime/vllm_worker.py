@@ -59,10 +59,9 @@ class EsftWorkerManager:
 
     def create_lora_manager(self, model, vllm_config=None):
         check_engine(self.vllm_config)
-        scheduler = self.vllm_config.scheduler_config
+        config, scheduler = self.config, self.vllm_config.scheduler_config
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
-        store = ExpertStore(self.config.paging_store) if self.config.paging_store else None
-        config = self.config
+        store = ExpertStore(config.paging_store) if config.paging_store else None
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=config.paging_window, paging_store=store,
@@ -198,8 +197,7 @@ class EsftWorkerManager:
             "base_expert_bytes": base_experts,
             "model_bytes": self.base.total_nbytes,
             "adapter_expert_bytes": slots.adapter_bytes(),
-            "adapter_budget_bytes": slots.budget * expert_bytes // len(runtime.layers) if slots.budget is not None
-            else None,
+            "adapter_budget_bytes": slots.budget * slots.expert_bytes if slots.budget is not None else None,
             "reserved_bytes": runtime.reserved_bytes,
             "page_bytes": runtime.page_bytes,
             "adapter_physical_bytes": physical_adapter,

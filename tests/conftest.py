@@ -58,7 +58,9 @@ def engine_settings(*, graphs: bool = False) -> dict:
     """vLLM engine settings for serving tests, as `vllm.LLM` arguments: small; eager, or with vLLM's default
     compilation and CUDA graphs; on a GPU a tenth of its memory each (servers and references run side by side).
     `server_args` gives the same settings as server flags, so a server and its reference run alike."""
-    settings = {"enforce_eager": not graphs, "max_model_len": 256, "max_num_seqs": 16}
+    from esftctl.vllm_generate import DEFAULT_ENGINE
+
+    settings = {**DEFAULT_ENGINE, "enforce_eager": not graphs}
     if has_gpu():
         settings["gpu_memory_utilization"] = 0.1
     return settings
