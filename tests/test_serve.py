@@ -271,6 +271,16 @@ def fill_gpu_memory() -> list:
             return held
 
 
+def release_gpu_memory(held: list) -> None:
+    """Give what `fill_gpu_memory` took back to the GPU, not only to this process's caching allocator (the
+    tests after this one start engines of their own)."""
+    import torch
+
+    held.clear()
+    if has_gpu():
+        torch.cuda.empty_cache()
+
+
 def test_adapter_memory_budget_is_reserved_and_enforced(deepseek, world):
     """`--adapter-memory` of exactly two adapters: their memory is set aside before vLLM sizes its KV cache, so
     on a GPU whose free memory another process then takes to the last page both still load and answer
@@ -291,7 +301,7 @@ def test_adapter_memory_budget_is_reserved_and_enforced(deepseek, world):
             serve_concurrently(url, ["base", "task1", "task2"], prompts, ref)
             s = status(url)
         finally:
-            del held
+            release_gpu_memory(held)
     assert s["adapter_expert_bytes"] == s["adapter_budget_bytes"]
     assert (s["reserved_bytes"] >= s["adapter_budget_bytes"]) if has_gpu() else s["reserved_bytes"] == 0
 
