@@ -76,14 +76,14 @@ class EsftWorkerManager:
             self.retiring.discard(lora_id)  # loaded again under the same id: keep it
             return False
         slots = self.runtime.slots
-        if not slots.free_slots() and self.retiring:  # unloaded ones first; a running one reloads on demand
-            self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))
-        if not slots.free_slots():
-            taken = ", ".join(sorted(self.names.values()))
-            raise EsftError(f"no free adapter slot for {name!r}: all {slots.num_slots} are taken ({taken}); "
-                            "unload one, or serve with more --slots")
         try:  # vLLM hides paths in the messages it returns, so the message names the adapter
             bundle = open_servable_bundle(lora_request.lora_path, self.base)
+            while self.retiring and not self._fits(bundle.num_experts):  # unloaded ones make room first; a
+                self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # running one reloads
+            if not slots.free_slots():
+                taken = ", ".join(sorted(self.names.values()))
+                raise EsftError(f"no free adapter slot: all {slots.num_slots} are taken ({taken}); unload one, or "
+                                "serve with more --slots")
             slots.load(_key(lora_id), bundle.read_experts())
         except EsftError as e:
             raise EsftError(f"adapter {name!r}: {e}") from None
@@ -91,6 +91,10 @@ class EsftWorkerManager:
         self.last_used[lora_id] = time.monotonic()
         self.write_status()
         return True
+
+    def _fits(self, experts: int) -> bool:
+        slots = self.runtime.slots
+        return bool(slots.free_slots()) and (slots.budget is None or slots.loaded_experts() + experts <= slots.budget)
 
     def add_dummy_lora(self, lora_request, rank: int) -> bool:
         """Warm-up adapters: a slot with no experts (its tokens take the base experts)."""
