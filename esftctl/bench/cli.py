@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import typer
@@ -11,7 +13,7 @@ from rich.console import Console
 from esftctl.atomic import atomic_file
 
 app = typer.Typer(help="Measure esftctl against its baselines (tables, JSON and plots).", no_args_is_help=True)
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 220)  # logs keep whole table rows
 
 OUT_HELP = "Folder for the JSON results and the PNG plot (created if missing)."
 
@@ -28,7 +30,10 @@ def _save(result: dict, out: Path, name: str, plot) -> None:
 def _measure(bench, name: str, out: Path, as_json: bool, *args, **kwargs) -> None:
     """Run `bench.run(*args, **kwargs)` under a status line, print its table(s) or JSON, save JSON and plot."""
     with console.status("measuring") as status:
-        result = bench.run(*args, **kwargs, on_step=lambda msg: status.update(f"measuring: {msg}"))
+        def step(msg: str) -> None:  # a log line per step where no one watches a spinner (CI, nohup)
+            status.update(f"measuring: {msg}") if console.is_terminal else print(time.strftime("%H:%M:%S"), msg,
+                                                                                  flush=True)
+        result = bench.run(*args, **kwargs, on_step=step)
     if as_json:
         print(json.dumps(result, indent=1))
     else:
@@ -37,16 +42,16 @@ def _measure(bench, name: str, out: Path, as_json: bool, *args, **kwargs) -> Non
     _save(result, out, name, bench.plot)
 
 
-def _counts(option: str, text: str) -> tuple[int, ...]:
-    """A comma-separated list of positive whole numbers, or a one-line error naming the option."""
+def _counts(option: str, text: str, minimum: int = 1) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers of at least `minimum`, or a one-line error naming the option."""
     from esftctl.errors import EsftError
 
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise EsftError(f"{option} takes comma-separated whole numbers (such as 1,8,64), not {text!r}") from None
-    if min(counts) < 1:
-        raise EsftError(f"{option} {text!r}: every number must be at least 1")
+    if min(counts) < minimum:
+        raise EsftError(f"{option} {text!r}: every number must be at least {minimum}")
     return counts
 
 
@@ -103,22 +108,56 @@ def consolidate(
     _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    from esftctl.errors import EsftError
+
+    try:
+        rates = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise EsftError(f"--rates takes comma-separated requests per second (such as 4,inf), not {text!r}") from None
+    if min(rates) <= 0:
+        raise EsftError(f"--rates {text!r}: every rate must be above 0")
+    return rates
+
+
 @app.command()
 def serve(
-    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
-    adapters: str = typer.Option("1,5,20", help="Comma-separated adapter counts to spread requests over."),
-    requests: int = typer.Option(64, min=2, help="Requests per run."),
-    output_len: int = typer.Option(32, min=2, help="Output tokens per request (ignore_eos)."),
-    concurrency: int = typer.Option(8, min=1, help="Requests in flight."),
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP + " vLLM's own result files go beside, in "
+                                                                    "vllm-results/."),
+    model: str = typer.Option("tiny", help="tiny (the tiny world, CPU-sized) or deepseek-v2-lite (generated on "
+                                           "demand: 31 GB of weights, a GPU with 80 GB or more)."),
+    work: Path = typer.Option(None, help="Folder for the generated base and the servers' state (default "
+                                         "~/.cache/esftctl/bench-serve-MODEL); a generated base is reused."),
+    scratch: Path = typer.Option(None, help="Folder for the merged copy, adapter bundles and LoRA adapters "
+                                            "(default: --work); put it on another disk if one lacks room."),
+    adapters: str = typer.Option(None, help="Comma-separated adapter counts to spread requests over; 0 = the base "
+                                            "through the runtime (default per model: tiny 0,1,2; "
+                                            "deepseek-v2-lite 0,1,5,10,20)."),
+    rates: str = typer.Option(None, help="Comma-separated request rates per second, inf = all at once "
+                                         "(default: a low rate and inf)."),
+    prompts: int = typer.Option(None, min=2, help="Requests per run (default per model: 12 or 64)."),
+    repeats: int = typer.Option(None, min=1, help="Runs per scenario, interleaved; the median is reported."),
     alpha: float = typer.Option(1.0, help="Power-law exponent of the skewed request shares."),
-    repeats: int = typer.Option(5, min=1, help="Runs per scenario (interleaved); the median is reported."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    servers: str = typer.Option(None, help="Comma-separated servers to measure, of base (plain vLLM, the anchor: "
+                                           "always), merged, esftctl and lora (vLLM multi-LoRA, GPU only: vLLM's "
+                                           "CPU build has no MoE LoRA kernel); default all there are."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
 ) -> None:
-    """TTFT, TPOT and output throughput: plain vLLM (base, merged) vs esftctl serve with 1-20 adapters."""
+    """TTFT, TPOT, ITL and throughput (vLLM bench serve): plain vLLM (base, merged), esftctl serve with 0-20
+    adapters, and vLLM multi-LoRA; KV-cache room; adapter load time."""
     from esftctl.bench import serve as bench
+    from esftctl.errors import EsftError
 
-    _measure(bench, "serve", out, as_json, _counts("--adapters", adapters), requests, output_len, concurrency,
-             alpha, repeats=repeats)
+    if model not in bench.PROFILES:
+        raise EsftError(f"unknown --model {model!r} (choose {' or '.join(bench.PROFILES)})")
+    counts = _counts("--adapters", adapters, minimum=0) if adapters else None
+    chosen = tuple(servers.split(",")) if servers else None
+    unknown = set(chosen or ()) - set(bench.SERVERS)
+    if unknown:
+        raise EsftError(f"--servers: unknown {', '.join(sorted(unknown))} (choose from {', '.join(bench.SERVERS)})")
+    _measure(bench, "serve", out, as_json, model=model, work=work, scratch=scratch, counts=counts,
+             rates=_rates(rates) if rates else None, prompts=prompts, repeats=repeats, alpha=alpha, servers=chosen,
+             results_dir=out)
 
 
 @app.command()

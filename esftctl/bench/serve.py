@@ -1,195 +1,397 @@
-"""`esftctl bench serve`: serving latency and throughput of ESFT adapters against the base and merged models.
+"""`esftctl bench serve`: whole-model serving of ESFT adapters against what a user would run instead.
 
-vLLM's serving-benchmark conventions: streamed completions, TTFT (time to first token), TPOT (time per
-output token after the first = (latency - TTFT) / (output tokens - 1)), output throughput (all output
-tokens / wall time), means and p50/p99 over requests; a fixed number of requests, `concurrency` in flight,
-every request `output_len` tokens (ignore_eos). Each server's scenarios run `repeats` times, interleaved,
-and the median run is reported with the range of the runs' means.
+Servers, one after another on one machine, every load run made by vLLM's own serving benchmark
+(esftctl.bench.load: TTFT, TPOT, ITL, end-to-end latency, throughput; mean, median, p99):
+- `vLLM base`: plain vLLM serving the base alone, the anchor of every ratio;
+- `vLLM merged`: plain vLLM serving one adapter merged into a full model (a fine-tune served today);
+- `esftctl`: `esftctl serve` with every adapter loaded; its runs spread requests over the first N adapters
+  (N = 0: all to the base through the ESFT runtime), uniformly or by a power law (share of the i-th adapter
+  ~ 1 / i^alpha, ExpertWeave 5.2), at a low and a high request rate, plus runs over adapters of the size
+  DeepSeek published (83-153 experts each, where ExpertWeave's Table 1 adapters have 100-247);
+- `vLLM multi-LoRA`, the peer: rank-16 LoRA on every routed expert and on attention (bench.lora_peer),
+  `--max-loras` = the largest adapter count, the same runs. GPU only: vLLM's CPU build sends MoE LoRA to its
+  Triton kernel, which needs a GPU.
+The runs of one server are repeated `repeats` times, interleaved (a rotated order each round); the median
+over repeats is reported with the range of the means. Every server also reports its KV-cache room (vLLM's
+/metrics), set against the room N merged copies would leave (computed: each copy is the base's bytes again),
+and the `esftctl` server times `esftctl adapters load` of one adapter, cold (its file evicted from the page
+cache) and warm (in host memory), against bytes / the host-to-device copy bandwidth measured here.
 
-Servers, one after another on the same machine:
-- `base`: plain vLLM serving the base alone (the anchor of every ratio);
-- `merged`: plain vLLM serving one adapter merged into a full model (what serving a fine-tune costs today);
-- `esft`: `esftctl serve` with `max(adapters)` synthetic adapters; on it, runs with requests spread over the
-  first N adapters (N = 0 means all to the base through the ESFT runtime), uniformly or skewed by a power
-  law (share of adapter i proportional to 1 / i^alpha, as in ExpertWeave 5.2).
+Models: `tiny` (the tiny world's base and synthetic adapters; CI-sized, on the CPU build) or
+`deepseek-v2-lite` (bench.synthetic_model: generated on demand into --work, 31 GB; adapters with ExpertWeave
+Table 1's per-layer counts). Big files go where they fit: the merged copy is written just before its server
+and deleted after it; at most `distinct` bundles (LoRA adapters) are written and served under several names,
+each name its own slot with its own memory, so N names cost what N distinct adapters cost.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-import random
+import math
+import re
 import statistics
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlparse
 
-from esftctl.jsonl import read_jsonl
-from esftctl.merge import merge
+from esftctl import serve_client
+from esftctl.atomic import atomic_file
+from esftctl.bench import serve_models
+from esftctl.bench.load import Load, run_load, shares, summary, weighted_names
+from esftctl.bench.serve_models import Served
 from esftctl.serve import Server, free_port, plan
-from esftctl.world.build import build_world
-from esftctl.world.synthetic import write_synthetic_adapter
 
-ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "32"]
-
-
-def stream_completion(url: str, model: str, prompt: str, output_len: int) -> dict:
-    """One streamed completion: TTFT, latency and the number of output tokens."""
-    parsed = urlparse(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=600)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
-    start = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    reply = conn.getresponse()
-    if reply.status != 200:
-        raise RuntimeError(f"{model}: HTTP {reply.status}: {reply.read()[:300]!r}")
-    ttft, tokens = None, 0
-    for raw in reply:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
-            ttft = time.perf_counter() - start
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-    latency = time.perf_counter() - start
-    conn.close()
-    return {"ttft": ttft if ttft is not None else latency, "latency": latency, "tokens": tokens}
+INF = math.inf
+SERVERS = ("base", "merged", "esftctl", "lora")  # plain vLLM base (always), merged, esftctl serve, multi-LoRA
 
 
-def run_load(url: str, models: list[str], prompts: list[str], output_len: int, concurrency: int) -> dict:
-    jobs = list(zip(models, prompts))
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda job: stream_completion(url, job[0], job[1], output_len), jobs))
-    duration = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
-    tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
-    tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "duration_s": duration, "output_tokens": tokens,
-            "output_throughput": tokens / duration,
-            "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "ttft_p99_ms": 1e3 * _quantile(ttft, 0.99),
-            "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p50_ms": 1e3 * statistics.median(tpot),
-            "tpot_p99_ms": 1e3 * _quantile(tpot, 0.99)}
+@dataclass(frozen=True)
+class Profile:
+    """What one model's bench runs: servers' engine arguments, traffic, adapter counts."""
+
+    model: str
+    counts: tuple[int, ...]  # adapters requests are spread over (0: the base)
+    rates: tuple[float, ...]  # requests per second: a low one, and inf (all at once)
+    prompts: int
+    input_len: int
+    output_len: int
+    repeats: int
+    engine_args: tuple[str, ...]
+    esft_sized: int = 0  # adapters of DeepSeek's published size, served beside the Table 1 ones
+    distinct: int = 10  # bundles (and LoRA adapters) actually written; more names reuse them
+
+
+PROFILES = {
+    "tiny": Profile("tiny", counts=(0, 1, 2), rates=(8.0, INF), prompts=12, input_len=24, output_len=8, repeats=2,
+                    engine_args=("--max-model-len", "256", "--max-num-seqs", "32")),
+    "deepseek-v2-lite": Profile(
+        "deepseek-v2-lite", counts=(0, 1, 5, 10, 20), rates=(4.0, INF), prompts=64, input_len=256, output_len=128,
+        repeats=3, esft_sized=5, distinct=10,
+        engine_args=("--max-model-len", "2048", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92")),
+}
+
+
+@dataclass
+class Scenario:
+    name: str
+    models: list[str]  # vLLM's --lora-modules list (names repeated by share); empty: every request to the base
+    rate: float
+    adapters: int
+
+
+def scenarios(names: list[str], profile: Profile, alpha: float, extra: list[str] = ()) -> list[Scenario]:
+    """Per rate: 0..N adapters uniform; skewed shares too at the highest rate (at a low rate a batch rarely
+    holds more than a few requests, so shares barely change it); `extra` adapters at the highest rate."""
+    out = []
+    for rate in profile.rates:
+        for n in profile.counts:
+            if n > len(names):
+                continue
+            label = "base" if n == 0 else f"{n} adapter{'s' * (n > 1)}"
+            out.append(Scenario(f"{label}, uniform @ {_rate(rate)}" if n > 1 else f"{label} @ {_rate(rate)}",
+                                weighted_names(names[:n], None), rate, n))
+            if n > 1 and rate == max(profile.rates):
+                out.append(Scenario(f"{label}, skewed @ {_rate(rate)}", weighted_names(names[:n], alpha), rate, n))
+    if extra:
+        rate = max(profile.rates)
+        out.append(Scenario(f"{len(extra)} DeepSeek-sized adapters, uniform @ {_rate(rate)}",
+                            weighted_names(list(extra), None), rate, len(extra)))
+    return out
+
+
+def _rate(rate: float) -> str:
+    return "inf rps" if math.isinf(rate) else f"{rate:g} rps"
+
+
+def kv_cache_tokens(url: str) -> int | None:
+    """The KV-cache room vLLM reports (its cache_config_info gauge), any server: plain or esftctl."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    m = re.search(r'kv_cache_size_tokens="(\d+)"', text)
+    return int(m.group(1)) if m else None
+
+
+def measure_server(label: str, serve_plan, served: Served, profile: Profile, runs: list[Scenario], out: Path,
+                   on_step: Callable[[str], None], after: Callable[[str], dict] | None = None) -> dict:
+    """Start one server, warm it up, run every scenario `repeats` times interleaved, stop it."""
+    on_step(f"{label}: starting vLLM")
+    started = time.perf_counter()
+    with Server(serve_plan) as server:
+        server.wait_ready(timeout=1800)
+        ready_s = time.perf_counter() - started
+        kv = kv_cache_tokens(serve_plan.url)
+        names = list(dict.fromkeys(n for s in runs for n in s.models))
+        warm = Load(INF, max(16, 2 * len(names)), profile.input_len, profile.output_len, seed=99)
+        on_step(f"{label}: warm-up")  # every name once: first-use costs (kernels, slots) stay out of the numbers
+        run_load(serve_plan.url, model=serve_plan.name, tokenizer=served.base, load=warm, models=names,
+                 result_dir=out / "warmup", name=_slug(label))
+        measured: dict[str, list[dict]] = {s.name: [] for s in runs}
+        for rep in range(profile.repeats):
+            order = runs[rep % len(runs):] + runs[:rep % len(runs)]
+            for s in order:
+                on_step(f"{label}: {s.name} ({rep + 1}/{profile.repeats})")
+                load = Load(s.rate, profile.prompts, profile.input_len, profile.output_len, seed=rep)
+                result = run_load(serve_plan.url, model=serve_plan.name, tokenizer=served.base, load=load,
+                                  models=s.models, result_dir=out / "vllm-results",
+                                  name=_slug(f"{label} {s.name} r{rep}"))
+                measured[s.name].append(summary(result))
+        try:  # a failure here keeps the runs measured above
+            extra = after(serve_plan.url) if after else {}
+        except Exception as e:
+            extra = {"after_error": " ".join(str(e).split())[:500]}
+            on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
+    rows = [{"server": label, "scenario": s.name, "adapters": s.adapters, "rate": _rate(s.rate),
+             "shares": shares(s.models) if s.models else {}, **_median(measured[s.name]),
+             "repeats": measured[s.name]} for s in runs]
+    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "rows": rows, **extra}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", text).strip("_")
 
 
 def _median(reps: list[dict]) -> dict:
-    """Per metric, the median over repeated runs, and the spread (min, max) of the means."""
     out = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-    for k in ("ttft_mean_ms", "tpot_mean_ms", "output_throughput"):
+    for k in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput"):
         out[f"{k}_range"] = [min(r[k] for r in reps), max(r[k] for r in reps)]
     return out
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def run(model: str = "tiny", work: Path | None = None, scratch: Path | None = None,
+        counts: tuple[int, ...] | None = None, rates: tuple[float, ...] | None = None, prompts: int | None = None,
+        repeats: int | None = None, alpha: float = 1.0, servers: tuple[str, ...] | None = None, load_repeats: int = 3,
+        results_dir: Path = Path("bench-results"), on_step: Callable[[str], None] = lambda msg: None) -> dict:
+    import torch
+
+    profile = PROFILES[model]
+    profile = replace(profile, **{k: v for k, v in dict(counts=counts, rates=rates, prompts=prompts,
+                                                          repeats=repeats).items() if v is not None})
+    gpu = torch.cuda.is_available()
+    servers = servers or (SERVERS if gpu else SERVERS[:-1])
+    work = Path(work) if work else serve_models.default_work(model)
+    scratch = Path(scratch) if scratch else work
+    out = Path(results_dir)
+    n_max = max(profile.counts)
+    served = serve_models.prepare_base(model, work, on_step)
+    results, errors = [], {}
+
+    def attempt(label: str, make_plan: Callable, runs: list[Scenario], after=None) -> None:
+        try:
+            results.append(measure_server(label, make_plan(label), served, profile, runs, out, on_step, after))
+        except Exception as e:  # one failing server does not lose the others' numbers
+            errors[label] = " ".join(str(e).split())[:500]
+            on_step(f"{label}: FAILED: {errors[label]}")
+        write_json(out / "serve.partial.json", finish(profile, alpha, served, results, errors, gpu, servers))
+
+    def plain(model_dir: Path, name: str, args: tuple[str, ...] = ()) -> Callable:
+        return lambda label: plan(model_dir, [], name=name, esft=False, state_dir=work / "state" / _slug(label),
+                                  port=free_port(), vllm_args=[*profile.engine_args, *args])
+
+    base_runs = [Scenario(f"base @ {_rate(r)}", [], r, 0) for r in profile.rates]
+    attempt("vLLM base", plain(served.base, "base"), base_runs)  # the anchor of every ratio: always
+    if "merged" in servers:
+        attempt("vLLM merged", lambda label: plain(serve_models.merged_copy(served, model, scratch, on_step),
+                                                   "merged")(label),
+                [replace(s, name=s.name.replace("base", "merged")) for s in base_runs])
+        serve_models.drop(scratch, "merged")
+    if "esftctl" in servers:
+        serve_models.write_adapters(served, model, scratch, n_max, distinct=profile.distinct,
+                                    esft_sized=profile.esft_sized, on_step=on_step)
+        specs = [f"{n}={p}" for n, p in served.bundles.items()]
+        attempt("esftctl", lambda label: plan(served.base, specs, name="base", adapter_memory=_bundle_bytes(served),
+                                              state_dir=work / "state" / "esftctl", port=free_port(),
+                                              vllm_args=list(profile.engine_args)),
+                scenarios(served.table1, profile, alpha, served.esft_sized),
+                after=lambda url: {"adapter_load": adapter_load_times(url, served, load_repeats, on_step)})
+    if "lora" in servers:
+        serve_models.write_loras(served, scratch, n_max, distinct=profile.distinct, on_step=on_step)
+        lora_args = ("--enable-lora", "--max-loras", str(n_max), "--max-cpu-loras", str(n_max), "--max-lora-rank",
+                     "16", "--lora-modules", *(f"{n}={p}" for n, p in served.loras.items()))
+        attempt("vLLM multi-LoRA", plain(served.base, "base", lora_args), scenarios(list(served.loras), profile, alpha))
+    return finish(profile, alpha, served, results, errors, gpu, servers)
 
 
-def request_models(adapters: list[str], n: int, share: str, alpha: float, count: int, seed: int,
-                   base: str) -> list[str]:
-    """Which model each request asks for: the first n adapters, uniform or power-law shares; n = 0: the base."""
-    if n == 0:
-        return [base] * count
-    weights = [1.0] * n if share == "uniform" else [1.0 / (i + 1) ** alpha for i in range(n)]
-    return random.Random(seed).choices(adapters[:n], weights=weights, k=count)
+def _bundle_bytes(served: Served) -> int:
+    """The adapters' expert bytes together: the memory budget reserved for them (the default reserves the
+    largest adapter for every slot, which at 20 Table 1 adapters is more than an H200 holds)."""
+    from esftctl.checkpoint import MoECheckpoint
+
+    return sum(_experts(p) for p in served.bundles.values()) * MoECheckpoint(served.base).expert_nbytes
 
 
-def run(counts=(1, 5, 20), requests: int = 64, output_len: int = 32, concurrency: int = 8, alpha: float = 1.0,
-        experts_per_layer: int = 4, repeats: int = 5, root: Path | None = None,
-        on_step: Callable[[str], None] = lambda msg: None) -> dict:
-    world = build_world(root)
-    examples = [e["prompt"] for t in world.task_names for e in read_jsonl(world.data_file(t, "test"))]
-    prompts = [examples[i % len(examples)] for i in range(requests)]
-    work = Path(tempfile.mkdtemp(prefix="esftctl-bench-serve-"))
-    n_max = max(counts)
-    on_step(f"writing {n_max} synthetic adapters")
-    bundles = {f"adapter{i}": write_synthetic_adapter(world.base_dir, work / f"adapter{i}", f"adapter{i}", seed=i,
-                                                      experts_per_layer=experts_per_layer) for i in range(n_max)}
-    merged = merge(world.base_dir, bundles["adapter0"], work / "merged")
-    runs = []
+def _experts(bundle: Path) -> int:
+    """A bundle's expert count from its manifest (the server verifies the checksum; no need to here)."""
+    from esftctl.bundle import MANIFEST
+    from esftctl.jsonfile import read_json
 
-    def measure(label: str, serve_plan, scenarios: list[tuple[str, list[str]]]) -> None:
-        on_step(f"starting vLLM: {label}")
-        with Server(serve_plan) as server:
-            server.wait_ready()
-            run_load(serve_plan.url, [serve_plan.name] * concurrency, prompts[:concurrency], 4, concurrency)  # warm-up
-            measured: dict[str, list[dict]] = {name: [] for name, _ in scenarios}
-            for rep in range(repeats):  # scenarios interleaved, in a rotated order each round
-                for name, models in scenarios[rep % len(scenarios):] + scenarios[: rep % len(scenarios)]:
-                    on_step(f"{label}: {name} ({rep + 1}/{repeats})")
-                    measured[name].append(run_load(serve_plan.url, models, prompts, output_len, concurrency))
-            for name, reps in measured.items():
-                runs.append({"server": label, "scenario": name, **_median(reps), "repeats": reps})
-
-    def settings(label: str) -> dict:
-        return dict(state_dir=work / label, port=free_port(), vllm_args=ENGINE_ARGS)
-
-    measure("base", plan(world.base_dir, [], name="base", esft=False, **settings("base")),
-            [("base alone", ["base"] * requests)])
-    measure("merged", plan(merged, [], name="merged", esft=False, **settings("merged")),
-            [("one merged model", ["merged"] * requests)])
-    esft_plan = plan(world.base_dir, [f"{n}={p}" for n, p in bundles.items()], name="base", **settings("esft"))
-    names = list(bundles)
-    scenarios = [("base via ESFT runtime", request_models(names, 0, "uniform", alpha, requests, 0, "base"))]
-    for n in counts:
-        for share in ("uniform", "skewed"):
-            if n == 1 and share == "skewed":
-                continue
-            scenarios.append((f"{n} adapters, {share}", request_models(names, n, share, alpha, requests, n, "base")))
-    measure("esft", esft_plan, scenarios)
-    anchor = runs[0]
-    for r in runs:
-        r["ttft_ratio"] = r["ttft_mean_ms"] / anchor["ttft_mean_ms"]
-        r["tpot_ratio"] = r["tpot_mean_ms"] / anchor["tpot_mean_ms"]
-        r["throughput_ratio"] = r["output_throughput"] / anchor["output_throughput"]
-    return {"config": {"requests": requests, "output_len": output_len, "concurrency": concurrency, "alpha": alpha,
-                       "experts_per_layer": experts_per_layer, "repeats": repeats, "base": str(world.base_dir),
-                       "engine_args": ENGINE_ARGS},
-            "runs": runs}
+    return sum(len(ids) for ids in read_json(bundle / MANIFEST)["experts"].values())
 
 
-def table(result: dict):
+def finish(profile: Profile, alpha: float, served: Served, results: list[dict], errors: dict, gpu: bool,
+           servers: tuple[str, ...]) -> dict:
+    """Ratios against plain vLLM's base at the same rate, and the KV-cache comparison."""
+    from esftctl.checkpoint import MoECheckpoint
+
+    base = MoECheckpoint(served.base)
+    anchors = {r["rate"]: r for res in results if res["server"] == "vLLM base" for r in res["rows"]}
+    for res in results:
+        for r in res["rows"]:
+            a = anchors.get(r["rate"])
+            if a:
+                r["ttft_ratio"] = r["mean_ttft_ms"] / a["mean_ttft_ms"]
+                r["tpot_ratio"] = r["mean_tpot_ms"] / a["mean_tpot_ms"]
+                r["throughput_ratio"] = r["output_throughput"] / a["output_throughput"]
+    settings = {**asdict(profile), "rates": [_rate(r) for r in profile.rates], "high_rate": _rate(max(profile.rates))}
+    return {"benchmark": "serve", "config": {**settings, "alpha": alpha, "servers": list(servers),
+                                             "base": str(served.base), "model_bytes": base.total_nbytes,
+                                             "device": _device_name(gpu)},
+            "servers": results, "errors": errors, "kv_cache": kv_room(results, base, served)}
+
+
+def _device_name(gpu: bool) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.processor() or platform.machine()})"
+
+
+def kv_room(results: list[dict], base, served: Served) -> dict:
+    """KV tokens vLLM reported per server, and the bound for N merged copies on one GPU: each copy after the
+    first takes the base's bytes again out of the room the base alone left, at the model's KV bytes per token."""
+    kv = {r["server"]: r["kv_cache_tokens"] for r in results}
+    out: dict = {"reported": kv}
+    alone = kv.get("vLLM base")
+    if not alone:
+        return out
+    per_token = _kv_bytes_per_token(base)
+    copies = {}
+    for n in sorted({s for s in (1, 2, 5, 10, 20) if s <= max(len(served.table1), 1)}):
+        tokens = alone - (n - 1) * base.total_nbytes // per_token
+        copies[n] = max(tokens, 0)
+    out.update({"kv_bytes_per_token": per_token, "merged_copies": copies,
+                "esft_over_merged": {n: (kv.get("esftctl") or 0) / t if t else None for n, t in copies.items()}})
+    return out
+
+
+def _kv_bytes_per_token(base) -> int:
+    """KV-cache bytes one token takes in vLLM: MLA keeps kv_lora_rank + rope dims per layer, others K and V."""
+    c = base.config
+    if c.get("kv_lora_rank"):
+        per_layer = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    else:
+        head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        per_layer = 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head
+    return per_layer * c["num_hidden_layers"] * 2
+
+
+def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable[[str], None]) -> dict:
+    """`esftctl adapters load` of the largest adapter: cold (file evicted from the page cache) and warm, against
+    its bytes over the host-to-device copy bandwidth (and, cold, over the disk's read bandwidth)."""
+    from esftctl.bundle import DATA_FILE
+
+    name = max(served.table1, key=lambda n: _experts(served.bundles[n]))
+    path = served.bundles[name]
+    data = path / DATA_FILE
+    nbytes = data.stat().st_size
+    times = {"cold": [], "warm": []}
+    for rep in range(repeats):
+        for kind in ("cold", "warm"):
+            on_step(f"esftctl: adapter load, {kind} ({rep + 1}/{repeats})")
+            serve_client.unload(url, name)
+            if kind == "cold":
+                serve_models.evict(path)
+            start = time.perf_counter()
+            serve_client.load(url, name, path)
+            times[kind].append(time.perf_counter() - start)
+    serve_models.evict(path)
+    disk = serve_models.read_bandwidth(data)
+    copy = serve_models.copy_bandwidth()
+    return {"adapter": name, "bytes": nbytes, "seconds": times, "disk_read_bytes_per_s": disk,
+            "copy_bytes_per_s": copy, "floor_s": nbytes / copy, "cold_floor_s": max(nbytes / copy, nbytes / disk),
+            "warm_over_floor": statistics.median(times["warm"]) / (nbytes / copy),
+            "cold_over_floor": statistics.median(times["cold"]) / max(nbytes / copy, nbytes / disk)}
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+
+
+def tables(result: dict) -> list:
     from rich.table import Table
 
+    from esftctl.units import format_bytes
+
     c = result["config"]
-    t = Table(title=f"serving, {c['requests']} requests x {c['output_len']} tokens, {c['concurrency']} in flight, "
-                    f"median of {c['repeats']} runs (ratios against plain vLLM serving the base alone)",
-              title_justify="left")
-    for col in ("server", "scenario", "TTFT ms", "TPOT ms", "TPOT range", "tok/s", "TTFT x", "TPOT x",
-                "throughput x"):
+    out = []
+    t = Table(title=f"serving on {c['device']}: {c['model']}, {c['prompts']} requests of {c['input_len']} -> "
+                    f"{c['output_len']} tokens per run, vLLM bench serve; median of {c['repeats']} interleaved runs; "
+                    "ratios against plain vLLM serving the base alone at the same rate", title_justify="left")
+    for col in ("server", "scenario", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "TPOT range", "ITL p99",
+                "E2EL ms", "tok/s", "TTFT x", "TPOT x", "tok/s x"):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
-    for r in result["runs"]:
-        low, high = r["tpot_mean_ms_range"]
-        t.add_row(r["server"], r["scenario"], f"{r['ttft_mean_ms']:.1f}", f"{r['tpot_mean_ms']:.2f}",
-                  f"{low:.2f}-{high:.2f}", f"{r['output_throughput']:.1f}", f"{r['ttft_ratio']:.3f}",
-                  f"{r['tpot_ratio']:.3f}", f"{r['throughput_ratio']:.3f}")
-    return t
+    for res in result["servers"]:
+        for r in res["rows"]:
+            low, high = r["mean_tpot_ms_range"]
+            ratios = [f"{r[k]:.3f}" if k in r else "-" for k in ("ttft_ratio", "tpot_ratio", "throughput_ratio")]
+            t.add_row(res["server"], r["scenario"], f"{r['mean_ttft_ms']:.1f}", f"{r['p99_ttft_ms']:.1f}",
+                      f"{r['mean_tpot_ms']:.2f}", f"{r['p99_tpot_ms']:.2f}", f"{low:.2f}-{high:.2f}",
+                      f"{r['p99_itl_ms']:.1f}", f"{r['mean_e2el_ms']:.0f}", f"{r['output_throughput']:.0f}", *ratios)
+    out.append(t)
+    kv = result["kv_cache"]
+    t = Table(title="KV-cache room (tokens vLLM reports; N merged copies: computed bound)", title_justify="left")
+    for col in ("what", "KV tokens", "vs esftctl"):
+        t.add_column(col, justify="left" if col == "what" else "right")
+    esft = kv["reported"].get("esftctl")
+    for server, tokens in kv["reported"].items():
+        t.add_row(f"{server} (served)", f"{tokens:,}" if tokens else "-", "")
+    for n, tokens in kv.get("merged_copies", {}).items():
+        ratio = f"{esft / tokens:.1f}x" if esft and tokens else ("does not fit" if not tokens else "-")
+        t.add_row(f"{n} merged cop{'ies' if int(n) > 1 else 'y'} on one GPU (bound)", f"{tokens:,}", ratio)
+    out.append(t)
+    load = next((res["adapter_load"] for res in result["servers"] if "adapter_load" in res), None)
+    if load:
+        t = Table(title=f"`esftctl adapters load` of {load['adapter']} ({format_bytes(load['bytes'])})",
+                  title_justify="left")
+        for col in ("from", "median s", "runs", "floor s", "x floor"):
+            t.add_column(col, justify="left" if col == "from" else "right")
+        for kind, floor in (("cold", load["cold_floor_s"]), ("warm", load["floor_s"])):
+            secs = load["seconds"][kind]
+            t.add_row(f"{kind} ({'disk' if kind == 'cold' else 'host memory'})", f"{statistics.median(secs):.3f}",
+                      " ".join(f"{x:.3f}" for x in secs), f"{floor:.3f}", f"{statistics.median(secs) / floor:.1f}")
+        out.append(t)
+    for server, error in result["errors"].items():
+        out.append(f"[red]{server} failed:[/red] {error}")
+    return out
 
 
 def plot(result: dict, path) -> None:
+    """TPOT and TTFT against adapters spread over, per server and share, at the highest rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["runs"]
-    labels = [f"{r['server']}: {r['scenario']}" for r in runs]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(runs) + 1.5))
-    y = range(len(runs))
-    ax.barh([i - 0.2 for i in y], [r["ttft_ratio"] for r in runs], height=0.4, label="TTFT")
-    ax.barh([i + 0.2 for i in y], [r["tpot_ratio"] for r in runs], height=0.4, label="TPOT")
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(list(y), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("mean, relative to plain vLLM serving the base alone")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    high = result["config"]["high_rate"]
+    for res in result["servers"]:
+        for share in ("uniform", "skewed"):
+            rows = [r for r in res["rows"] if r["rate"] == high and "DeepSeek" not in r["scenario"]
+                    and (share in r["scenario"] or (r["adapters"] <= 1 and share == "uniform"))]
+            if not rows or "tpot_ratio" not in rows[0]:
+                continue
+            style = "o-" if share == "uniform" else "s--"
+            for ax, key in zip(axes, ("tpot_ratio", "ttft_ratio")):
+                ax.plot([r["adapters"] for r in rows], [r[key] for r in rows], style, label=f"{res['server']}, {share}")
+    for ax, what in zip(axes, ("TPOT", "TTFT")):
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("adapters the requests are spread over")
+        ax.set_ylabel(f"mean {what} / plain vLLM base")
+        ax.set_title(f"{what} at {high}, {result['config']['device']}")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Long work on the device machine, past one call's 10-minute limit: `start` runs a command in its own
+# process session (so it outlives the call), `wait` follows it from the next calls, each sent within the
+# machine's 30 s idle time. Logs in /tmp/bg/NAME.log; `wait` copies the log and the exit status to $OUT.
+# Usage: bash benchmarks/scripts/background.sh start NAME COMMAND...
+#        bash benchmarks/scripts/background.sh wait NAME SECONDS   (returns early when NAME has finished)
+set -u
+verb=$1 name=$2; shift 2
+dir=/tmp/bg
+mkdir -p "$dir"
+case $verb in
+  start)
+    rm -f "$dir/$name.rc"
+    setsid nohup bash -c "$*; echo \$? > $dir/$name.rc" > "$dir/$name.log" 2>&1 < /dev/null &
+    echo "started $name (pid $!)" ;;
+  wait)
+    end=$(( $(date +%s) + $1 ))
+    while [ ! -f "$dir/$name.rc" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    tail -c 6000 "$dir/$name.log"
+    cp "$dir/$name.log" "${OUT:-/tmp}/$name.log" 2>/dev/null
+    if [ -f "$dir/$name.rc" ]; then echo "finished $name: exit $(cat "$dir/$name.rc")"; exit "$(cat "$dir/$name.rc")"
+    else echo "still running $name"; fi ;;
+  *) echo "usage: background.sh start NAME COMMAND... | wait NAME SECONDS"; exit 2 ;;
+esac

@@ -1,0 +1,163 @@
+"""DeepSeek-V2-Lite-shaped checkpoints with trained-like random weights, generated on demand, never downloaded.
+
+Serving and offline benches need the real model's shapes, not its knowledge: 27 layers (the first dense),
+26 MoE layers x 64 routed experts of 2048 x 1408, 2 shared experts, top-6, MLA (16 heads, kv_lora_rank
+512), vocab 102400: 15.71 B parameters, 31.4 GB of bf16. Tensor names and shapes come from transformers'
+own model class built on the meta device (no memory), so the folder is what `save_pretrained` would write
+(the per-expert hub layout; a test checks it at a small size), but it is streamed: one tensor at a time from
+a seeded generator (on the GPU when given one), written in shards of `shard_bytes` with an index, so it
+needs one shard of host memory. Norm weights are ones; every matrix is `trained_like` (std 0.02 with a
+log-normal scale per row), so activations and routing look like a trained model's, not like zeros.
+
+The tokenizer is word-level over the whole vocabulary ("w0" ... "w102399", specials at DeepSeek's ids):
+any token id decodes and re-encodes to itself, so a load generator's random prompts keep their lengths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from esftctl.architectures import EXPERT_WEIGHTS, architecture_for
+from esftctl.atomic import atomic_dir
+from esftctl.bench.compress import trained_like
+from esftctl.bench.shapes import per_layer_counts
+from esftctl.bundle import write_bundle
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint
+
+INDEX_FILE = "model.safetensors.index.json"
+BOS, EOS, PAD = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>"
+
+
+def deepseek_v2_lite_config(**overrides):
+    """DeepSeek-V2-Lite's structure (ESFT-vanilla-lite), without YaRN: its 4096-token pre-YaRN context."""
+    from transformers import DeepseekV2Config
+
+    settings = dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+        pad_token_id=100002, rms_norm_eps=1e-6)
+    settings.update(overrides)
+    return DeepseekV2Config(**settings)
+
+
+def checkpoint_tensors(config) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor `save_pretrained` writes for `config`, in the model's order."""
+    from transformers import AutoModelForCausalLM
+
+    arch = architecture_for(config.model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for name, t in model.state_dict().items():
+        if name.endswith(".experts.gate_up_proj"):  # transformers fuses experts in memory: [E, 2I, H]
+            layer = int(name.split(".")[2])
+            for e in range(t.shape[0]):
+                for w in ("gate", "up"):
+                    yield arch.expert_tensor(layer, e, w), (t.shape[1] // 2, t.shape[2])
+        elif name.endswith(".experts.down_proj"):  # [E, H, I]
+            layer = int(name.split(".")[2])
+            for e in range(t.shape[0]):
+                yield arch.expert_tensor(layer, e, "down"), tuple(t.shape[1:])
+        else:
+            yield name, tuple(t.shape)
+
+
+def _tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.bfloat16) if "norm" in name else torch.zeros(shape, dtype=torch.bfloat16)
+    return trained_like(shape, g).cpu()
+
+
+def write_model(out: str | Path, config, *, seed: int = 0, device: str = "cpu", shard_bytes: int = 2 << 30,
+                overwrite: bool = False, on_progress: Callable[[int, int], None] = lambda done, total: None) -> Path:
+    """Write a checkpoint of `config` with trained-like weights to `out` (shards + index + config + tokenizer).
+
+    `on_progress(bytes written, total bytes)` is called after each tensor. The folder appears only once
+    complete."""
+    specs = list(checkpoint_tensors(config))
+    total = sum(2 * _numel(shape) for _, shape in specs)
+    g = torch.Generator(device=device).manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        done, size, files = 0, 0, []
+        for name, shape in specs:
+            nbytes = 2 * _numel(shape)
+            if size and size + nbytes > shard_bytes:
+                files.append(_flush(tmp, shards.pop(), len(files)))
+                shards.append({})
+                size = 0
+            shards[-1][name] = _tensor(name, shape, g)
+            size += nbytes
+            done += nbytes
+            on_progress(done, total)
+        files.append(_flush(tmp, shards.pop(), len(files)))
+        weight_map = {}
+        for k, (part, names) in enumerate(files):
+            final = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+            (tmp / part).rename(tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=1))
+        config.save_pretrained(tmp)
+        write_tokenizer(tmp, config)
+    return Path(out)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _flush(folder: Path, tensors: dict[str, torch.Tensor], k: int) -> tuple[str, list[str]]:
+    part = f"part-{k:05d}.safetensors"
+    save_file(tensors, folder / part, metadata={"format": "pt"})
+    return part, list(tensors)
+
+
+def write_tokenizer(out: Path, config) -> None:
+    """A word-level tokenizer over the whole vocabulary (decoding joins tokens with spaces); BOS is prepended
+    as DeepSeek's tokenizer does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {config.bos_token_id: BOS, config.eos_token_id: EOS, config.pad_token_id: PAD}
+    vocab = {specials.get(i, f"w{i}"): i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, config.bos_token_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   unk_token="w0", model_max_length=config.max_position_embeddings)
+    fast.save_pretrained(out)
+
+
+def random_experts(base: MoECheckpoint, ids: dict[int, list[int]], g: torch.Generator) -> dict[int, dict[int, ExpertWeights]]:
+    """Fresh trained-like weights for the given {layer: expert ids} of `base`."""
+    shapes = base.expert_shapes()
+    return {layer: {e: ExpertWeights(*(trained_like(shapes[w], g).cpu() for w in EXPERT_WEIGHTS)) for e in per}
+            for layer, per in ids.items()}
+
+
+def adapter_expert_ids(base: MoECheckpoint, most: int, mean: float, seed: int) -> dict[int, list[int]]:
+    """Per MoE layer, random expert ids whose counts have the given maximum and mean (as ExpertWeave's Table 1)."""
+    import random
+
+    rng = random.Random(seed)
+    counts = per_layer_counts(most, mean, len(base.moe_layers), seed)
+    return {layer: sorted(rng.sample(range(base.num_experts), n)) for layer, n in zip(base.moe_layers, counts)}
+
+
+def write_adapter(base: MoECheckpoint, out: str | Path, name: str, *, most: int, mean: float, seed: int,
+                  device: str = "cpu") -> Path:
+    """A bundle of `name` with trained-like experts, shaped by (most, mean) experts per layer."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return write_bundle(Path(out), name, base, random_experts(base, adapter_expert_ids(base, most, mean, seed), g))

@@ -1,0 +1,153 @@
+"""`esftctl bench serve`'s parts: the generated DeepSeek-V2-Lite-shaped model (at a small size), the peer's LoRA
+adapters, the load generator's arguments and request shares, and the whole bench in CI size on the CPU build."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import run_cli
+from esftctl.bench.load import Load, bench_args, shares, weighted_names
+from esftctl.bench.lora_peer import lora_modules, write_lora
+from esftctl.bench.synthetic_model import (INDEX_FILE, adapter_expert_ids, deepseek_v2_lite_config, write_adapter,
+                                           write_model)
+from esftctl.bundle import Bundle
+from esftctl.checkpoint import MoECheckpoint
+
+SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=3,
+             n_routed_experts=8, num_attention_heads=4, num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=64,
+             bos_token_id=1000, eos_token_id=1001, pad_token_id=1002)
+
+
+@pytest.fixture(scope="module")
+def small_lite(tmp_path_factory):
+    """DeepSeek-V2-Lite's structure at a small size, written by the generator in 1 MiB shards."""
+    return write_model(tmp_path_factory.mktemp("lite") / "base", deepseek_v2_lite_config(**SMALL), seed=0,
+                       shard_bytes=1 << 20)
+
+
+def _tensors(folder):
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            out.update({k: (f.name, tuple(h.get_slice(k).get_shape())) for k in h.keys()})
+    return out
+
+
+def test_generated_model_is_what_save_pretrained_writes(small_lite, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = deepseek_v2_lite_config(**SMALL)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "ref")
+    ours, ref = _tensors(small_lite), _tensors(tmp_path / "ref")
+    assert {k: s for k, (_, s) in ours.items()} == {k: s for k, (_, s) in ref.items()}
+    index = json.loads((small_lite / INDEX_FILE).read_text())["weight_map"]
+    assert index == {k: f for k, (f, _) in ours.items()}  # every tensor in the shard the index names
+    assert all(f.stat().st_size < (1 << 20) + (1 << 16) for f in small_lite.glob("*.safetensors"))  # 1 MiB shards
+    ckpt = MoECheckpoint(small_lite)
+    assert ckpt.moe_layers == [1, 2] and ckpt.num_experts == 8 and ckpt.top_k == 6
+    norm = ckpt.read_tensor("model.norm.weight")
+    gate = ckpt.read_expert(1, 3).gate.float()
+    assert torch.equal(norm, torch.ones_like(norm)) and 0.005 < gate.std() < 0.08  # trained-like, not zeros
+    model = AutoModelForCausalLM.from_pretrained(small_lite)  # transformers loads it and it computes
+    assert torch.isfinite(model(torch.tensor([[1000, 5, 6]])).logits).all()
+
+
+def test_full_size_config_has_deepseek_v2_lite_parameters():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(deepseek_v2_lite_config())
+    assert abs(sum(p.numel() for p in model.parameters()) - 15.706e9) < 0.01e9
+
+
+def test_tokenizer_round_trips_every_token(small_lite):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(small_lite)
+    ids = [random.Random(0).randrange(1000) for _ in range(200)]
+    assert len(tok) == 1024
+    assert tok(tok.decode(ids))["input_ids"] == [1000] + ids  # BOS first, then exactly the same ids
+
+
+def test_adapters_have_the_counts_asked_for(small_lite, tmp_path):
+    base = MoECheckpoint(small_lite)
+    ids = adapter_expert_ids(base, most=5, mean=3.5, seed=1)
+    assert sorted(ids) == [1, 2] and max(map(len, ids.values())) == 5 and sum(map(len, ids.values())) == 7
+    bundle = Bundle.open(write_adapter(base, tmp_path / "a", "a", most=5, mean=3.5, seed=1))
+    assert bundle.experts == ids
+    bundle.check_base(base)
+
+
+def test_lora_peer_adapts_every_expert_and_attention(small_lite, tmp_path):
+    base = MoECheckpoint(small_lite)
+    out = write_lora(base, tmp_path / "lora", seed=0, rank=16)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 16 and config["bias"] == "none"
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        keys = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    for layer in base.moe_layers:  # vLLM's MoE LoRA asserts all three projections of every expert
+        for e in range(base.num_experts):
+            for w in ("gate", "up", "down"):
+                module = base.arch.expert_tensor(layer, e, w).removesuffix(".weight")
+                rows, cols = base.tensors[f"{module}.weight"].shape
+                assert keys[f"base_model.model.{module}.lora_A.weight"] == (16, cols)
+                assert keys[f"base_model.model.{module}.lora_B.weight"] == (rows, 16)
+    assert "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight" in keys
+    # vLLM ignores LoRA on kv_b_proj (absorbed by MLA) and on the router: none is written
+    assert not [k for k in keys if "kv_b_proj" in k or ".mlp.gate.lora" in k]
+    assert len(lora_modules(base)) * 2 == len(keys)
+
+
+def test_request_shares_by_repetition():
+    names = [f"a{i}" for i in range(5)]
+    assert weighted_names(names, None) == names
+    skewed = shares(weighted_names(names, 1.0))
+    assert list(skewed) == names and abs(sum(skewed.values()) - 1) < 1e-9
+    assert 4.5 < skewed["a0"] / skewed["a4"] < 5.5  # 1 : 1/2 : ... : 1/5
+    # vLLM's random.choice over the list follows those shares
+    rng = random.Random(0)
+    drawn = Counter(rng.choice(weighted_names(names, 1.0)) for _ in range(20000))
+    assert abs(drawn["a0"] / 20000 - skewed["a0"]) < 0.02
+
+
+def test_load_arguments_parse_in_vllms_benchmark(tmp_path):
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    load = Load(rate=math.inf, prompts=7, input_len=24, output_len=8, seed=3)
+    args = parser.parse_args(bench_args("http://127.0.0.1:1", model="base", tokenizer=tmp_path, load=load,
+                                        models=["a", "a", "b"], result_dir=tmp_path, result_file="r.json"))
+    assert args.request_rate == math.inf and args.num_prompts == 7 and args.seed == 3
+    assert (args.random_input_len, args.random_output_len, float(args.random_range_ratio)) == (24, 8, 0.0)
+    assert args.lora_modules == ["a", "a", "b"] and args.temperature == 0 and args.ignore_eos
+    assert set(args.percentile_metrics.split(",")) == {"ttft", "tpot", "itl", "e2el"}
+
+
+@pytest.mark.vllm
+def test_bench_serve_runs_on_the_cpu_build(tmp_path):
+    """CI size: plain vLLM's base, esftctl serve with two adapters over 0, 1 and 2 of them; vLLM's own results."""
+    proc = run_cli("bench", "serve", "--out", tmp_path / "out", "--work", tmp_path / "work", "--servers",
+                   "base,esftctl", "--adapters", "0,2", "--rates", "inf", "--prompts", "4", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert not result["errors"]
+    rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
+    assert set(rows) == {("vLLM base", "base @ inf rps"), ("esftctl", "base @ inf rps"),
+                         ("esftctl", "2 adapters, uniform @ inf rps"), ("esftctl", "2 adapters, skewed @ inf rps")}
+    for r in rows.values():
+        assert r["completed"] == 4 and r["mean_tpot_ms"] > 0 and r["p99_ttft_ms"] >= r["median_ttft_ms"]
+    assert rows[("vLLM base", "base @ inf rps")]["tpot_ratio"] == 1.0
+    assert result["kv_cache"]["reported"]["esftctl"] > 0
+    load = next(s["adapter_load"] for s in result["servers"] if s["server"] == "esftctl")
+    assert len(load["seconds"]["cold"]) == 3 and load["floor_s"] > 0
+    assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 4  # vLLM's own result files
+    assert (tmp_path / "out" / "serve.png").stat().st_size > 0
