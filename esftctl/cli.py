@@ -297,6 +297,9 @@ def serve(
     paging_adaptive: bool = typer.Option(False, help="With --paging-window: keep more layers resident while loads "
                                                      "show (compute / load < 0.9) and fewer while compute hides "
                                                      "them (> 1), within the memory vLLM left free."),
+    host_cache: str = typer.Option("8GiB", help="Adapters kept in (pinned) host memory after loading, as a size: "
+                                                "loading one of them again skips reading, verifying and "
+                                                "converting it and is one copy to the GPU (0 turns it off)."),
     cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
                                                      "with vLLM's --gpu-memory-utilization)."),
 ) -> None:
@@ -307,7 +310,7 @@ def serve(
 
     kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
                   paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
-                  paging_adaptive=paging_adaptive)
+                  paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache))
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
     serve_plan = plan(base, adapter, name, slots, experts_per_slot,

@@ -51,6 +51,7 @@ class ServePlan:
     paging_store: Path | None = None  # a Huffman store of the base (`esftctl compress BASE`): the GPU tier
     store_experts: int | None = None  # base experts per layer from the store (None: by measured speeds)
     paging_adaptive: bool = False  # let the residency planner keep layers resident while loads show
+    host_cache: int = 8 << 30  # bytes of adapters kept staged in host memory, so reloading one is one copy
 
     @property
     def url(self) -> str:
@@ -64,7 +65,7 @@ class ServePlan:
         return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"),
                            self.adapter_budget, self.paging_window,
                            str(self.paging_store) if self.paging_store else None, self.store_experts,
-                           self.paging_adaptive)
+                           self.paging_adaptive, self.host_cache)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",

@@ -77,7 +77,10 @@ class AdapterSlots:
         return len(self._pending)
 
     # ---- load / evict ----------------------------------------------------------------------------
-    def load(self, name: str, experts: AdapterExperts) -> int:
+    def load(self, name: str, experts: AdapterExperts,
+             staged: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """Load `experts` ({layer: {id: weights}}) into a free slot; `staged` ({layer: rows from the layer's
+        `stage`}) gives their contents already in the layout, with None as every weight in `experts`."""
         if name in self.adapters:
             raise EsftError(f"an adapter named {name!r} is already loaded")
         unknown = sorted(set(experts) - set(self.layers))
@@ -101,7 +104,7 @@ class AdapterSlots:
         try:
             for layer, layer_experts in experts.items():
                 if layer_experts:
-                    self.layers[layer].load(slot, layer_experts)
+                    self.layers[layer].load(slot, layer_experts, staged.get(layer) if staged else None)
                     loaded.append(layer)
                 info.experts_per_layer[layer] = len(layer_experts)
                 info.nbytes += len(layer_experts) * self.layers[layer].expert_bytes

@@ -28,10 +28,17 @@ from esftctl.runtime.address_space import AddressSpace
 from esftctl.runtime.virtual_tensor import VirtualExpertTensor
 
 
-def stack_experts(experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint experts as fused tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I]."""
-    w13 = torch.stack([torch.cat([w.gate, w.up]) for w in experts])
-    w2 = torch.stack([w.down for w in experts])
+def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint experts as fused tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], each weight copied
+    once; `pin`: in pinned host memory, from which copies to a GPU run at full speed and asynchronously."""
+    first = experts[0]
+    inter, hidden = first.gate.shape
+    w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=first.gate.dtype, pin_memory=pin)
+    w2 = torch.empty(len(experts), *first.down.shape, dtype=first.down.dtype, pin_memory=pin)
+    for k, w in enumerate(experts):
+        w13[k, :inter].copy_(w.gate)
+        w13[k, inter:].copy_(w.up)
+        w2[k].copy_(w.down)
     return w13, w2
 
 
@@ -181,11 +188,16 @@ class VirtualMoELayer:
         self._map(list(range(self.num_experts)))
         self.write_rows(range(self.num_experts), w13, w2)
 
-    def load(self, slot: int, experts: Mapping[int, ExpertWeights | None]) -> dict[int, int]:
+    def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies."""
+        return self.layout.convert(*stack_experts(experts, pin=self.device.type == "cuda"))
+
+    def load(self, slot: int, experts: Mapping[int, ExpertWeights | None],
+             staged: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, int]:
         """Put an adapter's experts of this layer into free rows and point the slot's map row at them.
 
         An expert given as None gets its row mapped but not written (benchmarks, and paging, which fills
-        rows later).
+        rows later); `staged` (from `stage`, experts in id order) gives every row's contents instead.
         """
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
@@ -199,8 +211,11 @@ class VirtualMoELayer:
         rows = {e: heapq.heappop(self._free_rows) for e in sorted(experts)}
         if not self.paged_out:  # a paged-out layer gets the rows mapped (and filled) when it pages in
             self._map(list(rows.values()))
-        written = [e for e in rows if experts[e] is not None]
-        self._write([rows[e] for e in written], [experts[e] for e in written])
+        if staged is not None:
+            self.write_rows(list(rows.values()), *staged)
+        else:
+            written = [e for e in rows if experts[e] is not None]
+            self._write([rows[e] for e in written], [experts[e] for e in written])
         new_map = self._identity.clone()
         for e, row in rows.items():
             new_map[e] = row

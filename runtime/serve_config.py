@@ -29,6 +29,7 @@ class ServeConfig:
     paging_store: str | None = None  # a Huffman store of the base: the GPU tier of paging
     store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
     paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
+    host_cache_bytes: int = 8 << 30  # adapters kept staged in (pinned) host memory for fast reloads
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

@@ -8,8 +8,9 @@ manager's place (vllm_plugin swaps the class the model runner builds) and, inste
 with LoRA layers:
 - `create_lora_manager` installs the ESFT runtime into the model (esftctl.runtime.vllm_model);
 - `add_adapter` opens the LoRARequest's path as an ESFT bundle, checks it against the served base, and
-  loads its experts into a free slot; no free slot, a bundle of another base, a corrupted bundle: it
-  raises, vLLM answers the load request with the message, and serving goes on;
+  loads its experts into a free slot (from the host cache, esftctl.runtime.host_cache, when it holds the
+  unchanged file); no free slot, a bundle of another base, a corrupted bundle: it raises, vLLM answers the
+  load request with the message, and serving goes on;
 - `set_active_adapters` turns the per-token LoRA ids into per-token slots for the rerouting.
 After every change, and every second while serving, it writes the adapter and memory table to the status
 file `esftctl serve` shows.
@@ -22,10 +23,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.jsonfile import write_json
+from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_model import EsftModel
 from esftctl.runtime.vllm_moe import check_engine
@@ -50,6 +53,7 @@ class EsftWorkerManager:
         self.last_used: dict[int, float] = {}
         self.active: set[int] = set()  # LoRA ids of the last step's batch
         self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
+        self.host_cache = HostAdapterCache(config.host_cache_bytes)
         self._status_written = 0.0
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -77,14 +81,21 @@ class EsftWorkerManager:
             return False
         slots = self.runtime.slots
         try:  # vLLM hides paths in the messages it returns, so the message names the adapter
-            bundle = open_servable_bundle(lora_request.lora_path, self.base)
-            while self.retiring and not self._fits(bundle.num_experts):  # unloaded ones make room first; a
-                self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # running one reloads
+            key, staged = self.host_cache.lookup(lora_request.lora_path)
+            bundle = open_servable_bundle(lora_request.lora_path, self.base) if staged is None else None
+            count = staged.num_experts if staged is not None else bundle.num_experts
+            while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
+                self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
             if not slots.free_slots():
                 taken = ", ".join(sorted(self.names.values()))
                 raise EsftError(f"no free adapter slot: all {slots.num_slots} are taken ({taken}); unload one, or "
                                 "serve with more --slots")
-            slots.load(_key(lora_id), bundle.read_experts())
+            if staged is None:
+                staged = stage(self.runtime.layers, bundle.read_experts())
+                self.host_cache.put(key, staged)
+            slots.load(_key(lora_id), staged.experts(), staged.rows())
+            if slots.device.type == "cuda":  # loaded means on the device: the pinned rows' copies have run
+                torch.cuda.current_stream(slots.device).synchronize()
         except EsftError as e:
             raise EsftError(f"adapter {name!r}: {e}") from None
         self.names[lora_id] = lora_request.lora_name
@@ -209,6 +220,7 @@ class EsftWorkerManager:
             "padded_bytes": len(adapters) * widest * expert_bytes,
             "merged_bytes": len(adapters) * self.base.total_nbytes,
             "kv_cache_tokens": blocks * cache.block_size if blocks else None,
+            "host_cache_bytes": self.host_cache.nbytes, "host_cache_hits": self.host_cache.hits,
             "paging_window": self.config.paging_window,
             "paging_loads": runtime.pager.stats.loads if runtime.pager else 0,
             **(self._paging_status() if runtime.pager else {}),

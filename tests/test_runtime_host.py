@@ -146,6 +146,42 @@ def test_layer_load_evict_middle_reload():
     layer.close()
 
 
+def test_staged_load_equals_plain_load_and_the_host_cache_keys_by_file(tmp_path):
+    """Rows staged once (runtime.host_cache) load the same contents as the experts themselves; the cache
+    serves a bundle again only while its files are unchanged, and drops the least recently used past its size."""
+    import os
+
+    from esftctl.bundle import DATA_FILE, MANIFEST
+    from esftctl.runtime.host_cache import HostAdapterCache, stage
+
+    plain, staged_layer = _layer(), _layer()
+    experts = {1: {4: _expert(7), 0: _expert(8)}}
+    AdapterSlots({1: plain}).load("a", experts)
+    staged = stage({1: staged_layer}, experts)
+    assert staged.num_experts == 2 and staged.layers[1][0] == [0, 4]
+    AdapterSlots({1: staged_layer}).load("a", staged.experts(), staged.rows())
+    assert plain.slot_rows == staged_layer.slot_rows and torch.equal(plain.table, staged_layer.table)
+    for row in plain.slot_rows[0].values():
+        assert torch.equal(plain.w13.tensor[row], staged_layer.w13.tensor[row])
+        assert torch.equal(plain.w2.tensor[row], staged_layer.w2.tensor[row])
+    for name in ("x", "y"):
+        (tmp_path / name).mkdir()
+        for f in (MANIFEST, DATA_FILE):
+            (tmp_path / name / f).write_text(name)
+    cache = HostAdapterCache(capacity=staged.nbytes)
+    key, hit = cache.lookup(tmp_path / "x")
+    assert hit is None
+    cache.put(key, staged)
+    assert cache.lookup(tmp_path / "x")[1] is staged
+    os.utime(tmp_path / "x" / DATA_FILE, ns=(1, 1))  # a changed file is read again
+    assert cache.lookup(tmp_path / "x")[1] is None
+    key, _ = cache.lookup(tmp_path / "y")
+    cache.put(key, staged)  # full: x's entry goes
+    assert cache.nbytes == staged.nbytes and cache.lookup(tmp_path / "y")[1] is staged
+    plain.close()
+    staged_layer.close()
+
+
 def test_physical_bytes_within_a_page_of_needed():
     page = OS_PAGE
     layer = _layer(slots=8, per_slot=6, page=page)

@@ -1,0 +1,96 @@
+"""Adapters staged in host memory, so that loading one again is one copy to the device.
+
+Loading a bundle from disk reads it, verifies its SHA-256 (one sequential pass over the file, about 2 GB/s),
+and converts its experts to the engine's rows in pinned memory; only then do they cross to the GPU. Measured
+on an H200 before this cache: 4.7 s to load a 3.98 GiB Table 1 adapter whose file was already in the page
+cache, 61x its floor (77 ms: bytes over 55 GB/s of pinned host-to-device copy). The cache keeps the staged
+rows of recently loaded bundles (least recently used out first, bounded in bytes), keyed by the bundle files'
+identity (device, inode, size, modification time): an unchanged file is the same verified bytes, so a load
+that finds it skips reading, verifying and converting, and copies pinned rows straight into the virtual
+tensors. A changed file misses and is read and verified again.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from esftctl.bundle import DATA_FILE, MANIFEST
+from esftctl.checkpoint import ExpertWeights
+from esftctl.runtime.moe_layer import VirtualMoELayer
+
+
+@dataclass
+class StagedAdapter:
+    """A bundle's experts as rows of the engine's layout: {layer: (sorted ids, w13, w2)}."""
+
+    layers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_experts(self) -> int:
+        return sum(len(ids) for ids, _, _ in self.layers.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w13.nbytes + w2.nbytes for _, w13, w2 in self.layers.values())
+
+    def experts(self) -> dict[int, dict[int, None]]:
+        """The {layer: {id: None}} that AdapterSlots.load takes beside `rows()`."""
+        return {layer: dict.fromkeys(ids) for layer, (ids, _, _) in self.layers.items()}
+
+    def rows(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {layer: (w13, w2) for layer, (_, w13, w2) in self.layers.items()}
+
+
+def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[int, ExpertWeights]]) -> StagedAdapter:
+    out = {}
+    for layer, per in experts.items():
+        ids = sorted(per)
+        if ids:
+            out[layer] = (ids, *layers[layer].stage([per[e] for e in ids]))
+    return StagedAdapter(out)
+
+
+def file_identity(bundle: str | Path) -> tuple:
+    """What makes two loads of a bundle the same bytes: its two files' device, inode, size and mtime."""
+    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)
+                 for s in (os.stat(Path(bundle) / MANIFEST), os.stat(Path(bundle) / DATA_FILE)))
+
+
+class HostAdapterCache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, StagedAdapter] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def lookup(self, bundle: str | Path) -> tuple[tuple | None, StagedAdapter | None]:
+        """The bundle's identity, taken before anything reads it (the key to `put` its staged rows under), and
+        its staged rows if the cache holds them."""
+        try:
+            key = file_identity(bundle)
+        except OSError:
+            return None, None  # the bundle's own checks will say what is wrong with it
+        staged = self._entries.get(key)
+        if staged is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return key, staged
+
+    def put(self, key: tuple | None, staged: StagedAdapter) -> None:
+        """Keep `staged` (if it fits at all), dropping the least recently used entries to make room."""
+        if key is None or staged.nbytes > self.capacity:
+            return
+        self._entries[key] = staged
+        while self.nbytes > self.capacity:
+            self._entries.popitem(last=False)
