@@ -47,6 +47,8 @@ def test_generated_model_is_what_save_pretrained_writes(small_lite, tmp_path):
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "ref")
     ours, ref = _tensors(small_lite), _tensors(tmp_path / "ref")
     assert {k: s for k, (_, s) in ours.items()} == {k: s for k, (_, s) in ref.items()}
+    config_of = {p: json.loads((p / "config.json").read_text()) for p in (small_lite, tmp_path / "ref")}
+    assert config_of[small_lite]["architectures"] == config_of[tmp_path / "ref"]["architectures"]  # vLLM reads it
     index = json.loads((small_lite / INDEX_FILE).read_text())["weight_map"]
     assert index == {k: f for k, (f, _) in ours.items()}  # every tensor in the shard the index names
     assert all(f.stat().st_size < (1 << 20) + (1 << 16) for f in small_lite.glob("*.safetensors"))  # 1 MiB shards

@@ -106,9 +106,16 @@ def write_model(out: str | Path, config, *, seed: int = 0, device: str = "cpu", 
             weight_map.update(dict.fromkeys(names, final))
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=1))
+        config.architectures = [_causal_lm_class(config)]  # vLLM picks its model class (and task) by this
         config.save_pretrained(tmp)
         write_tokenizer(tmp, config)
     return Path(out)
+
+
+def _causal_lm_class(config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)].__name__
 
 
 def _numel(shape: tuple[int, ...]) -> int:
