@@ -189,8 +189,17 @@ class VirtualMoELayer:
         self.write_rows(range(self.num_experts), w13, w2)
 
     def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies."""
-        return self.layout.convert(*stack_experts(experts, pin=self.device.type == "cuda"))
+        """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies.
+        An engine's conversion may run on its device (vLLM's processing of the kernel layout): its rows come
+        back to host memory, so that staged adapters never hold device memory outside the budget."""
+        pin = self.device.type == "cuda"
+        rows = self.layout.convert(*stack_experts(experts, pin=pin))
+        if all(t.device.type == "cpu" for t in rows):
+            return rows
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in rows)
+        for dst, src in zip(host, rows):
+            dst.copy_(src)
+        return host
 
     def load(self, slot: int, experts: Mapping[int, ExpertWeights | None],
              staged: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, int]:

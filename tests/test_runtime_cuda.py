@@ -243,3 +243,25 @@ def test_router_kernel_breaks_ties_by_lower_id():
     weights, ids = topk_softmax_reroute(logits, 4)
     assert ids.tolist() == [[0, 1, 2, 3], [9, 0, 1, 2], [0, 1, 2, 3]]
     torch.testing.assert_close(weights[0], torch.full((4,), 1 / 16, device="cuda"))
+
+
+def test_staged_rows_stay_in_pinned_host_memory(pool):
+    """An engine layout that converts on the device (vLLM's own processing does) still stages into pinned host
+    memory: staged adapters of the host cache never hold GPU memory outside the adapter budget."""
+    from esftctl.runtime.address_space import CudaAddressSpace
+    from esftctl.runtime.host_cache import stage
+    from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer
+
+    e, h, i = 4, 256, 128
+    on_device = ExpertLayout((2 * i, h), (h, i), lambda w13, w2: (w13.cuda() * 1, w2.cuda() * 1))
+    layer = VirtualMoELayer(e, h, i, 2, 2, torch.bfloat16, lambda n: CudaAddressSpace(n, pool), on_device)
+    layer.load_base({x: _expert(i, h, x, "cpu") for x in range(e)})
+    experts = {1: _expert(i, h, 11, "cpu"), 3: _expert(i, h, 12, "cpu")}
+    staged = stage({0: layer}, {0: experts})
+    _, w13, w2 = staged.layers[0]
+    assert w13.device.type == w2.device.type == "cpu" and w13.is_pinned() and w2.is_pinned()
+    rows = layer.load(0, dict.fromkeys(experts), staged.rows()[0])
+    torch.cuda.synchronize()
+    assert torch.equal(layer.w13.tensor[rows[3]].cpu(), torch.cat([experts[3].gate, experts[3].up]))
+    assert torch.equal(layer.w2.tensor[rows[1]].cpu(), experts[1].down)
+    layer.close()
