@@ -259,20 +259,27 @@ def _device_name(gpu: bool) -> str:
 
 
 def kv_room(results: list[dict], base, served: Served) -> dict:
-    """KV tokens vLLM reported per server, and the bound for N merged copies on one GPU: each copy after the
-    first takes the base's bytes again out of the room the base alone left, at the model's KV bytes per token."""
+    """KV tokens vLLM reported per server, and per adapter count N: the room esftctl leaves with the first N
+    Table 1 adapters (the base's room less their experts' bytes, at the model's KV bytes per token; checked
+    against the esftctl server's own report with every adapter loaded) against N merged copies on one GPU
+    (each copy after the first takes the base's bytes again; 0: they do not fit)."""
     kv = {r["server"]: r["kv_cache_tokens"] for r in results}
     out: dict = {"reported": kv}
     alone = kv.get("vLLM base")
-    if not alone:
+    if not alone or not served.bundles:
         return out
     per_token = _kv_bytes_per_token(base)
-    copies = {}
-    for n in sorted({s for s in (1, 2, 5, 10, 20) if s <= max(len(served.table1), 1)}):
-        tokens = alone - (n - 1) * base.total_nbytes // per_token
-        copies[n] = max(tokens, 0)
-    out.update({"kv_bytes_per_token": per_token, "merged_copies": copies,
-                "esft_over_merged": {n: (kv.get("esftctl") or 0) / t if t else None for n, t in copies.items()}})
+
+    def esft_room(names: list[str]) -> int:
+        return alone - sum(_experts(served.bundles[n]) for n in names) * base.expert_nbytes // per_token
+
+    counts = {}
+    for n in (1, 2, 5, 10, 20):
+        if n <= len(served.table1):
+            esft, merged = esft_room(served.table1[:n]), max(alone - (n - 1) * base.total_nbytes // per_token, 0)
+            counts[n] = {"esftctl": esft, "merged_copies": merged, "ratio": esft / merged if merged else None}
+    out.update({"kv_bytes_per_token": per_token, "by_adapters": counts,
+                "esftctl_all_loaded_computed": esft_room(list(served.bundles))})
     return out
 
 
@@ -345,15 +352,19 @@ def tables(result: dict) -> list:
                       f"{r['p99_itl_ms']:.1f}", f"{r['mean_e2el_ms']:.0f}", f"{r['output_throughput']:.0f}", *ratios)
     out.append(t)
     kv = result["kv_cache"]
-    t = Table(title="KV-cache room (tokens vLLM reports; N merged copies: computed bound)", title_justify="left")
-    for col in ("what", "KV tokens", "vs esftctl"):
+    t = Table(title="KV-cache room: tokens vLLM reports, and per adapter count (esftctl: the base's room less the "
+                    "adapters' bytes; merged copies: bound on one GPU)", title_justify="left")
+    for col in ("what", "KV tokens", "N merged copies", "esftctl / merged"):
         t.add_column(col, justify="left" if col == "what" else "right")
-    esft = kv["reported"].get("esftctl")
     for server, tokens in kv["reported"].items():
-        t.add_row(f"{server} (served)", f"{tokens:,}" if tokens else "-", "")
-    for n, tokens in kv.get("merged_copies", {}).items():
-        ratio = f"{esft / tokens:.1f}x" if esft and tokens else ("does not fit" if not tokens else "-")
-        t.add_row(f"{n} merged cop{'ies' if int(n) > 1 else 'y'} on one GPU (bound)", f"{tokens:,}", ratio)
+        t.add_row(f"{server} (reported)", f"{tokens:,}" if tokens else "-", "", "")
+    if "esftctl_all_loaded_computed" in kv:
+        t.add_row("esftctl, every adapter loaded (computed: checks the report)",
+                  f"{kv['esftctl_all_loaded_computed']:,}", "", "")
+    for n, row in kv.get("by_adapters", {}).items():
+        merged = f"{row['merged_copies']:,}" if row["merged_copies"] else "do not fit"
+        t.add_row(f"{n} adapter{'s' * (int(n) > 1)}", f"{row['esftctl']:,}", merged,
+                  f"{row['ratio']:.2f}x" if row["ratio"] else "-")
     out.append(t)
     load = next((res["adapter_load"] for res in result["servers"] if "adapter_load" in res), None)
     if load:
