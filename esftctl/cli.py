@@ -215,7 +215,7 @@ def consolidate(
     from esftctl.checkpoint import MoECheckpoint
     from esftctl.consolidate import consolidate as do_consolidate
 
-    budget_bytes = _parse_bytes(budget) if budget is not None else None
+    budget_bytes = _parse_bytes(budget, "--budget") if budget is not None else None
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("distances", total=len(MoECheckpoint(models[0]).moe_layers))
         emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite,
@@ -310,11 +310,11 @@ def serve(
 
     kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
                   paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
-                  paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache))
+                  paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"))
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
     serve_plan = plan(base, adapter, name, slots, experts_per_slot,
-                      _parse_bytes(adapter_memory) if adapter_memory is not None else None, **kwargs)
+                      _parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None, **kwargs)
     server = Server(serve_plan)
     server.start()
     try:
@@ -381,13 +381,13 @@ def adapters_unload(
     console.print(serve_client.unload(url, name))
 
 
-def _parse_bytes(text: str) -> int:
+def _parse_bytes(text: str, option: str = "size") -> int:
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     import re
 
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in units:
-        raise EsftError(f"cannot read {text!r} as a size (examples: 500MB, 12GiB, 1048576)")
+        raise EsftError(f"{option}: cannot read {text!r} as a size (examples: 500MB, 12GiB, 1048576)")
     return int(float(m.group(1)) * units[m.group(2).upper()])
 
 

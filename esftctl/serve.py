@@ -62,10 +62,12 @@ class ServePlan:
         return self.state_dir / "vllm.log"
 
     def config(self) -> ServeConfig:
-        return ServeConfig(self.slots, self.experts_per_slot, str(self.state_dir / "status.json"),
-                           self.adapter_budget, self.paging_window,
-                           str(self.paging_store) if self.paging_store else None, self.store_experts,
-                           self.paging_adaptive, self.host_cache)
+        return ServeConfig(slots=self.slots, experts_per_slot=self.experts_per_slot,
+                           status_file=str(self.state_dir / "status.json"), adapter_budget=self.adapter_budget,
+                           paging_window=self.paging_window,
+                           paging_store=str(self.paging_store) if self.paging_store else None,
+                           store_experts=self.store_experts, paging_adaptive=self.paging_adaptive,
+                           host_cache_bytes=self.host_cache)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",

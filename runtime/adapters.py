@@ -104,7 +104,7 @@ class AdapterSlots:
         try:
             for layer, layer_experts in experts.items():
                 if layer_experts:
-                    self.layers[layer].load(slot, layer_experts, staged.get(layer) if staged else None)
+                    self.layers[layer].load(slot, layer_experts, staged[layer] if staged is not None else None)
                     loaded.append(layer)
                 info.experts_per_layer[layer] = len(layer_experts)
                 info.nbytes += len(layer_experts) * self.layers[layer].expert_bytes

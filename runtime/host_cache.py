@@ -1,13 +1,15 @@
 """Adapters staged in host memory, so that loading one again is one copy to the device.
 
 Loading a bundle from disk reads it, verifies its SHA-256 (one sequential pass over the file, about 2 GB/s),
-and converts its experts to the engine's rows in pinned memory; only then do they cross to the GPU. Measured
+and converts its experts to the engine's rows (vLLM's conversion runs on the GPU; the rows come back to
+pinned host memory); only then are they copied into the virtual tensors. Measured
 on an H200 before this cache: 4.7 s to load a 3.98 GiB Table 1 adapter whose file was already in the page
 cache, 61x its floor (77 ms: bytes over 55 GB/s of pinned host-to-device copy). The cache keeps the staged
 rows of recently loaded bundles (least recently used out first, bounded in bytes), keyed by the bundle files'
 identity (device, inode, size, modification time): an unchanged file is the same verified bytes, so a load
 that finds it skips reading, verifying and converting, and copies pinned rows straight into the virtual
-tensors. A changed file misses and is read and verified again.
+tensors. A changed file misses and is read and verified again. Pinned blocks come from torch's caching host
+allocator, which rounds sizes up and keeps freed blocks: the pinned memory held can exceed the capacity.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from esftctl.bundle import DATA_FILE, MANIFEST
 from esftctl.checkpoint import ExpertWeights
+from esftctl.errors import EsftError
 from esftctl.runtime.moe_layer import VirtualMoELayer
 
 
@@ -48,6 +51,9 @@ class StagedAdapter:
 
 
 def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[int, ExpertWeights]]) -> StagedAdapter:
+    unknown = sorted(set(experts) - set(layers))
+    if unknown:
+        raise EsftError(f"the bundle has experts for layers {unknown}, which are not MoE layers of this base")
     out = {}
     for layer, per in experts.items():
         ids = sorted(per)

@@ -29,8 +29,8 @@ from esftctl.runtime.virtual_tensor import VirtualExpertTensor
 
 
 def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint experts as fused tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], each weight copied
-    once; `pin`: in pinned host memory, from which copies to a GPU run at full speed and asynchronously."""
+    """Checkpoint experts as fused host tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], each weight
+    copied once; `pin`: in pinned memory, from which copies to a GPU run at full speed and asynchronously."""
     first = experts[0]
     inter, hidden = first.gate.shape
     w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=first.gate.dtype, pin_memory=pin)
@@ -221,6 +221,8 @@ class VirtualMoELayer:
         if not self.paged_out:  # a paged-out layer gets the rows mapped (and filled) when it pages in
             self._map(list(rows.values()))
         if staged is not None:
+            if len(staged[0]) != len(rows):
+                raise ValueError(f"{len(staged[0])} staged rows for {len(rows)} experts")
             self.write_rows(list(rows.values()), *staged)
         else:
             written = [e for e in rows if experts[e] is not None]

@@ -81,15 +81,15 @@ class EsftWorkerManager:
             return False
         slots = self.runtime.slots
         try:  # vLLM hides paths in the messages it returns, so the message names the adapter
+            if not slots.free_slots() and not self.retiring:  # refused at once, before reading anything
+                raise self._no_free_slot()
             key, staged = self.host_cache.lookup(lora_request.lora_path)
             bundle = open_servable_bundle(lora_request.lora_path, self.base) if staged is None else None
             count = staged.num_experts if staged is not None else bundle.num_experts
             while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
                 self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
             if not slots.free_slots():
-                taken = ", ".join(sorted(self.names.values()))
-                raise EsftError(f"no free adapter slot: all {slots.num_slots} are taken ({taken}); unload one, or "
-                                "serve with more --slots")
+                raise self._no_free_slot()
             if staged is None:
                 staged = stage(self.runtime.layers, bundle.read_experts())
                 self.host_cache.put(key, staged)
@@ -102,6 +102,10 @@ class EsftWorkerManager:
         self.last_used[lora_id] = time.monotonic()
         self.write_status()
         return True
+
+    def _no_free_slot(self) -> EsftError:
+        return EsftError(f"no free adapter slot: all {self.runtime.slots.num_slots} are taken "
+                         f"({', '.join(sorted(self.names.values()))}); unload one, or serve with more --slots")
 
     def _fits(self, experts: int) -> bool:
         slots = self.runtime.slots
@@ -220,7 +224,8 @@ class EsftWorkerManager:
             "padded_bytes": len(adapters) * widest * expert_bytes,
             "merged_bytes": len(adapters) * self.base.total_nbytes,
             "kv_cache_tokens": blocks * cache.block_size if blocks else None,
-            "host_cache_bytes": self.host_cache.nbytes, "host_cache_hits": self.host_cache.hits,
+            "host_cache_used_bytes": self.host_cache.nbytes, "host_cache_hits": self.host_cache.hits,
+            "host_cache_misses": self.host_cache.misses,
             "paging_window": self.config.paging_window,
             "paging_loads": runtime.pager.stats.loads if runtime.pager else 0,
             **(self._paging_status() if runtime.pager else {}),

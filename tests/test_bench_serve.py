@@ -147,9 +147,24 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
                          ("esftctl", "2 adapters, uniform @ inf rps"), ("esftctl", "2 adapters, skewed @ inf rps")}
     for r in rows.values():
         assert r["completed"] == 4 and r["mean_tpot_ms"] > 0 and r["p99_ttft_ms"] >= r["median_ttft_ms"]
-    assert rows[("vLLM base", "base @ inf rps")]["tpot_ratio"] == 1.0
+    esft_base = rows[("esftctl", "base @ inf rps")]
+    assert esft_base["tpot_ratio"] == esft_base["mean_tpot_ms"] / rows[("vLLM base", "base @ inf rps")]["mean_tpot_ms"]
     assert result["kv_cache"]["reported"]["esftctl"] > 0
     load = next(s["adapter_load"] for s in result["servers"] if s["server"] == "esftctl")
-    assert len(load["seconds"]["cold"]) == 3 and load["floor_s"] > 0
+    assert len(load["seconds"]["cold"]) == len(load["seconds"]["warm"]) == 3
+    assert load["host_cache_hits"] == 3  # every warm load came from the server's host cache, no cold one did
     assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 4  # vLLM's own result files
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
+
+
+def test_bad_bench_serve_options_are_one_line_errors(world):
+    cases = [(("bench", "serve", "--rates", "4,nan"), "--rates '4,nan': every rate must be above 0"),
+             (("bench", "serve", "--servers", "base,,esftctl"), "--servers: unknown ''"),
+             (("bench", "serve", "--model", "huge"), "unknown --model 'huge'"),
+             (("serve", world.base_dir, "--host-cache", "1.2.3"), "--host-cache: cannot read '1.2.3' as a size")]
+    if not torch.cuda.is_available():
+        cases.append((("bench", "serve", "--servers", "base,lora"), "need a GPU"))
+    for args, message in cases:
+        proc = run_cli(*args)
+        assert proc.returncode == 1 and message in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

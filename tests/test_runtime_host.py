@@ -178,6 +178,12 @@ def test_staged_load_equals_plain_load_and_the_host_cache_keys_by_file(tmp_path)
     key, _ = cache.lookup(tmp_path / "y")
     cache.put(key, staged)  # full: x's entry goes
     assert cache.nbytes == staged.nbytes and cache.lookup(tmp_path / "y")[1] is staged
+    small = HostAdapterCache(capacity=staged.nbytes - 1)
+    small.put(key, staged)  # too big for this cache: not kept, no error
+    assert small.nbytes == 0
+    assert cache.lookup(tmp_path / "missing") == (None, None)
+    with pytest.raises(EsftError, match=r"layers \[5\], which are not MoE layers"):
+        stage({1: staged_layer}, {5: experts[1]})
     plain.close()
     staged_layer.close()
 

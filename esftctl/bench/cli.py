@@ -30,9 +30,11 @@ def _save(result: dict, out: Path, name: str, plot) -> None:
 def _measure(bench, name: str, out: Path, as_json: bool, *args, **kwargs) -> None:
     """Run `bench.run(*args, **kwargs)` under a status line, print its table(s) or JSON, save JSON and plot."""
     with console.status("measuring") as status:
-        def step(msg: str) -> None:  # a log line per step where no one watches a spinner (CI, nohup)
-            status.update(f"measuring: {msg}") if console.is_terminal else print(time.strftime("%H:%M:%S"), msg,
-                                                                                  flush=True)
+        def step(msg: str) -> None:
+            if console.is_terminal:
+                status.update(f"measuring: {msg}")
+            else:  # a log line per step where no one watches a spinner (CI, nohup)
+                print(time.strftime("%H:%M:%S"), msg, flush=True)
         result = bench.run(*args, **kwargs, on_step=step)
     if as_json:
         print(json.dumps(result, indent=1))
@@ -115,8 +117,8 @@ def _rates(text: str) -> tuple[float, ...]:
         rates = tuple(float(x) for x in text.split(","))
     except ValueError:
         raise EsftError(f"--rates takes comma-separated requests per second (such as 4,inf), not {text!r}") from None
-    if min(rates) <= 0:
-        raise EsftError(f"--rates {text!r}: every rate must be above 0")
+    if not all(r > 0 for r in rates):  # also refuses nan
+        raise EsftError(f"--rates {text!r}: every rate must be above 0 (inf: all requests at once)")
     return rates
 
 
@@ -124,8 +126,10 @@ def _rates(text: str) -> tuple[float, ...]:
 def serve(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP + " vLLM's own result files go beside, in "
                                                                     "vllm-results/."),
-    model: str = typer.Option("tiny", help="tiny (the tiny world, CPU-sized) or deepseek-v2-lite (generated on "
-                                           "demand: 31 GB of weights, a GPU with 80 GB or more)."),
+    model: str = typer.Option("tiny", help="tiny (the tiny world, CPU-sized) or deepseek-v2-lite (GPU only: a 31 GB "
+                                           "model generated on demand; its default 20 Table 1 adapters plus 5 "
+                                           "DeepSeek-sized ones take 69 GB more: an H200, or --adapters up to 10 "
+                                           "on an 80 GB GPU)."),
     work: Path = typer.Option(None, help="Folder for the generated base and the servers' state (default "
                                          "~/.cache/esftctl/bench-serve-MODEL); a generated base is reused."),
     scratch: Path = typer.Option(None, help="Folder for the merged copy, adapter bundles and LoRA adapters "
@@ -134,13 +138,15 @@ def serve(
                                             "through the runtime (default per model: tiny 0,1,2; "
                                             "deepseek-v2-lite 0,1,5,10,20)."),
     rates: str = typer.Option(None, help="Comma-separated request rates per second, inf = all at once "
-                                         "(default: a low rate and inf)."),
+                                         "(default: tiny 8,inf; deepseek-v2-lite 4,inf)."),
     prompts: int = typer.Option(None, min=2, help="Requests per run (default per model: 12 or 64)."),
-    repeats: int = typer.Option(None, min=1, help="Runs per scenario, interleaved; the median is reported."),
+    repeats: int = typer.Option(None, min=1, help="Runs per scenario, interleaved; the median is reported "
+                                                  "(default: tiny 2, deepseek-v2-lite 3)."),
     alpha: float = typer.Option(1.0, help="Power-law exponent of the skewed request shares."),
     servers: str = typer.Option(None, help="Comma-separated servers to measure, of base (plain vLLM, the anchor: "
                                            "always), merged, esftctl and lora (vLLM multi-LoRA, GPU only: vLLM's "
-                                           "CPU build has no MoE LoRA kernel); default all there are."),
+                                           "CPU build has no MoE LoRA kernel; --max-loras is the largest "
+                                           "--adapters count); default all there are."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
 ) -> None:
     """TTFT, TPOT, ITL and throughput (vLLM bench serve): plain vLLM (base, merged), esftctl serve with 0-20
@@ -150,11 +156,17 @@ def serve(
 
     if model not in bench.PROFILES:
         raise EsftError(f"unknown --model {model!r} (choose {' or '.join(bench.PROFILES)})")
-    counts = _counts("--adapters", adapters, minimum=0) if adapters else None
+    counts = tuple(sorted(set(_counts("--adapters", adapters, minimum=0)))) if adapters else None
     chosen = tuple(servers.split(",")) if servers else None
-    unknown = set(chosen or ()) - set(bench.SERVERS)
+    unknown = [s for s in chosen or () if s not in bench.SERVERS]
     if unknown:
-        raise EsftError(f"--servers: unknown {', '.join(sorted(unknown))} (choose from {', '.join(bench.SERVERS)})")
+        raise EsftError(f"--servers: unknown {', '.join(repr(s) for s in unknown)} (choose from "
+                        f"{', '.join(bench.SERVERS)})")
+    import torch
+
+    if not torch.cuda.is_available() and (model != "tiny" or "lora" in (chosen or ())):
+        raise EsftError("--model deepseek-v2-lite and --servers lora need a GPU (vLLM's CPU build would take "
+                        "hours on the one, and has no MoE LoRA kernel for the other)")
     _measure(bench, "serve", out, as_json, model=model, work=work, scratch=scratch, counts=counts,
              rates=_rates(rates) if rates else None, prompts=prompts, repeats=repeats, alpha=alpha, servers=chosen,
              results_dir=out)

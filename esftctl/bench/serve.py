@@ -26,7 +26,6 @@ each name its own slot with its own memory, so N names cost what N distinct adap
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from esftctl import serve_client
-from esftctl.atomic import atomic_file
+from esftctl.jsonfile import write_json
 from esftctl.bench import serve_models
 from esftctl.bench.load import Load, run_load, shares, summary, weighted_names
 from esftctl.bench.serve_models import Served
@@ -113,7 +112,7 @@ def kv_cache_tokens(url: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def measure_server(label: str, serve_plan, served: Served, profile: Profile, runs: list[Scenario], out: Path,
+def measure_server(label: str, serve_plan, *, served: Served, profile: Profile, runs: list[Scenario], out: Path,
                    on_step: Callable[[str], None], after: Callable[[str], dict] | None = None) -> dict:
     """Start one server, warm it up, run every scenario `repeats` times interleaved, stop it."""
     on_step(f"{label}: starting vLLM")
@@ -159,7 +158,7 @@ def _median(reps: list[dict]) -> dict:
     return out
 
 
-def run(model: str = "tiny", work: Path | None = None, scratch: Path | None = None,
+def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None = None,
         counts: tuple[int, ...] | None = None, rates: tuple[float, ...] | None = None, prompts: int | None = None,
         repeats: int | None = None, alpha: float = 1.0, servers: tuple[str, ...] | None = None, load_repeats: int = 3,
         results_dir: Path = Path("bench-results"), on_step: Callable[[str], None] = lambda msg: None) -> dict:
@@ -179,11 +178,13 @@ def run(model: str = "tiny", work: Path | None = None, scratch: Path | None = No
 
     def attempt(label: str, make_plan: Callable, runs: list[Scenario], after=None) -> None:
         try:
-            results.append(measure_server(label, make_plan(label), served, profile, runs, out, on_step, after))
+            results.append(measure_server(label, make_plan(label), served=served, profile=profile, runs=runs, out=out,
+                                          on_step=on_step, after=after))
         except Exception as e:  # one failing server does not lose the others' numbers
             errors[label] = " ".join(str(e).split())[:500]
             on_step(f"{label}: FAILED: {errors[label]}")
-        write_json(out / "serve.partial.json", finish(profile, alpha, served, results, errors, gpu, servers))
+        write_json(out / "serve.partial.json", finish(profile, served, results, errors, alpha=alpha, gpu=gpu,
+                                                      servers=servers))
 
     def plain(model_dir: Path, name: str, args: tuple[str, ...] = ()) -> Callable:
         return lambda label: plan(model_dir, [], name=name, esft=False, state_dir=work / "state" / _slug(label),
@@ -204,13 +205,14 @@ def run(model: str = "tiny", work: Path | None = None, scratch: Path | None = No
                                               state_dir=work / "state" / "esftctl", port=free_port(),
                                               vllm_args=list(profile.engine_args)),
                 scenarios(served.table1, profile, alpha, served.esft_sized),
-                after=lambda url: {"adapter_load": adapter_load_times(url, served, load_repeats, on_step)})
-    if "lora" in servers:
+                after=(lambda url: {"adapter_load": adapter_load_times(url, served, load_repeats, on_step)})
+                if served.table1 else None)
+    if "lora" in servers and n_max:
         serve_models.write_loras(served, scratch, n_max, distinct=profile.distinct, on_step=on_step)
         lora_args = ("--enable-lora", "--max-loras", str(n_max), "--max-cpu-loras", str(n_max), "--max-lora-rank",
                      "16", "--lora-modules", *(f"{n}={p}" for n, p in served.loras.items()))
         attempt("vLLM multi-LoRA", plain(served.base, "base", lora_args), scenarios(list(served.loras), profile, alpha))
-    return finish(profile, alpha, served, results, errors, gpu, servers)
+    return finish(profile, served, results, errors, alpha=alpha, gpu=gpu, servers=servers)
 
 
 def _bundle_bytes(served: Served) -> int:
@@ -229,7 +231,7 @@ def _experts(bundle: Path) -> int:
     return sum(len(ids) for ids in read_json(bundle / MANIFEST)["experts"].values())
 
 
-def finish(profile: Profile, alpha: float, served: Served, results: list[dict], errors: dict, gpu: bool,
+def finish(profile: Profile, served: Served, results: list[dict], errors: dict, *, alpha: float, gpu: bool,
            servers: tuple[str, ...]) -> dict:
     """Ratios against plain vLLM's base at the same rate, and the KV-cache comparison."""
     from esftctl.checkpoint import MoECheckpoint
@@ -274,7 +276,7 @@ def kv_room(results: list[dict], base, served: Served) -> dict:
         return alone - sum(_experts(served.bundles[n]) for n in names) * base.expert_nbytes // per_token
 
     counts = {}
-    for n in (1, 2, 5, 10, 20):
+    for n in (1, 2, 4, 5, 10, 20):  # 4: as many merged copies as an H200 holds
         if n <= len(served.table1):
             esft, merged = esft_room(served.table1[:n]), max(alone - (n - 1) * base.total_nbytes // per_token, 0)
             counts[n] = {"esftctl": esft, "merged_copies": merged, "ratio": esft / merged if merged else None}
@@ -284,7 +286,8 @@ def kv_room(results: list[dict], base, served: Served) -> dict:
 
 
 def _kv_bytes_per_token(base) -> int:
-    """KV-cache bytes one token takes in vLLM: MLA keeps kv_lora_rank + rope dims per layer, others K and V."""
+    """KV-cache bytes one token takes in vLLM (a bf16 cache: an fp8 one takes half): MLA keeps kv_lora_rank +
+    rope dims per layer, others K and V."""
     c = base.config
     if c.get("kv_lora_rank"):
         per_layer = c["kv_lora_rank"] + c["qk_rope_head_dim"]
@@ -315,19 +318,14 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
             start = time.perf_counter()
             serve_client.load(url, name, path)
             times[kind].append(time.perf_counter() - start)
+    hits = serve_client.status(url).get("host_cache_hits", 0)
     serve_models.evict(path)
     disk = serve_models.read_bandwidth(data)
     copy = serve_models.copy_bandwidth()
-    return {"adapter": name, "bytes": nbytes, "seconds": times, "disk_read_bytes_per_s": disk,
+    return {"adapter": name, "bytes": nbytes, "seconds": times, "host_cache_hits": hits, "disk_read_bytes_per_s": disk,
             "copy_bytes_per_s": copy, "floor_s": nbytes / copy, "cold_floor_s": max(nbytes / copy, nbytes / disk),
             "warm_over_floor": statistics.median(times["warm"]) / (nbytes / copy),
             "cold_over_floor": statistics.median(times["cold"]) / max(nbytes / copy, nbytes / disk)}
-
-
-def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(result, indent=1, default=str))
 
 
 def tables(result: dict) -> list:

@@ -6,8 +6,9 @@ for 31 GB, most of it disk writes), ExpertWeave's Table 1 adapters (per-layer co
 mean; 100-247 experts, 1.7-4.3 GB each) and adapters of DeepSeek's published size (83-153 experts, 2-9 per
 layer). Only `distinct` files of each kind are written; served names beyond them reuse a file (name i takes
 file i mod distinct), which costs the server exactly what a distinct adapter would: one slot and its own
-copy of the experts each. Files are written just before the server that needs them, in `scratch`, so that
-a 64 GB disk holds the base, then either the merged copy or the adapters, never both.
+copy of the experts each. Files are written just before the server that needs them, in `scratch`, and the
+merged copy is deleted after its server, so that a 64 GB disk holds the merged copy (with the one bundle
+merged into it) and later the adapters, but not both at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from esftctl.bench.shapes import TABLE1_ADAPTERS
 
-ESFT_SIZED_TOTALS = (83, 153)  # experts per adapter, DeepSeek's published ESFT adapters (2-9 per layer)
+ESFT_SIZED_TOTALS = (83, 153)  # experts per adapter, as DeepSeek's published ESFT adapters (theirs: 2-9 per layer)
 ESFT_SIZED_MOST = 9
 
 

@@ -15,6 +15,7 @@ any token id decodes and re-encodes to itself, so a load generator's random prom
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Callable, Iterator
@@ -106,8 +107,9 @@ def write_model(out: str | Path, config, *, seed: int = 0, device: str = "cpu", 
             weight_map.update(dict.fromkeys(names, final))
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=1))
-        config.architectures = [_causal_lm_class(config)]  # vLLM picks its model class (and task) by this
-        config.save_pretrained(tmp)
+        saved = copy.deepcopy(config)
+        saved.architectures = [_causal_lm_class(config)]  # vLLM picks its model class (and task) by this
+        saved.save_pretrained(tmp)
         write_tokenizer(tmp, config)
     return Path(out)
 
