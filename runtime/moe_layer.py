@@ -217,12 +217,12 @@ class VirtualMoELayer:
             raise EsftError(f"expert ids {bad} out of range (the layer has {self.num_experts} experts)")
         if len(experts) > len(self._free_rows):
             raise EsftError(f"no room: {len(experts)} experts to load, {len(self._free_rows)} free rows in the layer")
+        if staged is not None and len(staged[0]) != len(experts):
+            raise ValueError(f"{len(staged[0])} staged rows for {len(experts)} experts")
         rows = {e: heapq.heappop(self._free_rows) for e in sorted(experts)}
         if not self.paged_out:  # a paged-out layer gets the rows mapped (and filled) when it pages in
             self._map(list(rows.values()))
         if staged is not None:
-            if len(staged[0]) != len(rows):
-                raise ValueError(f"{len(staged[0])} staged rows for {len(rows)} experts")
             self.write_rows(list(rows.values()), *staged)
         else:
             written = [e for e in rows if experts[e] is not None]
