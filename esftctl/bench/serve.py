@@ -186,15 +186,15 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
         write_json(out / "serve.partial.json", finish(profile, served, results, errors, alpha=alpha, gpu=gpu,
                                                       servers=servers))
 
-    def plain(model_dir: Path, name: str, args: tuple[str, ...] = ()) -> Callable:
-        return lambda label: plan(model_dir, [], name=name, esft=False, state_dir=work / "state" / _slug(label),
-                                  port=free_port(), vllm_args=[*profile.engine_args, *args])
+    def plain(label: str, model_dir: Path, name: str, args: tuple[str, ...] = ()):
+        return plan(model_dir, [], name=name, esft=False, state_dir=work / "state" / _slug(label), port=free_port(),
+                    vllm_args=[*profile.engine_args, *args])
 
     base_runs = [Scenario(f"base @ {_rate(r)}", [], r, 0) for r in profile.rates]
-    attempt("vLLM base", plain(served.base, "base"), base_runs)  # the anchor of every ratio: always
+    attempt("vLLM base", lambda label: plain(label, served.base, "base"), base_runs)  # the anchor: always
     if "merged" in servers:
-        attempt("vLLM merged", lambda label: plain(serve_models.merged_copy(served, model, scratch, on_step),
-                                                   "merged")(label),
+        attempt("vLLM merged",
+                lambda label: plain(label, serve_models.merged_copy(served, model, scratch, on_step), "merged"),
                 [replace(s, name=s.name.replace("base", "merged")) for s in base_runs])
         serve_models.drop(scratch, "merged")
     if "esftctl" in servers:
@@ -211,7 +211,8 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
         serve_models.write_loras(served, scratch, n_max, distinct=profile.distinct, on_step=on_step)
         lora_args = ("--enable-lora", "--max-loras", str(n_max), "--max-cpu-loras", str(n_max), "--max-lora-rank",
                      "16", "--lora-modules", *(f"{n}={p}" for n, p in served.loras.items()))
-        attempt("vLLM multi-LoRA", plain(served.base, "base", lora_args), scenarios(list(served.loras), profile, alpha))
+        attempt("vLLM multi-LoRA", lambda label: plain(label, served.base, "base", lora_args),
+                scenarios(list(served.loras), profile, alpha))
     return finish(profile, served, results, errors, alpha=alpha, gpu=gpu, servers=servers)
 
 
@@ -225,10 +226,10 @@ def _bundle_bytes(served: Served) -> int:
 
 def _experts(bundle: Path) -> int:
     """A bundle's expert count from its manifest (the server verifies the checksum; no need to here)."""
-    from esftctl.bundle import MANIFEST
+    from esftctl.bundle import MANIFEST, Bundle
     from esftctl.jsonfile import read_json
 
-    return sum(len(ids) for ids in read_json(bundle / MANIFEST)["experts"].values())
+    return Bundle(bundle, read_json(bundle / MANIFEST)).num_experts
 
 
 def finish(profile: Profile, served: Served, results: list[dict], errors: dict, *, alpha: float, gpu: bool,
