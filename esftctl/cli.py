@@ -103,17 +103,22 @@ def select(
 @app.command()
 def pack(
     base: Path = typer.Argument(..., help="The base model folder."),
-    finetuned: Path = typer.Argument(..., help="The ESFT fine-tuned model folder (a full checkpoint)."),
+    finetuned: Path = typer.Argument(..., help="The ESFT fine-tuned model folder (a full checkpoint), or a DeepSeek "
+                                               "ESFT adapter folder (expert_cfg.json + safetensors of the trained "
+                                               "parameters)."),
     out: Path = typer.Option(..., "--out", "-o", help="Bundle folder to create."),
     name: str = typer.Option(..., "--name", "-n", help="Adapter name (what requests will ask for)."),
     config: Path = typer.Option(None, "--config", "-c", help="Expert config of the fine-tune (DeepSeek ESFT "
-                                                              "layout); without it the changed experts are found."),
-    include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights too instead of "
+                                                              "layout); without it the changed experts are found "
+                                                              "(an adapter folder brings its own)."),
+    include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights (and an adapter "
+                                                        "folder's changed shared experts) too instead of "
                                                         "refusing the fine-tune."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the packed bundle's description as JSON."),
 ) -> None:
-    """Pack a fine-tuned checkpoint's fine-tuned experts into an adapter bundle, verified against the base."""
+    """Pack a fine-tuned checkpoint's fine-tuned experts into an adapter bundle, verified against the base; or
+    import a DeepSeek ESFT adapter folder (expert_cfg.json + the trained tensors) the same way."""
     from rich.progress import Progress
 
     from esftctl.bundle import Bundle
@@ -151,6 +156,30 @@ def merge(
     with console.status("merging"):
         do_merge(base, bundle, out, overwrite)
     console.print(f"wrote {out}")
+
+
+@app.command()
+def export(
+    bundle: Path = typer.Argument(..., help="An adapter bundle."),
+    fmt: str = typer.Option(..., "--format", "-f", help="Format to write: esft (DeepSeek ESFT's adapter folder: "
+                                                        "expert_cfg.json + model.safetensors, which its esft.py "
+                                                        "add_adapter / load_esft_model load)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to create."),
+    base: Path = typer.Option(None, help="The bundle's base model folder; needed only for a bundle with non-expert "
+                                         "tensors (DeepSeek's loader takes every tensor of the modules an adapter "
+                                         "trains: the unchanged ones come from the base)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+) -> None:
+    """Write an adapter bundle in another tool's adapter format (esft: DeepSeek's ESFT code)."""
+    from esftctl.esft_adapter import export_adapter
+
+    if fmt != "esft":
+        raise EsftError(f"unknown format {fmt!r} (choose esft)")
+    config = export_adapter(bundle, out, base_dir=base, overwrite=overwrite)
+    counts = [len(ids) for ids in config.experts.values()]
+    console.print(f"wrote {out}: {sum(counts)} experts over {len(counts)} MoE layers (per layer: "
+                  f"{' '.join(map(str, counts))}), shared_experts {str(config.shared_experts).lower()}, "
+                  f"non_expert_modules {str(config.non_expert_modules).lower()}")
 
 
 @app.command()

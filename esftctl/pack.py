@@ -2,7 +2,8 @@
 
 The fine-tune is verified against the base tensor by tensor: same architecture and shapes, and no change
 outside the routed experts unless told to include such changes. Without an expert config, the adapter is
-exactly the experts that changed; with one, every changed expert must be listed in it.
+exactly the experts that changed; with one, every changed expert must be listed in it. A DeepSeek ESFT adapter
+folder (expert_cfg.json beside the trained parameters only) is imported instead: esftctl/esft_adapter.py.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
 def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None,
          include_non_expert: bool = False, overwrite: bool = False,
          on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
+    from esftctl.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter  # it builds on this module
+
+    if is_esft_adapter(tuned_dir):
+        if config_file is not None:
+            raise EsftError(f"an ESFT adapter folder brings its own {CONFIG_FILE}: drop --config", config_file)
+        return import_adapter(base_dir, tuned_dir, out, name=name, include_non_expert=include_non_expert,
+                              overwrite=overwrite, on_layer=on_layer)
     base, tuned = MoECheckpoint(base_dir), MoECheckpoint(tuned_dir)
     _check_same_model(base, tuned)
     config = None
