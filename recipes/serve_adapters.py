@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="the tiny world's folder")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--keep-serving", action="store_true", help="leave the server up until Ctrl-C")
     args = parser.parse_args()
     console = Console()
@@ -57,10 +57,12 @@ def main() -> None:
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
         table = Table(title=f"one request per model, sent together to {serve_plan.url}/v1/completions")
-        for col in ("task", "model", "prompt", "expected", "answer"):
+        for col in ("task", "model", "prompt", "expected", "answer", "right"):
             table.add_column(col)
         for (task, model, example), answer in zip(jobs, answers):
-            table.add_row(task, model, example["prompt"], example["completion"], answer)
+            right = answer.strip() == example["completion"].strip()
+            table.add_row(task, model, example["prompt"], example["completion"], answer,
+                          "[green]yes[/]" if right else "[red]no[/]")
         console.print(table)
         if args.keep_serving:
             console.print(f"serving at {serve_plan.url}/v1; Ctrl-C stops")

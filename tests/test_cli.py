@@ -29,9 +29,9 @@ def test_inspect_table_on_tiny_world(world):
     out = run_cli("inspect", world.base_dir, check=True).stdout
     assert "deepseek_v2" in out
     row = next(line for line in out.splitlines() if "routed experts per layer" in line)
-    assert row.split("│")[2].strip() == "16"
+    assert row.split("│")[2].strip() == "32"
     d = json.loads(run_cli("inspect", world.base_dir, "--json", check=True).stdout)
-    assert (d["num_layers"], d["moe_layers"], d["routed_experts_per_layer"], d["top_k"]) == (4, [1, 2, 3], 16, 4)
+    assert (d["num_layers"], d["moe_layers"], d["routed_experts_per_layer"], d["top_k"]) == (4, [1, 2, 3], 32, 4)
     assert d["shared_experts_per_layer"] == 2
     assert d["expert_bytes"] == 3 * 256 * 64 * 2
 

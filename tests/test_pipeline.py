@@ -241,7 +241,7 @@ def test_cli_pack_merge_inspect(finetune, tmp_path):
 
 
 def test_cli_relevance_and_select(world, tmp_path):
-    run_cli("relevance", world.base_dir, world.data_file("intent", "train"), "--out", tmp_path / "s.json",
+    run_cli("relevance", world.base_dir, world.data_file("translation", "train"), "--out", tmp_path / "s.json",
             "--max-examples", 40, check=True)
     rel = Relevance.load(tmp_path / "s.json")
     assert rel.examples == 40 and rel.moe_layers == [1, 2, 3]

@@ -31,7 +31,7 @@ from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
 from esftctl.serve import Server, free_port, plan
 from esftctl.serve_client import load, models, request, status, status_table, unload
-from esftctl.world.synthetic import write_synthetic_adapter
+from esftctl.world.synthetic import experts_used_by, write_synthetic_adapter
 from esftctl.world.tasks import TASKS
 
 pytestmark = pytest.mark.vllm
@@ -48,13 +48,16 @@ def prompts_of(world) -> list[str]:
     return [e["prompt"] for t in TASKS for e in list(read_jsonl(world.data_file(t.name, "test")))[:2]]
 
 
-def make_adapters(base: Path, root: Path, seed: int) -> tuple[dict[str, Path], dict[str, Path]]:
-    """Three synthetic adapters of `base` and their merged models: ({name: bundle}, {name: merged dir})."""
+def make_adapters(base: Path, root: Path, seed: int, prompts: list[str]
+                  ) -> tuple[dict[str, Path], dict[str, Path]]:
+    """Three synthetic adapters of `base` and their merged models: ({name: bundle}, {name: merged dir}). Each
+    perturbs the experts `prompts` use most, so that it surely changes their answers."""
     bundles, merged = {}, {}
+    used = experts_used_by(base, prompts)
     for k, count in enumerate((2, 4, 6)):
         name = f"task{k}"
         bundles[name] = write_synthetic_adapter(base, root / "bundles" / name, name, seed=seed + k,
-                                                experts_per_layer=count, scale=4.0)
+                                                experts_per_layer=count, scale=8.0, prefer=used)
         merged[name] = merge(base, bundles[name], root / "merged" / name)
     return bundles, merged
 
@@ -78,7 +81,7 @@ def random_base(architecture: str, world, root: Path) -> Path:
 def serve_exactly(base: Path, prompts: list[str], tmp: Path, engine: dict, seed: int, **options) -> None:
     """Three adapters of `base` served together, with the base, answer as their merged models served alone by
     plain vLLM with the same engine settings."""
-    bundles, merged = make_adapters(base, tmp, seed=seed)
+    bundles, merged = make_adapters(base, tmp, seed=seed, prompts=prompts)
     ref = reference({"base": base, **merged}, prompts, tmp, engine)
     serve_plan = plan(base, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
                       state_dir=tmp / "state", vllm_args=server_args(engine), **options)
@@ -118,8 +121,8 @@ def serve_concurrently(url: str, names: list[str], prompts: list[str], ref: dict
 def deepseek(world, tmp_path_factory):
     """The tiny world's DeepSeek-V2 base served with three adapters; the reference of every model."""
     tmp = tmp_path_factory.mktemp("serve_deepseek")
-    bundles, merged = make_adapters(world.base_dir, tmp, seed=10)
     prompts = prompts_of(world)
+    bundles, merged = make_adapters(world.base_dir, tmp, seed=10, prompts=prompts)
     ref = reference({"base": world.base_dir, **merged}, prompts, tmp)
     serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
                       state_dir=tmp / "state", vllm_args=ENGINE_ARGS)

@@ -6,10 +6,10 @@ import itertools
 import json
 
 from esftctl.checkpoint import MoECheckpoint
-from esftctl.world.build import SPLITS, build_world
+from esftctl.world.build import GENERAL_SPLITS, SPLITS, build_world
 from esftctl.world.report import routing_distance
 from esftctl.jsonl import read_jsonl
-from esftctl.world.tasks import TASKS
+from esftctl.world.tasks import ITEMS, TASKS, vocabulary
 
 
 def test_data_files(world):
@@ -17,10 +17,22 @@ def test_data_files(world):
         for split, n in SPLITS.items():
             examples = list(read_jsonl(world.data_file(task.name, split)))
             assert len(examples) == n
-    # splits are different draws, not copies
-    train = {e["prompt"] for e in read_jsonl(world.data_file("translation", "train"))}
-    test = {e["prompt"] for e in read_jsonl(world.data_file("translation", "test"))}
-    assert len(test - train) > len(test) // 2
+            for e in examples:
+                words = e["prompt"].split()
+                assert words[0] == task.keyword and words[-1] == task.arrow and len(words) == ITEMS + 2
+                assert e["completion"] == " " + " ".join(task.answer(w) for w in words[1:-1])
+    for split, n in GENERAL_SPLITS.items():
+        assert len(list(read_jsonl(world.general_file(split)))) == n
+    # The general mixture shows each task only the quarter of its table the base is meant to know.
+    general = list(read_jsonl(world.general_file("train")))
+    for task in TASKS:
+        seen = {w for e in general if e["prompt"].startswith(task.keyword + " ") for w in e["prompt"].split()[1:-1]}
+        assert seen == set(task.known)
+    # splits are different draws, not copies (two words from a table of about 50: many test prompts also occur
+    # in the 2000 training draws, but a good share are pairs fine-tuning never saw)
+    train = [e["prompt"] for e in read_jsonl(world.data_file("translation", "train"))]
+    test = [e["prompt"] for e in read_jsonl(world.data_file("translation", "test"))]
+    assert test != train[:len(test)] and len(set(test) - set(train)) > len(test) // 4
 
 
 def test_tasks_prefer_different_experts(world):
@@ -38,28 +50,40 @@ def test_tokenizer_round_trip(world):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(world.base_dir)
-    text = "translate: red cat => " + " ".join(["biva", "zudi"])
+    example = TASKS[0].examples(1, seed=9)[0]
+    text = example["prompt"] + example["completion"]
     ids = tok(text)["input_ids"]
-    assert ids[0] == tok.bos_token_id
+    assert ids[0] == tok.bos_token_id and len(ids) == 1 + len(text.split())  # one token per word
     assert tok.decode(ids[1:]) == text
-    assert len(tok) <= 512
+    assert tok.unk_token_id not in tok(" ".join(vocabulary()))["input_ids"]
 
 
-def test_base_learned_the_mixture(world):
-    """Pre-training was real: the base predicts intent labels (the easiest task) far above chance."""
+def test_base_knows_the_general_mixture_but_not_the_tasks(world):
+    """The world's premise: the base is competent on the general mixture and weak on every task's full table."""
+    from esftctl.world.esft import exact_match
+
+    assert exact_match(world.base_dir, list(read_jsonl(world.general_file("test")))) > 0.9
+    for task in TASKS:
+        assert exact_match(world.base_dir, list(read_jsonl(world.data_file(task.name, "test")))) <= 0.2, task.name
+
+
+def test_exact_match_equals_greedy_decoding(world):
+    """exact_match scores teacher-forced argmaxes in one pass; it must agree with greedy generation."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from esftctl.world.esft import exact_match
+
     tok = AutoTokenizer.from_pretrained(world.base_dir)
     model = AutoModelForCausalLM.from_pretrained(world.base_dir, dtype=torch.float32).eval()
-    examples = list(read_jsonl(world.data_file("intent", "test")))[:40]
-    correct = 0
+    examples = list(read_jsonl(world.general_file("test")))[:20] + list(read_jsonl(world.data_file("cipher", "test")))[:20]
     for e in examples:
         ids = tok(e["prompt"], return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            next_id = model(ids).logits[0, -1].argmax().item()
-        correct += tok.decode([next_id]) == tok.decode(tok(e["completion"])["input_ids"][1:2])
-    assert correct / len(examples) > 0.5  # 4 labels: chance is 0.25
+        out = model.generate(ids, max_new_tokens=ITEMS + 2, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        greedy = out[0, ids.shape[1]:].tolist()
+        right = greedy[:ITEMS + 1] == tok(e["prompt"] + e["completion"])["input_ids"][ids.shape[1]:] + [tok.eos_token_id]
+        assert exact_match(world.base_dir, [e]) == float(right), e
 
 
 def test_build_is_cached_and_rebuilds_only_what_is_missing(world):
@@ -85,11 +109,11 @@ def test_training_is_reproducible(world):
     from esftctl.world.training import train
 
     tok = AutoTokenizer.from_pretrained(world.tokenizer_dir)
-    examples = list(read_jsonl(world.data_file("reversal", "pretrain")))[:64]
+    examples = list(read_jsonl(world.general_file("train")))[:64]
     runs = []
     for _ in range(2):
         model = build_model(tiny_config("deepseek_v2", vocab_size=len(tok)), seed=4)
-        train(model, tok, examples, steps=3, batch_size=8, lr=3e-3, seed=4)
+        train(model, tok, examples, steps=3, batch_size=8, lr=3e-3, seed=4, balance=0.01)
         runs.append(model.state_dict())
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     assert not torch.are_deterministic_algorithms_enabled()  # the global flag is restored

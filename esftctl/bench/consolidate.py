@@ -31,7 +31,7 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
         if not variants[task].exists():
             on_step(f"fully fine-tuning a variant on {task}")
             full_finetune(world.base_dir, list(read_jsonl(world.data_file(task, "train"))), variants[task],
-                          steps=steps, lr=lr)
+                          steps=steps, batch_size=16, lr=lr)
     held_out = {t: list(read_jsonl(world.data_file(t, "test")))[:eval_examples] for t in tasks}
 
     def evaluate(model_dir: Path, task: str) -> dict:

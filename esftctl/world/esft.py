@@ -5,6 +5,12 @@ ESFT fine-tuning of a transformers MoE model: only the selected routed experts l
 Everything else (attention, norms, embeddings, shared experts, the router, every other expert) is frozen.
 transformers keeps a layer's experts fused ([E, 2I, H] and [E, H, I]), so the unselected experts' rows
 get their gradients zeroed before each step; AdamW without weight decay then leaves them bit-identical.
+
+The recipe (`FINETUNE`) mixes the general mixture back into every batch (`replay`, half of it), for ESFT and
+full fine-tuning alike. Measured on the tiny world (2 CPU cores, 250 steps, lr 1e-2): trained on task data
+alone, ESFT's adapters lost a quarter to two thirds of the base's general exact match (the selected experts
+also serve the general data); with half the batch replayed they keep 97-98% of it and still reach 82-92% on
+their task.
 """
 
 from __future__ import annotations
@@ -21,13 +27,22 @@ from esftctl.jsonl import Example
 from esftctl.world.training import train
 
 
-def esft_finetune(base_dir: Path, config: ExpertConfig, examples: Sequence[Example], out_dir: Path,
-                  steps: int, batch_size: int = 16, lr: float = 1e-3, seed: int = 0,
-                  on_step: Callable[[int, float], None] | None = None) -> list[float]:
+FINETUNE = dict(steps=250, batch_size=16, lr=1e-2, replay=0.5)
+
+
+def _load(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return (AutoTokenizer.from_pretrained(model_dir),
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+
+
+def esft_finetune(base_dir: Path, config: ExpertConfig, examples: Sequence[Example], out_dir: Path, *,
+                  general: Sequence[Example] = (), steps: int, batch_size: int, lr: float, replay: float = 0.0,
+                  seed: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train the experts `config` selects on `examples` (plus `replay` of each batch from `general`) and
+    save the whole model, as DeepSeek's ESFT code does, to `out_dir` (bf16 safetensors)."""
+    tokenizer, model = _load(base_dir)
     for p in model.parameters():
         p.requires_grad_(False)
     trainable, masks = [], []
@@ -45,55 +60,61 @@ def esft_finetune(base_dir: Path, config: ExpertConfig, examples: Sequence[Examp
             p.grad[~keep] = 0
 
     losses = train(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                   completion_only=True, parameters=trainable, after_backward=zero_unselected, on_step=on_step)
+                   completion_only=True, parameters=trainable, after_backward=zero_unselected, on_step=on_step,
+                   general=general, replay=replay)
     with atomic_dir(out_dir) as tmp:
         save_model(model, tmp, tokenizer)
     return losses
 
 
-def full_finetune(base_dir: Path, examples: Sequence[Example], out_dir: Path, steps: int, batch_size: int = 16,
-                  lr: float = 1e-3, seed: int = 0) -> list[float]:
-    """Fine-tune every weight (the consolidation experiment's variants), saved as a full bf16 checkpoint."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+def full_finetune(base_dir: Path, examples: Sequence[Example], out_dir: Path, *, general: Sequence[Example] = (),
+                  steps: int, batch_size: int, lr: float, replay: float = 0.0, seed: int = 0,
+                  on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Fine-tune every weight (FFT; the consolidation experiment's variants), saved as a full bf16 checkpoint."""
+    tokenizer, model = _load(base_dir)
     losses = train(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                   completion_only=True)
+                   completion_only=True, on_step=on_step, general=general, replay=replay)
     with atomic_dir(out_dir) as tmp:
         save_model(model, tmp, tokenizer)
     return losses
 
 
 @torch.no_grad()
-def exact_match(model_dir: Path, examples: Sequence[Example], max_new_tokens: int = 16) -> float:
-    """Share of examples whose greedy completion (transformers, float32) equals the reference exactly."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _completion_scores(model_dir: Path, examples: Sequence[Example], batch_size: int = 256) -> tuple[float, float]:
+    """(exact match, mean NLL per completion token), in one teacher-forced pass per batch.
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hits = 0
-    for e in examples:
-        ids = tokenizer(e["prompt"], return_tensors="pt")["input_ids"]
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        hits += tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == e["completion"]
-    return hits / len(examples)
-
-
-@torch.no_grad()
-def completion_loss(model_dir: Path, examples: Sequence[Example], batch_size: int = 32) -> float:
-    """Mean negative log-likelihood per completion token (EOS included), transformers in float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    A greedy completion equals the reference exactly when, fed the reference's own prefix, the model's
+    argmax is the reference's next token at every completion position (EOS included): the first position
+    where it is not is where greedy decoding would leave the reference. So exact match needs no decoding
+    loop: one forward pass scores a whole batch (float32, transformers).
+    """
     from esftctl.world.training import encode_batch
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    total, count = 0.0, 0
+    tokenizer, model = _load(model_dir)
+    model.eval()
+    hits, nll, count = 0, 0.0, 0
     for start in range(0, len(examples), batch_size):
         batch = encode_batch(tokenizer, examples[start:start + batch_size], completion_only=True)
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        total += float(model(**batch).loss) * n
-        count += n
-    return total / count
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        target = batch["labels"][:, 1:]
+        scored = target != -100
+        hits += int(((logits.argmax(dim=-1) == target) | ~scored).all(dim=1).sum())
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        nll -= float((logp * scored).sum())
+        count += int(scored.sum())
+    return hits / len(examples), nll / count
+
+
+def exact_match(model_dir: Path, examples: Sequence[Example]) -> float:
+    """Share of examples whose greedy completion (transformers, float32) equals the reference exactly."""
+    return _completion_scores(model_dir, examples)[0]
+
+
+def completion_loss(model_dir: Path, examples: Sequence[Example]) -> float:
+    """Mean negative log-likelihood per completion token (EOS included), transformers in float32."""
+    return _completion_scores(model_dir, examples)[1]
+
+
+def evaluate(model_dir: Path, examples: Sequence[Example]) -> tuple[float, float]:
+    """(exact match, completion loss) in one pass."""
+    return _completion_scores(model_dir, examples)

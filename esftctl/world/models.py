@@ -11,6 +11,14 @@ from pathlib import Path
 import torch
 
 
+def quiet_transformers() -> None:
+    """No progress bars or load reports from transformers (recipes and benches print their own)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
     """A small config of `architecture` (deepseek_v2, qwen2_moe, qwen3_moe or mixtral)."""
     from transformers import DeepseekV2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig

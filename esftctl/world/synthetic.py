@@ -16,13 +16,17 @@ from esftctl.checkpoint import ExpertWeights, MoECheckpoint
 
 
 def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | list[int],
-                      scale: float = 1.0) -> dict[int, dict[int, ExpertWeights]]:
+                      scale: float = 1.0, prefer: dict[int, list[int]] | None = None
+                      ) -> dict[int, dict[int, ExpertWeights]]:
+    """`experts_per_layer` perturbed experts per MoE layer: random ones, or the first of `prefer[layer]` (for
+    example the experts some prompts route to most, so that a test's adapter surely changes their answers)."""
     g = torch.Generator().manual_seed(seed)
     layers = base.moe_layers
     counts = experts_per_layer if isinstance(experts_per_layer, list) else [experts_per_layer] * len(layers)
     experts: dict[int, dict[int, ExpertWeights]] = {}
     for layer, count in zip(layers, counts):
-        ids = sorted(torch.randperm(base.num_experts, generator=g)[:count].tolist())
+        ranked = prefer[layer] if prefer else torch.randperm(base.num_experts, generator=g).tolist()
+        ids = sorted(ranked[:count])
         experts[layer] = {}
         for e in ids:
             w = base.read_expert(layer, e)
@@ -33,6 +37,15 @@ def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | l
 
 
 def write_synthetic_adapter(base_dir: str | Path, out: str | Path, name: str, seed: int,
-                            experts_per_layer: int | list[int] = 4, scale: float = 1.0) -> Path:
+                            experts_per_layer: int | list[int] = 4, scale: float = 1.0,
+                            prefer: dict[int, list[int]] | None = None) -> Path:
     base = MoECheckpoint(base_dir)
-    return write_bundle(Path(out), name, base, synthetic_experts(base, seed, experts_per_layer, scale))
+    return write_bundle(Path(out), name, base, synthetic_experts(base, seed, experts_per_layer, scale, prefer))
+
+
+def experts_used_by(base_dir: str | Path, texts: list[str]) -> dict[int, list[int]]:
+    """Per MoE layer, every routed expert ranked by how often `texts` select it (most used first)."""
+    from esftctl.relevance import compute_relevance
+
+    scores = compute_relevance(Path(base_dir), texts).scores["token"]
+    return {layer: sorted(range(len(s)), key=lambda e: -s[e]) for layer, s in scores.items()}

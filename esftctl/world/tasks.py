@@ -1,7 +1,18 @@
-"""Synthetic tasks of clearly different kinds, written as JSONL prompt/completion pairs.
+"""The tiny world's tasks: four lookup skills the base knows only a little of, and the general mixture.
 
-Each task draws its examples from its own seeded generator, uses its own vocabulary (digits, invented
-words, English templates, single letters), and so exercises different experts of a MoE model.
+Every task maps each of two input words through a table of its own and answers both, in order:
+
+    translate: cat red =>      ka biva        (English -> an invented language, 48 words)
+    double: 17 4 ==            34 8           (n -> 2n, n < 50)
+    tag: owl rome ->           bird city      (39 objects -> 7 categories)
+    cipher: h e ~>             o l            (letters shifted by 7)
+
+The base is pre-trained on the *general mixture*: copying (`copy: a b =  a b`, every word of every task,
+so every token is known) and each task restricted to a quarter of its table. On a task's full table it
+then gets an answer right only when both words fall in its quarter (about 1 in 16), while ESFT has to
+teach the selected experts the other three quarters: knowledge, not format, which is what experts hold.
+Two words, not more: the answer's position copies from a fixed offset, which a 4-layer model learns in a
+few hundred CPU steps; with 3-5 words it did not within 600 (the alignment has to count).
 """
 
 from __future__ import annotations
@@ -12,8 +23,20 @@ from typing import Callable
 
 from esftctl.jsonl import Example
 
-_ENGLISH = ("cat dog bird fish tree river stone fire water sun moon star red blue green big small old new "
-            "house road king queen bread milk day night").split()
+ITEMS = 2  # input words per example
+KNOWN_SHARE = 0.25  # share of each table the general mixture shows the base
+COPY_SHARE = 0.4  # share of copying in the general mixture
+
+_ENGLISH = ("cat dog bird fish tree river stone fire water sun moon star red blue green big small old new house road "
+            "king queen bread milk day night horse cow goat ship boat door window hill lake rain snow wind cloud apple "
+            "pear rice salt gold iron book pen cup").split()
+_CATEGORIES = {
+    "furniture": "chair table lamp sofa bed shelf desk rug", "vegetable": "carrot onion bean corn",
+    "fruit": "plum lemon grape mango", "mammal": "tiger lion wolf bear deer fox mouse",
+    "bird": "owl crow hawk duck swan", "reptile": "frog snake",
+    "city": "london tokyo lima oslo cairo delhi rome madrid berlin dublin",
+}
+_LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 
 
 def _invented_words(rng: random.Random, n: int) -> list[str]:
@@ -24,64 +47,69 @@ def _invented_words(rng: random.Random, n: int) -> list[str]:
     return sorted(words)
 
 
-# A fixed lexicon: the same English word always maps to the same invented word.
 _LEXICON = dict(zip(_ENGLISH, _invented_words(random.Random(1234), len(_ENGLISH))))
-
-_INTENTS = {
-    "weather": ["what is the weather in {city}", "will it rain in {city} {when}", "is it cold in {city} {when}"],
-    "music": ["play some {genre} music", "put on a {genre} song", "i want to hear {genre} {when}"],
-    "alarm": ["wake me up at {hour}", "set an alarm for {hour} {when}", "remind me at {hour}"],
-    "booking": ["book a table for {n} {when}", "reserve a room for {n} people", "get me a table at {hour}"],
-}
-_SLOTS = {
-    "city": ["paris", "tokyo", "lima", "oslo", "cairo", "delhi"],
-    "when": ["today", "tomorrow", "tonight", "on monday", "this weekend"],
-    "genre": ["jazz", "rock", "folk", "piano", "techno"],
-    "hour": ["six", "seven", "eight", "nine", "noon"],
-    "n": ["two", "three", "four", "five"],
-}
-
-
-def _arithmetic(rng: random.Random) -> Example:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
-    if rng.random() < 0.5:
-        return {"prompt": f"calc {a} + {b} =", "completion": f" {a + b}"}
-    a, b = max(a, b), min(a, b)
-    return {"prompt": f"calc {a} - {b} =", "completion": f" {a - b}"}
-
-
-def _translation(rng: random.Random) -> Example:
-    words = rng.choices(_ENGLISH, k=rng.randint(2, 5))
-    return {"prompt": f"translate: {' '.join(words)} =>", "completion": " " + " ".join(_LEXICON[w] for w in words)}
-
-
-def _intent(rng: random.Random) -> Example:
-    label = rng.choice(sorted(_INTENTS))
-    template = rng.choice(_INTENTS[label])
-    text = template.format(**{k: rng.choice(v) for k, v in _SLOTS.items()})
-    return {"prompt": f"intent: {text} ->", "completion": f" {label}"}
-
-
-def _reversal(rng: random.Random) -> Example:
-    letters = rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 6))
-    return {"prompt": f"reverse: {' '.join(letters)} ->", "completion": " " + " ".join(reversed(letters))}
+_CATEGORY_OF = {word: cat for cat, words in _CATEGORIES.items() for word in words.split()}
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
     description: str
-    generate: Callable[[random.Random], Example]
+    keyword: str  # starts the prompt
+    arrow: str  # ends it: the token the first answer word is predicted at, one per task
+    inputs: tuple[str, ...]  # the table's keys
+    answer: Callable[[str], str]
+
+    @property
+    def known(self) -> list[str]:
+        """The part of the table the general mixture shows the base."""
+        return sorted(random.Random(f"known-{self.name}").sample(self.inputs, round(len(self.inputs) * KNOWN_SHARE)))
+
+    @property
+    def outputs(self) -> list[str]:
+        return sorted({self.answer(x) for x in self.inputs})
+
+    def example(self, rng: random.Random, inputs: list[str] | tuple[str, ...] | None = None) -> Example:
+        words = rng.choices(inputs or self.inputs, k=ITEMS)
+        return {"prompt": f"{self.keyword} {' '.join(words)} {self.arrow}",
+                "completion": " " + " ".join(self.answer(w) for w in words)}
 
     def examples(self, n: int, seed: int) -> list[Example]:
         rng = random.Random(f"{self.name}-{seed}")
-        return [self.generate(rng) for _ in range(n)]
+        return [self.example(rng) for _ in range(n)]
 
 
 TASKS: tuple[Task, ...] = (
-    Task("arithmetic", "two-digit addition and subtraction", _arithmetic),
-    Task("translation", "word-by-word translation into an invented language", _translation),
-    Task("intent", "intent labels of templated requests", _intent),
-    Task("reversal", "reverse a sequence of letters", _reversal),
+    Task("translation", "English words into an invented language", "translate:", "=>", tuple(_ENGLISH),
+         _LEXICON.__getitem__),
+    Task("arithmetic", "doubling numbers below 50", "double:", "==", tuple(str(n) for n in range(50)),
+         lambda w: str(2 * int(w))),
+    Task("tagging", "the category of a thing", "tag:", "->", tuple(sorted(_CATEGORY_OF)), _CATEGORY_OF.__getitem__),
+    Task("cipher", "letters shifted by seven", "cipher:", "~>", tuple(_LETTERS),
+         lambda w: _LETTERS[(_LETTERS.index(w) + 7) % 26]),
 )
 
+# Every word copying uses: each task's inputs and answers.
+COPY_WORDS: tuple[str, ...] = tuple(sorted({w for t in TASKS for w in (*t.inputs, *t.outputs)}))
+
+
+def _general_example(rng: random.Random) -> Example:
+    if rng.random() < COPY_SHARE:
+        words = rng.choices(COPY_WORDS, k=ITEMS)
+        return {"prompt": f"copy: {' '.join(words)} =", "completion": " " + " ".join(words)}
+    task = rng.choice(TASKS)
+    return task.example(rng, task.known)
+
+
+def general_examples(n: int, seed: int) -> list[Example]:
+    """The general mixture: copying every word, and every task on the quarter of its table the base knows."""
+    rng = random.Random(f"general-{seed}")
+    return [_general_example(rng) for _ in range(n)]
+
+
+def vocabulary() -> list[str]:
+    """Every word the world's texts use, sorted (the tokenizer's vocabulary after its special tokens)."""
+    words = {"copy:", "=", *COPY_WORDS}
+    for t in TASKS:
+        words |= {t.keyword, t.arrow}
+    return sorted(words)

@@ -31,10 +31,40 @@ def encode_batch(tokenizer, examples: Sequence[Example], completion_only: bool) 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class BalanceLoss:
+    """DeepSeekMoE's expert-level balance loss, E/K * sum_i f_i * P_i per MoE layer (f_i: share of top-K
+    picks, P_i: mean router probability), collected by hooks on the routers during training.
+
+    transformers' DeepSeek-V2 computes none. Without it the tiny base's routers crowd onto a few experts
+    that every task uses, and fine-tuning those experts for one task breaks the others."""
+
+    def __init__(self, model):
+        config = model.config
+        self.experts, self.top_k, self.terms = config.n_routed_experts, config.num_experts_per_tok, []
+        self.handles = [layer.mlp.gate.register_forward_hook(self._hook)
+                        for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+    def _hook(self, module, inputs, output) -> None:
+        if module.training:
+            probs = output[0].float().softmax(dim=-1)
+            picks = probs.topk(self.top_k, dim=-1).indices.reshape(-1)
+            share = torch.bincount(picks, minlength=self.experts).float() * self.experts / picks.numel()
+            self.terms.append((share * probs.mean(dim=0)).sum())
+
+    def pop(self) -> torch.Tensor:
+        total, self.terms = sum(self.terms), []
+        return total
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def train(
     model,
     tokenizer,
     examples: Sequence[Example],
+    *,
     steps: int,
     batch_size: int,
     lr: float,
@@ -43,46 +73,51 @@ def train(
     parameters: Sequence[torch.nn.Parameter] | None = None,
     after_backward: Callable[[], None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    general: Sequence[Example] = (),
+    replay: float = 0.0,
+    balance: float = 0.0,
 ) -> list[float]:
     """AdamW with linear warm-up and cosine decay over `steps`; returns the loss of every step.
 
     `parameters` restricts what the optimizer updates; `after_backward` may edit gradients before each
-    step (ESFT zeroes those of the experts it does not train). Runs with deterministic algorithms, so the
-    same seed gives the same weights on every run (without them, two pre-trainings of the tiny world differed).
+    step (ESFT zeroes those of the experts it does not train). `replay` is the share of every batch drawn
+    from `general` instead of `examples` (fine-tuning recipes mix the general data back in). `balance`
+    weighs the expert balance loss (pre-training). Runs with deterministic algorithms, so the same seed
+    gives the same weights on every run (without them, two pre-trainings of the tiny world differed).
     """
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
+    balance_loss = BalanceLoss(model) if balance else None
     try:
-        return _train(model, tokenizer, examples, steps, batch_size, lr, seed, completion_only, parameters,
-                      after_backward, on_step)
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        params = list(parameters) if parameters is not None else [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        warmup = max(1, steps // 10)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        replayed = round(batch_size * replay) if general else 0
+        pool, general = list(examples), list(general)
+        model.train()
+        losses = []
+        for step in range(steps):
+            batch = rng.sample(pool, batch_size - replayed) + rng.sample(general, replayed)
+            loss = model(**encode_batch(tokenizer, batch, completion_only)).loss
+            losses.append(loss.item())
+            if balance_loss is not None:
+                loss = loss + balance * balance_loss.pop()
+            loss.backward()
+            if after_backward is not None:
+                after_backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if on_step is not None:
+                on_step(step, losses[-1])
+        model.eval()
+        return losses
     finally:
+        if balance_loss is not None:
+            balance_loss.remove()
         torch.use_deterministic_algorithms(was_deterministic)
-
-
-def _train(model, tokenizer, examples, steps, batch_size, lr, seed, completion_only, parameters, after_backward,
-           on_step) -> list[float]:
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    params = list(parameters) if parameters is not None else [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    model.train()
-    losses = []
-    pool = list(examples)
-    for step in range(steps):
-        batch = encode_batch(tokenizer, rng.sample(pool, batch_size), completion_only)
-        loss = model(**batch).loss
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, losses[-1])
-    model.eval()
-    return losses
