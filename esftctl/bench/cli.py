@@ -189,3 +189,77 @@ def paging(
     if window >= layers:
         raise EsftError(f"--window {window} must be smaller than --layers {layers}, or nothing is paged")
     _measure(bench, "paging", out, as_json, layers=layers, batches=sizes, prompt_len=prompt_len, window=window)
+
+
+@app.command()
+def esft(
+    out: Path = typer.Option(Path("bench-results"), help="Folder for results.json and results.png (created if "
+                                                         "missing)."),
+    tasks: str = typer.Option(None, help="Comma-separated tasks of the tiny world (default: all of them)."),
+    methods: str = typer.Option("esft-token,esft-gate,fft,lora",
+                                help="Comma-separated methods: esft-token (token selection ratio, p=0.2), esft-gate "
+                                     "(average gate score, p=0.1), fft (every weight), lora (rank 8, peft)."),
+    steps: int = typer.Option(None, help="Fine-tuning steps per run (default: the recipe's, "
+                                         "esftctl.world.esft.FINETUNE)."),
+    fft_lr: float = typer.Option(None, help="Learning rate of full fine-tuning only (default: the recipe's, as "
+                                            "for ESFT)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+) -> None:
+    """The ESFT paper's comparison in miniature: ESFT (token, gate) vs full fine-tuning vs LoRA on every task of
+    the tiny world: task exact match, general ability kept, trainable parameters, storage, training time."""
+    import tempfile
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from esftctl.bench import esft as bench
+    from esftctl.errors import EsftError
+    from esftctl.world.build import World, build_world, default_world_dir
+
+    known = World(default_world_dir()).task_names
+    chosen_tasks = tasks.split(",") if tasks else known
+    chosen_methods = methods.split(",")
+    for option, chosen, allowed in (("--tasks", chosen_tasks, known), ("--methods", chosen_methods, bench.METHODS)):
+        unknown = [x for x in chosen if x not in allowed]
+        if unknown:
+            raise EsftError(f"{option}: unknown {', '.join(repr(x) for x in unknown)} (choose from "
+                            f"{', '.join(allowed)})")
+    if steps is not None and steps < 1:
+        raise EsftError(f"--steps {steps}: must be at least 1")
+    if fft_lr is not None and not fft_lr > 0:
+        raise EsftError(f"--fft-lr {fft_lr}: must be above 0")
+    err = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[loss]}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=not err.is_terminal) as progress, \
+            tempfile.TemporaryDirectory(prefix="esftctl-bench-esft-") as work:
+        stage = progress.add_task("building the tiny world", total=None, loss="")
+        bars: dict[str, int] = {}
+
+        def on_step(what: str, step: int, total: int, loss: float | None) -> None:
+            if not total:  # a stage other than training
+                progress.update(stage, description=what)
+                if not err.is_terminal:
+                    print(time.strftime("%H:%M:%S"), what, file=sys.stderr, flush=True)
+                return
+            if what not in bars:
+                bars[what] = progress.add_task(f"training {what}", total=total, loss="")
+            progress.update(bars[what], completed=step, loss=f"loss {loss:.3f}")
+            if not err.is_terminal and (step == 1 or step == total or step % max(1, total // 4) == 0):
+                print(time.strftime("%H:%M:%S"), f"training {what}: step {step}/{total}, loss {loss:.3f}",
+                      file=sys.stderr, flush=True)
+
+        world = build_world(log=lambda msg: on_step(msg, 0, 0, None))
+        result = bench.run(world, tasks=chosen_tasks, methods=chosen_methods, steps=steps, work_dir=Path(work),
+                           fft_lr=fft_lr, on_step=on_step)
+        progress.update(stage, description="done", total=1, completed=1)
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        for table in bench.tables(result):
+            console.print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / "results.json") as tmp:
+        tmp.write_text(json.dumps(result, indent=1))
+    with atomic_file(out / "results.png") as tmp:
+        bench.plot(result, tmp)
+    print(f"wrote {out / 'results.json'} and {out / 'results.png'}", file=sys.stderr if as_json else sys.stdout)
