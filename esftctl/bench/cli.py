@@ -201,8 +201,8 @@ def esft(
                                      "(average gate score, p=0.1), fft (every weight), lora (rank 8, peft)."),
     steps: int = typer.Option(None, help="Fine-tuning steps per run (default: the recipe's, "
                                          "esftctl.world.esft.FINETUNE)."),
-    fft_lr: float = typer.Option(None, help="Learning rate of full fine-tuning only (default: the recipe's, as "
-                                            "for ESFT)."),
+    fft_lr: float = typer.Option(1e-3, help="Learning rate of full fine-tuning only (ESFT trains at the recipe's "
+                                            "1e-2, which wipes out the base when every weight moves)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
 ) -> None:
     """The ESFT paper's comparison in miniature: ESFT (token, gate) vs full fine-tuning vs LoRA on every task of
@@ -225,7 +225,7 @@ def esft(
                             f"{', '.join(allowed)})")
     if steps is not None and steps < 1:
         raise EsftError(f"--steps {steps}: must be at least 1")
-    if fft_lr is not None and not fft_lr > 0:
+    if not fft_lr > 0:
         raise EsftError(f"--fft-lr {fft_lr}: must be above 0")
     err = Console(stderr=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
