@@ -311,8 +311,9 @@ def serve(
                                                   "memory is set aside before vLLM sizes its KV cache, and a load "
                                                   "past it is refused (default: --slots times the largest given "
                                                   "adapter; with none given, every slot's full reservation)."),
-    state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file (default: a new "
-                                              "temporary folder)."),
+    state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file, kept (default: a new "
+                                              "temporary folder, removed when the server stops, kept after a "
+                                              "failure for its log)."),
     ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
     paging_window: int = typer.Option(0, help="Page the experts, base and adapters': only this many MoE layers hold "
                                               "theirs at a time, the others are loaded from host memory just before "
@@ -360,6 +361,8 @@ def serve(
                         serve_plan.log_file)
     except KeyboardInterrupt:
         console.print("stopping")
+        server.stop()
+        server.remove_state()  # a temporary state folder goes; one after a failure stays, for its log
     finally:
         server.stop()
 

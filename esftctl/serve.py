@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,7 +44,7 @@ class ServePlan:
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once; memory reserved at start
     host: str = "127.0.0.1"
     port: int = 8000
-    state_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="esftctl-serve-")))
+    state_dir: Path | None = None  # None: a new temporary folder, removed when the server stops cleanly
     vllm_args: list[str] = field(default_factory=list)
     cpu_kv_cache_gib: float = 1.0
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
@@ -52,6 +53,12 @@ class ServePlan:
     store_experts: int | None = None  # base experts per layer from the store (None: by measured speeds)
     paging_adaptive: bool = False  # let the residency planner keep layers resident while loads show
     host_cache: int = 8 << 30  # bytes of adapters kept staged in host memory, so reloading one is one copy
+
+    temporary_state: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.state_dir is None:
+            self.state_dir, self.temporary_state = Path(tempfile.mkdtemp(prefix="esftctl-serve-")), True
 
     @property
     def url(self) -> str:
@@ -154,7 +161,20 @@ def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slot
     if budget < sum(b.num_experts for b in bundles.values()):
         raise EsftError(f"--adapter-memory {format_bytes(budget * base.expert_nbytes)} cannot hold the given "
                         f"adapters' {format_bytes(sum(b.num_experts for b in bundles.values()) * base.expert_nbytes)}")
+    check_port_free(kwargs.get("host", ServePlan.host), kwargs.get("port", ServePlan.port))
     return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, budget, **kwargs)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on, before vLLM starts (it would fail 15 s later, and until then
+    the port's other server would answer this command's requests)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: only a listener blocks it
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise EsftError(f"cannot listen on {host}:{port} ({e.strerror or e}): another server? choose another "
+                            "--port") from None
 
 
 def launch_row_limit() -> int | None:
@@ -194,6 +214,10 @@ def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> No
                             store)
 
 
+class AnotherServer(EsftError):
+    """Something other than the vLLM this command started answers on the plan's port."""
+
+
 class Server:
     """The vLLM server process of a plan: start, wait until it answers, stop."""
 
@@ -216,7 +240,15 @@ class Server:
                                 f"{self.last_error()}", self.plan.log_file)
             try:
                 request(self.plan.url, "/health", timeout=5)
+                if self.plan.esft:  # the server that answers must be ours, not one that held the port first
+                    pid = request(self.plan.url, "/esftctl/status", timeout=5).get("server_pid")
+                    if pid != self.process.pid:
+                        self.stop()
+                        raise AnotherServer(f"another server (process {pid}) answers at {self.plan.url}; "
+                                            "choose another --port")
                 return
+            except AnotherServer:
+                raise
             except EsftError:
                 on_wait(time.monotonic() - start)
                 time.sleep(1)
@@ -249,8 +281,16 @@ class Server:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def remove_state(self) -> None:
+        """Remove the plan's state folder if it is a temporary one (kept after a failure: the log is in it)."""
+        if self.plan.temporary_state:
+            shutil.rmtree(self.plan.state_dir, ignore_errors=True)
+
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if exc_type is None:
+            self.remove_state()
+
 
 
 def _interrupt(signum, frame):

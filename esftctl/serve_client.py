@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +24,9 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 def request(url: str, path: str, body: dict | None = None, timeout: float = 600) -> dict | str:
     """GET (no body) or POST JSON; the decoded JSON reply, or its text when it is not JSON."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise EsftError("not a server URL (expected http://HOST:PORT)", url)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url.rstrip("/") + path, data=data,
                                  headers={"Content-Type": "application/json"} if data else {})

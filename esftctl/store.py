@@ -73,9 +73,9 @@ def source_tensors(path: Path) -> tuple[dict, list[SourceTensor]]:
     return {"kind": "model", "path": str(path), "architecture": ckpt.arch.name}, tensors
 
 
-def _bf16_bits(t: torch.Tensor, name: str) -> np.ndarray:
+def _bf16_bits(t: torch.Tensor, name: str, source: dict) -> np.ndarray:
     if t.dtype != torch.bfloat16:
-        raise EsftError(f"tensor {name!r} is {t.dtype}; only bf16 expert weights can be stored")
+        raise EsftError(f"tensor {name!r} is {t.dtype}; only bf16 expert weights can be stored", source.get("path"))
     return t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
@@ -112,7 +112,7 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
         for t in members:
             tensor = t.read()
             shapes[t.name] = list(tensor.shape)
-            split[t.name] = split_bf16(_bf16_bits(tensor, t.name))
+            split[t.name] = split_bf16(_bf16_bits(tensor, t.name, source))
             counts += np.bincount(split[t.name][0], minlength=256)
         code = build_code(counts) if counts.any() else Code(np.zeros(256, dtype=np.int64))
         tables.append({"lengths": code.lengths.tolist()})

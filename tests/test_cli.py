@@ -42,3 +42,27 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
     assert proc.stderr.strip().count("\n") == 0
     assert "missing: no such file or folder" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_adapters_with_a_url_that_is_not_one_is_one_line(tmp_path):
+    for args in (("adapters", "list"), ("adapters", "load", "a", tmp_path), ("adapters", "unload", "a")):
+        proc = run_cli(*args, "--url", "notaurl")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip() == "error: notaurl: not a server URL (expected http://HOST:PORT)", proc.stderr
+
+
+def test_compress_of_a_float32_model_names_the_model(tiny_models, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "fp32"
+    shutil.copytree(tiny_models["mixtral"], model)
+    for file in model.glob("*.safetensors"):
+        save_file({k: t.float() for k, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    assert next(iter(load_file(next(model.glob("*.safetensors"))).values())).dtype == torch.float32
+    proc = run_cli("compress", model, "--out", tmp_path / "store")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {model}: tensor ") and "only bf16 expert weights" in proc.stderr
+    assert not (tmp_path / "store").exists() and list(tmp_path.iterdir()) == [model]

@@ -365,3 +365,85 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert proc.returncode == 1 and "keeps its own" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
+
+
+def test_serve_refuses_a_busy_port_before_starting_vllm(world, tmp_path):
+    """Issue 18, item 1: with another server on the port, one line at once, and no state folder left behind."""
+    import socket
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("esftctl-serve-*"))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = run_cli("serve", world.base_dir, "--port", port)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use): another "
+                                   "server? choose another --port"), proc.stderr
+    assert set(Path(tempfile.gettempdir()).glob("esftctl-serve-*")) == before
+
+
+def test_a_server_that_is_not_ours_is_never_taken_for_ours(tmp_path):
+    """Issue 18, item 1: should another server answer on the port while ours starts, the launcher stops and says
+    so instead of reporting that server's models and status as its own."""
+    import http.server
+    import subprocess
+    import threading
+
+    from esftctl.serve import AnotherServer, ServePlan
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"server_pid": 1, "adapters": []} if self.path == "/esftctl/status" else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor) as impostor:
+        threading.Thread(target=impostor.serve_forever, daemon=True).start()
+        serve_plan = ServePlan(tmp_path, "base", {}, 1, 1, port=impostor.server_address[1], state_dir=tmp_path / "s")
+        server = Server(serve_plan)
+        server.process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # "our vLLM", still starting
+        with pytest.raises(AnotherServer, match=r"another server \(process 1\) answers at http://127.0.0.1:"):
+            server.wait_ready(timeout=20)
+        assert server.process.poll() is not None  # ours was stopped
+        impostor.shutdown()
+
+
+def test_serve_removes_its_temporary_state_folder_on_stop(world, tmp_path):
+    """Issue 18, item 6: `esftctl serve` without --state-dir leaves no /tmp/esftctl-serve-* behind (SIGTERM)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "esftctl.cli", "serve", world.base_dir, "--port", str(port),
+                             "--", *ENGINE_ARGS], env={**os.environ, "TMPDIR": str(scratch)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if models(f"http://127.0.0.1:{port}") == [world.base_dir.name]:
+                    break
+            except EsftError:
+                time.sleep(1)
+        state = list(scratch.glob("esftctl-serve-*"))
+        assert len(state) == 1 and (state[0] / "vllm.log").exists(), proc.poll()
+        time.sleep(2)  # past the launcher's own status requests
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert not list(scratch.glob("esftctl-serve-*"))  # (vLLM leaves files of its own in TMPDIR)

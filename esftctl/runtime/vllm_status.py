@@ -1,6 +1,6 @@
 """esftctl's additions to vLLM's OpenAI server, installed with vLLM's `--middleware` option.
 
-- GET /esftctl/status: the engine's adapter and memory table, as JSON. The engine process writes it to a
+- GET /esftctl/status: the engine's adapter and memory table, as JSON, with the server's process id. The engine process writes it to a
   file after every adapter change (esftctl.runtime.vllm_worker); this serves that file.
 - POST /v1/unload_lora_adapter: vLLM's handler forgets the name (new requests for it get vLLM's unknown-
   model error) but leaves the weights in the engine, where LoRA evicts lazily. An ESFT adapter holds a
@@ -12,6 +12,7 @@ Every other request goes to vLLM untouched.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from starlette.responses import JSONResponse
@@ -39,7 +40,7 @@ def _status() -> JSONResponse:
     if status is None:
         return JSONResponse({"error": {"message": "the engine has not reported its adapters yet",
                                        "type": "ServiceUnavailable", "code": 503}}, status_code=503)
-    return JSONResponse(status)
+    return JSONResponse(status | {"server_pid": os.getpid()})  # the launcher checks it started this server
 
 
 async def _unload(request, call_next):
