@@ -241,7 +241,8 @@ class Server:
             try:
                 request(self.plan.url, "/health", timeout=5)
                 if self.plan.esft:  # the server that answers must be ours, not one that held the port first
-                    pid = request(self.plan.url, "/esftctl/status", timeout=5).get("server_pid")
+                    status = request(self.plan.url, "/esftctl/status", timeout=5)
+                    pid = status.get("server_pid") if isinstance(status, dict) else None
                     if pid != self.process.pid:
                         self.stop()
                         raise AnotherServer(f"another server (process {pid}) answers at {self.plan.url}; "
@@ -290,7 +291,6 @@ class Server:
         self.stop()
         if exc_type is None:
             self.remove_state()
-
 
 
 def _interrupt(signum, frame):
