@@ -347,6 +347,7 @@ def serve(
                       _parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None, **kwargs)
     server = Server(serve_plan)
     server.start()
+    stopped_cleanly = False
     try:
         with console.status(f"starting vLLM (log: {serve_plan.log_file})") as status:
             server.wait_ready(ready_timeout, lambda s: status.update(f"starting vLLM, {s:.0f} s (log: "
@@ -361,10 +362,11 @@ def serve(
                         serve_plan.log_file)
     except KeyboardInterrupt:
         console.print("stopping")
-        server.stop()
-        server.remove_state()  # a temporary state folder goes; one after a failure stays, for its log
+        stopped_cleanly = True
     finally:
         server.stop()
+    if stopped_cleanly:
+        server.remove_state()  # a temporary state folder goes; one after a failure stays, for its log
 
 
 adapters_app = typer.Typer(help="List, load and unload the adapters of a running `esftctl serve`.",

@@ -79,12 +79,11 @@ def select(relevance, method: str) -> dict[int, list[int]]:
 
 def evaluate(model_dir: Path, task_test: Sequence[dict], general_test: Sequence[dict] | None) -> dict:
     """Task exact match and loss; with `general_test`, loss and exact match on the general mixture too."""
-    from esftctl.world.esft import completion_loss, exact_match
+    from esftctl.world.esft import evaluate as scores  # (exact match, loss) in one pass
 
-    out = {"task_exact": exact_match(model_dir, task_test), "task_loss": completion_loss(model_dir, task_test)}
+    out = dict(zip(("task_exact", "task_loss"), scores(model_dir, task_test)))
     if general_test is not None:
-        out |= {"general_loss": completion_loss(model_dir, general_test),
-                "general_exact": exact_match(model_dir, general_test)}
+        out |= dict(zip(("general_exact", "general_loss"), scores(model_dir, general_test)))
     return out
 
 

@@ -142,6 +142,7 @@ def build_world(root: Path | None = None, log: Callable[[str], None] = lambda ms
     with atomic_file(world.usage_file) as tmp:
         tmp.write_text(json.dumps(usage))
     with atomic_file(marker) as tmp:
-        tmp.write_text(json.dumps({"version": WORLD_VERSION, "seed": SEED, "splits": SPLITS, "general_splits": GENERAL_SPLITS,
-                                   "tasks": world.task_names, "model": MODEL, "pretrain": PRETRAIN}, indent=1))
+        tmp.write_text(json.dumps({"version": WORLD_VERSION, "seed": SEED, "splits": SPLITS,
+                                   "general_splits": GENERAL_SPLITS, "tasks": world.task_names, "model": MODEL,
+                                   "pretrain": PRETRAIN}, indent=1))
     return world
