@@ -296,7 +296,8 @@ def average(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
-    base: Path = typer.Argument(..., help="The base model folder (a Hugging Face MoE checkpoint)."),
+    base: Path = typer.Argument(None, help="The base model folder (a Hugging Face MoE checkpoint); omit it with "
+                                           "--variants."),
     adapter: list[str] = typer.Option([], "--adapter", "-a", help="NAME=BUNDLE: serve this adapter under NAME "
                                                                    "(repeat for more)."),
     name: str = typer.Option(None, help="The base model's name in requests (default: the folder's name)."),
@@ -332,9 +333,18 @@ def serve(
                                                 "converting it and is one copy to the GPU (0 turns it off)."),
     cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
                                                      "with vLLM's --gpu-memory-utilization)."),
+    variants: Path = typer.Option(None, help="Serve the fine-tuned variants of a consolidated map (a folder of "
+                                             "`esftctl consolidate`) instead of BASE: each answers to its folder's "
+                                             "name, shares the experts the map loaded and keeps its own elsewhere "
+                                             "and its own non-expert weights; each engine step runs one variant."),
+    variant_names: str = typer.Option(None, help="With --variants: comma-separated names for the variants, in the "
+                                                 "map's order (default: their folders' names)."),
+    quantum: int = typer.Option(4, help="With --variants: engine steps a variant runs before the next one with "
+                                        "requests takes its turn (each switch copies non-expert weights)."),
 ) -> None:
-    """Serve BASE and ESFT adapters through vLLM's OpenAI-compatible API; a request picks an adapter by its
-    `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager --max-model-len 256`)."""
+    """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;
+    a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager
+    --max-model-len 256`)."""
     from esftctl import serve_client
     from esftctl.serve import Server, plan, stop_on_sigterm
 
@@ -343,8 +353,12 @@ def serve(
                   paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"))
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
+    if variant_names is not None and variants is None:
+        raise EsftError("--variant-names needs --variants")
     serve_plan = plan(base, adapter, name, slots, experts_per_slot,
-                      _parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None, **kwargs)
+                      _parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None,
+                      variants=variants, variant_names=variant_names.split(",") if variant_names else None,
+                      quantum=quantum, **kwargs)
     server = Server(serve_plan)
     server.start()
     stopped_cleanly = False

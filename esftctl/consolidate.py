@@ -116,7 +116,7 @@ def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = No
     owner = np.full(distances.shape, -1, dtype=np.int64)
     for (li, e), m in assigned.items():
         owner[li, e] = m
-    emap = ExpertMap([str(p) for p in model_dirs], models[0].moe_layers, models[0].num_experts, capacity, owner)
+    emap = ExpertMap([str(Path(p).resolve()) for p in model_dirs], models[0].moe_layers, models[0].num_experts, capacity, owner)
     layers = models[0].moe_layers
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_json(tmp / MAP_FILE, emap.to_json())

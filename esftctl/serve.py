@@ -7,6 +7,9 @@ one-line error, not a minute of engine start-up. Then vLLM's own server runs in 
 - ESFTCTL_SERVE in the environment, which makes esftctl's vLLM plugin (esftctl.runtime.vllm_plugin) put
   the ESFT runtime in place of vLLM's LoRA layers;
 - esftctl's status middleware (GET /esftctl/status).
+With `--variants MAP_DIR` (consolidated fine-tuned variants, esftctl.variants) the first variant is the model
+vLLM loads, every other one is a LoRA module name bound to its slot, and vLLM's scheduler runs with turns
+(esftctl.runtime.variant_turns), one variant per engine step.
 The launcher waits until the server answers, prints the adapter table, and forwards Ctrl-C / SIGTERM.
 """
 
@@ -30,6 +33,7 @@ from esftctl.runtime.serve_config import ENV, ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS, check_rows
 from esftctl.serve_client import request
 from esftctl.units import format_bytes
+from esftctl.variants import VariantSet
 
 STATUS_MIDDLEWARE = "esftctl.runtime.vllm_status.status_middleware"
 
@@ -53,6 +57,10 @@ class ServePlan:
     store_experts: int | None = None  # base experts per layer from the store (None: by measured speeds)
     paging_adaptive: bool = False  # let the residency planner keep layers resident while loads show
     host_cache: int = 8 << 30  # bytes of adapters kept staged in host memory, so reloading one is one copy
+    variant_map: Path | None = None  # `--variants`: a consolidated map; `base` is then its home variant
+    variant_names: list[str] = field(default_factory=list)  # every variant's served name, the home one first
+    variant_paths: list[Path] = field(default_factory=list)
+    quantum: int = 4  # engine steps per variant turn
 
     temporary_state: bool = field(default=False, init=False)
 
@@ -74,7 +82,9 @@ class ServePlan:
                            paging_window=self.paging_window,
                            paging_store=str(self.paging_store) if self.paging_store else None,
                            store_experts=self.store_experts, paging_adaptive=self.paging_adaptive,
-                           host_cache_bytes=self.host_cache)
+                           host_cache_bytes=self.host_cache,
+                           variant_map=str(self.variant_map) if self.variant_map else None,
+                           variant_names=tuple(self.variant_names), quantum=self.quantum)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -84,11 +94,22 @@ class ServePlan:
             return cmd + self.vllm_args
         cmd += ["--enable-lora", "--max-loras", str(self.slots), "--max-cpu-loras", str(self.slots),
                 "--middleware", STATUS_MIDDLEWARE]
-        if self.adapters:
-            cmd += ["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
-        if self.paging_window and "--enforce-eager" not in self.vllm_args:
-            cmd.append("--enforce-eager")  # paging runs host code between layers: no graphs, no compilation
+        modules = {**dict(zip(self.variant_names[1:], self.variant_paths[1:])), **self.adapters}
+        if modules:
+            cmd += ["--lora-modules", *(f"{n}={p}" for n, p in modules.items())]
+        if self.variant_map:
+            cmd += ["--scheduler-cls", "esftctl.runtime.variant_turns.variant_scheduler"]
+        if self.eager and "--enforce-eager" not in self.vllm_args:
+            cmd.append("--enforce-eager")
         return cmd + self.vllm_args
+
+    @property
+    def eager(self) -> bool:
+        """Paging runs host code between layers; variants on the CPU build swap the closures its linear layers
+        compute with, which compiled code would have captured: no graphs, no compilation."""
+        import torch
+
+        return bool(self.paging_window) or (self.variant_map is not None and not torch.cuda.is_available())
 
     def env(self) -> dict[str, str]:
         # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization).
@@ -119,49 +140,74 @@ def parse_adapters(specs: list[str]) -> dict[str, Path]:
     return adapters
 
 
-def plan(base_dir: Path, adapter_specs: list[str], name: str | None = None, slots: int | None = None,
-         experts_per_slot: int | None = None, adapter_memory: int | None = None, **kwargs) -> ServePlan:
+def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = None, slots: int | None = None,
+         experts_per_slot: int | None = None, adapter_memory: int | None = None, *, variants: Path | None = None,
+         variant_names: list[str] | None = None, quantum: int = 4, **kwargs) -> ServePlan:
     """Check the base and every bundle, and size the slots: by default room for the given adapters plus
     two loaded later (fewer where vLLM's Triton kernel limits the rows), each layer reserving the most
     experts any given adapter has in one layer. `adapter_memory` (bytes of adapter experts loaded at once,
     reserved before vLLM sizes its KV cache) defaults to `slots` times the largest given adapter, or with
-    none given to every slot's full reservation."""
-    base = MoECheckpoint(base_dir)
+    none given to every slot's full reservation.
+
+    `variants` (a folder of `esftctl consolidate`) serves its variants instead of one base: the first is what
+    vLLM loads (adapters are of it), every other one takes a slot for its experts where the map loaded none
+    (at most that many per layer: the plan counts positions, the engine loads only those that differ)."""
+    if (base_dir is None) == (variants is None):
+        raise EsftError("give a base model or --variants MAP_DIR, not both")
+    vset = VariantSet.open(variants, variant_names) if variants is not None else None
+    if vset is not None and name is not None:
+        raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
+    if quantum < 1:
+        raise EsftError(f"--quantum {quantum}: give at least one engine step per turn")
+    base = vset.home if vset is not None else MoECheckpoint(base_dir)
     adapters = parse_adapters(adapter_specs)
-    bundles = {n: open_servable_bundle(p, base) for n, p in adapters.items()}
-    name = name or base.path.resolve().name
+    name = vset.names[0] if vset is not None else name or base.path.resolve().name
     if name in adapters:
         raise EsftError(f"adapter name {name!r} is the base model's served name; pick another")
-    widest = max((max(b.experts_per_layer(), default=0) for b in bundles.values()), default=0)
+    clash = sorted(set(adapters) & set(vset.names if vset is not None else []))
+    if clash:
+        raise EsftError(f"adapter name {clash[0]!r} is also a variant's name; pick another")
+    bundles = {n: open_servable_bundle(p, base) for n, p in adapters.items()}
+    # A variant other than the home one holds at most its map's unloaded positions (per layer, in all).
+    misses = [] if vset is None else [(vset.emap.owner < 0).sum(axis=1).tolist()] * (len(vset.names) - 1)
+    served = len(adapters) + len(misses)
+    widest = max([max(b.experts_per_layer(), default=0) for b in bundles.values()] +
+                 [max(m, default=0) for m in misses], default=0)
     experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
     if experts_per_slot < widest:
         raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
                         "has in one layer")
     row_limit = launch_row_limit()
     if slots is None:
-        slots = max(len(adapters) + 2, 4)
+        slots = max(served + 2, 4)
         if row_limit is not None:  # as many as the kernel computes, but never fewer than the adapters given
-            slots = max(min(slots, (row_limit - base.num_experts) // experts_per_slot), len(adapters), 1)
-    if slots < max(len(adapters), 1):
-        raise EsftError(f"--slots {slots} cannot hold the {len(adapters)} adapters given")
+            slots = max(min(slots, (row_limit - base.num_experts) // experts_per_slot), served, 1)
+    if slots < max(served, 1):
+        what = f"the {len(adapters)} adapters given" + (f" and {len(misses)} variants besides the home one"
+                                                          if misses else "")
+        raise EsftError(f"--slots {slots} cannot hold {what}")
     check_rows(base.num_experts + slots * experts_per_slot, row_limit, base.num_experts, str(base.path))
     window = kwargs.get("paging_window", 0)
     if window < 0 or (window and window >= len(base.moe_layers)):
         raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
                         f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
     _check_paging_options(base, window, kwargs)
+    sizes = [b.num_experts for b in bundles.values()] + [sum(m) for m in misses]
     if adapter_memory is None:
-        budget = slots * max((b.num_experts for b in bundles.values()), default=experts_per_slot * len(base.moe_layers))
+        budget = slots * max(sizes, default=experts_per_slot * len(base.moe_layers))
     else:
         budget = adapter_memory // base.expert_nbytes
         largest = max(bundles.values(), key=lambda b: b.num_experts, default=None)
         if largest is not None and budget < largest.num_experts:
             raise EsftError(f"--adapter-memory {format_bytes(adapter_memory)} is below adapter {largest.name!r}'s "
                             f"{format_bytes(largest.num_experts * base.expert_nbytes)} of experts")
-    if budget < sum(b.num_experts for b in bundles.values()):
+    if budget < sum(sizes):
         raise EsftError(f"--adapter-memory {format_bytes(budget * base.expert_nbytes)} cannot hold the given "
-                        f"adapters' {format_bytes(sum(b.num_experts for b in bundles.values()) * base.expert_nbytes)}")
+                        f"adapters' and variants' {format_bytes(sum(sizes) * base.expert_nbytes)}")
     check_port_free(kwargs.get("host", ServePlan.host), kwargs.get("port", ServePlan.port))
+    if vset is not None:
+        kwargs.update(variant_map=vset.map_dir.resolve(), variant_names=vset.names, variant_paths=vset.paths,
+                      quantum=quantum)
     return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, budget, **kwargs)
 
 

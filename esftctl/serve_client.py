@@ -83,8 +83,14 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
         table.add_row(served[0], "base", "-", "-", format_bytes(status["model_bytes"]))
     for a in adapters:
         counts = a["experts_per_layer"]
-        shown = " ".join(map(str, counts)) if len(counts) <= 16 else f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"
-        table.add_row(a["name"], str(a["slot"]), shown, str(sum(counts)), format_bytes(a["bytes"]))
+        table.add_row(a["name"], str(a["slot"]), _counts(counts), str(sum(counts)), format_bytes(a["bytes"]))
+    variants = status.get("variants") or []
+    if variants:
+        table.add_section()
+        for v in variants:
+            counts = v["experts_per_layer"]
+            table.add_row(f"{v['name']} (variant)", "home" if v["home"] else str(v["slot"]), _counts(counts),
+                          str(sum(counts)), format_bytes(v["bytes"]))
     physical, kv = status["adapter_physical_bytes"], status.get("kv_cache_tokens")
     memory = Table(title="memory", title_justify="left", show_header=False)
     memory.add_column("what")
@@ -104,5 +110,13 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
         memory.add_row("layers kept resident by the planner", str(len(status["paging_resident_layers"])))
         memory.add_row("base experts per layer from the store", str(status["paging_store_experts"]))
         memory.add_row("layer loads so far", f"{status['paging_loads']:,}")
+    if variants:
+        memory.add_row("variants' non-expert weights, kept for switching", format_bytes(status["variant_switch_bytes"]))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")
     return Group(table, memory)
+
+
+def _counts(counts: list[int]) -> str:
+    if len(counts) <= 16:
+        return " ".join(map(str, counts))
+    return f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"

@@ -188,6 +188,10 @@ class VirtualMoELayer:
         self._map(list(range(self.num_experts)))
         self.write_rows(range(self.num_experts), w13, w2)
 
+    def replace_base(self, experts: Mapping[int, ExpertWeights]) -> None:
+        """Write other experts into some base rows (the base rows must be loaded)."""
+        self._write(sorted(experts), [experts[e] for e in sorted(experts)])
+
     def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies.
         An engine's conversion may run on its device (vLLM's processing of the kernel layout): its rows come

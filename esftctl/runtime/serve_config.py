@@ -30,6 +30,9 @@ class ServeConfig:
     store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
     paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
     host_cache_bytes: int = 8 << 30  # adapters kept staged in (pinned) host memory for fast reloads
+    variant_map: str | None = None  # `serve --variants`: the consolidated map's folder (esftctl.variants)
+    variant_names: tuple[str, ...] = ()  # served names of its variants, the home one (vLLM's --model) first
+    quantum: int = 4  # engine steps per variant turn (esftctl.runtime.variant_turns)
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}
@@ -37,7 +40,11 @@ class ServeConfig:
     @classmethod
     def from_env(cls) -> "ServeConfig | None":
         raw = os.environ.get(ENV)
-        return cls(**json.loads(raw)) if raw else None
+        if not raw:
+            return None
+        fields = json.loads(raw)
+        fields["variant_names"] = tuple(fields.get("variant_names", ()))
+        return cls(**fields)
 
 
 def open_servable_bundle(path: str | Path, base: MoECheckpoint) -> Bundle:

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
@@ -73,12 +73,14 @@ class EsftModel:
 
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, *, num_slots: int, experts_per_slot: int,
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
-                 paging_store: ExpertStore | None = None, store_experts: int | None = None, adaptive: bool = False):
+                 paging_store: ExpertStore | None = None, store_experts: int | None = None, adaptive: bool = False,
+                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
         """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
         reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
         layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
         `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `adaptive`
-        lets the residency planner keep layers resident while loads show."""
+        lets the residency planner keep layers resident while loads show; `base_rows` ({layer: {expert:
+        weights}}) replaces base experts (consolidated variants: esftctl.variants) before anything is paged."""
         engine_layers = find_moe_layers(model)
         if sorted(engine_layers) != base.moe_layers:
             raise EsftError(f"{base.path}: the model's MoE layers {sorted(engine_layers)} are not the checkpoint's "
@@ -90,6 +92,7 @@ class EsftModel:
         self.layers: dict[int, VirtualMoELayer] = {}
         for index, engine in engine_layers.items():
             self.layers[index] = self._install(engine, base, num_slots, experts_per_slot)
+            self.layers[index].replace_base((base_rows or {}).get(index, {}))
         self.slots = AdapterSlots(self.layers, budget=adapter_budget)
         self.pager, self.residency = None, None
         if paging_window:

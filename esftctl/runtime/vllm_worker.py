@@ -12,6 +12,10 @@ with LoRA layers:
   unchanged file); no free slot, a bundle of another base, a corrupted bundle: it raises, vLLM answers the
   load request with the message, and serving goes on;
 - `set_active_adapters` turns the per-token LoRA ids into per-token slots for the rerouting.
+Under `serve --variants` (esftctl.variants) it also loads the consolidated experts into the base rows, each
+variant's own experts into a slot of its own, and every variant's non-expert weights beside the model
+(esftctl.runtime.variant_weights); a variant's LoRA name binds to its slot, and each step puts the step's
+variant's non-expert weights in place (vLLM's scheduler runs one variant per step: esftctl.runtime.variant_turns).
 After every change, and every second while serving, it writes the adapter and memory table to the status
 file `esftctl serve` shows.
 """
@@ -32,7 +36,9 @@ from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_model import EsftModel
 from esftctl.runtime.vllm_moe import check_engine
+from esftctl.runtime.variant_weights import VariantWeights, collect
 from esftctl.store import ExpertStore
+from esftctl.variants import HOME, VariantSet
 
 
 STATUS_EVERY_S = 1.0  # the status file is also rewritten at most this often while serving
@@ -55,6 +61,9 @@ class EsftWorkerManager:
         self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
         self.host_cache = HostAdapterCache(config.host_cache_bytes)
         self._status_written = 0.0
+        self.variants: VariantSet | None = None
+        self.variant_weights: VariantWeights | None = None
+        self.variant_loras: dict[int, int] = {}  # LoRA id -> variant (never evicted: a variant's slot is fixed)
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -66,16 +75,35 @@ class EsftWorkerManager:
         config, scheduler = self.config, self.vllm_config.scheduler_config
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
         store = ExpertStore(config.paging_store) if config.paging_store else None
+        if config.variant_map:
+            self.variants = VariantSet.open(config.variant_map, config.variant_names)
+            self.variant_weights = collect(model, self.vllm_config, dict(enumerate(self.variants.paths)))
+            if self.variant_weights.reference_swaps and not self.vllm_config.model_config.enforce_eager:
+                raise EsftError("this engine keeps weights in closures (vLLM's CPU build), which compiled code "
+                                "captures: serve variants with --enforce-eager")
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=config.paging_window, paging_store=store,
-                                 store_experts=config.store_experts, adaptive=config.paging_adaptive)
+                                 store_experts=config.store_experts, adaptive=config.paging_adaptive,
+                                 base_rows=self.variants.base_rows() if self.variants else None)
+        if self.variants:
+            for v in range(1, len(self.variants.names)):
+                staged = stage(self.runtime.layers, self.variants.own_experts(v))
+                self.runtime.slots.load(_variant_key(v), staged.experts(), staged.rows())
         self.write_status()
         return model
 
     # ---- adapters --------------------------------------------------------------------------------
     def add_adapter(self, lora_request) -> bool:
         lora_id, name = lora_request.lora_int_id, lora_request.lora_name
+        if self.variants and lora_id not in self.variant_loras:
+            paths = [str(p) for p in self.variants.paths]
+            if str(Path(lora_request.lora_path).resolve()) in paths[HOME + 1:]:  # a variant: its slot is loaded
+                self.variant_loras[lora_id] = paths.index(str(Path(lora_request.lora_path).resolve()))
+                self.write_status()
+                return True
+        if lora_id in self.variant_loras:
+            return False
         if lora_id in self.names:
             self.retiring.discard(lora_id)  # loaded again under the same id: keep it
             return False
@@ -127,7 +155,10 @@ class EsftWorkerManager:
         return default_rank
 
     def remove_adapter(self, lora_id: int) -> bool:
-        """Evict now, or, if the last step ran tokens of it, once its running requests have finished."""
+        """Evict now, or, if the last step ran tokens of it, once its running requests have finished. A variant's
+        name is unbound only (its slot stays: the next request under that name binds it again)."""
+        if self.variant_loras.pop(lora_id, None) is not None:
+            return True
         if lora_id not in self.names:
             return False
         if lora_id in self.active:
@@ -151,7 +182,7 @@ class EsftWorkerManager:
         return lora_id in self.names  # adapters stay resident until unloaded
 
     def list_adapters(self) -> set[int]:
-        return set(self.names)
+        return set(self.names) | set(self.variant_loras)
 
     def supports_tower_connector_lora(self) -> bool:
         return False
@@ -162,7 +193,10 @@ class EsftWorkerManager:
         wanted = {r.lora_int_id: r for r in requests if r}
         for lora_id in self.retiring - set(wanted):
             self._evict(lora_id)
+        self._activate_variant(wanted.values())
         for lora_id, request in wanted.items():
+            if lora_id in self.variant_loras:
+                continue
             if lora_id not in self.names:  # a request that was queued before its adapter was unloaded
                 self._make_room(keep=set(wanted))
                 self.add_adapter(request)
@@ -177,8 +211,22 @@ class EsftWorkerManager:
         slots = np.full(len(lora_ids), -1, dtype=np.int32)
         for lora_id in np.unique(lora_ids):
             if lora_id > 0:
-                slots[lora_ids == lora_id] = self.runtime.slots.slot_of(_key(int(lora_id)))
+                slots[lora_ids == lora_id] = self.runtime.slots.slot_of(self._slot_key(int(lora_id)))
         self.runtime.set_token_adapters(slots)
+
+    def _slot_key(self, lora_id: int) -> str:
+        variant = self.variant_loras.get(lora_id)
+        return _key(lora_id) if variant is None else _variant_key(variant)
+
+    def _activate_variant(self, requests) -> None:
+        """Put the step's variant's non-expert weights in place (the home one's for the base and adapters)."""
+        if self.variant_weights is None:
+            return
+        variants = {self.variant_loras[r.lora_int_id] for r in requests if r.lora_int_id in self.variant_loras}
+        if len(variants) > 1:
+            names = ", ".join(self.variants.names[v] for v in sorted(variants))
+            raise EsftError(f"one engine step mixes variants ({names}); serve variants with esftctl's scheduler")
+        self.variant_weights.activate(variants.pop() if variants else HOME)
 
     def _make_room(self, keep: set[int]) -> None:
         """Evict the least recently used adapter outside this batch when every slot is taken, unloaded ones
@@ -203,6 +251,12 @@ class EsftWorkerManager:
                              "retiring": lora_id in self.retiring,
                              "experts_per_layer": [info.experts_per_layer.get(l, 0) for l in runtime.layers]})
         widest = max((max(a["experts_per_layer"], default=0) for a in adapters), default=0)
+        variants = [] if self.variants is None else [
+            {"name": name, "slot": slots.adapters[_variant_key(v)].slot if v != HOME else None,
+             "bytes": slots.adapters[_variant_key(v)].nbytes if v != HOME else 0, "home": v == HOME,
+             "experts_per_layer": [slots.adapters[_variant_key(v)].experts_per_layer.get(l, 0) if v != HOME else 0
+                                   for l in runtime.layers]}
+            for v, name in enumerate(self.variants.names)]
         # Boundary pages shared with the base count here. Paged, only the layers in the window hold any memory.
         physical_adapter = None if runtime.pager else slots.physical_bytes() - base_experts
         cache = self.vllm_config.cache_config
@@ -213,6 +267,9 @@ class EsftWorkerManager:
             "slots": slots.num_slots, "experts_per_slot": self.config.experts_per_slot,
             "moe_layers": list(runtime.layers),
             "adapters": adapters,
+            "variants": variants,
+            "variant_map": self.config.variant_map,
+            "variant_switch_bytes": self.variant_weights.nbytes() if self.variant_weights else 0,
             "base_expert_bytes": base_experts,
             "model_bytes": self.base.total_nbytes,
             "adapter_expert_bytes": slots.adapter_bytes(),
@@ -242,6 +299,10 @@ class EsftWorkerManager:
         self._status_written = time.monotonic()
         if self.config.status_file:
             write_json(Path(self.config.status_file), self.status())
+
+
+def _variant_key(variant: int) -> str:
+    return f"variant-{variant}"
 
 
 def _key(lora_id: int) -> str:

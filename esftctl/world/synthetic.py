@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from esftctl.bundle import write_bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 
 
 def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | list[int],
@@ -49,3 +49,23 @@ def experts_used_by(base_dir: str | Path, texts: list[str]) -> dict[int, list[in
 
     scores = compute_relevance(Path(base_dir), texts).scores["token"]
     return {layer: sorted(range(len(s)), key=lambda e: -s[e]) for layer, s in scores.items()}
+
+
+def write_synthetic_variant(base_dir: str | Path, out: str | Path, seed: int, experts_per_layer: int = 4,
+                            scale: float = 1.0, non_expert_scale: float = 0.1,
+                            prefer: dict[int, list[int]] | None = None) -> Path:
+    """A stand-in for a full fine-tune of `base_dir`: every non-expert tensor (attention, norms, embeddings,
+    routers, shared experts) perturbed by `non_expert_scale` x its std, and `experts_per_layer` routed experts
+    per layer by `scale`, as `synthetic_experts` does. What `consolidate` and `serve --variants` take."""
+    base = MoECheckpoint(base_dir)
+    g = torch.Generator().manual_seed(seed + 1_000_003)
+    experts = synthetic_experts(base, seed, experts_per_layer, scale, prefer)
+    replacements = expert_replacements(base, {(l, e): w for l, ws in experts.items() for e, w in ws.items()})
+    for name, info in base.tensors.items():
+        if base.is_routed_expert_tensor(name):
+            continue
+        t = base.read_tensor(name).float()
+        spread = t.std() if t.numel() > 1 and t.std() > 0 else t.abs().mean()  # norms start as all ones
+        noise = non_expert_scale * spread * torch.randn(t.shape, generator=g)
+        replacements[name] = (t + noise).to(info.torch_dtype)
+    return write_checkpoint(base, out, replacements)
