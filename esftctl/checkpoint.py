@@ -190,7 +190,8 @@ class MoECheckpoint:
 
     def check_expert_id(self, layer: int, expert: int) -> None:
         if layer not in self.moe_layers:
-            raise EsftError(f"layer {layer} is not a MoE layer (MoE layers: {format_ranges(self.moe_layers)})", self.path)
+            raise EsftError(f"layer {layer} is not a MoE layer (MoE layers: {format_ranges(self.moe_layers)})",
+                            self.path)
         if not 0 <= expert < self.num_experts:
             raise EsftError(f"expert {expert} out of range (layer {layer} has {self.num_experts} experts)", self.path)
 
@@ -260,7 +261,8 @@ class MoECheckpoint:
                             info.file)
 
 
-def expert_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]) -> dict[str, torch.Tensor]:
+def expert_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]
+                        ) -> dict[str, torch.Tensor]:
     """Tensor-name -> tensor for writing the given (layer, expert) weights into `ckpt`'s layout."""
     shapes = ckpt.expert_shapes()
     out: dict[str, torch.Tensor] = {}

@@ -63,8 +63,8 @@ def relevance(
     """Score every routed expert of every MoE layer on task data with both ESFT metrics."""
     from rich.progress import Progress
 
-    from esftctl.relevance import METRICS, compute_relevance, relevance_table
     from esftctl.jsonl import read_jsonl
+    from esftctl.relevance import METRICS, compute_relevance, relevance_table
 
     if metric not in METRICS:
         raise EsftError(f"unknown metric {metric!r} (choose gate or token)")

@@ -68,7 +68,8 @@ def rank_positions(distances: np.ndarray) -> list[tuple[int, int]]:
     return [(int(i) // experts, int(i) % experts) for i in order]
 
 
-def assign_round_robin(ranking: Sequence[tuple[int, int]], num_models: int, capacity: int) -> dict[tuple[int, int], int]:
+def assign_round_robin(ranking: Sequence[tuple[int, int]], num_models: int, capacity: int
+                       ) -> dict[tuple[int, int], int]:
     """Rank r < capacity -> variant r mod M (rank 1 to the first variant, rank 2 to the second, ...)."""
     if num_models < 1 or capacity < 0:
         raise EsftError("need at least one model and a non-negative capacity")
@@ -98,7 +99,8 @@ class ExpertMap:
 
 
 def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = None, budget_bytes: int | None = None,
-                overwrite: bool = False, on_layer: Callable[[int], None] = lambda l: None) -> tuple[ExpertMap, np.ndarray]:
+                overwrite: bool = False, on_layer: Callable[[int], None] = lambda l: None
+                ) -> tuple[ExpertMap, np.ndarray]:
     """Write DIR/expert_map.json, DIR/ranking.json and DIR/distances.png; return the map and distances."""
     from esftctl.atomic import atomic_dir
 
@@ -116,7 +118,8 @@ def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = No
     owner = np.full(distances.shape, -1, dtype=np.int64)
     for (li, e), m in assigned.items():
         owner[li, e] = m
-    emap = ExpertMap([str(Path(p).resolve()) for p in model_dirs], models[0].moe_layers, models[0].num_experts, capacity, owner)
+    emap = ExpertMap([str(Path(p).resolve()) for p in model_dirs], models[0].moe_layers, models[0].num_experts,
+                     capacity, owner)
     layers = models[0].moe_layers
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_json(tmp / MAP_FILE, emap.to_json())

@@ -181,7 +181,8 @@ def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, i
     # shared experts and the rest: present exactly when their flag says so, all of them (DeepSeek's strict load)
     # (keys relative to the inner model cannot hold lm_head.weight: their loader leaves it to the base)
     others = {n for n in base.tensors if n not in routed and n not in shared}
-    for flag, what, group in (("shared_experts", "shared-expert", shared), ("non_expert_modules", "non-expert", others)):
+    flags = (("shared_experts", "shared-expert", shared), ("non_expert_modules", "non-expert", others))
+    for flag, what, group in flags:
         held = sorted(n for n in entries if n in group)
         if held and not getattr(config, flag):
             raise EsftError(f"holds {what} tensors (e.g. {key_of(held[0])!r}) but {CONFIG_FILE} sets {flag}: false",

@@ -27,9 +27,22 @@ import torch
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
+from esftctl.huffman import (
+    GROUP,
+    LANES,
+    MAX_LENGTH,
+    Code,
+    build_code,
+    chunk_count,
+    chunk_firsts,
+    decode,
+    encode,
+    entropy_bits,
+    join_bf16,
+    multi_symbol_table,
+    split_bf16,
+)
 from esftctl.jsonfile import read_json
-from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, Code, build_code, chunk_count, chunk_firsts, decode,
-                             encode, entropy_bits, join_bf16, multi_symbol_table, split_bf16)
 
 STORE_FORMAT = "esftctl-expert-store"
 STORE_VERSION = 2  # 1: chunks held consecutive values

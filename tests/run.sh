@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Install everything the tests need (once) and run them. Extra arguments go to pytest.
+# Install everything the tests need (once), lint (ruff, configured in pyproject.toml), then run the tests.
+# Extra arguments go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
-exec "${ESFTCTL_VENV:-$root/.venv}/bin/python" -m pytest -q "$@"
+venv="${ESFTCTL_VENV:-$root/.venv}"
+"$venv/bin/ruff" check esftctl tests recipes benchmarks/scripts
+exec "$venv/bin/python" -m pytest -q "$@"

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import safe_open
 
-from conftest import run_cli
 from esftctl.bench import esft as bench
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
@@ -28,7 +28,8 @@ def test_selection_gives_experts_per_layer_for_both_metrics(world):
     from esftctl.relevance import compute_relevance
 
     base = MoECheckpoint(world.base_dir)
-    texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(world.data_file(world.task_names[0], "train")))[:64]]
+    train = list(read_jsonl(world.data_file(world.task_names[0], "train")))[:64]
+    texts = [e["prompt"] + e["completion"] for e in train]
     rel = compute_relevance(world.base_dir, texts)
     for method, (metric, p) in bench.SELECTION.items():
         experts = bench.select(rel, method)

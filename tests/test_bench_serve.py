@@ -10,13 +10,18 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import safe_open
 
-from conftest import run_cli
 from esftctl.bench.load import Load, bench_args, shares, weighted_names
 from esftctl.bench.lora_peer import lora_modules, write_lora
-from esftctl.bench.synthetic_model import (INDEX_FILE, adapter_expert_ids, deepseek_v2_lite_config, write_adapter,
-                                           write_model)
+from esftctl.bench.synthetic_model import (
+    INDEX_FILE,
+    adapter_expert_ids,
+    deepseek_v2_lite_config,
+    write_adapter,
+    write_model,
+)
 from esftctl.bundle import Bundle
 from esftctl.checkpoint import MoECheckpoint
 

@@ -133,7 +133,9 @@ def test_shape_mismatch_names_tensor_and_file(tiny_models, tmp_path):
     config = json.loads((m / "config.json").read_text())
     config["moe_intermediate_size"] = 32
     (m / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EsftError, match=r"model.safetensors: expert tensor 'model.layers.1.mlp.experts.0.gate_proj.weight' has shape \[64, 256\], expected \[32, 256\]"):
+    expected = (r"model.safetensors: expert tensor 'model.layers.1.mlp.experts.0.gate_proj.weight' has shape "
+                r"\[64, 256\], expected \[32, 256\]")
+    with pytest.raises(EsftError, match=expected):
         MoECheckpoint(m)
 
 

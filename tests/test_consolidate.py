@@ -7,11 +7,18 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_cli
+
 from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
-from esftctl.consolidate import (ExpertMap, assign_round_robin, average, consolidate, expert_distances,
-                                 materialize, rank_positions)
+from esftctl.consolidate import (
+    ExpertMap,
+    assign_round_robin,
+    average,
+    consolidate,
+    expert_distances,
+    materialize,
+    rank_positions,
+)
 from esftctl.errors import EsftError
 
 

@@ -11,10 +11,10 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import run_cli
 from esftctl.bundle import Bundle
 from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.pack import pack
@@ -295,9 +295,10 @@ def test_export_refusals(base, tmp_path, capsys):
 def test_imported_adapter_served_equals_its_merged_model(world, tmp_path):
     """An adapter folder in the spelling of DeepSeek's released adapters, imported, served by `esftctl serve`
     beside the base: the greedy tokens of its merged model served alone by plain vLLM."""
+    from test_serve import ENGINE_ARGS, complete, prompts_of, reference, serve_concurrently
+
     from esftctl.merge import merge
     from esftctl.serve import Server, free_port, plan
-    from test_serve import ENGINE_ARGS, complete, prompts_of, reference, serve_concurrently
 
     base = MoECheckpoint(world.base_dir)
     prompts = prompts_of(world)[:4]

@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
+from test_store import _store_of
 
 from esftctl.errors import EsftError
 from esftctl.runtime.paging import LayerSource, PagedExperts, ResidencyPlanner, run_stack, store_decoder
 from esftctl.runtime.residency import AdaptiveResidency
-from test_store import _store_of
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, H, I, TOP_K, LAYERS = 8, 64, 32, 2, 6
@@ -105,7 +105,8 @@ def test_random_layer_orders_stress(device):
     pager = PagedExperts(sources(layers, device), window=2, device=device)
     for trial in range(6):
         order = [rng.randrange(LAYERS) for _ in range(rng.randint(1, 12))]  # repeats and jumps included
-        assert torch.equal(paged_outputs(pager, layers, x, order, device), resident_outputs(layers, x, order, device)), order
+        paged = paged_outputs(pager, layers, x, order, device)
+        assert torch.equal(paged, resident_outputs(layers, x, order, device)), order
         assert pager.stats.max_blocks_in_use <= 2
     pager.set_resident([1, 3])
     order = [3, 1, 0, 5, 1, 2]

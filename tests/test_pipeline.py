@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from esftctl.bundle import Bundle
 from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.errors import EsftError
@@ -146,7 +146,8 @@ def test_pack_with_config(finetune, tmp_path):
     assert Bundle.open(tmp_path / "bundle").experts == {1: [3, 9], 2: [0, 15], 3: [7]}
     _assert_same_checkpoint(merge(base, tmp_path / "bundle", tmp_path / "merged"), tuned)
     ExpertConfig({1: [3], 2: [0]}).save(tmp_path / "short.json")
-    with pytest.raises(EsftError, match=r"short.json: experts changed that the expert config does not list .*\(2, 15\)"):
+    with pytest.raises(EsftError,
+                       match=r"short.json: experts changed that the expert config does not list .*\(2, 15\)"):
         pack(base, tuned, tmp_path / "b2", "task", config_file=tmp_path / "short.json")
     ExpertConfig({1: [3, 99]}).save(tmp_path / "range.json")
     with pytest.raises(EsftError, match="range.json: layer 1: expert ids \\[99\\] out of range"):
@@ -259,8 +260,8 @@ def test_cli_relevance_and_select(world, tmp_path):
 
 
 def test_esft_finetune_trains_only_selected_experts(world, tmp_path):
-    from esftctl.world.esft import esft_finetune
     from esftctl.jsonl import read_jsonl
+    from esftctl.world.esft import esft_finetune
 
     # The two experts arithmetic uses most in layers 1 and 3: they surely get tokens, hence gradients.
     usage = world.expert_usage()["usage"]["arithmetic"]

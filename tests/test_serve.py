@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import engine_settings, has_gpu, plain_vllm, run_cli, server_args
 from rich.console import Console
 
-from conftest import engine_settings, has_gpu, plain_vllm, run_cli, server_args
 from esftctl.bundle import Bundle
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError

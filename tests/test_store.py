@@ -9,11 +9,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_cli
+
 from esftctl.errors import EsftError
-from esftctl.huffman import (GROUP, LANES, MAX_LENGTH, build_code, chunk_count, chunk_firsts, chunk_layout,
-                             code_lengths, decode, encode, entropy_bits, join_bf16, split_bf16)
+from esftctl.huffman import (
+    GROUP,
+    LANES,
+    MAX_LENGTH,
+    build_code,
+    chunk_count,
+    chunk_firsts,
+    chunk_layout,
+    code_lengths,
+    decode,
+    encode,
+    entropy_bits,
+    join_bf16,
+    split_bf16,
+)
 from esftctl.store import ExpertStore, SourceTensor, compress, decompress, write_store
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_store import _heavy_tailed, _special_values, _store_of
 
 pytestmark = pytest.mark.gpu

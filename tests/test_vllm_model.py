@@ -138,7 +138,8 @@ def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device, pagi
         torch.testing.assert_close(got[torch.from_numpy(rows).to(device)], want[torch.from_numpy(rows).to(device)],
                                    rtol=0, atol=0, msg=f"tokens of {name}")
     if paging_window:
-        assert runtime.pager.stats.loads >= len(runtime.layers) and runtime.pager.stats.max_blocks_in_use <= paging_window
+        stats = runtime.pager.stats
+        assert stats.loads >= len(runtime.layers) and stats.max_blocks_in_use <= paging_window
     # The adapters change the outputs, so the comparison above means something.
     assert not torch.equal(run_layers(engine_model(ckpt, adapters["a2"], device), x), run_layers(
         engine_model(ckpt, None, device), x))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import plain_vllm
+
 from esftctl.jsonl import read_jsonl
 from esftctl.world.tasks import TASKS
 
@@ -51,7 +51,8 @@ def test_vllm_greedy_matches_transformers(world, tmp_path):
         for step, (mine, theirs) in enumerate(zip(hf_tokens, r["token_ids"])):
             if mine != theirs:
                 gap = float(hf_logprobs[step][mine] - hf_logprobs[step][theirs])
-                assert gap < NEAR_TIE, f"{r['prompt']!r} step {step}: vLLM chose {theirs}, transformers {mine} (gap {gap:.3f})"
+                assert gap < NEAR_TIE, (f"{r['prompt']!r} step {step}: vLLM chose {theirs}, transformers {mine} "
+                                        f"(gap {gap:.3f})")
                 break  # contexts differ from here on
             vllm_logprob = r["logprobs"][step][str(theirs)]
             assert abs(vllm_logprob - float(hf_logprobs[step][mine])) < LOGPROB_TOLERANCE, (r["prompt"], step)

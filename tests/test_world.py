@@ -6,9 +6,9 @@ import itertools
 import json
 
 from esftctl.checkpoint import MoECheckpoint
+from esftctl.jsonl import read_jsonl
 from esftctl.world.build import GENERAL_SPLITS, SPLITS, build_world
 from esftctl.world.report import routing_distance
-from esftctl.jsonl import read_jsonl
 from esftctl.world.tasks import ITEMS, TASKS, vocabulary
 
 
@@ -76,13 +76,15 @@ def test_exact_match_equals_greedy_decoding(world):
 
     tok = AutoTokenizer.from_pretrained(world.base_dir)
     model = AutoModelForCausalLM.from_pretrained(world.base_dir, dtype=torch.float32).eval()
-    examples = list(read_jsonl(world.general_file("test")))[:20] + list(read_jsonl(world.data_file("cipher", "test")))[:20]
+    examples = (list(read_jsonl(world.general_file("test")))[:20] +
+                list(read_jsonl(world.data_file("cipher", "test")))[:20])
     for e in examples:
         ids = tok(e["prompt"], return_tensors="pt")["input_ids"]
         out = model.generate(ids, max_new_tokens=ITEMS + 2, do_sample=False, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
         greedy = out[0, ids.shape[1]:].tolist()
-        right = greedy[:ITEMS + 1] == tok(e["prompt"] + e["completion"])["input_ids"][ids.shape[1]:] + [tok.eos_token_id]
+        reference = tok(e["prompt"] + e["completion"])["input_ids"][ids.shape[1]:] + [tok.eos_token_id]
+        right = greedy[:ITEMS + 1] == reference
         assert exact_match(world.base_dir, [e]) == float(right), e
 
 

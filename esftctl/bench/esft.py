@@ -239,7 +239,8 @@ def tables(result: dict) -> list:
     out = []
     ev = result["eval_examples"]
     for task in result["tasks"]:
-        t = Table(title=f"{task}: {result['recipe']['steps']} steps per fine-tune (lr: ESFT {result['recipe']['lr']:g}, "
+        recipe = result["recipe"]
+        t = Table(title=f"{task}: {recipe['steps']} steps per fine-tune (lr: ESFT {recipe['lr']:g}, "
                         f"FFT {result['fft_lr']:g}, LoRA {result['lora']['lr']:g}); "
                         f"{ev['task']} held-out task and {ev['general']} general examples; loss in nats/token",
                   header_style="bold")

@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 
-
 # A routing function: router logits [T, E] -> (weights float32 [T, k], expert rows int32 [T, k]).
 Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -112,8 +112,8 @@ def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, batches=(1, 4, 16, 
         exact = torch.equal(dev13, w13) and torch.equal(dev2, w2)
         split = tier_split(shape.experts, block_bytes / host_s, block_bytes / store_s)
         store_bytes = store.header["data_bytes"]
-        both_s = _timed(_both_tiers(host13, host2, dev13, dev2, store_decoder(store, names)(dev13[:split], dev2[:split]),
-                                    split))
+        decode = store_decoder(store, names)(dev13[:split], dev2[:split])
+        both_s = _timed(_both_tiers(host13, host2, dev13, dev2, decode, split))
 
         def pager(store_experts: int) -> PagedExperts:
             make = store_decoder(store, names) if store_experts else None

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Callable
 
 from esftctl import serve_client
-from esftctl.jsonfile import write_json
 from esftctl.bench import serve_models
 from esftctl.bench.load import Load, run_load, shares, summary, weighted_names
 from esftctl.bench.serve_models import Served
+from esftctl.jsonfile import write_json
 from esftctl.serve import Server, free_port, plan
 
 INF = math.inf

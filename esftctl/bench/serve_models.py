@@ -16,10 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-from dataclasses import dataclass, field
 
 from esftctl.bench.shapes import TABLE1_ADAPTERS
 

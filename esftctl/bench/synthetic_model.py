@@ -149,7 +149,8 @@ def write_tokenizer(out: Path, config) -> None:
     fast.save_pretrained(out)
 
 
-def random_experts(base: MoECheckpoint, ids: dict[int, list[int]], g: torch.Generator) -> dict[int, dict[int, ExpertWeights]]:
+def random_experts(base: MoECheckpoint, ids: dict[int, list[int]], g: torch.Generator
+                   ) -> dict[int, dict[int, ExpertWeights]]:
     """Fresh trained-like weights for the given {layer: expert ids} of `base`."""
     shapes = base.expert_shapes()
     return {layer: {e: ExpertWeights(*(trained_like(shapes[w], g).cpu() for w in EXPERT_WEIGHTS)) for e in per}

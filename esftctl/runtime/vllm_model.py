@@ -38,8 +38,15 @@ from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, Ph
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts, store_decoder, tier_split
 from esftctl.runtime.residency import AdaptiveResidency
-from esftctl.runtime.vllm_moe import (EngineMoELayer, check_rows, check_supported, find_moe_layers,
-                                     kernel_config, max_rows, widen_to_rows)
+from esftctl.runtime.vllm_moe import (
+    EngineMoELayer,
+    check_rows,
+    check_supported,
+    find_moe_layers,
+    kernel_config,
+    max_rows,
+    widen_to_rows,
+)
 from esftctl.store import ExpertStore, missing_base_experts
 from esftctl.units import format_bytes
 
@@ -171,13 +178,13 @@ class EsftModel:
         raw = stack_experts([base.read_expert(index, 0)])
         converted = layer.layout.convert(*raw)
         if not all(c.shape == r.shape and torch.equal(c.cpu(), r.to(c.dtype)) for c, r in zip(converted, raw)):
-            raise EsftError(f"{store.path}: the store tier writes experts in the checkpoint's layout, but this engine's "
-                            "MoE kernel keeps its own (e.g. vLLM's CPU build prepacks them); page from host memory "
-                            "only")
+            raise EsftError(f"{store.path}: the store tier writes experts in the checkpoint's layout, but this "
+                            "engine's MoE kernel keeps its own (e.g. vLLM's CPU build prepacks them); page from host "
+                            "memory only")
         missing = missing_base_experts(base, set(store.tensors))
         if missing:
-            raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make it "
-                            "with `esftctl compress BASE`", store.path)
+            raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make "
+                            "it with `esftctl compress BASE`", store.path)
         return lambda names: store_decoder(store, names)
 
     def _measured_split(self, pager: PagedExperts) -> int:
@@ -200,7 +207,8 @@ class EsftModel:
         layer.load_base_rows(w13, w2)
         probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, 0)]))
         if not (torch.equal(probe13[0], layer.w13.tensor[0]) and torch.equal(probe2[0], layer.w2.tensor[0])):
-            raise EsftError(f"layer {engine.index}: vLLM's expert layout for {type(engine.experts.quant_method).__name__}"
+            method = type(engine.experts.quant_method).__name__
+            raise EsftError(f"layer {engine.index}: vLLM's expert layout for {method}"
                             " could not be reproduced from the checkpoint; this MoE backend is not supported")
         _replace_weight(engine.experts, "w13_weight", layer.w13.tensor)
         _replace_weight(engine.experts, "w2_weight", layer.w2.tensor)

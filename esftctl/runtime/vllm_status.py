@@ -1,7 +1,7 @@
 """esftctl's additions to vLLM's OpenAI server, installed with vLLM's `--middleware` option.
 
-- GET /esftctl/status: the engine's adapter and memory table, as JSON, with the server's process id. The engine process writes it to a
-  file after every adapter change (esftctl.runtime.vllm_worker); this serves that file.
+- GET /esftctl/status: the engine's adapter and memory table, as JSON, with the server's process id. The
+  engine process writes it to a file after every adapter change (esftctl.runtime.vllm_worker); this serves that file.
 - POST /v1/unload_lora_adapter: vLLM's handler forgets the name (new requests for it get vLLM's unknown-
   model error) but leaves the weights in the engine, where LoRA evicts lazily. An ESFT adapter holds a
   slot, so after a successful unload this also tells the engine to remove it; the engine keeps it until
