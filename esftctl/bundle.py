@@ -31,6 +31,7 @@ from esftctl.atomic import atomic_dir
 from esftctl.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint
 from esftctl.errors import EsftError, one_line
 from esftctl.jsonfile import read_json
+from esftctl.names import check_name
 
 BUNDLE_FORMAT = "esftctl-adapter"
 BUNDLE_VERSION = 1
@@ -75,8 +76,7 @@ def base_identity(ckpt: MoECheckpoint) -> dict:
 def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, dict[int, ExpertWeights]],
                  non_expert: dict[str, torch.Tensor] | None = None, overwrite: bool = False) -> Path:
     """Write a bundle folder atomically; experts: {layer: {expert id: weights}}."""
-    if not name or any(c in name for c in "/\\ \t\n"):
-        raise EsftError(f"adapter name {name!r} must be non-empty without spaces or slashes")
+    check_name(name)
     tensors: dict[str, torch.Tensor] = {}
     for layer, per_layer in sorted(experts.items()):
         for e, weights in sorted(per_layer.items()):
@@ -199,7 +199,8 @@ class Bundle:
         layers = len(counts)
         most = max(counts) if counts else 0
         mean = sum(counts) / layers if layers else 0.0
-        expert_bytes = sum(math.prod(s) for s in self.manifest["shapes"].values()) * TORCH_DTYPES[self.manifest["dtype"]].itemsize
+        itemsize = TORCH_DTYPES[self.manifest["dtype"]].itemsize
+        expert_bytes = sum(math.prod(s) for s in self.manifest["shapes"].values()) * itemsize
         return {
             "kind": "bundle", "path": str(self.path), "name": self.name, "architecture": self.base["architecture"],
             "base_fingerprint": self.base["fingerprint"], "moe_layers": self.base["moe_layers"],

@@ -17,6 +17,7 @@ import torch
 from esftctl.bundle import base_identity, write_bundle
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.names import check_name
 from esftctl.selection import ExpertConfig
 
 
@@ -64,6 +65,7 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
          on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
     from esftctl.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter  # it builds on this module
 
+    check_name(name)  # before any reading: a bad name costs nothing
     if is_esft_adapter(tuned_dir):
         if config_file is not None:
             raise EsftError(f"an ESFT adapter folder brings its own {CONFIG_FILE}: drop --config", config_file)

@@ -64,6 +64,9 @@ def status(url: str) -> dict:
 
 
 def load(url: str, name: str, bundle: Path) -> str:
+    from esftctl.names import check_name
+
+    check_name(name)
     return str(request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(bundle).resolve())}))
 
 
@@ -102,7 +105,8 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
         memory.add_row("GPU memory set aside before the KV cache", format_bytes(status["reserved_bytes"]))
     if physical is not None:
         memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
-        memory.add_row("saved vs padding to the widest adapter", format_bytes(max(status["padded_bytes"] - physical, 0)))
+        memory.add_row("saved vs padding to the widest adapter",
+                       format_bytes(max(status["padded_bytes"] - physical, 0)))
         memory.add_row("saved vs a merged copy per adapter", format_bytes(max(status["merged_bytes"] - physical, 0)))
     else:  # paged: what the device holds now, base and adapters together
         memory.add_row(f"experts on the device now (paging window {status['paging_window']})",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli
 from test_checkpoint import EXPECTED
 
@@ -66,3 +65,15 @@ def test_compress_of_a_float32_model_names_the_model(tiny_models, tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: {model}: tensor ") and "only bf16 expert weights" in proc.stderr
     assert not (tmp_path / "store").exists() and list(tmp_path.iterdir()) == [model]
+
+
+def test_one_name_rule_for_pack_serve_and_load(world, tmp_path):
+    """Issue 18, item 5: a name with a space is refused alike by pack, serve and adapters load, in one line."""
+    for args in (("pack", world.base_dir, world.base_dir, "--out", tmp_path / "b", "--name", "a b"),
+                 ("serve", world.base_dir, "--adapter", f"a b={tmp_path}"),
+                 ("serve", world.base_dir, "--name", "my base"),
+                 ("adapters", "load", "a b", tmp_path, "--url", "http://127.0.0.1:9")):
+        proc = run_cli(*args)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert "use 1-128 letters, digits, '.', '_' and '-'" in proc.stderr, (args, proc.stderr)
+    assert not (tmp_path / "b").exists()
