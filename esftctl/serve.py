@@ -29,6 +29,7 @@ from pathlib import Path
 
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.names import check_name
 from esftctl.runtime.serve_config import ENV, ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS, check_rows
 from esftctl.serve_client import request
@@ -134,6 +135,7 @@ def parse_adapters(specs: list[str]) -> dict[str, Path]:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise EsftError(f"--adapter {spec!r}: expected NAME=BUNDLE")
+        check_name(name)
         if name in adapters:
             raise EsftError(f"--adapter {name!r} is given twice")
         adapters[name] = Path(path).resolve()
@@ -161,7 +163,7 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
         raise EsftError(f"--quantum {quantum}: give at least one engine step per turn")
     base = vset.home if vset is not None else MoECheckpoint(base_dir)
     adapters = parse_adapters(adapter_specs)
-    name = vset.names[0] if vset is not None else name or base.path.resolve().name
+    name = vset.names[0] if vset is not None else check_name(name or base.path.resolve().name, "served model")
     if name in adapters:
         raise EsftError(f"adapter name {name!r} is the base model's served name; pick another")
     clash = sorted(set(adapters) & set(vset.names if vset is not None else []))

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import engine_settings, plain_vllm, run_cli, server_args
+from test_serve import ENGINE_ARGS, LOGPROBS, MAX_TOKENS, prompts_of, serve_concurrently
 
-from conftest import plain_vllm, run_cli
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.consolidate import consolidate, materialize
 from esftctl.errors import EsftError
 from esftctl.serve import Server, free_port, plan
 from esftctl.serve_client import status
 from esftctl.world.synthetic import experts_used_by, write_synthetic_variant
-from test_serve import ENGINE_ARGS, LOGPROBS, MAX_TOKENS, prompts_of, serve_concurrently
 
 pytestmark = pytest.mark.vllm
 
@@ -38,10 +38,20 @@ def variants(world, tmp_path_factory):
     positions = len(base.moe_layers) * base.num_experts
     maps = {"all": consolidate(dirs, tmp / "map_all", capacity=positions)[0],
             "half": consolidate(dirs, tmp / "map_half", capacity=positions - PERTURBED * len(base.moe_layers) // 2)[0]}
-    materialized = {f"{m}/task{v}": materialize(tmp / f"map_{m}", v, tmp / f"mat_{m}_{v}") for m in maps
-                    for v in range(3)}
-    ref = plain_vllm(materialized, prompts, tmp, MAX_TOKENS, LOGPROBS)
-    return {"tmp": tmp, "dirs": dirs, "maps": maps, "prompts": prompts, "ref": ref}
+    materialized = {m: {f"task{v}": materialize(tmp / f"map_{m}", v, tmp / f"mat_{m}_{v}") for v in range(3)}
+                    for m in maps}
+    references = {}
+
+    def reference(m: str, engine: dict | None = None) -> dict:
+        """Each variant's materialized checkpoint under map `m`, served alone by plain vLLM (once per engine)."""
+        key = (m, str(engine))
+        if key not in references:
+            (tmp / f"ref_{len(references)}").mkdir()
+            references[key] = plain_vllm(materialized[m], prompts, tmp / f"ref_{len(references)}", MAX_TOKENS,
+                                         LOGPROBS, engine)
+        return references[key]
+
+    return {"tmp": tmp, "dirs": dirs, "maps": maps, "prompts": prompts, "reference": reference}
 
 
 def test_every_map_has_hits_and_the_half_one_misses(variants):
@@ -50,30 +60,42 @@ def test_every_map_has_hits_and_the_half_one_misses(variants):
     misses = (half.owner < 0).sum(axis=1)
     assert misses.sum() > 0 and np.all(misses <= PERTURBED)
     # The variants answer differently, and so does a variant under the two maps: serving one for another fails.
-    ref = variants["ref"]
+    ref = {m: variants["reference"](m) for m in ("all", "half")}
     for m in ("all", "half"):
-        answers = [[r["token_ids"] for r in ref[f"{m}/task{v}"]] for v in range(3)]
+        answers = [[r["token_ids"] for r in ref[m][f"task{v}"]] for v in range(3)]
         assert answers[0] != answers[1] != answers[2] != answers[0]
-    assert any([r["token_ids"] for r in ref[f"all/task{v}"]] != [r["token_ids"] for r in ref[f"half/task{v}"]]
+    assert any([r["token_ids"] for r in ref["all"][f"task{v}"]] != [r["token_ids"] for r in ref["half"][f"task{v}"]]
                for v in range(3))
 
 
 @pytest.mark.parametrize("capacity", ["all", "half"])
 def test_variants_served_together_equal_their_materialized_models(variants, capacity):
-    tmp = variants["tmp"]
+    tmp, ref = variants["tmp"], variants["reference"](capacity)
     options = {"paging_window": 1} if capacity == "half" else {}
     serve_plan = plan(None, [], variants=tmp / f"map_{capacity}", port=free_port(), state_dir=tmp / f"state_{capacity}",
                       vllm_args=ENGINE_ARGS, quantum=2, **options)
     assert serve_plan.variant_names == ["task0", "task1", "task2"]
     with Server(serve_plan) as server:
         server.wait_ready()
-        ref = {name: variants["ref"][f"{capacity}/{name}"] for name in serve_plan.variant_names}
         serve_concurrently(serve_plan.url, list(ref), variants["prompts"], ref)
         s = status(serve_plan.url)
     by_name = {v["name"]: v for v in s["variants"]}
     assert by_name["task0"]["home"] and s["variant_switch_bytes"] > 0
     own = sum(sum(v["experts_per_layer"]) for v in s["variants"])
     assert (own > 0) == (capacity == "half")  # misses take slot rows; with every position loaded, none
+
+
+@pytest.mark.gpu
+def test_variants_with_cuda_graphs(variants):
+    """vLLM's compilation and CUDA graphs: a switch copies weights into the tensors the graphs captured."""
+    tmp, engine = variants["tmp"], engine_settings(graphs=True)
+    serve_plan = plan(None, [], variants=tmp / "map_half", port=free_port(), state_dir=tmp / "state_graphs",
+                      vllm_args=server_args(engine), quantum=1)
+    assert "--enforce-eager" not in serve_plan.command()
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        ref = variants["reference"]("half", engine)  # a server that fails to start fails the test sooner
+        serve_concurrently(serve_plan.url, list(ref), variants["prompts"], ref)
 
 
 def test_bad_variant_maps_are_refused_before_vllm_starts(variants, tmp_path, tiny_models):

@@ -64,7 +64,8 @@ def memory(
                                               "only, any machine), or auto (cuda when a GPU is present)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
 ) -> None:
-    """Adapter expert memory: padding vs virtual weight tensors vs merged models (DeepSeek-V2-Lite, Table 1 adapters)."""
+    """Adapter expert memory: padding vs virtual weight tensors vs merged models (DeepSeek-V2-Lite, Table 1
+    adapters)."""
     from esftctl.bench import memory as bench
     from esftctl.errors import EsftError
 
@@ -102,12 +103,29 @@ def consolidate(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
     steps: int = typer.Option(200, min=1, help="Full fine-tuning steps per variant (cached in the world)."),
     eval_examples: int = typer.Option(40, min=1, help="Held-out examples per task."),
+    capacities: str = typer.Option("100,90,75,50,25,0", help="The sweep's capacities, in percent of the expert "
+                                                             "positions loaded (100: every position shared)."),
+    serve: bool = typer.Option(False, "--serve", help="Also serve the sweep's variants: `esftctl serve "
+                                                      "--variants` against one plain vLLM server per variant and "
+                                                      "whole-model swapping, same traffic (a few minutes more)."),
+    serve_capacity: int = typer.Option(50, min=0, max=100, help="With --serve: the map served, in percent of the "
+                                                                "positions loaded."),
+    rate: float = typer.Option(2.0, min=0.01, help="With --serve: Poisson request rate, requests per second."),
+    requests: int = typer.Option(24, min=1, help="With --serve: requests in the run."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
 ) -> None:
-    """Consolidated vs own vs weight-averaged variants of the tiny world, for 2, 3 and 4 variants."""
+    """Consolidated vs own vs weight-averaged variants of the tiny world: for 2, 3 and 4 variants with every
+    position loaded, then for 3 variants over a sweep of capacities (quality against expert memory), and with
+    --serve their turnaround served three ways."""
     from esftctl.bench import consolidate as bench
 
-    _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples)
+    fractions = tuple(c / 100 for c in _counts("--capacities", capacities, minimum=0))
+    if max(fractions) > 1:
+        from esftctl.errors import EsftError
+
+        raise EsftError(f"--capacities {capacities!r}: percentages run from 0 to 100")
+    _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples, capacities=fractions,
+             serve=serve, serve_fraction=serve_capacity / 100, rate=rate, requests=requests, work=out / "serve-work")
 
 
 def _rates(text: str) -> tuple[float, ...]:

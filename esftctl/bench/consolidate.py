@@ -6,10 +6,17 @@ capacity of one model's worth of experts (every position loaded, each from one v
 and each variant is evaluated on its own held-out data three ways: its own model, the model it runs under the
 consolidated map (`materialize`), and the average of the variants' weights. Metrics: completion loss
 (nats/token; perplexity = exp) and exact match.
+
+The capacity sweep takes the first `sweep` variants from every position loaded (all hits: the least expert
+memory, one model's worth) down to none (every variant its own experts: M models' worth) and reports quality
+against the expert memory a server holds for them (`esftctl serve --variants`: every base row plus each
+variant's distinct misses). With `serve`, esftctl.bench.variants_serve measures turnaround of the variants
+served by one consolidated server against one plain vLLM server per variant and whole-model swapping.
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -17,21 +24,31 @@ from typing import Callable
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.consolidate import average, consolidate, materialize
 from esftctl.jsonl import read_jsonl
+from esftctl.variants import VariantSet
 from esftctl.world.build import build_world
-from esftctl.world.esft import completion_loss, exact_match, full_finetune
+from esftctl.world.esft import completion_loss, exact_match, fine_tuned_variants
+from esftctl.world.models import quiet_transformers
+
+CAPACITIES = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # fractions of the positions loaded, in the sweep
+ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "16"]
 
 
-def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float = 3e-3, eval_examples: int = 40,
+def engine_args() -> list[str]:
+    """The servers' engine flags: on the CPU build eager for all (`serve --variants` must be: variant_weights),
+    so the baselines run the same kernels; on a GPU vLLM's defaults (compilation, CUDA graphs) for all."""
+    import torch
+
+    return ENGINE_ARGS + ([] if torch.cuda.is_available() else ["--enforce-eager"])
+
+
+def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float = 3e-3, eval_examples: int = 40, *,
+        sweep: int = 3, capacities=CAPACITIES, serve: bool = False, serve_fraction: float = 0.5, rate: float = 2.0,
+        requests: int = 24, output_len: int = 16, work: Path | None = None,
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
+    quiet_transformers()
     world = build_world(root)
-    tasks = world.task_names[: max(counts)]
-    variants = {}
-    for task in tasks:
-        variants[task] = world.root / "variants" / task
-        if not variants[task].exists():
-            on_step(f"fully fine-tuning a variant on {task}")
-            full_finetune(world.base_dir, list(read_jsonl(world.data_file(task, "train"))), variants[task],
-                          steps=steps, batch_size=16, lr=lr)
+    tasks = world.task_names[: max(max(counts), sweep)]
+    variants = fine_tuned_variants(world, tasks, steps=steps, lr=lr, on_step=on_step)
     held_out = {t: list(read_jsonl(world.data_file(t, "test")))[:eval_examples] for t in tasks}
 
     def evaluate(model_dir: Path, task: str) -> dict:
@@ -55,8 +72,46 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
                 materialize(tmp / "map", i, tmp / f"c{i}")
                 rows.append({"variants": n, "task": t, "own": own[t], "consolidated": evaluate(tmp / f"c{i}", t),
                              "averaged": evaluate(tmp / "avg", t)})
-    return {"benchmark": "consolidate", "world": str(world.root), "capacity": capacity, "steps": steps,
-            "eval_examples": eval_examples, "rows": rows}
+    result = {"benchmark": "consolidate", "world": str(world.root), "capacity": capacity, "steps": steps,
+              "eval_examples": eval_examples, "rows": rows}
+    members = tasks[:sweep]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        average([variants[t] for t in members], tmp / "avg")
+        averaged = {t: evaluate(tmp / "avg", t) for t in members}
+        points = []
+        for fraction in capacities:
+            c = round(fraction * capacity)
+            on_step(f"sweep: capacity {c} of {capacity} positions")
+            consolidate([variants[t] for t in members], tmp / f"map{c}", capacity=c)
+            quality = {}
+            for i, t in enumerate(members):
+                materialize(tmp / f"map{c}", i, tmp / f"m{c}_{i}")
+                quality[t] = evaluate(tmp / f"m{c}_{i}", t)
+                shutil.rmtree(tmp / f"m{c}_{i}")
+            misses = VariantSet.open(tmp / f"map{c}", members).miss_counts()
+            points.append({"capacity": c, "fraction": fraction, "resident_experts": capacity + sum(map(sum, misses)),
+                           "tasks": quality})
+        result["sweep"] = {"variants": members, "positions": capacity, "expert_bytes": base_expert_bytes(world),
+                           "own": {t: own[t] for t in members}, "averaged": averaged, "points": points}
+        if serve:
+            from esftctl.bench import variants_serve
+            from esftctl.bench.turnaround import Traffic
+
+            c = round(serve_fraction * capacity)
+            if not (tmp / f"map{c}").exists():
+                consolidate([variants[t] for t in members], tmp / f"map{c}", capacity=c)
+            prompts = [e["prompt"] for t in members for e in held_out[t][:8]]
+            traffic = Traffic(members, rate, requests, prompts, output_len)
+            result["serving"] = variants_serve.measure(
+                {t: variants[t] for t in members}, tmp / f"map{c}", Path(work or tmp / "serve"),
+                traffic, engine_args(), on_step=on_step)
+            result["serving"]["capacity"] = c
+    return result
+
+
+def base_expert_bytes(world) -> int:
+    return MoECheckpoint(world.base_dir).expert_nbytes
 
 
 def table(result: dict):
@@ -74,14 +129,101 @@ def table(result: dict):
     return t
 
 
+def tables(result: dict) -> list:
+    out = [table(result)]
+    if "sweep" in result:
+        out.append(sweep_table(result))
+    if "serving" in result:
+        out.append(serving_table(result))
+    return out
+
+
+def _mean(points: dict, key: str) -> float:
+    return sum(q[key] for q in points.values()) / len(points)
+
+
+def sweep_table(result: dict):
+    from rich.table import Table
+
+    sw = result["sweep"]
+    m = len(sw["variants"])
+    t = Table(title=f"Capacity sweep: {m} variants ({', '.join(sw['variants'])}); expert memory against {m} separate "
+                    f"models ({m * sw['positions']} experts); own loss {_mean(sw['own'], 'loss'):.3f}, exact "
+                    f"{_mean(sw['own'], 'exact'):.0%}; averaged {_mean(sw['averaged'], 'loss'):.3f}, "
+                    f"{_mean(sw['averaged'], 'exact'):.0%}", header_style="bold")
+    for col in ("capacity", "loaded", "experts held", "vs separate", "mean loss", "mean exact",
+                *(f"{v} exact" for v in sw["variants"])):
+        t.add_column(col, justify="right")
+    for p in sw["points"]:
+        t.add_row(f"{p['capacity']}", f"{p['fraction']:.0%}", f"{p['resident_experts']}",
+                  f"{p['resident_experts'] / (m * sw['positions']):.0%}", f"{_mean(p['tasks'], 'loss'):.3f}",
+                  f"{_mean(p['tasks'], 'exact'):.0%}", *(f"{p['tasks'][v]['exact']:.0%}" for v in sw["variants"]))
+    return t
+
+
+def serving_table(result: dict):
+    from rich.table import Table
+
+    sv = result["serving"]
+    tr, setups = sv["traffic"], sv["setups"]
+    anchor = setups["consolidated"]["summary"]
+    t = Table(title=f"Serving {len(tr['models'])} variants (capacity {sv['capacity']}): {tr['requests']} requests, "
+                    f"Poisson {tr['rate']:g} rps, {tr['output_len']} tokens each; ratios to the consolidated server",
+              header_style="bold")
+    for col in ("set-up", "ready s", "TTFT mean ms", "TPOT mean ms", "E2E mean ms", "E2E p99 ms", "req/s",
+                "E2E vs consol.", "req/s vs consol.", "swaps"):
+        t.add_column(col, justify="right")
+    for name, r in setups.items():
+        s = r["summary"]
+        t.add_row(name, f"{r['ready_s']:.0f}", f"{s['mean_ttft_ms']:.0f}", f"{s['mean_tpot_ms']:.1f}",
+                  f"{s['mean_e2el_ms']:.0f}", f"{s['p99_e2el_ms']:.0f}", f"{s['request_throughput']:.2f}",
+                  f"{s['mean_e2el_ms'] / anchor['mean_e2el_ms']:.2f}x",
+                  f"{s['request_throughput'] / anchor['request_throughput']:.2f}x",
+                  f"{r['swaps']} x {r['swap_s']:.0f} s" if "swaps" in r else "-")
+    return t
+
+
 def plot(result: dict, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = 1 + ("sweep" in result) + ("serving" in result)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4))
+    axes = list(axes) if panels > 1 else [axes]
+    _plot_counts(result, axes[0])
+    if "sweep" in result:
+        sw = result["sweep"]
+        ax = axes[1]
+        m = len(sw["variants"])
+        x = [p["resident_experts"] / (m * sw["positions"]) for p in sw["points"]]
+        ax.plot(x, [_mean(p["tasks"], "loss") for p in sw["points"]], "o-", label="consolidated")
+        for (fx, p) in zip(x, sw["points"]):
+            ax.annotate(f"C={p['fraction']:.0%}", (fx, _mean(p["tasks"], "loss")), fontsize=7)
+        ax.axhline(_mean(sw["own"], "loss"), color="k", ls="--", label="own models")
+        ax.axhline(_mean(sw["averaged"], "loss"), color="tab:red", ls=":", label="weight-averaged")
+        ax.set_xlabel(f"expert memory held, fraction of {m} separate models")
+        ax.set_ylabel("mean held-out loss (nats/token, log)")
+        ax.set_yscale("log")
+        ax.set_title("Quality against expert memory")
+        ax.legend()
+    if "serving" in result:
+        ax = axes[-1]
+        setups = result["serving"]["setups"]
+        names = list(setups)
+        ax.bar(names, [setups[n]["summary"]["mean_e2el_ms"] / 1000 for n in names])
+        ax.set_ylabel("mean end-to-end latency (s)")
+        ax.set_yscale("log")
+        ax.set_title("Turnaround, same traffic")
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def _plot_counts(result: dict, ax) -> None:
     counts = sorted({r["variants"] for r in result["rows"]})
-    fig, ax = plt.subplots(figsize=(6, 4))
     for key, style in (("own", "k--"), ("consolidated", "o-"), ("averaged", "s-")):
         means = [sum(r[key]["loss"] for r in result["rows"] if r["variants"] == n) /
                  sum(1 for r in result["rows"] if r["variants"] == n) for n in counts]
@@ -89,8 +231,5 @@ def plot(result: dict, path) -> None:
     ax.set_xlabel("variants served together")
     ax.set_ylabel("mean held-out loss (nats/token)")
     ax.set_xticks(counts)
-    ax.set_title("Consolidation vs weight averaging (tiny world)")
+    ax.set_title("Consolidation vs weight averaging (every position loaded)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)

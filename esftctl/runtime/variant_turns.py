@@ -4,8 +4,9 @@ Consolidated variants share the experts but each has its own non-expert weights,
 place before a step (esftctl.runtime.variant_weights). So a step must not mix variants. vLLM's scheduler is
 kept whole (`--scheduler-cls` names `variant_scheduler`, which builds vLLM's own Scheduler or AsyncScheduler
 with this mixin); the mixin only picks whose turn it is and hides the others' requests for that step, through
-the scheduler's own per-request hooks: a running request of another variant is not eligible this step
-(`next_decode_eligible_step`, restored afterwards) and a waiting one is skipped like a blocked request.
+the scheduler's own means: a running request of another variant is not eligible this step
+(`next_decode_eligible_step`, restored afterwards) and a waiting one leaves the queue for the call and comes back
+in front, as vLLM puts back the requests it skipped (the same in vLLM 0.25 and 0.32).
 
 Turns are round-robin over the variants with work, `quantum` steps each (ESFTCTL_SERVE's `quantum`): within a
 turn, vLLM's continuous batching runs as always (new requests of that variant join at once); a variant with
@@ -15,6 +16,8 @@ non-expert weights) against 20-30 ms per decode step, switching costs at most 1.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -40,6 +43,11 @@ class Turns:
         return self.current
 
 
+# The scheduler's queues of requests not running: vLLM 0.25 has `waiting` and `skipped_waiting`, 0.32 `waiting`
+# and `kv_holding_waiting`.
+QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
+
+
 class VariantTurnsMixin:
     def _init_turns(self) -> None:
         config = ServeConfig.from_env()
@@ -52,21 +60,25 @@ class VariantTurnsMixin:
         return self.variant_of_lora.get(lora.lora_name, HOME) if lora is not None else HOME
 
     def schedule(self, *args, **kwargs):
-        pending = [*self.running, *self.waiting, *self.kv_holding_waiting]
-        self.turn = self.turns.next({self.variant_of(r) for r in pending})
+        queues = [q for q in (getattr(self, name, None) for name in QUEUES) if q is not None]
+        self.turn = self.turns.next({self.variant_of(r) for r in (*self.running, *(r for q in queues for r in q))})
+        # Others' running requests are not eligible in this call (schedule() first advances current_step)...
         held = [(r, r.next_decode_eligible_step) for r in self.running if self.variant_of(r) != self.turn]
-        for request, _ in held:
-            request.next_decode_eligible_step = self.current_step + 2  # schedule() runs step current_step + 1
+        for request, step in held:
+            request.next_decode_eligible_step = max(step, self.current_step + 2)
+        # ...and their waiting ones sit out of the queues, then go back in front, in their order.
+        hidden = [(q, [r for r in q if self.variant_of(r) != self.turn]) for q in queues]
+        for queue, requests in hidden:
+            if requests:
+                queue.remove_requests(requests)
         try:
             return super().schedule(*args, **kwargs)
         finally:
             for request, step in held:
                 request.next_decode_eligible_step = step
-
-    def _handle_blocked_waiting_request(self, request) -> bool:
-        if self.variant_of(request) != self.turn:
-            return False
-        return super()._handle_blocked_waiting_request(request)
+            for queue, requests in hidden:
+                if requests:
+                    queue.prepend_requests(deque(requests))
 
 
 class VariantScheduler(VariantTurnsMixin, Scheduler):

@@ -55,7 +55,7 @@ class VariantWeights:
     entries: list[_Entry]
     values: dict[int, list] = field(default_factory=dict)  # variant -> one value per entry
     active: int = HOME
-    reference_swaps: bool = False  # some entries are closures: valid only in an eager engine
+    swapped_closures: list[str] = field(default_factory=list)  # set by reference: valid only in an eager engine
 
     def activate(self, variant: int) -> bool:
         """Put `variant`'s state in place; returns whether anything changed."""
@@ -91,7 +91,7 @@ def _state(module: torch.nn.Module, skip: set[int]) -> dict[str, tuple[object, s
             key = f"{prefix}.{name}"
             if isinstance(value, torch.Tensor):
                 out[key] = (mod, name, "tensor")
-            elif _is_weight_closure(value):
+            elif _is_weight_closure(name, value):
                 out[key] = (mod, name, "closure")
             elif _is_helper(value):  # e.g. an attention impl holding processed weights
                 for inner, v in vars(value).items():
@@ -105,11 +105,20 @@ def _is_helper(value) -> bool:
             and type(value).__module__.startswith("vllm."))
 
 
-def _is_weight_closure(value) -> bool:
-    """A function made by weight processing around what it computes with (a packed weight, a oneDNN handle);
-    one that closes over a module is a helper of that module, not state."""
-    return (isinstance(value, types.FunctionType) and bool(value.__closure__)
-            and not any(isinstance(c.cell_contents, torch.nn.Module) for c in value.__closure__))
+# The attribute vLLM's CPU build keeps a linear layer's prepacked weight in (a closure over a oneDNN or
+# sgl-kernel handle: vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm).
+WEIGHT_CLOSURES = frozenset({"cpu_linear"})
+
+
+def _is_weight_closure(name: str, value) -> bool:
+    """A function made by weight processing around what it computes with: vLLM's `cpu_linear`, or any closure
+    over a tensor. Other closures (compiled callables, custom ops' dispatch) are the engine's, not weights."""
+    if not isinstance(value, types.FunctionType) or not value.__closure__:
+        return False
+    cells = [c.cell_contents for c in value.__closure__]
+    if any(isinstance(c, torch.nn.Module) for c in cells):
+        return False
+    return name in WEIGHT_CLOSURES or any(isinstance(c, torch.Tensor) for c in cells)
 
 
 def _same(a, b) -> bool:
@@ -189,5 +198,5 @@ def collect(model: torch.nn.Module, vllm_config, variants: dict[int, Path]) -> V
     weights.values[HOME] = [home[k] for k in differ]
     for index, state in others.items():
         weights.values[index] = [state[k] for k in differ]
-    weights.reference_swaps = any(live[k][2] == "closure" for k in differ) and bool(others)
+    weights.swapped_closures = [k for k in differ if live[k][2] == "closure"]
     return weights

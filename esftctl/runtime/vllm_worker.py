@@ -32,14 +32,14 @@ import torch
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.jsonfile import write_json
+from esftctl.names import check_name
 from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
+from esftctl.runtime.variant_weights import VariantWeights, collect
 from esftctl.runtime.vllm_model import EsftModel
 from esftctl.runtime.vllm_moe import check_engine
-from esftctl.runtime.variant_weights import VariantWeights, collect
 from esftctl.store import ExpertStore
 from esftctl.variants import HOME, VariantSet
-
 
 STATUS_EVERY_S = 1.0  # the status file is also rewritten at most this often while serving
 
@@ -64,6 +64,7 @@ class EsftWorkerManager:
         self.variants: VariantSet | None = None
         self.variant_weights: VariantWeights | None = None
         self.variant_loras: dict[int, int] = {}  # LoRA id -> variant (never evicted: a variant's slot is fixed)
+        self.dummy_loras: set[int] = set()  # vLLM's warm-up adapters: no slot
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -78,9 +79,10 @@ class EsftWorkerManager:
         if config.variant_map:
             self.variants = VariantSet.open(config.variant_map, config.variant_names)
             self.variant_weights = collect(model, self.vllm_config, dict(enumerate(self.variants.paths)))
-            if self.variant_weights.reference_swaps and not self.vllm_config.model_config.enforce_eager:
-                raise EsftError("this engine keeps weights in closures (vLLM's CPU build), which compiled code "
-                                "captures: serve variants with --enforce-eager")
+            closures = self.variant_weights.swapped_closures
+            if closures and not self.vllm_config.model_config.enforce_eager:
+                raise EsftError(f"this engine keeps weights in closures ({', '.join(closures[:3])}), which compiled "
+                                "code captures: serve variants with --enforce-eager")
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=config.paging_window, paging_store=store,
@@ -109,6 +111,7 @@ class EsftWorkerManager:
             return False
         slots = self.runtime.slots
         try:  # vLLM hides paths in the messages it returns, so the message names the adapter
+            check_name(name)
             if not slots.free_slots() and not self.retiring:  # refused at once, before reading anything
                 raise self._no_free_slot()
             key, staged = self.host_cache.lookup(lora_request.lora_path)
@@ -140,11 +143,11 @@ class EsftWorkerManager:
         return bool(slots.free_slots()) and (slots.budget is None or slots.loaded_experts() + experts <= slots.budget)
 
     def add_dummy_lora(self, lora_request, rank: int) -> bool:
-        """Warm-up adapters: a slot with no experts (its tokens take the base experts)."""
-        if lora_request.lora_int_id in self.names:
+        """Warm-up adapters (vLLM adds --max-loras of them for profiling and CUDA graph capture): no slot, their
+        tokens take the base experts; slots taken at start-up (variants) stay free of them."""
+        if lora_request.lora_int_id in self.names or lora_request.lora_int_id in self.dummy_loras:
             return False
-        self.runtime.slots.load(_key(lora_request.lora_int_id), {})
-        self.names[lora_request.lora_int_id] = lora_request.lora_name
+        self.dummy_loras.add(lora_request.lora_int_id)
         return True
 
     @contextlib.contextmanager
@@ -157,7 +160,8 @@ class EsftWorkerManager:
     def remove_adapter(self, lora_id: int) -> bool:
         """Evict now, or, if the last step ran tokens of it, once its running requests have finished. A variant's
         name is unbound only (its slot stays: the next request under that name binds it again)."""
-        if self.variant_loras.pop(lora_id, None) is not None:
+        if self.variant_loras.pop(lora_id, None) is not None or lora_id in self.dummy_loras:
+            self.dummy_loras.discard(lora_id)
             return True
         if lora_id not in self.names:
             return False
@@ -175,6 +179,7 @@ class EsftWorkerManager:
         self.write_status()
 
     def remove_all_adapters(self) -> None:
+        self.dummy_loras.clear()
         for lora_id in list(self.names):
             self._evict(lora_id)
 
@@ -182,7 +187,7 @@ class EsftWorkerManager:
         return lora_id in self.names  # adapters stay resident until unloaded
 
     def list_adapters(self) -> set[int]:
-        return set(self.names) | set(self.variant_loras)
+        return set(self.names) | set(self.variant_loras) | self.dummy_loras
 
     def supports_tower_connector_lora(self) -> bool:
         return False
@@ -195,7 +200,7 @@ class EsftWorkerManager:
             self._evict(lora_id)
         self._activate_variant(wanted.values())
         for lora_id, request in wanted.items():
-            if lora_id in self.variant_loras:
+            if lora_id in self.variant_loras or lora_id in self.dummy_loras:
                 continue
             if lora_id not in self.names:  # a request that was queued before its adapter was unloaded
                 self._make_room(keep=set(wanted))
@@ -210,7 +215,7 @@ class EsftWorkerManager:
         lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)
         slots = np.full(len(lora_ids), -1, dtype=np.int32)
         for lora_id in np.unique(lora_ids):
-            if lora_id > 0:
+            if lora_id > 0 and lora_id not in self.dummy_loras:
                 slots[lora_ids == lora_id] = self.runtime.slots.slot_of(self._slot_key(int(lora_id)))
         self.runtime.set_token_adapters(slots)
 
