@@ -41,7 +41,7 @@ TASKS = ("translation", "arithmetic", "tagging")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="the tiny world's folder")
-    parser.add_argument("--capacity", type=int, default=75, help="percent of the expert positions loaded once for "
+    parser.add_argument("--capacity", type=int, default=50, help="percent of the expert positions loaded once for "
                                                                  "all variants (100: every one shared)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-tokens", type=int, default=8)
