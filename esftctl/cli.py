@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from esftctl.atomic import check_output
 from esftctl.bench.cli import app as bench_app
 from esftctl.errors import EsftError
 
@@ -59,6 +60,7 @@ def relevance(
     batch_size: int = typer.Option(16, min=1, help="Examples per forward pass."),
     metric: str = typer.Option("gate", help="Metric shown in the table: gate (average gate score) or token "
                                             "(token selection ratio). The file holds both."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Score every routed expert of every MoE layer on task data with both ESFT metrics."""
     from rich.progress import Progress
@@ -68,12 +70,13 @@ def relevance(
 
     if metric not in METRICS:
         raise EsftError(f"unknown metric {metric!r} (choose gate or token)")
+    check_output(out, overwrite=overwrite)  # before scoring, which takes a while
     texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(data))[:max_examples]]
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("scoring", total=len(texts))
         rel = compute_relevance(model, texts, batch_size, data_name=str(data),
                                 on_batch=lambda n: progress.advance(task, n))
-    rel.save(out)
+    rel.save(out, overwrite=overwrite)
     console.print(relevance_table(rel, metric))
     console.print(f"wrote {out}")
 
@@ -85,6 +88,7 @@ def select(
     threshold: float = typer.Option(0.2, "--threshold", "-p", help="Per layer, the fewest best experts whose "
                                                                       "scores sum to at least p (0 < p <= 1)."),
     metric: str = typer.Option("gate", help="gate (average gate score) or token (token selection ratio)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Choose the experts to fine-tune per layer: the smallest set reaching score mass p."""
     from esftctl.relevance import METRICS, Relevance
@@ -92,9 +96,10 @@ def select(
 
     if metric not in METRICS:
         raise EsftError(f"unknown metric {metric!r} (choose gate or token)")
+    check_output(out, overwrite=overwrite)
     rel = Relevance.load(scores)
     config = ExpertConfig(select_experts(rel.scores[metric], threshold))
-    config.save(out)
+    config.save(out, overwrite=overwrite)
     counts = [len(ids) for ids in config.experts.values()]
     console.print(f"selected {sum(counts)} experts over {len(counts)} MoE layers (per layer: "
                   f"{' '.join(map(str, counts))}) at p={threshold} ({metric}); wrote {out}")
@@ -126,6 +131,7 @@ def pack(
     from esftctl.describe import render
     from esftctl.pack import pack as do_pack
 
+    check_output(out, overwrite=overwrite, folder=True)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("comparing experts", total=len(MoECheckpoint(base).moe_layers))
         report = do_pack(base, finetuned, out, name, config, include_non_expert, overwrite,
@@ -153,6 +159,7 @@ def merge(
     """Write base + adapter as one full checkpoint (the merged model that serving is checked against)."""
     from esftctl.merge import merge as do_merge
 
+    check_output(out, overwrite=overwrite, folder=True)
     with console.status("merging"):
         do_merge(base, bundle, out, overwrite)
     console.print(f"wrote {out}")
@@ -175,6 +182,7 @@ def export(
 
     if fmt != "esft":
         raise EsftError(f"unknown format {fmt!r} (choose esft)")
+    check_output(out, overwrite=overwrite, folder=True)
     config = export_adapter(bundle, out, base_dir=base, overwrite=overwrite)
     counts = [len(ids) for ids in config.experts.values()]
     console.print(f"wrote {out}: {sum(counts)} experts over {len(counts)} MoE layers (per layer: "
@@ -202,6 +210,7 @@ def compress(
     from esftctl.describe import render
     from esftctl.store import ExpertStore, source_tensors, write_store
 
+    check_output(out, overwrite=overwrite, folder=True)
     start = time.time()
     origin, tensors = source_tensors(source)
     with Progress(console=console, transient=True) as progress:
@@ -224,6 +233,7 @@ def decompress(
     """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
     from esftctl.store import decompress as do_decompress
 
+    check_output(out, overwrite=overwrite, folder=True)
     with console.status("decoding"):
         do_decompress(store, out, overwrite)
     console.print(f"wrote {out}")
@@ -245,6 +255,7 @@ def consolidate(
     from esftctl.consolidate import consolidate as do_consolidate
 
     budget_bytes = _parse_bytes(budget, "--budget") if budget is not None else None
+    check_output(out, overwrite=overwrite, folder=True)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("distances", total=len(MoECheckpoint(models[0]).moe_layers))
         emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite,
@@ -274,6 +285,7 @@ def materialize(
     """Write the checkpoint a variant runs under a consolidated map (plain vLLM can serve it)."""
     from esftctl.consolidate import materialize as do_materialize
 
+    check_output(out, overwrite=overwrite, folder=True)
     with console.status("materializing"):
         do_materialize(map_dir, variant, out, overwrite)
     console.print(f"wrote {out}")
@@ -288,6 +300,7 @@ def average(
     """Write the weight-averaging baseline of several variants."""
     from esftctl.consolidate import average as do_average
 
+    check_output(out, overwrite=overwrite, folder=True)
     with console.status("averaging"):
         do_average(models, out, overwrite)
     console.print(f"wrote {out}")
@@ -331,8 +344,9 @@ def serve(
     host_cache: str = typer.Option("8GiB", help="Adapters kept in (pinned) host memory after loading, as a size: "
                                                 "loading one of them again skips reading, verifying and "
                                                 "converting it and is one copy to the GPU (0 turns it off)."),
-    cpu_kv_cache_gib: float = typer.Option(1.0, help="KV cache size on vLLM's CPU build, GiB (GPU builds size it "
-                                                     "with vLLM's --gpu-memory-utilization)."),
+    cpu_kv_cache_gib: float = typer.Option(None, min=0.1, help="KV cache size on vLLM's CPU build, GiB (default: "
+                                                               "$VLLM_CPU_KVCACHE_SPACE if set, else 1; GPU builds "
+                                                               "size it with vLLM's --gpu-memory-utilization)."),
     variants: Path = typer.Option(None, help="Serve the fine-tuned variants of a consolidated map (a folder of "
                                              "`esftctl consolidate`) instead of BASE: each answers to its folder's "
                                              "name, shares the experts the map loaded and keeps its own elsewhere "
@@ -439,8 +453,16 @@ def _parse_bytes(text: str, option: str = "size") -> int:
     return int(float(m.group(1)) * units[m.group(2).upper()])
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    """Entry point: user errors become one line on stderr and exit status 1, never a traceback."""
+    """Entry point: user errors become one line on stderr and exit status 1, never a traceback. SIGTERM stops a
+    command as Ctrl-C does, so an output being written is removed, not left as a hidden temporary folder."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         app()
     except EsftError as e:

@@ -20,6 +20,6 @@ def read_json(path: str | Path) -> Any:
         raise EsftError(f"not valid JSON ({one_line(e, 120)})", path) from None
 
 
-def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:
-    with atomic_file(path) as tmp:
+def write_json(path: str | Path, obj: Any, indent: int | None = 1, overwrite: bool = True) -> None:
+    with atomic_file(path, overwrite=overwrite) as tmp:
         tmp.write_text(json.dumps(obj, indent=indent))

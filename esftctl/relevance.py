@@ -38,8 +38,8 @@ class Relevance:
                 "examples": self.examples, "tokens": self.tokens, "top_k": self.top_k, "moe_layers": self.moe_layers,
                 "scores": {m: {str(l): s for l, s in per.items()} for m, per in self.scores.items()}}
 
-    def save(self, path: Path) -> None:
-        write_json(path, self.to_json())
+    def save(self, path: Path, overwrite: bool = True) -> None:
+        write_json(path, self.to_json(), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: Path) -> "Relevance":

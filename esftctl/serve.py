@@ -51,7 +51,7 @@ class ServePlan:
     port: int = 8000
     state_dir: Path | None = None  # None: a new temporary folder, removed when the server stops cleanly
     vllm_args: list[str] = field(default_factory=list)
-    cpu_kv_cache_gib: float = 1.0
+    cpu_kv_cache_gib: float | None = None  # None: $VLLM_CPU_KVCACHE_SPACE if set, else 1 GiB
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
     paging_window: int = 0  # > 0: page the experts (base and adapters) through this many layers' worth of memory
     paging_store: Path | None = None  # a Huffman store of the base (`esftctl compress BASE`): the GPU tier
@@ -113,8 +113,11 @@ class ServePlan:
         return bool(self.paging_window) or (self.variant_map is not None and not torch.cuda.is_available())
 
     def env(self) -> dict[str, str]:
-        # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization).
-        kv = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kv_cache_gib:g}")}
+        # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization);
+        # an explicit --cpu-kv-cache-gib wins over the variable.
+        gib = self.cpu_kv_cache_gib
+        space = f"{gib:g}" if gib is not None else os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        kv = {"VLLM_CPU_KVCACHE_SPACE": space}
         env = {**os.environ, **kv, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
         env.pop(ENV, None)

@@ -77,3 +77,68 @@ def test_one_name_rule_for_pack_serve_and_load(world, tmp_path):
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert "use 1-128 letters, digits, '.', '_' and '-'" in proc.stderr, (args, proc.stderr)
     assert not (tmp_path / "b").exists()
+
+
+def test_outputs_are_checked_before_the_work(world, tmp_path):
+    """Issue 18, items 8 and 9: a bad --out is one line and exit 1 before any work, nothing is left behind, and
+    relevance/select refuse an existing output without --overwrite like every other command."""
+    data = world.data_file(world.task_names[0], "test")
+    scores = tmp_path / "scores.json"
+    run_cli("relevance", world.base_dir, data, "--out", scores, "--max-examples", "8", check=True)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [
+        (("relevance", world.base_dir, data, "--out", scores), "output already exists"),
+        (("select", scores, "--out", scores), "output already exists"),
+        (("relevance", world.base_dir, data, "--out", tmp_path, "--overwrite"), "output is a folder"),
+        (("select", scores, "--out", tmp_path, "--overwrite"), "output is a folder"),
+        (("pack", world.base_dir, world.base_dir, "--name", "x", "--out", a_file / "b"), "cannot write the output"),
+        (("pack", world.base_dir, world.base_dir, "--name", "x", "--out", "/proc/b"), "cannot write the output"),
+        (("merge", world.base_dir, tmp_path, "--out", a_file, "--overwrite"), "output is a file"),
+        (("compress", world.base_dir, "--out", a_file / "s"), "cannot write the output here"),
+    ]
+    for args, message in cases:
+        proc = run_cli(*args)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "scores.json"]  # no .tmp-* or probe left
+    run_cli("select", scores, "--out", scores, "--overwrite", check=True)
+
+
+def test_written_files_take_the_umask_modes(world, tmp_path):
+    """Issue 18, item 13: every file of an output has the umask's mode (safetensors wrote 0600)."""
+    from esftctl.world.synthetic import write_synthetic_adapter
+
+    bundle = write_synthetic_adapter(world.base_dir, tmp_path / "bundle", "t", seed=1, experts_per_layer=1)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in bundle.iterdir()}
+    assert len(set(modes.values())) == 1, modes
+
+
+def test_sigterm_during_a_write_leaves_nothing(world, tmp_path):
+    """Issue 18, item 13: SIGTERM while `compress` writes removes its temporary folder, as Ctrl-C does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "esftctl.cli", "compress", world.base_dir, "--out",
+                             tmp_path / "store", "--chunk", "16"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".store.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "compress ended before its temporary folder was seen"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert proc.returncode != 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explicit_cpu_kv_cache_wins_over_the_environment(world, monkeypatch):
+    """Issue 18, item 12: --cpu-kv-cache-gib beats VLLM_CPU_KVCACHE_SPACE; without it the variable holds."""
+    from esftctl.serve import free_port, plan
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    assert plan(world.base_dir, [], port=free_port(), cpu_kv_cache_gib=2.5).env()["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
+    assert plan(world.base_dir, [], port=free_port()).env()["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert plan(world.base_dir, [], port=free_port()).env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
