@@ -46,6 +46,21 @@ def changed_non_expert(base: MoECheckpoint, tuned: MoECheckpoint) -> list[str]:
             and not torch.equal(base.read_tensor(n), tuned.read_tensor(n))]
 
 
+# An ESFT fine-tune trains a few experts per layer (DeepSeek's: 5-15% of them) and leaves the others
+# bit-identical; a model of other weights differs in nearly every expert. Beyond half, it is another model.
+MOST_EXPERTS = 0.5
+
+
+def check_comes_from(base: MoECheckpoint, tuned: MoECheckpoint, changed: dict[int, list[int]]) -> None:
+    """Refuse a fine-tune whose routed experts mostly differ from the base's: it is not a fine-tune of it (and
+    --include-non-expert must not turn it into a bundle of the whole model bound to the wrong base)."""
+    total = len(base.moe_layers) * base.num_experts
+    count = sum(len(ids) for ids in changed.values())
+    if count > MOST_EXPERTS * total:
+        raise EsftError(f"this fine-tune does not come from this base: {count} of its {total} routed experts differ "
+                        f"(an ESFT fine-tune leaves most of them bit-identical); check the base folder", tuned.path)
+
+
 def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
     b, t = base_identity(base), base_identity(tuned)
     mismatch = [k for k in b if k != "fingerprint" and b[k] != t[k]]
@@ -80,14 +95,20 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
 
+    changed = changed_experts(base, tuned, on_layer)
+    check_comes_from(base, tuned, changed)
     non_expert = changed_non_expert(base, tuned)
     if non_expert and not include_non_expert:
-        routers = [n for n in non_expert if n in {base.arch.router_tensor(l) for l in base.moe_layers}]
-        what = "the router" if routers else "non-expert weights"
-        raise EsftError(f"the fine-tune changed {what} ({len(non_expert)} tensors, e.g. {non_expert[0]!r}); "
-                        "ESFT adapters change routed experts only: pass --include-non-expert to pack them anyway",
-                        tuned.path)
-    changed = changed_experts(base, tuned, on_layer)
+        routers = {base.arch.router_tensor(l) for l in base.moe_layers}
+        changed_routers = [n for n in non_expert if n in routers]
+        if len(changed_routers) == len(non_expert):
+            what = f"the router ({len(non_expert)} tensors, e.g. {non_expert[0]!r})"
+        else:
+            others = [n for n in non_expert if n not in routers]
+            what = (f"non-expert weights ({len(non_expert)} tensors, e.g. {others[0]!r}"
+                    + (f"; {len(changed_routers)} of them routers)" if changed_routers else ")"))
+        raise EsftError(f"the fine-tune changed {what}; ESFT adapters change routed experts only: pass "
+                        "--include-non-expert to pack them anyway", tuned.path)
     report = PackReport(name, out, {}, non_expert_changed=non_expert)
     if config is None:
         report.experts = {l: ids for l, ids in changed.items() if ids}

@@ -142,3 +142,26 @@ def test_explicit_cpu_kv_cache_wins_over_the_environment(world, monkeypatch):
     assert plan(world.base_dir, [], port=free_port()).env()["VLLM_CPU_KVCACHE_SPACE"] == "7"
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     assert plan(world.base_dir, [], port=free_port()).env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_pack_on_the_wrong_base_says_so(world, tmp_path):
+    """Issue 18, item 7: packing a fine-tune against another base of the same shapes is refused as such, with or
+    without --include-non-expert; a router-only change is called a router change and names a router tensor."""
+    from esftctl.checkpoint import MoECheckpoint, write_checkpoint
+    from esftctl.merge import merge
+    from esftctl.world.synthetic import write_synthetic_adapter, write_synthetic_variant
+
+    bundle = write_synthetic_adapter(world.base_dir, tmp_path / "bundle", "t", seed=1, experts_per_layer=2)
+    tuned = merge(world.base_dir, bundle, tmp_path / "tuned")
+    other = write_synthetic_variant(world.base_dir, tmp_path / "other", seed=2, experts_per_layer=32,
+                                    non_expert_scale=0.1)
+    for extra in ((), ("--include-non-expert",)):
+        proc = run_cli("pack", other, tuned, "--name", "t", "--out", tmp_path / "b", *extra)
+        assert proc.returncode == 1 and "does not come from this base" in proc.stderr, proc.stderr
+        assert "96 of its 96 routed experts differ" in proc.stderr
+    base = MoECheckpoint(world.base_dir)
+    router = base.arch.router_tensor(base.moe_layers[0])
+    routed = write_checkpoint(base, tmp_path / "routed", {router: base.read_tensor(router) * 2})
+    proc = run_cli("pack", world.base_dir, routed, "--name", "t", "--out", tmp_path / "b")
+    assert proc.returncode == 1 and f"changed the router (1 tensors, e.g. {router!r})" in proc.stderr, proc.stderr
+    assert not (tmp_path / "b").exists()
