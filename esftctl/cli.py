@@ -318,9 +318,11 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     slots: int = typer.Option(None, min=1, help="Adapters resident at once (default: the given ones + 2, at "
                                                 "least 4)."),
-    experts_per_slot: int = typer.Option(None, min=1, help="Expert rows reserved per slot and layer (address "
-                                                           "space only; rows are shared by all slots) (default: "
-                                                           "the most any given adapter has in one layer)."),
+    experts_per_slot: int = typer.Option(None, min=1, help="Expert rows reserved per slot and layer, pooled: a "
+                                                           "layer has slots x this many rows, and an adapter takes "
+                                                           "the free rows it needs, at start and when loaded "
+                                                           "later (address space only) (default: the most any "
+                                                           "given adapter has in one layer)."),
     adapter_memory: str = typer.Option(None, help="Adapter experts loaded at once, as a size (e.g. 12GiB): their GPU "
                                                   "memory is set aside before vLLM sizes its KV cache, and a load "
                                                   "past it is refused (default: --slots times the largest given "

@@ -179,9 +179,6 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
     widest = max([max(b.experts_per_layer(), default=0) for b in bundles.values()] +
                  [max(m, default=0) for m in misses], default=0)
     experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
-    if experts_per_slot < widest:
-        raise EsftError(f"--experts-per-slot {experts_per_slot} is below the {widest} experts one given adapter "
-                        "has in one layer")
     row_limit = launch_row_limit()
     if slots is None:
         slots = max(served + 2, 4)
@@ -192,6 +189,13 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
                                                           if misses else "")
         raise EsftError(f"--slots {slots} cannot hold {what}")
     check_rows(base.num_experts + slots * experts_per_slot, row_limit, base.num_experts, str(base.path))
+    # The slots' rows are pooled per layer (an adapter takes the free rows it needs, as `adapters load` does
+    # while serving): what the given adapters and variants take together in a layer must fit in them.
+    taken = [sum(c) for c in zip(*[b.experts_per_layer() for b in bundles.values()], *misses)] or [0]
+    if max(taken) > slots * experts_per_slot:
+        layer = base.moe_layers[taken.index(max(taken))]
+        raise EsftError(f"--slots {slots} x --experts-per-slot {experts_per_slot} = {slots * experts_per_slot} expert "
+                        f"rows per layer cannot hold the {max(taken)} the given adapters take in layer {layer}")
     window = kwargs.get("paging_window", 0)
     if window < 0 or (window and window >= len(base.moe_layers)):
         raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "

@@ -165,3 +165,29 @@ def test_pack_on_the_wrong_base_says_so(world, tmp_path):
     proc = run_cli("pack", world.base_dir, routed, "--name", "t", "--out", tmp_path / "b")
     assert proc.returncode == 1 and f"changed the router (1 tensors, e.g. {router!r})" in proc.stderr, proc.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_slot_rows_are_pooled_at_start_as_when_loading(world, tmp_path):
+    """Issue 18, item 4: rows are pooled per layer, at start as for `adapters load` while serving (where a layer
+    takes any free rows): an adapter wider than --experts-per-slot is served if the layer has the rows."""
+    import mmap
+
+    import torch
+
+    from esftctl.errors import EsftError
+    from esftctl.runtime.address_space import HostAddressSpace
+    from esftctl.runtime.moe_layer import VirtualMoELayer
+    from esftctl.serve import free_port, plan
+    from esftctl.world.synthetic import write_synthetic_adapter
+
+    specs = [f"a{k}={write_synthetic_adapter(world.base_dir, tmp_path / f'a{k}', f'a{k}', seed=k, experts_per_layer=n)}"
+             for k, n in enumerate((2, 4, 6))]
+    assert plan(world.base_dir, specs, slots=3, experts_per_slot=4, port=free_port()).experts_per_slot == 4
+    with pytest.raises(EsftError, match="= 9 expert rows per layer cannot hold the 12"):
+        plan(world.base_dir, specs, slots=3, experts_per_slot=3, port=free_port())
+    # The engine's rule: a layer of 2 slots x 2 rows loads a 3-expert adapter, then refuses 2 more.
+    layer = VirtualMoELayer(8, 4, 2, 2, 2, torch.float32, lambda n: HostAddressSpace(n, page_size=mmap.PAGESIZE))
+    layer.load_base_rows(torch.zeros(8, 4, 4), torch.zeros(8, 4, 2))
+    layer.load(0, {0: None, 1: None, 2: None})
+    with pytest.raises(EsftError, match="no room: 2 experts to load, 1 free rows"):
+        layer.load(1, {3: None, 4: None})
