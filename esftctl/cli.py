@@ -17,13 +17,23 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from esftctl import __version__
+
+        print(f"esftctl {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     """Prepare and serve Expert-Specialized Fine-Tuning (ESFT) adapters of Mixture-of-Experts models."""
 
 
@@ -464,12 +474,24 @@ def main() -> None:
     command as Ctrl-C does, so an output being written is removed, not left as a hidden temporary folder."""
     import signal
 
+    # typer vendors click; its UsageError (bad flags, missing or unparsable arguments) is BadParameter's base.
+    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        app()
+        code = app(prog_name="esftctl", standalone_mode=False)
     except EsftError as e:
         err_console.print(f"[bold red]error:[/] {e}", markup=True)
         raise SystemExit(1)
+    except usage_error as e:  # a bad flag or argument: one line too, with where to look
+        if not e.format_message().strip():  # no arguments at all: the help was printed
+            raise SystemExit(0)
+        where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        err_console.print(f"[bold red]error:[/] {' '.join(e.format_message().split())}{where}", markup=True)
+        raise SystemExit(1)
+    except typer.Abort:
+        err_console.print("stopped")
+        raise SystemExit(130)
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

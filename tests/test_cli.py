@@ -191,3 +191,19 @@ def test_slot_rows_are_pooled_at_start_as_when_loading(world, tmp_path):
     layer.load(0, {0: None, 1: None, 2: None})
     with pytest.raises(EsftError, match="no room: 2 experts to load, 1 free rows"):
         layer.load(1, {3: None, 4: None})
+
+
+def test_usage_errors_are_one_line_and_exit_1_and_help_and_version_work():
+    """Issue 18, item 14: a bad flag, a missing argument or an unparsable value is one line and exit 1 (typer's
+    boxed errors exited 2); -h is --help; --version prints the version."""
+    from esftctl import __version__
+
+    for args, message in ((("pack", "--bogus"), "No such option: --bogus"),
+                          (("select",), "Missing argument 'scores'"),
+                          (("select", "s.json", "--out", "c.json", "-p", "abc"), "Invalid value for '--threshold'")):
+        proc = run_cli(*args)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert message in proc.stderr and f"(see `esftctl {args[0]} --help`)" in proc.stderr, proc.stderr
+    assert "Usage: esftctl pack" in run_cli("pack", "-h", check=True).stdout
+    assert run_cli("--version", check=True).stdout.strip() == f"esftctl {__version__}"
+    assert run_cli().returncode == 0  # no arguments: the help

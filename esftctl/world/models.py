@@ -1,6 +1,6 @@
 """Small MoE models of every supported architecture, made from transformers' config classes.
 
-Dimensions are ones vLLM's CPU build accepts (see shared/FACTS.md): attention head size 64 (MLA: 512 + 64),
+Dimensions are ones vLLM's CPU build accepts (checked by running it): attention head size 64 (MLA: 512 + 64),
 bf16 weights. Used by the tiny world (DeepSeek-V2, the ESFT architecture) and by tests of the others.
 """
 
