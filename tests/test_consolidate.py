@@ -115,3 +115,65 @@ def test_cli(variants, tmp_path):
     run_cli("materialize", tmp_path / "map", "--variant", "0", "--out", tmp_path / "v0", check=True)
     proc = run_cli("materialize", tmp_path / "map", "--variant", "5", "--out", tmp_path / "v5")
     assert proc.returncode == 1 and "variant 5 out of range" in proc.stderr
+
+
+def test_whole_model_swapping_serves_batches_in_arrival_order():
+    """bench.turnaround.Swapping: one model at a time, a swap only when nothing runs, every request served, and
+    far fewer swaps than model changes in the arrival order (each swap serves the waiting batch of a model)."""
+    import asyncio
+    import time
+
+    from esftctl.bench.turnaround import Swapping, Traffic
+
+    loads = []
+
+    def swap(model: str) -> str:
+        assert router.running == 0  # nothing runs on the server being replaced
+        time.sleep(0.05)
+        loads.append(model)
+        return f"url-{model}"
+
+    router = Swapping(swap, loaded="a", url="url-a")
+    traffic = Traffic(["a", "b", "c"], rate=200, requests=30, prompts=["p"], output_len=1)
+    arrivals = traffic.arrivals()
+
+    async def one(ticket, at, model):
+        await asyncio.sleep(at)
+        url, name = await router.acquire(model, ticket)
+        assert url == f"url-{model}" and name == model and router.loaded == model
+        await asyncio.sleep(0.001)
+        router.release(model)
+        return model
+
+    async def main():
+        return await asyncio.gather(*[one(i, t, m) for i, (t, m, _) in enumerate(arrivals)])
+
+    served = asyncio.run(main())
+    changes = sum(1 for x, y in zip(arrivals, arrivals[1:]) if x[1] != y[1])
+    assert sorted(served) == sorted(m for _, m, _ in arrivals)
+    assert router.swaps == len(loads) and 1 <= router.swaps < changes
+
+
+def test_bench_consolidate_tables_and_plot(tmp_path):
+    from esftctl.bench import consolidate as bench
+
+    q = {"loss": 0.1, "exact": 0.9}
+    summary = {"mean_ttft_ms": 10.0, "mean_tpot_ms": 2.0, "mean_e2el_ms": 40.0, "p99_e2el_ms": 80.0,
+               "request_throughput": 1.5}
+    result = {"capacity": 96, "eval_examples": 4, "rows": [{"variants": 2, "task": t, "own": q, "consolidated": q,
+                                                            "averaged": q} for t in ("a", "b")],
+              "sweep": {"variants": ["a", "b"], "positions": 96, "own": {"a": q, "b": q}, "averaged": {"a": q, "b": q},
+                        "points": [{"capacity": c, "fraction": c / 96, "resident_experts": 96 + 96 - c,
+                                    "tasks": {"a": q, "b": q}} for c in (96, 48, 0)]},
+              "serving": {"capacity": 48,
+                          "traffic": {"models": ["a", "b"], "rate": 2.0, "requests": 8, "output_len": 4},
+                          "setups": {"consolidated": {"summary": summary, "ready_s": 30},
+                                     "one server per variant": {"summary": summary, "ready_s": 60},
+                                     "whole-model swapping": {"summary": summary, "ready_s": 30, "swaps": 3,
+                                                              "swap_s": 27.0}}}}
+    assert len(bench.tables(result)) == 3
+    bench.plot(result, tmp_path / "all.png")
+    serve_only = {**result, "rows": [], "sweep": {**result["sweep"], "points": []}}
+    assert len(bench.tables(serve_only)) == 1
+    bench.plot(serve_only, tmp_path / "serve.png")
+    assert (tmp_path / "all.png").stat().st_size > 0 and (tmp_path / "serve.png").stat().st_size > 0

@@ -112,6 +112,8 @@ def consolidate(
                                                                 "positions loaded."),
     rate: float = typer.Option(2.0, min=0.01, help="With --serve: Poisson request rate, requests per second."),
     requests: int = typer.Option(24, min=1, help="With --serve: requests in the run."),
+    serve_only: bool = typer.Option(False, "--serve-only", help="Only the serving part (implies --serve): the quality "
+                                                                "runs are the same on any machine."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
 ) -> None:
     """Consolidated vs own vs weight-averaged variants of the tiny world: for 2, 3 and 4 variants with every
@@ -124,8 +126,10 @@ def consolidate(
         from esftctl.errors import EsftError
 
         raise EsftError(f"--capacities {capacities!r}: percentages run from 0 to 100")
-    _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples, capacities=fractions,
-             serve=serve, serve_fraction=serve_capacity / 100, rate=rate, requests=requests, work=out / "serve-work")
+    quality = {"counts": (), "capacities": ()} if serve_only else {"capacities": fractions}
+    _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples, **quality,
+             serve=serve or serve_only, serve_fraction=serve_capacity / 100, rate=rate, requests=requests,
+             work=out / "serve-work")
 
 
 def _rates(text: str) -> tuple[float, ...]:

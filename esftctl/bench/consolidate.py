@@ -34,11 +34,14 @@ ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "16"]
 
 
 def engine_args() -> list[str]:
-    """The servers' engine flags: on the CPU build eager for all (`serve --variants` must be: variant_weights),
-    so the baselines run the same kernels; on a GPU vLLM's defaults (compilation, CUDA graphs) for all."""
+    """The servers' engine flags, alike for every set-up: eager (on the CPU build `serve --variants` must be:
+    variant_weights; on a GPU the run's eight engine starts then fit the device's 10-minute calls, and a swap
+    costs a lower bound of what it costs with graphs); on a GPU a quarter of its memory per engine, so three
+    engines fit side by side."""
     import torch
 
-    return ENGINE_ARGS + ([] if torch.cuda.is_available() else ["--enforce-eager"])
+    gpu = ["--gpu-memory-utilization", "0.25"] if torch.cuda.is_available() else []
+    return [*ENGINE_ARGS, "--enforce-eager", *gpu]
 
 
 def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float = 3e-3, eval_examples: int = 40, *,
@@ -47,7 +50,7 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
     quiet_transformers()
     world = build_world(root)
-    tasks = world.task_names[: max(max(counts), sweep)]
+    tasks = world.task_names[: max([*counts, sweep])]
     variants = fine_tuned_variants(world, tasks, steps=steps, lr=lr, on_step=on_step)
     held_out = {t: list(read_jsonl(world.data_file(t, "test")))[:eval_examples] for t in tasks}
 
@@ -130,8 +133,8 @@ def table(result: dict):
 
 
 def tables(result: dict) -> list:
-    out = [table(result)]
-    if "sweep" in result:
+    out = [table(result)] if result["rows"] else []
+    if result["sweep"]["points"]:
         out.append(sweep_table(result))
     if "serving" in result:
         out.append(serving_table(result))
@@ -189,13 +192,15 @@ def plot(result: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 1 + ("sweep" in result) + ("serving" in result)
+    shown = [bool(result["rows"]), bool(result["sweep"]["points"]), "serving" in result]
+    panels = max(sum(shown), 1)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4))
     axes = list(axes) if panels > 1 else [axes]
-    _plot_counts(result, axes[0])
-    if "sweep" in result:
+    if result["rows"]:
+        _plot_counts(result, axes[0])
+    if result["sweep"]["points"]:
         sw = result["sweep"]
-        ax = axes[1]
+        ax = axes[int(shown[0])]
         m = len(sw["variants"])
         x = [p["resident_experts"] / (m * sw["positions"]) for p in sw["points"]]
         ax.plot(x, [_mean(p["tasks"], "loss") for p in sw["points"]], "o-", label="consolidated")
