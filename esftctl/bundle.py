@@ -176,7 +176,8 @@ class Bundle:
         if identity["fingerprint"] != self.base["fingerprint"]:
             mismatch = [k for k in identity if k != "fingerprint" and identity[k] != self.base.get(k)]
             why = f"differs in {', '.join(mismatch)}" if mismatch else "has other router weights"
-            raise EsftError(f"bundle {self.name!r} was packed for another base model (this base {why})", base.path)
+            raise EsftError(f"bundle {self.name!r} was packed for another base model than {base.path} (this base "
+                            f"{why})", self.path)
 
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
         with safe_open(self.data_file, framework="pt") as f:

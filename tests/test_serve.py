@@ -162,10 +162,12 @@ def test_status_table_accounts_adapter_memory(deepseek):
 
 def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp_path):
     url, bundles = deepseek["url"], deepseek["bundles"]
-    with pytest.raises(EsftError, match=r"model `nope` does not exist.*HTTP 404"):
+    with pytest.raises(EsftError, match=r"model `nope` does not exist. Servable models: base, task0, task1, "
+                                        r"task2.*HTTP 404"):  # issue 18, item 3: every servable name
         complete(url, "nope", "1+1=")
     other = write_synthetic_adapter(tiny_models["deepseek_v2"], tmp_path / "other", "other", seed=1)
-    with pytest.raises(EsftError, match="packed for another base model"):
+    # Issue 18, item 2: an expected refusal is a 4xx naming the bundle's real path, not `<path>` and HTTP 500.
+    with pytest.raises(EsftError, match=f"{other}: bundle .*packed for another base model.*HTTP 400"):
         load(url, "other", other)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(bundles["task1"], corrupt)
@@ -173,12 +175,12 @@ def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp
     raw = bytearray(data.read_bytes())
     raw[-100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(EsftError, match="checksum mismatch"):
+    with pytest.raises(EsftError, match=f"{data}: checksum mismatch.*HTTP 400"):
         load(url, "corrupt", corrupt)
     free = deepseek["plan"].slots - 3
     for k in range(free):
         load(url, f"spare{k}", bundles["task0"])
-    with pytest.raises(EsftError, match="no free adapter slot"):
+    with pytest.raises(EsftError, match="no free adapter slot.*HTTP 507"):
         load(url, "one_too_many", bundles["task0"])
     for k in range(free):
         unload(url, f"spare{k}")

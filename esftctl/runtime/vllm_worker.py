@@ -274,6 +274,7 @@ class EsftWorkerManager:
             "adapters": adapters,
             "variants": variants,
             "variant_map": self.config.variant_map,
+            "variant_paths": [str(p) for p in self.variants.paths] if self.variants else [],
             "variant_switch_bytes": self.variant_weights.nbytes() if self.variant_weights else 0,
             "base_expert_bytes": base_experts,
             "model_bytes": self.base.total_nbytes,
