@@ -33,7 +33,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+                                       help="Print the version and exit.", metavar="")) -> None:
     """Prepare and serve Expert-Specialized Fine-Tuning (ESFT) adapters of Mixture-of-Experts models."""
 
 
@@ -43,7 +43,7 @@ app.add_typer(bench_app, name="bench")
 @app.command()
 def inspect(
     paths: list[Path] = typer.Argument(..., help="A model folder, an adapter bundle, or several bundles of one base."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of a table.", metavar=""),
 ) -> None:
     """Describe a MoE model folder or adapter bundles (experts per layer, sparsity, padding's fragmentation)."""
     from esftctl.describe import describe_bundle_set, describe_path, render
@@ -68,9 +68,10 @@ def relevance(
     out: Path = typer.Option(..., "--out", "-o", help="Scores file to write (JSON)."),
     max_examples: int = typer.Option(1000, min=1, help="Score at most this many examples (the file's first)."),
     batch_size: int = typer.Option(16, min=1, help="Examples per forward pass."),
-    metric: str = typer.Option("gate", help="Metric shown in the table: gate (average gate score) or token "
-                                            "(token selection ratio). The file holds both."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    metric: str = typer.Option("gate", metavar="[gate|token]",
+                               help="Metric shown in the table: gate (average gate score) or token (token selection "
+                                    "ratio). The file holds both."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file.", metavar=""),
 ) -> None:
     """Score every routed expert of every MoE layer on task data with both ESFT metrics."""
     from rich.progress import Progress
@@ -97,8 +98,9 @@ def select(
     out: Path = typer.Option(..., "--out", "-o", help="Expert config to write (DeepSeek ESFT layout)."),
     threshold: float = typer.Option(0.2, "--threshold", "-p", help="Per layer, the fewest best experts whose "
                                                                       "scores sum to at least p (0 < p <= 1)."),
-    metric: str = typer.Option("gate", help="gate (average gate score) or token (token selection ratio)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    metric: str = typer.Option("gate", metavar="[gate|token]",
+                               help="gate (average gate score) or token (token selection ratio)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file.", metavar=""),
 ) -> None:
     """Choose the experts to fine-tune per layer: the smallest set reaching score mass p."""
     from esftctl.relevance import METRICS, Relevance
@@ -128,9 +130,9 @@ def pack(
                                                               "(an adapter folder brings its own)."),
     include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights (and an adapter "
                                                         "folder's changed shared experts) too instead of "
-                                                        "refusing the fine-tune."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
-    as_json: bool = typer.Option(False, "--json", help="Print the packed bundle's description as JSON."),
+                                                        "refusing the fine-tune.", metavar=""),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", help="Print the packed bundle's description as JSON.", metavar=""),
 ) -> None:
     """Pack a fine-tuned checkpoint's fine-tuned experts into an adapter bundle, verified against the base; or
     import a DeepSeek ESFT adapter folder (expert_cfg.json + the trained tensors) the same way."""
@@ -164,7 +166,7 @@ def merge(
     base: Path = typer.Argument(..., help="The base model folder."),
     bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base."),
     out: Path = typer.Option(..., "--out", "-o", help="Merged model folder to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
 ) -> None:
     """Write base + adapter as one full checkpoint (the merged model that serving is checked against)."""
     from esftctl.merge import merge as do_merge
@@ -178,14 +180,14 @@ def merge(
 @app.command()
 def export(
     bundle: Path = typer.Argument(..., help="An adapter bundle."),
-    fmt: str = typer.Option(..., "--format", "-f", help="Format to write: esft (DeepSeek ESFT's adapter folder: "
-                                                        "expert_cfg.json + model.safetensors, which its esft.py "
-                                                        "add_adapter / load_esft_model load)."),
+    fmt: str = typer.Option(..., "--format", "-f", metavar="[esft]",
+                            help="Format to write: esft (DeepSeek ESFT's adapter folder: expert_cfg.json + "
+                                 "model.safetensors, which its esft.py add_adapter / load_esft_model load)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to create."),
     base: Path = typer.Option(None, help="The bundle's base model folder; needed only for a bundle with non-expert "
                                          "tensors (DeepSeek's loader takes every tensor of the modules an adapter "
                                          "trains: the unchanged ones come from the base)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
 ) -> None:
     """Write an adapter bundle in another tool's adapter format (esft: DeepSeek's ESFT code)."""
     from esftctl.esft_adapter import export_adapter
@@ -204,13 +206,13 @@ def export(
 def compress(
     source: Path = typer.Argument(..., help="A model folder (all its routed experts) or an adapter bundle."),
     out: Path = typer.Option(..., "--out", "-o", help="Store folder to create."),
-    table_scope: str = typer.Option("layer", help="One Huffman code per layer (shared by its experts) or per "
-                                                  "tensor."),
+    table_scope: str = typer.Option("layer", metavar="[layer|tensor]",
+                                    help="One Huffman code per layer (shared by its experts) or per tensor."),
     chunk: int = typer.Option(1024, min=16, help="Values per independently decodable chunk, a multiple of 16 "
                                                  "(the GPU decoder gives each chunk a lane; 32 chunks share a "
                                                  "block of values, taking turns by 16)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
-    as_json: bool = typer.Option(False, "--json", help="Print the store's description as JSON."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", help="Print the store's description as JSON.", metavar=""),
 ) -> None:
     """Write a Huffman-coded expert store: bf16 exponents entropy-coded, sign+mantissa raw; lossless."""
     import time
@@ -238,7 +240,7 @@ def compress(
 def decompress(
     store: Path = typer.Argument(..., help="An expert store from `esftctl compress`."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to create: the bundle again, or experts.safetensors."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
 ) -> None:
     """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
     from esftctl.store import decompress as do_decompress
@@ -253,11 +255,14 @@ def decompress(
 def consolidate(
     models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for expert_map.json, ranking.json, distances.png."),
-    capacity: int = typer.Option(None, min=0, help="Expert positions to load (across all MoE layers)."),
-    budget: str = typer.Option(None, help="Or a memory budget for experts, e.g. 12GiB or 500MB."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    capacity: int = typer.Option(None, min=0, help="Expert positions to load (across all MoE layers); give this or "
+                                                   "--budget, exactly one."),
+    budget: str = typer.Option(None, help="Or a memory budget for the loaded experts, e.g. 12GiB or 500MB (exactly one "
+                                          "of --capacity and --budget)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
 ) -> None:
-    """Rank expert positions by summed pairwise L2 distance and assign them round-robin under a capacity."""
+    """Rank expert positions by summed pairwise L2 distance and assign them round-robin under a capacity (give
+    exactly one of --capacity and --budget)."""
     from rich.progress import Progress
     from rich.table import Table
 
@@ -290,7 +295,7 @@ def materialize(
     map_dir: Path = typer.Argument(..., help="A folder written by `esftctl consolidate`."),
     variant: int = typer.Option(..., help="Index of the variant (order given to consolidate)."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
 ) -> None:
     """Write the checkpoint a variant runs under a consolidated map (plain vLLM can serve it)."""
     from esftctl.consolidate import materialize as do_materialize
@@ -305,7 +310,7 @@ def materialize(
 def average(
     models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
 ) -> None:
     """Write the weight-averaging baseline of several variants."""
     from esftctl.consolidate import average as do_average
@@ -352,7 +357,7 @@ def serve(
                                                  "(default: split by the two tiers' speeds, measured at start)."),
     paging_adaptive: bool = typer.Option(False, help="With --paging-window: keep more layers resident while loads "
                                                      "show (compute / load < 0.9) and fewer while compute hides "
-                                                     "them (> 1), within the memory vLLM left free."),
+                                                     "them (> 1), within the memory vLLM left free.", metavar=""),
     host_cache: str = typer.Option("8GiB", help="Adapters kept in (pinned) host memory after loading, as a size: "
                                                 "loading one of them again skips reading, verifying and "
                                                 "converting it and is one copy to the GPU (0 turns it off)."),
@@ -418,7 +423,7 @@ URL_HELP = "The server's address."
 @adapters_app.command("list")
 def adapters_list(
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the status as JSON instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print the status as JSON instead of a table.", metavar=""),
 ) -> None:
     """The served models and the adapter table (slots, experts per layer, memory, KV-cache room)."""
     from esftctl import serve_client

@@ -207,3 +207,23 @@ def test_usage_errors_are_one_line_and_exit_1_and_help_and_version_work():
     assert "Usage: esftctl pack" in run_cli("pack", "-h", check=True).stdout
     assert run_cli("--version", check=True).stdout.strip() == f"esftctl {__version__}"
     assert run_cli().returncode == 0  # no arguments: the help
+
+
+def test_help_shows_choices_and_no_bool_placeholders():
+    """Issue 18, item 14: flags show no `<bool>` placeholder, fixed choices show as such, and consolidate says it
+    takes exactly one of --capacity and --budget."""
+    import os
+    import subprocess
+    import sys
+
+    def help_of(*args):
+        return subprocess.run([sys.executable, "-m", "esftctl.cli", *args, "--help"], capture_output=True, text=True,
+                              env={**os.environ, "COLUMNS": "200"}, check=True).stdout
+
+    for args in (("pack",), ("serve",), ("bench", "memory"), ("bench", "consolidate")):
+        text = help_of(*args)
+        flags = [line for line in text.splitlines() if "--json" in line or "--overwrite" in line or "--serve " in line]
+        assert all("<bool>" not in line for line in flags), flags
+    assert "[gate|token]" in help_of("select") and "[layer|tensor]" in help_of("compress")
+    assert "[auto|cuda|accounting]" in help_of("bench", "memory")
+    assert "exactly one" in help_of("consolidate")

@@ -60,9 +60,10 @@ def _counts(option: str, text: str, minimum: int = 1) -> tuple[int, ...]:
 @app.command()
 def memory(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
-    backend: str = typer.Option("auto", help="cuda (real GPU mappings and counters), accounting (allocator "
-                                              "only, any machine), or auto (cuda when a GPU is present)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    backend: str = typer.Option("auto", metavar="[auto|cuda|accounting]",
+                                help="cuda (real GPU mappings and counters), accounting (allocator only, any machine), "
+                                     "or auto (cuda when a GPU is present)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
 ) -> None:
     """Adapter expert memory: padding vs virtual weight tensors vs merged models (DeepSeek-V2-Lite, Table 1
     adapters)."""
@@ -77,7 +78,7 @@ def memory(
 @app.command()
 def reroute(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """Rerouting cost in a DeepSeek-V2-Lite MoE layer on the GPU: fused vs unfused, and 1-20 adapters vs base."""
     from esftctl.bench import reroute as bench
@@ -89,8 +90,8 @@ def reroute(
 def compress(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
     experts: str = typer.Option("1,8,64", help="Comma-separated expert counts (64 = one DeepSeek-V2-Lite layer)."),
-    table_scope: str = typer.Option("layer", help="Code tables per layer or per tensor."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    table_scope: str = typer.Option("layer", metavar="[layer|tensor]", help="Code tables per layer or per tensor."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
 ) -> None:
     """Huffman expert stores: size vs entropy bound and general-purpose compressors; GPU decode vs bandwidth."""
     from esftctl.bench import compress as bench
@@ -105,16 +106,17 @@ def consolidate(
     eval_examples: int = typer.Option(40, min=1, help="Held-out examples per task."),
     capacities: str = typer.Option("100,90,75,50,25,0", help="The sweep's capacities, in percent of the expert "
                                                              "positions loaded (100: every position shared)."),
-    serve: bool = typer.Option(False, "--serve", help="Also serve the sweep's variants: `esftctl serve "
-                                                      "--variants` against one plain vLLM server per variant and "
-                                                      "whole-model swapping, same traffic (a few minutes more)."),
+    serve: bool = typer.Option(False, "--serve", metavar="",
+                               help="Also serve the sweep's variants: `esftctl serve --variants` against one plain "
+                                    "vLLM server per variant and whole-model swapping, same traffic (a few minutes "
+                                    "more)."),
     serve_capacity: int = typer.Option(50, min=0, max=100, help="With --serve: the map served, in percent of the "
                                                                 "positions loaded."),
     rate: float = typer.Option(2.0, min=0.01, help="With --serve: Poisson request rate, requests per second."),
     requests: int = typer.Option(24, min=1, help="With --serve: requests in the run."),
     serve_only: bool = typer.Option(False, "--serve-only", help="Only the serving part (implies --serve): the quality "
-                                                                "runs are the same on any machine."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+                                                                "runs are the same on any machine.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
 ) -> None:
     """Consolidated vs own vs weight-averaged variants of the tiny world: for 2, 3 and 4 variants with every
     position loaded, then for 3 variants over a sweep of capacities (quality against expert memory), and with
@@ -169,7 +171,7 @@ def serve(
                                            "always), merged, esftctl and lora (vLLM multi-LoRA, GPU only: vLLM's "
                                            "CPU build has no MoE LoRA kernel; --max-loras is the largest "
                                            "--adapters count); default all there are."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """TTFT, TPOT, ITL and throughput (vLLM bench serve): plain vLLM (base, merged), esftctl serve with 0-20
     adapters, and vLLM multi-LoRA; KV-cache room; adapter load time."""
@@ -201,7 +203,7 @@ def paging(
     window: int = typer.Option(2, min=1, help="Physical blocks (layers of experts) the paged stack holds."),
     batches: str = typer.Option("1,4,16,64,256", help="Comma-separated batch sizes (sequences)."),
     prompt_len: int = typer.Option(512, min=1, help="Tokens per sequence in prefill."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
 ) -> None:
     """(GPU) DeepSeek-V2-Lite-sized MoE stack: resident vs paged from host, host + Huffman store, and planned."""
     from esftctl.bench import paging as bench
@@ -225,7 +227,7 @@ def esft(
                                          "esftctl.world.esft.FINETUNE)."),
     fft_lr: float = typer.Option(1e-3, help="Learning rate of full fine-tuning only (ESFT trains at the recipe's "
                                             "1e-2, which wipes out the base when every weight moves)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """The ESFT paper's comparison in miniature: ESFT (token, gate) vs full fine-tuning vs LoRA on every task of
     the tiny world: task exact match, general ability kept, trainable parameters, storage, training time."""
