@@ -11,7 +11,7 @@ import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -280,6 +280,7 @@ def write_checkpoint(
     dst: str | Path,
     replacements: Mapping[str, torch.Tensor] | None = None,
     overwrite: bool = False,
+    on_tensor: Callable[[str], None] = lambda name: None,
 ) -> Path:
     """Write a copy of `src` to `dst` with some tensors replaced (same shards, same index, same extras).
 
@@ -301,9 +302,10 @@ def write_checkpoint(
             if extra.is_file() and extra.suffix != ".safetensors":
                 shutil.copy2(extra, tmp / extra.name)
         for file in src.files:
-            tensors = {
-                n: (replacements[n] if n in replacements else src.read_tensor(n)).contiguous()
-                for n, info in src.tensors.items() if info.file == file
-            }
+            tensors = {}
+            for n, info in src.tensors.items():
+                if info.file == file:
+                    tensors[n] = (replacements[n] if n in replacements else src.read_tensor(n)).contiguous()
+                    on_tensor(n)
             save_file(tensors, tmp / file.name, metadata={"format": "pt"})
     return dst

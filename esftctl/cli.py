@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def relevance(
                                help="Metric shown in the table: gate (average gate score) or token (token selection "
                                     "ratio). The file holds both."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Score every routed expert of every MoE layer on task data with both ESFT metrics."""
     from rich.progress import Progress
@@ -88,6 +90,9 @@ def relevance(
         rel = compute_relevance(model, texts, batch_size, data_name=str(data),
                                 on_batch=lambda n: progress.advance(task, n))
     rel.save(out, overwrite=overwrite)
+    if as_json:
+        print(json.dumps({"out": str(out), "examples": len(texts), **rel.to_json()}, indent=1))
+        return
     console.print(relevance_table(rel, metric))
     console.print(f"wrote {out}")
 
@@ -101,6 +106,7 @@ def select(
     metric: str = typer.Option("gate", metavar="[gate|token]",
                                help="gate (average gate score) or token (token selection ratio)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Choose the experts to fine-tune per layer: the smallest set reaching score mass p."""
     from esftctl.relevance import METRICS, Relevance
@@ -113,6 +119,9 @@ def select(
     config = ExpertConfig(select_experts(rel.scores[metric], threshold))
     config.save(out, overwrite=overwrite)
     counts = [len(ids) for ids in config.experts.values()]
+    if as_json:
+        print(json.dumps({"out": str(out), "threshold": threshold, "metric": metric, **config.to_json()}, indent=1))
+        return
     console.print(f"selected {sum(counts)} experts over {len(counts)} MoE layers (per layer: "
                   f"{' '.join(map(str, counts))}) at p={threshold} ({metric}); wrote {out}")
 
@@ -167,14 +176,16 @@ def merge(
     bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base."),
     out: Path = typer.Option(..., "--out", "-o", help="Merged model folder to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write base + adapter as one full checkpoint (the merged model that serving is checked against)."""
+    from esftctl.checkpoint import MoECheckpoint
     from esftctl.merge import merge as do_merge
 
     check_output(out, overwrite=overwrite, folder=True)
-    with console.status("merging"):
-        do_merge(base, bundle, out, overwrite)
-    console.print(f"wrote {out}")
+    with _tensor_progress("merging", len(MoECheckpoint(base).tensors)) as advance:
+        do_merge(base, bundle, out, overwrite, on_tensor=advance)
+    _wrote(out, as_json)
 
 
 @app.command()
@@ -241,14 +252,16 @@ def decompress(
     store: Path = typer.Argument(..., help="An expert store from `esftctl compress`."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to create: the bundle again, or experts.safetensors."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
+    from esftctl.store import ExpertStore
     from esftctl.store import decompress as do_decompress
 
     check_output(out, overwrite=overwrite, folder=True)
-    with console.status("decoding"):
-        do_decompress(store, out, overwrite)
-    console.print(f"wrote {out}")
+    with _tensor_progress("decoding", len(list(ExpertStore(store, verify=False)))) as advance:
+        do_decompress(store, out, overwrite, on_tensor=advance)
+    _wrote(out, as_json)
 
 
 @app.command()
@@ -260,6 +273,7 @@ def consolidate(
     budget: str = typer.Option(None, help="Or a memory budget for the loaded experts, e.g. 12GiB or 500MB (exactly one "
                                           "of --capacity and --budget)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Rank expert positions by summed pairwise L2 distance and assign them round-robin under a capacity (give
     exactly one of --capacity and --budget)."""
@@ -275,6 +289,9 @@ def consolidate(
         task = progress.add_task("distances", total=len(MoECheckpoint(models[0]).moe_layers))
         emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite,
                                          on_layer=lambda layer: progress.advance(task))
+    if as_json:
+        print(json.dumps({"out": str(out), **emap.to_json(), "distances": distances.tolist()}, indent=1))
+        return
     table = Table(title=f"Consolidated expert map: {len(models)} variants, capacity {emap.capacity} of "
                         f"{emap.owner.size} positions", header_style="bold")
     table.add_column("layer", justify="right")
@@ -296,14 +313,19 @@ def materialize(
     variant: int = typer.Option(..., help="Index of the variant (order given to consolidate)."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write the checkpoint a variant runs under a consolidated map (plain vLLM can serve it)."""
+    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.consolidate import MAP_FILE, ExpertMap
     from esftctl.consolidate import materialize as do_materialize
 
     check_output(out, overwrite=overwrite, folder=True)
-    with console.status("materializing"):
-        do_materialize(map_dir, variant, out, overwrite)
-    console.print(f"wrote {out}")
+    models = ExpertMap.load(map_dir / MAP_FILE).models
+    total = len(MoECheckpoint(models[variant]).tensors) if 0 <= variant < len(models) else 0
+    with _tensor_progress("materializing", total) as advance:
+        do_materialize(map_dir, variant, out, overwrite, on_tensor=advance)
+    _wrote(out, as_json)
 
 
 @app.command()
@@ -311,14 +333,16 @@ def average(
     models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write the weight-averaging baseline of several variants."""
+    from esftctl.checkpoint import MoECheckpoint
     from esftctl.consolidate import average as do_average
 
     check_output(out, overwrite=overwrite, folder=True)
-    with console.status("averaging"):
-        do_average(models, out, overwrite)
-    console.print(f"wrote {out}")
+    with _tensor_progress("averaging", 2 * len(MoECheckpoint(models[0]).tensors)) as advance:
+        do_average(models, out, overwrite, on_tensor=advance)
+    _wrote(out, as_json)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -440,24 +464,54 @@ def adapters_load(
     name: str = typer.Argument(..., help="The name requests will use."),
     bundle: Path = typer.Argument(..., help="The adapter bundle folder (a path the server can read)."),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Load an adapter bundle into a running server."""
     from esftctl import serve_client
 
     if not bundle.exists():
         raise EsftError("no such bundle folder", bundle)
-    console.print(serve_client.load(url, name, bundle))
+    message = serve_client.load(url, name, bundle)
+    if as_json:
+        print(json.dumps({"loaded": name, "bundle": str(bundle.resolve()), "message": message}))
+    else:
+        console.print(message)
 
 
 @adapters_app.command("unload")
 def adapters_unload(
     name: str = typer.Argument(..., help="The adapter's name."),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Unload an adapter from a running server (its slot and expert memory are freed)."""
     from esftctl import serve_client
 
-    console.print(serve_client.unload(url, name))
+    message = serve_client.unload(url, name)
+    if as_json:
+        print(json.dumps({"unloaded": name, "message": message}))
+    else:
+        console.print(message)
+
+
+@contextlib.contextmanager
+def _tensor_progress(what: str, total: int):
+    """A progress bar over `total` tensors; yields the callback that advances it by one."""
+    from rich.progress import Progress
+
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda name: progress.advance(task)
+
+
+def _wrote(out: Path, as_json: bool) -> None:
+    """The last line of a command that writes a folder: its path, or for scripts its path and files as JSON."""
+    if as_json:
+        files = sorted(p for p in out.rglob("*") if p.is_file())
+        print(json.dumps({"out": str(out), "files": [str(p.relative_to(out)) for p in files],
+                          "bytes": sum(p.stat().st_size for p in files)}, indent=1))
+    else:
+        console.print(f"wrote {out}")
 
 
 def _parse_bytes(text: str, option: str = "size") -> int:

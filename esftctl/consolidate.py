@@ -148,7 +148,8 @@ def heat_map(distances: np.ndarray, layers: Sequence[int], path: Path) -> None:
     plt.close(fig)
 
 
-def materialize(map_dir: Path, variant: int, out: Path, overwrite: bool = False) -> Path:
+def materialize(map_dir: Path, variant: int, out: Path, overwrite: bool = False,
+                on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """The checkpoint variant `variant` runs under the map: mapped experts where loaded, its own elsewhere."""
     emap = ExpertMap.load(map_dir / MAP_FILE)
     if not 0 <= variant < len(emap.models):
@@ -162,13 +163,15 @@ def materialize(map_dir: Path, variant: int, out: Path, overwrite: bool = False)
             source = int(emap.owner[li, e])
             if source >= 0 and source != variant:
                 replacements[(layer, e)] = models[source].read_expert(layer, e)
-    return write_checkpoint(own, out, expert_replacements(own, replacements), overwrite=overwrite)
+    return write_checkpoint(own, out, expert_replacements(own, replacements), overwrite=overwrite, on_tensor=on_tensor)
 
 
-def average(model_dirs: Sequence[Path], out: Path, overwrite: bool = False) -> Path:
+def average(model_dirs: Sequence[Path], out: Path, overwrite: bool = False,
+            on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """The weight-averaging baseline: every tensor the mean of the variants' (float32, cast back).
 
     Reads one tensor of each variant at a time; the averaged copy (one model's size) is held until written.
+    `on_tensor` after each tensor averaged and again after each written (2 x the tensor count in all).
     """
     models = [MoECheckpoint(p) for p in model_dirs]
     check_same_architecture(models)
@@ -179,4 +182,5 @@ def average(model_dirs: Sequence[Path], out: Path, overwrite: bool = False) -> P
         if missing:
             raise EsftError(f"tensor {name!r} is missing from this variant", missing[0])
         mean[name] = (sum(m.read_tensor(name).float() for m in models) / len(models)).to(info.torch_dtype)
-    return write_checkpoint(first, out, mean, overwrite=overwrite)
+        on_tensor(name)
+    return write_checkpoint(first, out, mean, overwrite=overwrite, on_tensor=on_tensor)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from esftctl.bundle import Bundle
 from esftctl.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
 
 
-def merge(base_dir: Path, bundle_dir: Path, out: Path, overwrite: bool = False) -> Path:
+def merge(base_dir: Path, bundle_dir: Path, out: Path, overwrite: bool = False,
+          on_tensor: Callable[[str], None] = lambda name: None) -> Path:
+    """Write `out`: the base with the bundle's tensors in place; `on_tensor` after each tensor written."""
     base = MoECheckpoint(base_dir)
     bundle = Bundle.open(bundle_dir)
     bundle.check_base(base)
     replacements = expert_replacements(base, {(l, e): w for l, per in bundle.read_experts().items()
                                               for e, w in per.items()})
     replacements.update(bundle.read_non_expert())
-    return write_checkpoint(base, out, replacements, overwrite=overwrite)
+    return write_checkpoint(base, out, replacements, overwrite=overwrite, on_tensor=on_tensor)

@@ -290,7 +290,8 @@ class ExpertStore:
                 "bits_per_weight": 8 * h["data_bytes"] / max(1, h["values"])}
 
 
-def decompress(store_dir: Path, out: Path, overwrite: bool = False) -> Path:
+def decompress(store_dir: Path, out: Path, overwrite: bool = False,
+               on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """Write the stored tensors back as safetensors: a bundle store becomes its bundle again, byte for byte;
     a model store becomes a folder with experts.safetensors (the experts under their checkpoint names)."""
     from safetensors.torch import save_file
@@ -298,7 +299,10 @@ def decompress(store_dir: Path, out: Path, overwrite: bool = False) -> Path:
     from esftctl.bundle import DATA_FILE, MANIFEST
 
     store = ExpertStore(store_dir)
-    tensors = {e["name"]: store.decode_tensor(e["name"]) for e in store}
+    tensors = {}
+    for e in store:
+        tensors[e["name"]] = store.decode_tensor(e["name"])
+        on_tensor(e["name"])
     source = store.header["source"]
     with atomic_dir(out, overwrite=overwrite) as tmp:
         if source["kind"] == "bundle":

@@ -227,3 +227,26 @@ def test_help_shows_choices_and_no_bool_placeholders():
     assert "[gate|token]" in help_of("select") and "[layer|tensor]" in help_of("compress")
     assert "[auto|cuda|accounting]" in help_of("bench", "memory")
     assert "exactly one" in help_of("consolidate")
+
+
+def test_json_for_scripts_on_every_writing_command(world, tmp_path):
+    """Issue 18, item 15: relevance, select, merge, materialize, average, consolidate, decompress print JSON with
+    --json (a script reads the result instead of scraping a table); merge and friends show a progress bar."""
+    from esftctl.world.synthetic import write_synthetic_adapter, write_synthetic_variant
+
+    def js(*args):
+        return json.loads(run_cli(*args, "--json", check=True).stdout)
+
+    data = world.data_file(world.task_names[0], "test")
+    assert js("relevance", world.base_dir, data, "--out", tmp_path / "s.json", "--max-examples", "4")["out"]
+    assert set(js("select", tmp_path / "s.json", "--out", tmp_path / "c.json")["experts"]) == {"1", "2", "3"}
+    bundle = write_synthetic_adapter(world.base_dir, tmp_path / "b", "b", seed=1, experts_per_layer=1)
+    merged = js("merge", world.base_dir, bundle, "--out", tmp_path / "m")
+    assert merged["files"] and merged["bytes"] > 0 and merged["out"] == str(tmp_path / "m")
+    v = [write_synthetic_variant(world.base_dir, tmp_path / f"v{i}", seed=i, experts_per_layer=2) for i in range(2)]
+    assert js("consolidate", *v, "--capacity", "10", "--out", tmp_path / "map")["capacity"] == 10
+    assert js("materialize", tmp_path / "map", "--variant", "1", "--out", tmp_path / "mat")["files"]
+    assert js("average", *v, "--out", tmp_path / "avg")["files"]
+    run_cli("compress", bundle, "--out", tmp_path / "st", check=True)
+    assert js("decompress", tmp_path / "st", "--out", tmp_path / "back")["files"] == ["experts.safetensors",
+                                                                                       "manifest.json"]
