@@ -333,6 +333,14 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)
             return self.process.wait()
 
+    def serve_until_interrupted(self, console) -> None:
+        """Leave the server up until Ctrl-C (the recipes' --keep-serving)."""
+        console.print(f"serving at {self.plan.url}/v1; Ctrl-C stops")
+        try:
+            self.process.wait()
+        except KeyboardInterrupt:
+            pass
+
     def __enter__(self) -> "Server":
         self.start()
         return self
@@ -346,6 +354,21 @@ class Server:
         self.stop()
         if exc_type is None:
             self.remove_state()
+
+
+def serve_and_ask(serve_plan: ServePlan, asks: list[tuple[str, dict]], *, console, max_tokens: int, title: str,
+                  keep_serving: bool = False) -> None:
+    """The recipes' last step: start the plan's server, print its adapter table, send every (model, example) at
+    once and print the answers against the expected completions; with `keep_serving`, stay up until Ctrl-C."""
+    from esftctl.serve_client import answers_table, models, status, status_table
+
+    with Server(serve_plan) as server:
+        with console.status(f"starting vLLM (log: {serve_plan.log_file})"):
+            server.wait_ready()
+        console.print(status_table(status(serve_plan.url), models(serve_plan.url)))
+        console.print(answers_table(serve_plan.url, asks, max_tokens=max_tokens, title=title))
+        if keep_serving:
+            server.serve_until_interrupted(console)
 
 
 def _interrupt(signum, frame):

@@ -124,3 +124,26 @@ def _counts(counts: list[int]) -> str:
     if len(counts) <= 16:
         return " ".join(map(str, counts))
     return f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"
+
+
+def answers_table(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, title: str) -> Table:
+    """Send every (model, example) as a greedy completion of the example's prompt, all at once, and tabulate the
+    answers against the examples' completions (the recipes' last step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(job):
+        model, example = job
+        reply = request(url, "/v1/completions", {"model": model, "prompt": example["prompt"],
+                                                 "max_tokens": max_tokens, "temperature": 0})
+        return reply["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(ask, asks))
+    table = Table(title=title)
+    for col in ("model", "task", "prompt", "expected", "answer", "right"):
+        table.add_column(col)
+    for (model, example), answer in zip(asks, answers):
+        right = answer.strip() == example["completion"].strip()
+        table.add_row(model, example.get("task", ""), example["prompt"], example["completion"], answer,
+                      "[green]yes[/]" if right else "[red]no[/]")
+    return table

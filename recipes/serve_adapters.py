@@ -11,16 +11,13 @@ request's `model` field picks the adapter, as with vLLM's multi-LoRA serving.
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from esftctl.errors import EsftError
 from esftctl.jsonl import read_jsonl
-from esftctl.serve import Server, plan
-from esftctl.serve_client import models, request, status, status_table
+from esftctl.serve import plan, serve_and_ask
 from esftctl.world.build import World, default_world_dir
 
 
@@ -39,37 +36,12 @@ def main() -> None:
         raise SystemExit(f"error: no bundle at {missing[0]} (run recipes/esft_adapters.py first)")
     serve_plan = plan(world.base_dir, [f"{t}={b}" for t, b in bundles.items()], name="tiny-base", port=args.port,
                       vllm_args=["--max-model-len", "256"])
-    with Server(serve_plan) as server:
-        with console.status(f"starting vLLM (log: {serve_plan.log_file})"):
-            server.wait_ready()
-        console.print(status_table(status(serve_plan.url), models(serve_plan.url)))
-        jobs = []
-        for task in world.task_names:
-            example = next(iter(read_jsonl(world.data_file(task, "test"))))
-            jobs += [(task, "tiny-base", example), (task, task, example)]
-
-        def ask(job):
-            _, model, example = job
-            reply = request(serve_plan.url, "/v1/completions", {"model": model, "prompt": example["prompt"],
-                                                                "max_tokens": args.max_tokens, "temperature": 0})
-            return reply["choices"][0]["text"]
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            answers = list(pool.map(ask, jobs))
-        table = Table(title=f"one request per model, sent together to {serve_plan.url}/v1/completions")
-        for col in ("task", "model", "prompt", "expected", "answer", "right"):
-            table.add_column(col)
-        for (task, model, example), answer in zip(jobs, answers):
-            right = answer.strip() == example["completion"].strip()
-            table.add_row(task, model, example["prompt"], example["completion"], answer,
-                          "[green]yes[/]" if right else "[red]no[/]")
-        console.print(table)
-        if args.keep_serving:
-            console.print(f"serving at {serve_plan.url}/v1; Ctrl-C stops")
-            try:
-                server.process.wait()
-            except KeyboardInterrupt:
-                pass
+    asks = []
+    for task in world.task_names:
+        example = {**next(iter(read_jsonl(world.data_file(task, "test")))), "task": task}
+        asks += [("tiny-base", example), (task, example)]
+    serve_and_ask(serve_plan, asks, console=console, max_tokens=args.max_tokens, keep_serving=args.keep_serving,
+                  title=f"one request per model, sent together to {serve_plan.url}/v1/completions")
 
 
 if __name__ == "__main__":

@@ -20,17 +20,14 @@ import argparse
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.jsonl import read_jsonl
-from esftctl.serve import Server, plan
-from esftctl.serve_client import models, request, status, status_table
+from esftctl.serve import plan, serve_and_ask
 from esftctl.world.build import build_world
 from esftctl.world.esft import fine_tuned_variants
 from esftctl.world.models import quiet_transformers
@@ -61,35 +58,10 @@ def main() -> None:
         console.print(f"$ esftctl consolidate {' '.join(TASKS)} --capacity {capacity} --out MAP")
         subprocess.run(command, check=True)
         serve_plan = plan(None, [], variants=map_dir, port=args.port, vllm_args=["--max-model-len", "256"])
-        with Server(serve_plan) as server:
-            with console.status(f"starting vLLM (log: {serve_plan.log_file})"):
-                server.wait_ready()
-            console.print(status_table(status(serve_plan.url), models(serve_plan.url)))
-            jobs = [(variant, task, next(iter(read_jsonl(world.data_file(task, "test")))))
-                    for variant in TASKS for task in TASKS]
-
-            def ask(job):
-                variant, _, example = job
-                reply = request(serve_plan.url, "/v1/completions", {
-                    "model": variant, "prompt": example["prompt"], "max_tokens": args.max_tokens, "temperature": 0})
-                return reply["choices"][0]["text"]
-
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                answers = list(pool.map(ask, jobs))
-            table = Table(title=f"each variant asked every task, all at once, at {serve_plan.url}/v1/completions")
-            for col in ("variant", "task", "prompt", "expected", "answer", "right"):
-                table.add_column(col)
-            for (variant, task, example), answer in zip(jobs, answers):
-                right = answer.strip() == example["completion"].strip()
-                table.add_row(variant, task, example["prompt"], example["completion"], answer,
-                              "[green]yes[/]" if right else "[red]no[/]")
-            console.print(table)
-            if args.keep_serving:
-                console.print(f"serving at {serve_plan.url}/v1; Ctrl-C stops")
-                try:
-                    server.process.wait()
-                except KeyboardInterrupt:
-                    pass
+        asks = [(variant, {**next(iter(read_jsonl(world.data_file(task, "test")))), "task": task})
+                for variant in TASKS for task in TASKS]
+        serve_and_ask(serve_plan, asks, console=console, max_tokens=args.max_tokens, keep_serving=args.keep_serving,
+                      title=f"each variant asked every task, all at once, at {serve_plan.url}/v1/completions")
 
 
 if __name__ == "__main__":
