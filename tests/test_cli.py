@@ -250,3 +250,24 @@ def test_json_for_scripts_on_every_writing_command(world, tmp_path):
     run_cli("compress", bundle, "--out", tmp_path / "st", check=True)
     assert js("decompress", tmp_path / "st", "--out", tmp_path / "back")["files"] == ["experts.safetensors",
                                                                                        "manifest.json"]
+
+
+def test_readme_points_only_at_files_in_the_repository():
+    """Issue 18, item 16: every file the README names (a path with a folder, or a bare module name) exists here,
+    and nothing points outside the repository."""
+    import re
+
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    assert "../" not in text
+    names = set(re.findall(r"`([\w./-]+\.(?:py|md|sh|toml))`", text))
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = set(tracked.split())
+    for name in names:
+        found = name in files if "/" in name else any(f.rsplit("/", 1)[-1] == name for f in files)
+        assert found, f"the README names {name}, which is not in the repository"
+    for command in re.findall(r"(?:python|bash) ((?:recipes|tests|scripts)/[\w/-]+\.(?:py|sh))", text):
+        assert (ROOT / command).is_file(), command
