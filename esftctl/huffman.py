@@ -18,6 +18,7 @@ decoder resolves a symbol with one lookup in a 2**MAX_LENGTH table of (symbol, l
 from __future__ import annotations
 
 import heapq
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,8 +172,34 @@ def chunk_firsts(count: int, chunk: int) -> np.ndarray:
     return (k // LANES) * (LANES * chunk) + (k % LANES) * GROUP
 
 
-def encode(symbols: np.ndarray, code: Code, chunk: int) -> tuple[bytes, np.ndarray]:
-    """Pack `symbols` MSB-first in chunk_layout's order; return (bytes, each chunk's starting bit, uint64)."""
+def encode(symbols: np.ndarray, code: Code, chunk: int, threads: int | None = None) -> tuple[bytes, np.ndarray]:
+    """Pack `symbols` MSB-first in chunk_layout's order; return (bytes, each chunk's starting bit, uint64).
+
+    The native encoder (native/huffman_encode.c, built with the package) writes the same bytes with `threads`
+    threads (default: every core); without it, `encode_reference` does."""
+    native = _native()
+    if native is None:
+        return encode_reference(symbols, code, chunk)
+    if chunk % GROUP:
+        raise ValueError(f"chunk size must be a multiple of {GROUP}")
+    data, starts = native.encode(np.ascontiguousarray(symbols, dtype=np.uint8),
+                                 np.ascontiguousarray(code.lengths, dtype=np.uint8),
+                                 np.ascontiguousarray(code.codes(), dtype=np.uint64), chunk,
+                                 threads or os.cpu_count() or 1)
+    return data, np.frombuffer(starts, dtype=np.uint64).copy()
+
+
+def _native():
+    """The compiled encoder module, or None where the package was installed without a compiler."""
+    try:
+        from esftctl import _native
+    except ImportError:
+        return None
+    return _native
+
+
+def encode_reference(symbols: np.ndarray, code: Code, chunk: int) -> tuple[bytes, np.ndarray]:
+    """The numpy encoder (7-15 M values/s on one core): the reference the native one is tested against."""
     order, chunk_lengths = chunk_layout(len(symbols), chunk)
     symbols = symbols[order]
     lengths = code.lengths.astype(np.uint64)[symbols]

@@ -1,0 +1,53 @@
+"""The native Huffman encoder (native/huffman_encode.c) against the numpy reference, bit for bit.
+
+Random and trained-like bf16 exponents, every edge the layout has (no values, one value, one symbol only, sizes
+that end inside a group, a chunk and a block), chunk sizes and thread counts: the bytes and the chunk offsets
+must be the reference's, and the stream must decode back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from esftctl.huffman import GROUP, LANES, _native, build_code, decode, encode, encode_reference, split_bf16
+
+pytestmark = pytest.mark.skipif(_native() is None, reason="the native encoder was not built (no C compiler)")
+
+
+def trained_like_exponents(n: int, seed: int) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    w = (g.standard_normal(n) * 0.02 * np.exp(g.normal(0, 0.25, n))).astype(np.float32)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    return split_bf16(bits)[0]
+
+
+def cases():
+    g = np.random.default_rng(0)
+    chunk = 64
+    block = LANES * chunk
+    yield "empty", np.zeros(0, dtype=np.uint8), chunk
+    yield "one value", np.array([7], dtype=np.uint8), chunk
+    yield "one symbol", np.full(5000, 3, dtype=np.uint8), chunk
+    for n in (GROUP - 1, GROUP + 1, chunk + 3, block - 1, block + 1, 3 * block + 17):
+        yield f"random {n}", g.integers(0, 256, n).astype(np.uint8), chunk
+    for chunk in (16, 1024):
+        yield f"trained-like, chunk {chunk}", trained_like_exponents(300_001, 1), chunk
+
+
+@pytest.mark.parametrize("name,symbols,chunk", list(cases()), ids=[c[0] for c in cases()])
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_native_encoder_writes_the_reference_stream(name, symbols, chunk, threads):
+    counts = np.bincount(symbols, minlength=256) if len(symbols) else np.eye(256, dtype=np.int64)[0]
+    code = build_code(counts)
+    want_data, want_offsets = encode_reference(symbols, code, chunk)
+    data, offsets = encode(symbols, code, chunk, threads=threads)
+    assert data == want_data
+    assert offsets.dtype == np.uint64 and np.array_equal(offsets, want_offsets)
+    assert np.array_equal(decode(data, offsets, len(symbols), code, chunk), symbols)
+
+
+def test_native_encoder_refuses_a_symbol_without_a_code():
+    code = build_code(np.bincount(np.array([1, 2, 2], dtype=np.uint8), minlength=256))
+    with pytest.raises(ValueError, match="a symbol has no code"):
+        encode(np.array([1, 2, 5], dtype=np.uint8), code, 16)
