@@ -164,6 +164,9 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
         raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
     if quantum < 1:
         raise EsftError(f"--quantum {quantum}: give at least one engine step per turn")
+    if vset is not None and kwargs.get("paging_store") is not None:
+        raise EsftError("--paging-store decodes the base's own experts, but with --variants the base rows hold the "
+                        "map's consolidated ones: page variants from host memory (--paging-window alone)")
     base = vset.home if vset is not None else MoECheckpoint(base_dir)
     adapters = parse_adapters(adapter_specs)
     name = vset.names[0] if vset is not None else check_name(name or base.path.resolve().name, "served model")

@@ -108,6 +108,8 @@ def test_bad_variant_maps_are_refused_before_vllm_starts(variants, tmp_path, tin
         plan(None, [f"task1={dirs[1]}"], variants=tmp / "map_all", port=free_port())
     with pytest.raises(EsftError, match="cannot hold the 0 adapters given and 2 variants"):
         plan(None, [], variants=tmp / "map_half", slots=1, port=free_port())
+    with pytest.raises(EsftError, match="--paging-store decodes the base's own experts"):
+        plan(None, [], variants=tmp / "map_all", paging_window=1, paging_store=tmp, port=free_port())
     with pytest.raises(EsftError, match="share the name"):
         plan(None, [], variants=tmp / "map_all", variant_names=["a", "a", "b"], port=free_port())
     moved = tmp_path / "map"
