@@ -98,7 +98,7 @@ class VariantSet:
         return rows
 
     def miss_counts(self) -> list[list[int]]:
-        """Per variant, per MoE layer, the experts its slot holds (without reading the others' weights twice)."""
+        """Per variant, per MoE layer, the experts its slot holds (reads every unloaded position of every variant)."""
         return [[len(experts) for experts in self.own_experts(v).values()] for v in range(len(self.names))]
 
     def _home_expert(self, layer: int, expert: int) -> ExpertWeights:
