@@ -44,6 +44,10 @@ class TensorInfo:
         return TORCH_DTYPES[self.dtype]
 
     @property
+    def torch_shape(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    @property
     def nbytes(self) -> int:
         n = self.torch_dtype.itemsize
         for d in self.shape:
@@ -281,11 +285,13 @@ def write_checkpoint(
     replacements: Mapping[str, torch.Tensor] | None = None,
     overwrite: bool = False,
     on_tensor: Callable[[str], None] = lambda name: None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Path:
     """Write a copy of `src` to `dst` with some tensors replaced (same shards, same index, same extras).
 
-    Every replacement must name an existing tensor of the same shape and dtype; the copy appears at `dst`
-    only once it is complete.
+    Every replacement must name an existing tensor of the same shape and dtype; `transform(name, tensor)`, if
+    given, may change any tensor as it streams through (same shape and dtype), so a whole model is never held:
+    one shard at a time. The copy appears at `dst` only once it is complete.
     """
     replacements = dict(replacements or {})
     for name, t in replacements.items():
@@ -305,7 +311,12 @@ def write_checkpoint(
             tensors = {}
             for n, info in src.tensors.items():
                 if info.file == file:
-                    tensors[n] = (replacements[n] if n in replacements else src.read_tensor(n)).contiguous()
+                    t = replacements[n] if n in replacements else src.read_tensor(n)
+                    if transform is not None:
+                        t = transform(n, t)
+                        if t.shape != info.torch_shape or t.dtype != info.torch_dtype:
+                            raise EsftError(f"transform changed {n!r} to {t.dtype} {list(t.shape)}", src.path)
+                    tensors[n] = t.contiguous()
                     on_tensor(n)
             save_file(tensors, tmp / file.name, metadata={"format": "pt"})
     return dst

@@ -173,3 +173,27 @@ def test_bad_bench_serve_options_are_one_line_errors(world):
         proc = run_cli(*args)
         assert proc.returncode == 1 and message in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_streamed_finetunes_of_a_generated_base(small_lite, tmp_path):
+    """Issue 19, item 1: cheap fine-tunes of a generated base, written shard by shard with the base's index: an
+    ESFT-style one changes exactly the chosen experts (and `pack` finds them), a full one every non-expert tensor
+    too (and `consolidate` ranks the variants)."""
+    from esftctl.bench.synthetic_model import write_finetune
+    from esftctl.consolidate import consolidate
+    from esftctl.pack import changed_experts, changed_non_expert, pack
+
+    base = MoECheckpoint(small_lite)
+    esft = write_finetune(small_lite, tmp_path / "esft", kind="esft", seed=1, experts_per_layer=2)
+    full = write_finetune(small_lite, tmp_path / "full", kind="full", seed=2, experts_per_layer=2)
+    assert (esft / INDEX_FILE).read_text() == (small_lite / INDEX_FILE).read_text()
+    changed = changed_experts(base, MoECheckpoint(esft))
+    assert all(len(ids) == 2 for ids in changed.values()) and not changed_non_expert(base, MoECheckpoint(esft))
+    non_expert = {n for n in base.tensors if not base.is_routed_expert_tensor(n)}
+    assert set(changed_non_expert(base, MoECheckpoint(full))) == non_expert
+    report = pack(small_lite, esft, tmp_path / "bundle", "esft")
+    assert report.experts == changed
+    emap, _ = consolidate([small_lite, esft, full], tmp_path / "map", capacity=4)
+    assert (emap.owner >= 0).sum() == 4
+    again = write_finetune(small_lite, tmp_path / "again", kind="esft", seed=1, experts_per_layer=2)
+    assert changed_experts(MoECheckpoint(esft), MoECheckpoint(again)) == {l: [] for l in base.moe_layers}

@@ -28,7 +28,7 @@ from esftctl.atomic import atomic_dir
 from esftctl.bench.compress import trained_like
 from esftctl.bench.shapes import per_layer_counts
 from esftctl.bundle import write_bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
 BOS, EOS, PAD = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>"
@@ -171,3 +171,36 @@ def write_adapter(base: MoECheckpoint, out: str | Path, name: str, *, most: int,
     """A bundle of `name` with trained-like experts, shaped by (most, mean) experts per layer."""
     g = torch.Generator(device=device).manual_seed(seed)
     return write_bundle(Path(out), name, base, random_experts(base, adapter_expert_ids(base, most, mean, seed), g))
+
+
+def write_finetune(base_dir: str | Path, out: str | Path, *, kind: str, seed: int, experts_per_layer: int = 6,
+                   scale: float = 0.5, overwrite: bool = False,
+                   on_tensor: Callable[[str], None] = lambda name: None) -> Path:
+    """A cheap fine-tune of a generated base, streamed shard by shard (one shard of memory, never the model):
+    kind "esft" changes `experts_per_layer` random routed experts per MoE layer (what `pack` takes); kind "full"
+    also every non-expert tensor (attention, norms, embeddings, routers, shared experts: what `consolidate` and
+    `serve --variants` take). A changed tensor is itself + `scale` x its std x seeded noise."""
+    if kind not in ("esft", "full"):
+        raise ValueError(f"kind {kind!r}: esft or full")
+    base = MoECheckpoint(base_dir)
+    g = torch.Generator().manual_seed(seed)
+    chosen = {(l, e) for l in base.moe_layers
+              for e in torch.randperm(base.num_experts, generator=g)[:experts_per_layer].tolist()}
+    changed = {n for l, e in chosen for n in base.expert_tensor_names(l, e).values()}
+
+    def transform(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name not in changed and (kind == "esft" or base.is_routed_expert_tensor(name)):
+            return t
+        noise_g = torch.Generator().manual_seed(seed * 1_000_003 + hash_name(name))
+        x = t.float()
+        spread = x.std() if x.numel() > 1 and x.std() > 0 else x.abs().mean().clamp_min(1e-3)
+        return (x + scale * spread * torch.randn(x.shape, generator=noise_g)).to(t.dtype)
+
+    return write_checkpoint(base, out, overwrite=overwrite, transform=transform, on_tensor=on_tensor)
+
+
+def hash_name(name: str) -> int:
+    """A stable small integer of a tensor name (Python's hash() of a str changes per process)."""
+    import zlib
+
+    return zlib.crc32(name.encode())
