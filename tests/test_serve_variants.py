@@ -5,7 +5,8 @@ changed, the six the test prompts use most) are consolidated twice: with a capac
 hits: each perturbed position serves every variant one variant's expert) and with half of the perturbed
 positions left out (misses: each variant keeps its own there). Each variant's `esftctl materialize` checkpoint,
 served alone by plain vLLM, is the reference; one server per map takes concurrent mixed requests for all three
-variants, and the second one also pages its experts (misses included) through one layer's memory.
+variants, and the half one also pages its experts (misses included) through one layer's memory (the map of every
+position runs where a GPU is).
 """
 
 from __future__ import annotations
@@ -59,16 +60,15 @@ def test_every_map_has_hits_and_the_half_one_misses(variants):
     assert (full.owner >= 0).all() and len(set(full.owner.ravel().tolist())) == 3  # every variant owns some
     misses = (half.owner < 0).sum(axis=1)
     assert misses.sum() > 0 and np.all(misses <= PERTURBED)
-    # The variants answer differently, and so does a variant under the two maps: serving one for another fails.
-    ref = {m: variants["reference"](m) for m in ("all", "half")}
-    for m in ("all", "half"):
-        answers = [[r["token_ids"] for r in ref[m][f"task{v}"]] for v in range(3)]
-        assert answers[0] != answers[1] != answers[2] != answers[0]
-    assert any([r["token_ids"] for r in ref["all"][f"task{v}"]] != [r["token_ids"] for r in ref["half"][f"task{v}"]]
-               for v in range(3))
+    # The variants answer differently: serving one for another fails.
+    ref = variants["reference"]("half")
+    answers = [[r["token_ids"] for r in ref[f"task{v}"]] for v in range(3)]
+    assert answers[0] != answers[1] != answers[2] != answers[0]
 
 
-@pytest.mark.parametrize("capacity", ["all", "half"])
+# Every position loaded (hits only) runs on the GPU machine; CI serves the half map, whose hits and paged misses
+# cover it, to keep the suite short.
+@pytest.mark.parametrize("capacity", [pytest.param("all", marks=pytest.mark.gpu), "half"])
 def test_variants_served_together_equal_their_materialized_models(variants, capacity):
     tmp, ref = variants["tmp"], variants["reference"](capacity)
     options = {"paging_window": 1} if capacity == "half" else {}
