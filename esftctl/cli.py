@@ -535,7 +535,7 @@ def main() -> None:
 
     # typer vendors click; its UsageError (bad flags, missing or unparsable arguments) is BadParameter's base.
     usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = app(prog_name="esftctl", standalone_mode=False)
     except EsftError as e:
@@ -550,6 +550,8 @@ def main() -> None:
     except typer.Abort:
         err_console.print("stopped")
         raise SystemExit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # a caller's own handler (main() called in-process) comes back
     raise SystemExit(code if isinstance(code, int) else 0)
 
 

@@ -96,14 +96,22 @@ class EsftWorkerManager:
         return model
 
     # ---- adapters --------------------------------------------------------------------------------
+    def _bind_variant(self, lora_request) -> bool:
+        """Bind a LoRA request naming a variant's checkpoint to that variant (its slot is loaded at start)."""
+        if not self.variants or lora_request.lora_int_id in self.variant_loras:
+            return False
+        path = str(Path(lora_request.lora_path).resolve())
+        paths = [str(p) for p in self.variants.paths]
+        if path not in paths[HOME + 1:]:
+            return False
+        self.variant_loras[lora_request.lora_int_id] = paths.index(path)
+        self.write_status()
+        return True
+
     def add_adapter(self, lora_request) -> bool:
         lora_id, name = lora_request.lora_int_id, lora_request.lora_name
-        if self.variants and lora_id not in self.variant_loras:
-            paths = [str(p) for p in self.variants.paths]
-            if str(Path(lora_request.lora_path).resolve()) in paths[HOME + 1:]:  # a variant: its slot is loaded
-                self.variant_loras[lora_id] = paths.index(str(Path(lora_request.lora_path).resolve()))
-                self.write_status()
-                return True
+        if self._bind_variant(lora_request):
+            return True
         if lora_id in self.variant_loras:
             return False
         if lora_id in self.names:
@@ -198,6 +206,8 @@ class EsftWorkerManager:
         wanted = {r.lora_int_id: r for r in requests if r}
         for lora_id in self.retiring - set(wanted):
             self._evict(lora_id)
+        for request in wanted.values():  # a variant's name unloaded and loaded again while its requests waited
+            self._bind_variant(request)
         self._activate_variant(wanted.values())
         for lora_id, request in wanted.items():
             if lora_id in self.variant_loras or lora_id in self.dummy_loras:
