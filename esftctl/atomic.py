@@ -61,12 +61,7 @@ def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
     An existing `target` is refused unless `overwrite` is set; on error (Ctrl-C, and SIGTERM, which the CLI turns
     into one) the temporary folder is removed, so a failed command never leaves a half-written output behind.
     """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise EsftError("output already exists (choose another path or pass --overwrite)", target)
-    if target.exists() and not target.is_dir():
-        raise EsftError("output is a file; give the path of a folder to write", target)
-    _writable_parent(target)
+    target = check_output(target, overwrite=overwrite, folder=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
@@ -83,12 +78,7 @@ def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_file(target: str | Path, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `target` that replaces it when the block finishes without error."""
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise EsftError("output already exists (choose another path or pass --overwrite)", target)
-    if target.is_dir():
-        raise EsftError("output is a folder; give the path of a file to write", target)
-    _writable_parent(target)
+    target = check_output(target, overwrite=overwrite)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     os.close(fd)
     tmp = Path(name)

@@ -26,7 +26,8 @@ from esftctl.consolidate import average, consolidate, materialize
 from esftctl.jsonl import read_jsonl
 from esftctl.variants import VariantSet
 from esftctl.world.build import build_world
-from esftctl.world.esft import completion_loss, exact_match, fine_tuned_variants
+from esftctl.world.esft import evaluate as evaluate_model
+from esftctl.world.esft import fine_tuned_variants
 from esftctl.world.models import quiet_transformers
 
 CAPACITIES = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # fractions of the positions loaded, in the sweep
@@ -55,7 +56,8 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
     held_out = {t: list(read_jsonl(world.data_file(t, "test")))[:eval_examples] for t in tasks}
 
     def evaluate(model_dir: Path, task: str) -> dict:
-        return {"loss": completion_loss(model_dir, held_out[task]), "exact": exact_match(model_dir, held_out[task])}
+        exact, loss = evaluate_model(model_dir, held_out[task])  # one pass scores both
+        return {"loss": loss, "exact": exact}
 
     own = {}
     for t in tasks:
