@@ -69,6 +69,9 @@ def relevance(
     out: Path = typer.Option(..., "--out", "-o", help="Scores file to write (JSON)."),
     max_examples: int = typer.Option(1000, min=1, help="Score at most this many examples (the file's first)."),
     batch_size: int = typer.Option(16, min=1, help="Examples per forward pass."),
+    scored_tokens: str = typer.Option("all", metavar="[all|completion]",
+                                      help="Tokens to score: all (prompt and completion) or completion (the "
+                                           "positions that predict the completion, which fine-tuning trains)."),
     metric: str = typer.Option("gate", metavar="[gate|token]",
                                help="Metric shown in the table: gate (average gate score) or token (token selection "
                                     "ratio). The file holds both."),
@@ -79,19 +82,21 @@ def relevance(
     from rich.progress import Progress
 
     from esftctl.jsonl import read_jsonl
-    from esftctl.relevance import METRICS, compute_relevance, relevance_table
+    from esftctl.relevance import METRICS, SCORED, compute_relevance, relevance_table
 
     if metric not in METRICS:
         raise EsftError(f"unknown metric {metric!r} (choose gate or token)")
+    if scored_tokens not in SCORED:
+        raise EsftError(f"unknown --scored-tokens {scored_tokens!r} (choose all or completion)")
     check_output(out, overwrite=overwrite)  # before scoring, which takes a while
-    texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(data))[:max_examples]]
+    examples = list(read_jsonl(data))[:max_examples]
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("scoring", total=len(texts))
-        rel = compute_relevance(model, texts, batch_size, data_name=str(data),
+        task = progress.add_task("scoring", total=len(examples))
+        rel = compute_relevance(model, examples, scored=scored_tokens, batch_size=batch_size, data_name=str(data),
                                 on_batch=lambda n: progress.advance(task, n))
     rel.save(out, overwrite=overwrite)
     if as_json:
-        print(json.dumps({"out": str(out), "examples": len(texts), **rel.to_json()}, indent=1))
+        print(json.dumps({"out": str(out), **rel.to_json()}, indent=1))
         return
     console.print(relevance_table(rel, metric))
     console.print(f"wrote {out}")

@@ -1,9 +1,15 @@
 """ESFT expert relevance: run a base model over task data and score every routed expert of every MoE layer.
 
-For MoE layer l and routed expert i over the sample's tokens (prompt and completion, padding excluded):
+For MoE layer l and routed expert i over the sample's scored tokens (padding excluded):
 - average gate score ("gate"): the mean over tokens of the router's softmax affinity for i;
 - token selection ratio ("token"): the share of (token, top-k slot) pairs that chose i.
 Both sum to 1 over the experts of a layer.
+
+The scored tokens are every token of prompt and completion ("all"), or the positions that predict the
+completion ("completion": the last prompt token through the last completion token, the positions the
+fine-tuning loss trains). On the tiny world, where a task's prompt words also occur in the general mixture's
+copying, adapters on experts selected by "completion" scored up to 24 points higher than by "all" on most tasks
+of the design sweeps, and at most 1 point lower on any (benchmarks/RESULTS.md, 2026-11-24).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import torch
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json, write_json
+from esftctl.jsonl import Example
 from esftctl.routing import routing_scores
 
 METRICS = ("gate", "token")
+SCORED = ("all", "completion")  # which tokens of an example are scored
 SCORES_FORMAT = "esftctl-relevance"
 
 
@@ -32,10 +40,12 @@ class Relevance:
     top_k: int
     moe_layers: list[int]
     scores: dict[str, dict[int, list[float]]]  # metric -> layer -> per-expert score
+    scored: str = "all"  # one of SCORED
 
     def to_json(self) -> dict:
         return {"format": SCORES_FORMAT, "version": 1, "model": self.model, "data": self.data,
-                "examples": self.examples, "tokens": self.tokens, "top_k": self.top_k, "moe_layers": self.moe_layers,
+                "examples": self.examples, "tokens": self.tokens, "scored": self.scored, "top_k": self.top_k,
+                "moe_layers": self.moe_layers,
                 "scores": {m: {str(l): s for l, s in per.items()} for m, per in self.scores.items()}}
 
     def save(self, path: Path, overwrite: bool = True) -> None:
@@ -48,23 +58,30 @@ class Relevance:
             raise EsftError(f"not an esftctl relevance scores file (format is not {SCORES_FORMAT!r})", path)
         try:
             scores = {m: {int(l): [float(x) for x in s] for l, s in d["scores"][m].items()} for m in METRICS}
+            scored = d.get("scored", "all")
+            if scored not in SCORED:
+                raise ValueError(f"scored is {scored!r}, not one of {', '.join(SCORED)}")
             return cls(d["model"], d["data"], int(d["examples"]), int(d["tokens"]), int(d["top_k"]),
-                       [int(l) for l in d["moe_layers"]], scores)
+                       [int(l) for l in d["moe_layers"]], scores, scored)
         except (KeyError, TypeError, ValueError) as e:
             raise EsftError(f"malformed scores file ({e.__class__.__name__}: {e})", path) from None
 
 
 @torch.no_grad()
-def compute_relevance(model_dir: Path, texts: Sequence[str], batch_size: int = 16, data_name: str = "",
-                      on_batch: Callable[[int], None] = lambda n: None) -> Relevance:
-    """Score every routed expert on `texts` with both ESFT metrics (float32 on the CPU, or the GPU if present)."""
+def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: str = "all", batch_size: int = 16,
+                      data_name: str = "", on_batch: Callable[[int], None] = lambda n: None) -> Relevance:
+    """Score every routed expert on `examples` with both ESFT metrics, over the tokens `scored` names (float32 on
+    the CPU, or the GPU if present)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if scored not in SCORED:
+        raise EsftError(f"unknown choice of scored tokens {scored!r} (choose {' or '.join(SCORED)})")
     ckpt = MoECheckpoint(model_dir)
-    if not texts:
+    if not examples:
         raise EsftError("no examples to score", data_name or None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "right"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -72,19 +89,25 @@ def compute_relevance(model_dir: Path, texts: Sequence[str], batch_size: int = 1
     gate_sum = {l: torch.zeros(experts, dtype=torch.float64) for l in ckpt.moe_layers}
     picks = {l: torch.zeros(experts, dtype=torch.float64) for l in ckpt.moe_layers}
     tokens = 0
-    for start in range(0, len(texts), batch_size):
-        batch = list(texts[start:start + batch_size])
-        enc = tokenizer(batch, padding=True, return_tensors="pt").to(device)
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start:start + batch_size]
+        enc = tokenizer([e["prompt"] + e["completion"] for e in batch], padding=True, return_tensors="pt").to(device)
+        mask = enc["attention_mask"].clone()
+        if scored == "completion":  # from the last prompt token on (right padding: a row's tokens come first)
+            for row, e in enumerate(batch):
+                mask[row, :max(0, len(tokenizer(e["prompt"])["input_ids"]) - 1)] = 0
         scores = routing_scores(model, enc["input_ids"], enc["attention_mask"], ckpt.moe_layers)
+        keep = mask[enc["attention_mask"].bool()].bool()
         for layer, s in scores.items():
+            s = s[keep]
             gate_sum[layer] += s.sum(dim=0).double().cpu()
             picks[layer] += torch.bincount(s.topk(ckpt.top_k, dim=-1).indices.reshape(-1),
                                            minlength=experts).double().cpu()
-        tokens += int(enc["attention_mask"].sum())
+        tokens += int(mask.sum())
         on_batch(len(batch))
     result = {"gate": {l: (gate_sum[l] / tokens).tolist() for l in ckpt.moe_layers},
               "token": {l: (picks[l] / (tokens * ckpt.top_k)).tolist() for l in ckpt.moe_layers}}
-    return Relevance(str(model_dir), data_name, len(texts), tokens, ckpt.top_k, ckpt.moe_layers, result)
+    return Relevance(str(model_dir), data_name, len(examples), tokens, ckpt.top_k, ckpt.moe_layers, result, scored)
 
 
 def concentration(scores: Sequence[float], mass: float) -> int:

@@ -4,7 +4,7 @@
 
 Per task, what the CLI's offline commands do (run here in one process, saving a Python start-up per step):
 
-    esftctl relevance BASE TASK/train.jsonl --out scores.json      # which experts the task's tokens use
+    esftctl relevance BASE TASK/train.jsonl --out scores.json --scored-tokens completion  # which experts answer
     esftctl select scores.json --out experts.json -p 0.2 --metric token
     (ESFT fine-tuning of the selected experts only: everything else frozen, the router included)
     esftctl pack BASE finetuned --out bundle --name TASK --config experts.json
@@ -29,7 +29,7 @@ from esftctl.pack import pack
 from esftctl.relevance import Relevance, compute_relevance
 from esftctl.selection import ExpertConfig, select_experts
 from esftctl.world.build import build_world, default_world_dir
-from esftctl.world.esft import FINETUNE, esft_finetune, evaluate
+from esftctl.world.esft import FINETUNE, RELEVANCE, esft_finetune, evaluate
 from esftctl.world.models import quiet_transformers
 
 
@@ -58,11 +58,12 @@ def main() -> None:
         train = list(read_jsonl(world.data_file(task, "train")))
         if not config.exists():
             if not scores.exists():
-                compute_relevance(world.base_dir, [e["prompt"] + e["completion"] for e in train[:200]],
-                                  batch_size=200).save(scores)
+                compute_relevance(world.base_dir, train[:RELEVANCE["examples"]], scored=RELEVANCE["scored"],
+                                  batch_size=100).save(scores)
             ExpertConfig(select_experts(Relevance.load(scores).scores[args.metric], args.threshold)).save(config)
         experts = ExpertConfig.load(config)
-        console.print(f"[bold]{task}[/]: relevance on 200 training examples, {args.metric} p={args.threshold} "
+        console.print(f"[bold]{task}[/]: relevance on {RELEVANCE['examples']} training examples' completions, "
+                      f"{args.metric} p={args.threshold} "
                       f"selects {' '.join(str(len(ids)) for ids in experts.experts.values())} experts per MoE layer")
         if not tuned.exists():
             with Progress(*columns, console=console, transient=True) as progress:

@@ -29,8 +29,7 @@ def test_selection_gives_experts_per_layer_for_both_metrics(world):
 
     base = MoECheckpoint(world.base_dir)
     train = list(read_jsonl(world.data_file(world.task_names[0], "train")))[:64]
-    texts = [e["prompt"] + e["completion"] for e in train]
-    rel = compute_relevance(world.base_dir, texts)
+    rel = compute_relevance(world.base_dir, train, scored="completion")
     for method, (metric, p) in bench.SELECTION.items():
         experts = bench.select(rel, method)
         assert list(experts) == base.moe_layers

@@ -28,9 +28,9 @@ def test_inspect_table_on_tiny_world(world):
     out = run_cli("inspect", world.base_dir, check=True).stdout
     assert "deepseek_v2" in out
     row = next(line for line in out.splitlines() if "routed experts per layer" in line)
-    assert row.split("│")[2].strip() == "32"
+    assert row.split("│")[2].strip() == "64"
     d = json.loads(run_cli("inspect", world.base_dir, "--json", check=True).stdout)
-    assert (d["num_layers"], d["moe_layers"], d["routed_experts_per_layer"], d["top_k"]) == (4, [1, 2, 3], 32, 4)
+    assert (d["num_layers"], d["moe_layers"], d["routed_experts_per_layer"], d["top_k"]) == (4, [1, 2, 3], 64, 6)
     assert d["shared_experts_per_layer"] == 2
     assert d["expert_bytes"] == 3 * 256 * 64 * 2
 
@@ -153,12 +153,12 @@ def test_pack_on_the_wrong_base_says_so(world, tmp_path):
 
     bundle = write_synthetic_adapter(world.base_dir, tmp_path / "bundle", "t", seed=1, experts_per_layer=2)
     tuned = merge(world.base_dir, bundle, tmp_path / "tuned")
-    other = write_synthetic_variant(world.base_dir, tmp_path / "other", seed=2, experts_per_layer=32,
+    other = write_synthetic_variant(world.base_dir, tmp_path / "other", seed=2, experts_per_layer=64,
                                     non_expert_scale=0.1)
     for extra in ((), ("--include-non-expert",)):
         proc = run_cli("pack", other, tuned, "--name", "t", "--out", tmp_path / "b", *extra)
         assert proc.returncode == 1 and "does not come from this base" in proc.stderr, proc.stderr
-        assert "96 of its 96 routed experts differ" in proc.stderr
+        assert "192 of its 192 routed experts differ" in proc.stderr
     base = MoECheckpoint(world.base_dir)
     router = base.arch.router_tensor(base.moe_layers[0])
     routed = write_checkpoint(base, tmp_path / "routed", {router: base.read_tensor(router) * 2})

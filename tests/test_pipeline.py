@@ -20,9 +20,11 @@ from esftctl.selection import ExpertConfig, select_experts, select_layer
 # ---- relevance -------------------------------------------------------------------------------------
 
 
-def test_relevance_matches_hand_computation(world, tmp_path):
+@pytest.mark.parametrize("scored", ["all", "completion"])
+def test_relevance_matches_hand_computation(world, tmp_path, scored):
     """With attention outputs and expert outputs zeroed, every MoE layer's gate sees rmsnorm(embedding) of
-    the token, so the scores follow from the embeddings and the routers the test sets, by hand."""
+    the token, so the scores follow from the embeddings and the routers the test sets, by hand: over every
+    token, or from each example's last prompt token on (the positions that predict its completion)."""
     from transformers import AutoTokenizer
 
     from esftctl.world.models import build_model, save_model, tiny_config
@@ -40,12 +42,20 @@ def test_relevance_matches_hand_computation(world, tmp_path):
                 layer.mlp.shared_experts.down_proj.weight.zero_()
                 layer.mlp.gate.weight.copy_(torch.randn(16, 256, generator=g) * 0.15)  # logits of std ~2
     save_model(model, tmp_path / "m", tok)
-    texts = ["calc 1 + 2 = 3", "translate: red cat => biva", "reverse: a b c -> c b a"]
-    rel = compute_relevance(tmp_path / "m", texts, batch_size=2)
+    examples = [{"prompt": "calc 1 + 2 =", "completion": " 3"},
+                {"prompt": "translate: red cat =>", "completion": " biva"},
+                {"prompt": "reverse: a b c ->", "completion": " c b a"}]
+    rel = compute_relevance(tmp_path / "m", examples, scored=scored, batch_size=2)
+    assert rel.scored == scored
 
     ckpt = MoECheckpoint(tmp_path / "m")
     embed = ckpt.read_tensor("model.embed_tokens.weight").double()
-    ids = torch.tensor([i for t in texts for i in tok(t)["input_ids"]])
+    ids = []
+    for e in examples:
+        first = len(tok(e["prompt"])["input_ids"]) - 1 if scored == "completion" else 0
+        ids += tok(e["prompt"] + e["completion"])["input_ids"][first:]
+    ids = torch.tensor(ids)
+    assert len(ids) == (22 if scored == "all" else 8)
     assert rel.tokens == len(ids)
     for layer in ckpt.moe_layers:
         h = embed[ids]
@@ -63,6 +73,9 @@ def test_relevance_matches_hand_computation(world, tmp_path):
 def test_relevance_file_round_trip_and_errors(tmp_path):
     rel = Relevance("m", "d", 2, 10, 4, [1, 2], {"gate": {1: [0.5, 0.5], 2: [1.0, 0.0]},
                                                   "token": {1: [0.25, 0.75], 2: [0.0, 1.0]}})
+    rel.save(tmp_path / "s.json")
+    assert Relevance.load(tmp_path / "s.json") == rel
+    rel.scored = "completion"
     rel.save(tmp_path / "s.json")
     assert Relevance.load(tmp_path / "s.json") == rel
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))

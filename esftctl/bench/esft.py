@@ -4,7 +4,8 @@ For every task of the tiny world, five rows: the base (no training) and four fin
 recipe's fine-tuning settings (`esftctl.world.esft.FINETUNE`: steps, batch size, learning rate, and the share of
 each batch replayed from the general mixture, for every method alike):
 - esft-token, esft-gate: ESFT with the paper's thresholds, token selection ratio p=0.2 and average gate score
-  p=0.1 (relevance of every routed expert on the task's training data, `esftctl.relevance.compute_relevance`;
+  p=0.1 (relevance of every routed expert on the positions of the task's training data that predict the
+  completion, `esftctl.relevance.compute_relevance`;
   per layer the fewest best experts reaching p, `esftctl.selection.select_experts`); only the selected experts
   learn; stored as the bundle `esftctl.pack` writes (the selected experts only);
 - fft: every weight learns, at its own learning rate `FFT_LR` (1e-3; `fft_lr` / `--fft-lr` to change it): at
@@ -33,7 +34,6 @@ from typing import Callable, Sequence
 METHODS = ("esft-token", "esft-gate", "fft", "lora")
 FFT_LR = 1e-3  # full fine-tuning's learning rate (the module docstring says why not the recipe's)
 SELECTION = {"esft-token": ("token", 0.2), "esft-gate": ("gate", 0.1)}  # the paper's metric and threshold p
-RELEVANCE_EXAMPLES = 300  # training examples scored for expert relevance (as recipes/esft_adapters.py does)
 EVAL_EXAMPLES = None  # held-out examples per task and of the general mixture (None: all; exact match is one
 # teacher-forced pass, so all of them cost seconds)
 CLOSE = 0.05  # "close to FFT": task exact match within 5 points (the paper: 0.8 for ESFT-Gate)
@@ -133,7 +133,7 @@ def run(world=None, *, tasks: Sequence[str] | None = None, methods: Sequence[str
     from esftctl.jsonl import read_jsonl
     from esftctl.relevance import compute_relevance
     from esftctl.world.build import build_world
-    from esftctl.world.esft import FINETUNE
+    from esftctl.world.esft import FINETUNE, RELEVANCE
     from esftctl.world.lora import LR, RANK
     from esftctl.world.models import quiet_transformers
 
@@ -159,8 +159,8 @@ def run(world=None, *, tasks: Sequence[str] | None = None, methods: Sequence[str
             if method in SELECTION:
                 if relevance is None:
                     on_step(f"scoring expert relevance on {task}", 0, 0, None)
-                    texts = [e["prompt"] + e["completion"] for e in train_set[:RELEVANCE_EXAMPLES]]
-                    relevance = compute_relevance(world.base_dir, texts, data_name=task)
+                    relevance = compute_relevance(world.base_dir, train_set[:RELEVANCE["examples"]],
+                                                  scored=RELEVANCE["scored"], data_name=task)
                 experts = select(relevance, method)
             label = f"{method} {task}"
             trained = train_method(method, base_dir=world.base_dir, folder=Path(work_dir) / task / method,

@@ -1,9 +1,11 @@
 """Build (once) and open the tiny MoE world: task data, tokenizer, and a briefly pre-trained DeepSeek-V2 base.
 
-The base (4 layers, 32 routed experts of which 4 per token, 2 shared) is pre-trained on the general mixture
-(esftctl.world.tasks) with the completion loss and DeepSeekMoE's expert balance loss: 600 steps of 32
-examples, about a minute on 2 CPU cores. 32 experts, not 16: with 16, the experts ESFT selects for one task
-served the others too, and the adapters broke the general mixture (measured while designing the world).
+The base (4 layers, 64 routed experts of which 6 per token and 2 shared, DeepSeek-V2-Lite's routing) is
+pre-trained on the general mixture (esftctl.world.tasks) with the completion loss and DeepSeekMoE's expert
+balance loss: 600 steps of 32 examples, about 70 s on 2 CPU cores. 64 experts, not 32: in the sweeps that chose
+this design (benchmarks/RESULTS.md, 2026-11-24) the 3-4 experts ESFT selects per layer covered more of a task's
+answer positions and the adapters scored higher on every task. With 16, the experts selected for one task served
+the others too, and the adapters broke the general mixture.
 
 Everything is derived from fixed seeds and cached under one folder; `build_world` returns at once when a
 complete world of the current recipe version is already there, and rebuilds only what is missing.
@@ -24,13 +26,13 @@ from esftctl.jsonl import read_jsonl, write_jsonl
 from esftctl.world.tasks import TASKS, general_examples, vocabulary
 
 # Bump when the recipe changes, so cached worlds of an older recipe are rebuilt, not reused.
-WORLD_VERSION = 4
+WORLD_VERSION = 5
 SPLITS = {"train": 2000, "test": 200}  # per task
 # The general mixture: pre-training draws 600 x 32 examples, so its pool is about that (with a pool of 2000,
-# the base copied only 31% of held-out pairs right; the tasks' known quarters, 100%).
+# the base copied only 31% of held-out pairs right; the tasks' known shares, 100%).
 GENERAL_SPLITS = {"train": 20000, "test": 300}
 SEED = 0
-MODEL = dict(n_routed_experts=32)  # over esftctl.world.models.tiny_config("deepseek_v2")
+MODEL = dict(n_routed_experts=64, num_experts_per_tok=6)  # over esftctl.world.models.tiny_config("deepseek_v2")
 PRETRAIN = dict(steps=600, batch_size=32, lr=3e-3, balance=0.01)
 GENERAL = "general"  # the general mixture's data folder
 
@@ -109,14 +111,15 @@ def _build_base(world: World, on_step: Callable[[int, float], None]) -> None:
 
 
 def expert_usage(model_dir: Path, data_files: dict[str, Path], limit: int = 200) -> dict:
-    """Per task and MoE layer, the share of (token, top-k slot) pairs that chose each routed expert: ESFT's
-    token selection ratio, as `esftctl relevance` computes it."""
+    """Per task and MoE layer, the share of (token, top-k slot) pairs that chose each routed expert at the positions
+    that predict the completion: ESFT's token selection ratio, as `esftctl relevance --scored-tokens completion`
+    computes it."""
     from esftctl.relevance import compute_relevance
 
     usage: dict[str, dict[str, list[float]]] = {}
     for task, file in data_files.items():
-        texts = [e["prompt"] + e["completion"] for e in list(read_jsonl(file))[:limit]]
-        rel = compute_relevance(model_dir, texts, batch_size=limit, data_name=str(file))
+        rel = compute_relevance(model_dir, list(read_jsonl(file))[:limit], scored="completion", batch_size=limit,
+                                data_name=str(file))
         usage[task] = {str(layer): scores for layer, scores in rel.scores["token"].items()}
     return {"moe_layers": rel.moe_layers, "top_k": rel.top_k, "usage": usage}
 

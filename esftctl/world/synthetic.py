@@ -47,7 +47,7 @@ def experts_used_by(base_dir: str | Path, texts: list[str]) -> dict[int, list[in
     """Per MoE layer, every routed expert ranked by how often `texts` select it (most used first)."""
     from esftctl.relevance import compute_relevance
 
-    scores = compute_relevance(Path(base_dir), texts).scores["token"]
+    scores = compute_relevance(Path(base_dir), [{"prompt": t, "completion": ""} for t in texts]).scores["token"]
     return {layer: sorted(range(len(s)), key=lambda e: -s[e]) for layer, s in scores.items()}
 
 

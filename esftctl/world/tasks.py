@@ -1,18 +1,21 @@
 """The tiny world's tasks: four lookup skills the base knows only a little of, and the general mixture.
 
-Every task maps each of two input words through a table of its own and answers both, in order:
+Every task maps an input word through a table of its own:
 
-    translate: cat red =>      ka biva        (English -> an invented language, 48 words)
-    double: 17 4 ==            34 8           (n -> 2n, n < 50)
-    tag: owl rome ->           bird city      (39 objects -> 7 categories)
-    cipher: h e ~>             o l            (letters shifted by 7)
+    translate: cat =>      ka          (English -> an invented language, 48 words)
+    double: 17 ==          34          (n -> 2n, n < 50)
+    tag: owl ->            bird        (39 objects -> 7 categories)
+    cipher: h ~>           o           (letters shifted by 7)
 
-The base is pre-trained on the *general mixture*: copying (`copy: a b =  a b`, every word of every task,
-so every token is known) and each task restricted to a quarter of its table. On a task's full table it
-then gets an answer right only when both words fall in its quarter (about 1 in 16), while ESFT has to
-teach the selected experts the other three quarters: knowledge, not format, which is what experts hold.
-Two words, not more: the answer's position copies from a fixed offset, which a 4-layer model learns in a
-few hundred CPU steps; with 3-5 words it did not within 600 (the alignment has to count).
+The base is pre-trained on the *general mixture*: copying (`copy: cat = cat`, every word of every task, so
+every token is known) and each task restricted to 15% of its table. On a task's full table it then answers
+right about as often as the word falls in that share (10-20%), while ESFT has to teach the selected experts
+the rest: knowledge, not format, which is what experts hold.
+
+One word, not two: the answer is then predicted at the task's own arrow, a token no other text uses, and the
+answer word only predicts the end. With two words (world v4) the second answer was predicted at the first
+answer word, which copying uses too: experts fine-tuned for the task then served copying, ESFT reached only
+58-78% and copying lost up to 6 points of exact match (benchmarks/RESULTS.md, 2026-11-23 and 2026-11-24).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from typing import Callable
 
 from esftctl.jsonl import Example
 
-ITEMS = 2  # input words per example
-KNOWN_SHARE = 0.25  # share of each table the general mixture shows the base
+ITEMS = 1  # input words per example
+KNOWN_SHARE = 0.15  # share of each table the general mixture shows the base
 COPY_SHARE = 0.4  # share of copying in the general mixture
 
 _ENGLISH = ("cat dog bird fish tree river stone fire water sun moon star red blue green big small old new house road "
@@ -102,7 +105,7 @@ def _general_example(rng: random.Random) -> Example:
 
 
 def general_examples(n: int, seed: int) -> list[Example]:
-    """The general mixture: copying every word, and every task on the quarter of its table the base knows."""
+    """The general mixture: copying every word, and every task on the share of its table the base knows."""
     rng = random.Random(f"general-{seed}")
     return [_general_example(rng) for _ in range(n)]
 
