@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -92,9 +94,21 @@ def _bf16_bits(t: torch.Tensor, name: str, source: dict) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
-def _pad(buf: bytearray) -> int:
-    buf.extend(b"\0" * (-len(buf) % ALIGN))
-    return len(buf)
+class _DataWriter:
+    """store.bin written as it is produced (a model's store never sits in memory): position and SHA-256."""
+
+    def __init__(self, path: Path):
+        self.file, self.pos, self.sha = open(path, "wb"), 0, hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.sha.update(data)
+        self.pos += len(data)
+
+    def align(self) -> int:
+        """Pad to the next section boundary and return it."""
+        self.write(b"\0" * (-self.pos % ALIGN))
+        return self.pos
 
 
 def compress(src: Path, out: Path, chunk: int = DEFAULT_CHUNK, table_scope: str = "layer",
@@ -116,7 +130,22 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
     groups: dict[object, list[SourceTensor]] = {}
     for t in tensors:
         groups.setdefault(t.name if table_scope == "tensor" or t.layer is None else t.layer, []).append(t)
-    data = bytearray()
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        data = _DataWriter(tmp / DATA)
+        with data.file:
+            tables, entries, total = _write_groups(groups, data, chunk, source, on_tensor)
+            data.align()
+        header = {"format": STORE_FORMAT, "version": STORE_VERSION, "created_by": f"esftctl {__version__}",
+                  "source": source, "chunk": chunk, "lanes": LANES, "group": GROUP, "max_code_length": MAX_LENGTH,
+                  "table_scope": table_scope, "tables": tables, "tensors": entries, "data_file": DATA,
+                  "data_bytes": data.pos, "sha256": data.sha.hexdigest(), **total}
+        (tmp / HEADER).write_text(json.dumps(header))
+    return header
+
+
+def _write_groups(groups: dict[object, list[SourceTensor]], data: _DataWriter, chunk: int, source: dict,
+                  on_tensor: Callable[[str], None]) -> tuple[list, list, dict]:
+    """Encode each group (one code table) into `data`: at most one group's tensors in memory at a time."""
     tables, entries = [], []
     total = {"values": 0, "original_bytes": 0, "entropy_bound_bytes": 0.0}
     for members in groups.values():
@@ -139,28 +168,27 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
                 raise EsftError(f"tensor {t.name!r} is too large for 32-bit chunk offsets")
             entry = {"name": t.name, "layer": t.layer, "expert": t.expert, "weight": t.weight,
                      "shape": shapes[t.name], "count": len(exponent), "table": len(tables) - 1}
-            entry["exp_offset"], entry["exp_bytes"] = _pad(data), len(stream)
-            data.extend(stream)
-            entry["chunk_offset"], entry["chunks"] = _pad(data), len(offsets)
-            data.extend(offsets.astype("<u4").tobytes())
-            entry["sm_offset"] = _pad(data)
-            data.extend(sign_mantissa.tobytes())
+            entry["exp_offset"], entry["exp_bytes"] = data.align(), len(stream)
+            data.write(stream)
+            entry["chunk_offset"], entry["chunks"] = data.align(), len(offsets)
+            data.write(offsets.astype("<u4").tobytes())
+            entry["sm_offset"] = data.align()
+            data.write(sign_mantissa.tobytes())
             entries.append(entry)
             h = entropy_bits(np.bincount(exponent, minlength=256)) if len(exponent) else 0.0
             total["values"] += len(exponent)
             total["original_bytes"] += 2 * len(exponent)
             total["entropy_bound_bytes"] += len(exponent) * (h + 8) / 8
             on_tensor(t.name)
-    _pad(data)
-    header = {"format": STORE_FORMAT, "version": STORE_VERSION, "created_by": f"esftctl {__version__}",
-              "source": source, "chunk": chunk, "lanes": LANES, "group": GROUP, "max_code_length": MAX_LENGTH,
-              "table_scope": table_scope,
-              "tables": tables, "tensors": entries, "data_file": DATA, "data_bytes": len(data),
-              "sha256": hashlib.sha256(data).hexdigest(), **total}
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        (tmp / DATA).write_bytes(bytes(data))
-        (tmp / HEADER).write_text(json.dumps(header))
-    return header
+    return tables, entries, total
+
+
+def _file_sha256(path: Path, block: int = 8 << 20) -> str:
+    sha, buf = hashlib.sha256(), bytearray(block)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sha.update(memoryview(buf)[:n])
+    return sha.hexdigest()
 
 
 def missing_base_experts(base, stored: set[str]) -> list[str]:
@@ -184,13 +212,12 @@ class ExpertStore:
         if self.header.get("version") != STORE_VERSION:
             raise EsftError(f"store version {self.header.get('version')!r} is not supported (this esftctl reads "
                             f"version {STORE_VERSION}; compress the model again)", header_file)
-        data_file = self.path / self.header["data_file"]
-        if not data_file.exists():
-            raise EsftError("missing store data file", data_file)
-        self.data = np.fromfile(data_file, dtype=np.uint8)
-        if len(self.data) != self.header["data_bytes"] or (
-                verify and hashlib.sha256(self.data.tobytes()).hexdigest() != self.header["sha256"]):
-            raise EsftError("checksum mismatch: the file is corrupted or truncated", data_file)
+        self.data_file = self.path / self.header["data_file"]
+        if not self.data_file.exists():
+            raise EsftError("missing store data file", self.data_file)
+        if self.data_file.stat().st_size != self.header["data_bytes"] or (
+                verify and _file_sha256(self.data_file) != self.header["sha256"]):
+            raise EsftError("checksum mismatch: the file is corrupted or truncated", self.data_file)
         self.chunk = self.header.get("chunk")
         if not isinstance(self.chunk, int) or self.chunk < GROUP or self.chunk % GROUP:
             raise EsftError(f"chunk size {self.chunk!r} is not a positive multiple of {GROUP}", header_file)
@@ -208,10 +235,26 @@ class ExpertStore:
     def __iter__(self) -> Iterator[dict]:
         return iter(self.header["tensors"])
 
+    @cached_property
+    def data(self) -> np.ndarray:
+        """The whole of store.bin in memory (what a GPU copy needs; the CPU decoder reads one tensor at a time)."""
+        return np.fromfile(self.data_file, dtype=np.uint8)
+
+    def _read(self, offset: int, nbytes: int) -> np.ndarray:
+        parts = []
+        with open(self.data_file, "rb") as f:
+            while nbytes:
+                part = os.pread(f.fileno(), min(nbytes, 1 << 30), offset)
+                if not part:
+                    raise EsftError("a section runs past the end of the data file", self.data_file)
+                parts.append(part)
+                offset, nbytes = offset + len(part), nbytes - len(part)
+        return np.frombuffer(b"".join(parts), dtype=np.uint8)
+
     def _sections(self, e: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        stream = self.data[e["exp_offset"]: e["exp_offset"] + e["exp_bytes"]]
-        offsets = self.data[e["chunk_offset"]: e["chunk_offset"] + 4 * e["chunks"]].view("<u4")
-        sign_mantissa = self.data[e["sm_offset"]: e["sm_offset"] + e["count"]]
+        stream = self._read(e["exp_offset"], e["exp_bytes"])
+        offsets = self._read(e["chunk_offset"], 4 * e["chunks"]).view("<u4")
+        sign_mantissa = self._read(e["sm_offset"], e["count"])
         return stream, offsets, sign_mantissa
 
     def decode_tensor(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,16 +342,33 @@ def decompress(store_dir: Path, out: Path, overwrite: bool = False,
     from esftctl.bundle import DATA_FILE, MANIFEST
 
     store = ExpertStore(store_dir)
-    tensors = {}
-    for e in store:
-        tensors[e["name"]] = store.decode_tensor(e["name"])
-        on_tensor(e["name"])
     source = store.header["source"]
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        if source["kind"] == "bundle":
+        if source["kind"] == "bundle":  # small: in memory, and written as write_bundle wrote it
+            tensors = {}
+            for e in store:
+                tensors[e["name"]] = store.decode_tensor(e["name"])
+                on_tensor(e["name"])
             manifest = source["manifest"]
             save_file(tensors, tmp / DATA_FILE, metadata={"format": "esftctl-adapter", "name": manifest["name"]})
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        else:
-            save_file(tensors, tmp / "experts.safetensors", metadata={"format": "pt"})
+        else:  # a whole model's experts: one tensor in memory at a time
+            _stream_safetensors(tmp / "experts.safetensors", store, on_tensor)
     return out
+
+
+def _stream_safetensors(path: Path, store: ExpertStore, on_tensor: Callable[[str], None]) -> None:
+    """Write every tensor of `store` to one safetensors file, decoding and writing one tensor at a time: the
+    header (names, shapes, offsets) is known before any tensor is decoded."""
+    entries, header, offset = list(store), {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        nbytes = 2 * e["count"]
+        header[e["name"]] = {"dtype": "BF16", "shape": e["shape"], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for e in entries:
+            f.write(store.decode_tensor(e["name"]).view(torch.int16).numpy().tobytes())
+            on_tensor(e["name"])

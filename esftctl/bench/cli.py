@@ -100,6 +100,34 @@ def compress(
 
 
 @app.command()
+def offline(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    layers: int = typer.Option(27, min=2, help="Layers of the generated DeepSeek-V2-Lite-shaped checkpoint (27: the "
+                                                "real model, 31.4 GB each; about 1.2 GB per MoE layer)."),
+    root: Path = typer.Option(None, help="Where the generated checkpoints are cached (default: "
+                                         "~/.cache/esftctl/offline-bench). The base, an ESFT fine-tune and three full "
+                                         "fine-tunes: five checkpoints."),
+    work: Path = typer.Option(None, help="Scratch folder for the commands' outputs (default: a folder under --root); "
+                                         "needs about two checkpoints free."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
+) -> None:
+    """Every offline command (inspect, pack, merge, compress, decompress, consolidate, materialize) on a generated
+    DeepSeek-V2-Lite-shaped checkpoint, each timed with its peak memory against the disk's measured speed."""
+    import shutil
+
+    from esftctl.bench import offline as bench
+
+    root = root or Path.home() / ".cache" / "esftctl" / "offline-bench"
+    work = work or root / f"work-{layers}l"
+    if work.exists():
+        shutil.rmtree(work)  # the outputs of an earlier (perhaps interrupted) run
+    try:
+        _measure(bench, "offline", out, as_json, layers=layers, root=root, work=work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@app.command()
 def consolidate(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
     steps: int = typer.Option(200, min=1, help="Full fine-tuning steps per variant (cached in the world)."),
