@@ -555,6 +555,10 @@ def main() -> None:
     except typer.Abort:
         err_console.print("stopped")
         raise SystemExit(130)
+    except OSError as e:  # a full disk, a file gone or unreadable mid-command: the output was removed (atomic_dir)
+        where = f"{e.filename}: " if e.filename else ""
+        err_console.print(f"[bold red]error:[/] {where}{e.strerror or e} (nothing was written)", markup=True)
+        raise SystemExit(1)
     finally:
         signal.signal(signal.SIGTERM, previous)  # a caller's own handler (main() called in-process) comes back
     raise SystemExit(code if isinstance(code, int) else 0)

@@ -105,6 +105,31 @@ def test_outputs_are_checked_before_the_work(world, tmp_path):
     run_cli("select", scores, "--out", scores, "--overwrite", check=True)
 
 
+def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path, monkeypatch, capsys):
+    """Issue 19, item 3: the disk filling up halfway through `compress` (ENOSPC from a write) ends the command
+    with one line naming the file and exit status 1, and the half-written store is gone."""
+    import errno
+    import sys
+
+    from esftctl import cli, store
+
+    write = store._DataWriter.write
+
+    def write_until_full(self, data):
+        if self.pos > 1 << 20:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.file.name))
+        write(self, data)
+
+    monkeypatch.setattr(store._DataWriter, "write", write_until_full)
+    monkeypatch.setattr(sys, "argv", ["esftctl", "compress", str(world.base_dir), "--out", str(tmp_path / "store")])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert "store.bin: No space left on device (nothing was written)" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_written_files_take_the_umask_modes(world, tmp_path):
     """Issue 18, item 13: every file of an output has the umask's mode (safetensors wrote 0600)."""
     from esftctl.world.synthetic import write_synthetic_adapter

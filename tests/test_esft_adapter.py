@@ -295,14 +295,14 @@ def test_export_refusals(base, tmp_path, capsys):
 def test_imported_adapter_served_equals_its_merged_model(world, tmp_path):
     """An adapter folder in the spelling of DeepSeek's released adapters, imported, served by `esftctl serve`
     beside the base: the greedy tokens of its merged model served alone by plain vLLM."""
-    from test_serve import ENGINE_ARGS, complete, prompts_of, reference, serve_concurrently
+    from test_serve import ADAPTER_SCALE, ENGINE_ARGS, complete, prompts_of, reference, serve_concurrently
 
     from esftctl.merge import merge
     from esftctl.serve import Server, free_port, plan
 
     base = MoECheckpoint(world.base_dir)
     prompts = prompts_of(world)[:4]
-    experts = synthetic_experts(base, seed=41, experts_per_layer=4, scale=8.0,
+    experts = synthetic_experts(base, seed=41, experts_per_layer=8, scale=ADAPTER_SCALE,
                                 prefer=experts_used_by(base.path, prompts))
     adapter = write_adapter(tmp_path / "adapter", base, expert_tensors(base, experts),
                             {l: sorted(per) for l, per in experts.items()}, prefix=False)
