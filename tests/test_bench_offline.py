@@ -21,6 +21,7 @@ def test_every_offline_command_is_measured(tmp_path):
     assert result["moe_layers"] == 2 and result["capacity"] == 8  # half of 2 x 8 positions
     for r in rows.values():
         assert r["seconds"] > 0 and r["peak_rss"] > 20 << 20  # a Python with torch, at least
+        assert 0 < r["peak_anon"] <= r["peak_rss"]
     base = offline.tree_bytes(tmp_path / "cache" / "deepseek-v2-lite-3l" / "base")
     assert rows["inspect"]["read_bytes"] == 0 and rows["inspect"]["x_floor"] is None
     assert rows["compress base"]["read_bytes"] == base

@@ -9,7 +9,9 @@ All are cached under `root` and built once.
 
 Each command runs as a user runs it (`esftctl ...`, a child process), with its inputs evicted from the page
 cache first (fsync, then POSIX_FADV_DONTNEED: a 24 GiB machine would otherwise read a 4.5 GB checkpoint it
-just wrote from memory). Per command: wall seconds, peak resident memory (the child's ru_maxrss), the bytes it
+just wrote from memory). Per command: wall seconds, peak resident memory (the child's ru_maxrss, which counts
+the pages of checkpoint files it maps while they stay cached, so it moves with the page cache), peak anonymous
+memory (RssAnon sampled every 50 ms: what the command itself holds), the bytes it
 must read (its inputs' sizes; `inspect` reads headers only, `materialize` one checkpoint's worth from the three
 variants, counted as what it writes; `consolidate` reads the variants' experts, less than their sizes) and write
 (its output's size), and the floor those
@@ -82,18 +84,40 @@ def disk_speed(folder: Path, nbytes: int = PROBE_BYTES) -> dict:
     return {"bytes": nbytes, "write_Bps": nbytes / write_s, "read_Bps": nbytes / read_s}
 
 
+def _anon_bytes(pid: int) -> int:
+    """The process's resident anonymous memory (RssAnon: heap and arrays, not file pages the kernel can drop)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def run_command(argv: list[str]) -> dict:
-    """Run `esftctl argv` as a child; its wall seconds and peak RSS (bytes). A failure raises with its stderr."""
+    """Run `esftctl argv` as a child; its wall seconds, peak RSS (ru_maxrss, which also counts pages of files it
+    maps) and peak anonymous memory (RssAnon, sampled every 50 ms). A failure raises with its stderr."""
+    import threading
+
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "esftctl", *argv], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    anon, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            anon[0] = max(anon[0], _anon_bytes(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     stderr = proc.stderr.read()
+    done.set()
+    sampler.join()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"esftctl {' '.join(argv)} failed ({proc.returncode}): {stderr.strip()[-500:]}")
-    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024}
+    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024, "peak_anon": anon[0]}
 
 
 def prepare(root: Path, layers: int, on_step: Callable[[str], None], overrides: dict | None = None
@@ -196,12 +220,14 @@ def table(result: dict):
     t = Table(title=f"Offline commands on a DeepSeek-V2-Lite-shaped checkpoint, {result['layers']} layers "
                     f"({format_bytes(result['checkpoint_bytes'])}); disk: read {disk['read_Bps'] / 1e6:.0f} MB/s, "
                     f"write {disk['write_Bps'] / 1e6:.0f} MB/s", header_style="bold")
-    for col in ("command", "seconds", "peak RSS", "read", "written", "MB/s", "disk floor s", "x floor", "note"):
+    for col in ("command", "seconds", "peak RSS", "peak anon", "read", "written", "MB/s", "disk floor s", "x floor",
+                "note"):
         t.add_column(col, justify="left" if col in ("command", "note") else "right")
     for r in result["rows"]:
         note = f"whole 31.4 GB base: {r['full_model_s']:.0f} s" if "full_model_s" in r else \
             ("I/O-bound" if r["io_bound"] else "")
-        t.add_row(r["command"], f"{r['seconds']:.1f}", format_bytes(r["peak_rss"]), format_bytes(r["read_bytes"]),
+        t.add_row(r["command"], f"{r['seconds']:.1f}", format_bytes(r["peak_rss"]), format_bytes(r["peak_anon"]),
+                  format_bytes(r["read_bytes"]),
                   format_bytes(r["written_bytes"]), f"{r['MBps']:.0f}", f"{r['floor_s']:.1f}",
                   f"{r['x_floor']:.1f}" if r["x_floor"] else "-", note)
     return t
