@@ -5,11 +5,17 @@ For MoE layer l and routed expert i over the sample's scored tokens (padding exc
 - token selection ratio ("token"): the share of (token, top-k slot) pairs that chose i.
 Both sum to 1 over the experts of a layer.
 
-The scored tokens are every token of prompt and completion ("all"), or the positions that predict the
-completion ("completion": the last prompt token through the last completion token, the positions the
-fine-tuning loss trains). On the tiny world, where a task's prompt words also occur in the general mixture's
-copying, adapters on experts selected by "completion" scored up to 24 points higher than by "all" on most tasks
-of the design sweeps, and at most 1 point lower on any (benchmarks/RESULTS.md, 2026-11-24).
+The scored tokens are every token of prompt and completion ("all"), or the positions that predict a
+completion token ("completion": the last prompt token up to, not including, the last completion token). On the
+tiny world, where a task's prompt words also occur in the general mixture's copying, adapters on experts
+selected by "completion" scored up to 24 points higher than by "all" on most tasks of the design sweeps, and at
+most 1 point lower on any (benchmarks/RESULTS.md, 2026-11-24).
+
+The last completion token is left out because it predicts only the end of the text, which the base already
+does well. On the tiny world's one-word answers it is half the scored positions, and the answer words (7 for
+tagging) route to a few experts that then dominated the selection. Those experts serve few of the positions
+that predict an answer: tagging's adapter could not learn 13 of its 40 objects (70% exact), because their
+answer positions routed to no selected expert in any layer (benchmarks/RESULTS.md, 2026-11-24, second entry).
 """
 
 from __future__ import annotations
@@ -93,9 +99,10 @@ def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: s
         batch = examples[start:start + batch_size]
         enc = tokenizer([e["prompt"] + e["completion"] for e in batch], padding=True, return_tensors="pt").to(device)
         mask = enc["attention_mask"].clone()
-        if scored == "completion":  # from the last prompt token on (right padding: a row's tokens come first)
-            for row, e in enumerate(batch):
+        if scored == "completion":  # the last prompt token up to the last completion token, which predicts
+            for row, e in enumerate(batch):  # nothing here (right padding: a row's tokens come first)
                 mask[row, :max(0, len(tokenizer(e["prompt"])["input_ids"]) - 1)] = 0
+                mask[row, int(enc["attention_mask"][row].sum()) - 1] = 0
         scores = routing_scores(model, enc["input_ids"], enc["attention_mask"], ckpt.moe_layers)
         keep = mask[enc["attention_mask"].bool()].bool()
         for layer, s in scores.items():

@@ -5,7 +5,7 @@
 Per task, what the CLI's offline commands do (run here in one process, saving a Python start-up per step):
 
     esftctl relevance BASE TASK/train.jsonl --out scores.json --scored-tokens completion  # which experts answer
-    esftctl select scores.json --out experts.json -p 0.2 --metric token
+    esftctl select scores.json --out experts.json -p 0.25 --metric token
     (ESFT fine-tuning of the selected experts only: everything else frozen, the router included)
     esftctl pack BASE finetuned --out bundle --name TASK --config experts.json
 
@@ -29,15 +29,15 @@ from esftctl.pack import pack
 from esftctl.relevance import Relevance, compute_relevance
 from esftctl.selection import ExpertConfig, select_experts
 from esftctl.world.build import build_world, default_world_dir
-from esftctl.world.esft import FINETUNE, RELEVANCE, esft_finetune, evaluate
+from esftctl.world.esft import FINETUNE, RELEVANCE, SELECTION, esft_finetune, evaluate
 from esftctl.world.models import quiet_transformers
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="the tiny world's folder")
-    parser.add_argument("--threshold", type=float, default=0.2, help="expert selection threshold p")
-    parser.add_argument("--metric", choices=("token", "gate"), default="token",
+    parser.add_argument("--threshold", type=float, default=SELECTION["p"], help="expert selection threshold p")
+    parser.add_argument("--metric", choices=("token", "gate"), default=SELECTION["metric"],
                         help="relevance metric: token selection ratio (ESFT-Token) or average gate score (ESFT-Gate)")
     parser.add_argument("--steps", type=int, default=FINETUNE["steps"], help="fine-tuning steps per task")
     parser.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning learning rate")

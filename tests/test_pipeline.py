@@ -24,7 +24,7 @@ from esftctl.selection import ExpertConfig, select_experts, select_layer
 def test_relevance_matches_hand_computation(world, tmp_path, scored):
     """With attention outputs and expert outputs zeroed, every MoE layer's gate sees rmsnorm(embedding) of
     the token, so the scores follow from the embeddings and the routers the test sets, by hand: over every
-    token, or from each example's last prompt token on (the positions that predict its completion)."""
+    token, or at the positions that predict a completion token (the last prompt token up to the last one)."""
     from transformers import AutoTokenizer
 
     from esftctl.world.models import build_model, save_model, tiny_config
@@ -52,10 +52,10 @@ def test_relevance_matches_hand_computation(world, tmp_path, scored):
     embed = ckpt.read_tensor("model.embed_tokens.weight").double()
     ids = []
     for e in examples:
-        first = len(tok(e["prompt"])["input_ids"]) - 1 if scored == "completion" else 0
-        ids += tok(e["prompt"] + e["completion"])["input_ids"][first:]
+        text = tok(e["prompt"] + e["completion"])["input_ids"]
+        ids += text[len(tok(e["prompt"])["input_ids"]) - 1:-1] if scored == "completion" else text
     ids = torch.tensor(ids)
-    assert len(ids) == (22 if scored == "all" else 8)
+    assert len(ids) == (22 if scored == "all" else 5)
     assert rel.tokens == len(ids)
     for layer in ckpt.moe_layers:
         h = embed[ids]

@@ -10,8 +10,12 @@ The recipe (`FINETUNE`) mixes the general mixture back into every batch (`replay
 for ESFT and full fine-tuning alike. In trials on earlier bases, ESFT trained on task data alone kept only 10-70%
 of the base's general exact match (the selected experts also serve the general data). On the tiny world v5,
 replaying half of each batch raised the general mixture's loss by 20-140% (all of it on copying); replaying 90%
-keeps it within -6% to +10% of the base's, with 89-91% on three tasks and 70% on tagging (benchmarks/RESULTS.md,
-2026-11-24).
+keeps it within a few percent of the base's (benchmarks/RESULTS.md, 2026-11-24).
+
+The quick start selects experts by token selection ratio at p=0.25 (`SELECTION`), a little above the paper's 0.2
+(which `esftctl bench esft` keeps): on world v6 every task reached 88-97% at 0.2, 0.25 and 0.3 alike, but at 0.2
+cipher's two experts per layer raised the general loss by 23% (its own known letters grew less sure), at 0.3 by
+11%, at 0.25 by 3% (benchmarks/RESULTS.md, 2026-11-24, world v6).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from esftctl.world.training import train
 FINETUNE = dict(steps=300, batch_size=32, lr=1e-2, replay=0.9)
 # Expert relevance for selection: the first 200 training examples, scored where they predict the completion.
 RELEVANCE = dict(examples=200, scored="completion")
+SELECTION = dict(metric="token", p=0.25)  # the quick start's ESFT-Token threshold (see above)
 
 
 def _load(model_dir: Path):
