@@ -1,7 +1,9 @@
-"""The native part of the package (everything else is in pyproject.toml): the multithreaded Huffman encoder in
-native/, a plain C extension (no dependencies beyond a C compiler and pthreads)."""
+"""The native part of the package (everything else is in pyproject.toml): the multithreaded Huffman encoder and
+decoder of expert stores in native/, a plain C extension (no dependencies beyond a C compiler and pthreads)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("esftctl._native", ["native/huffman_encode.c"],
+SOURCES = ["native/module.c", "native/huffman_encode.c", "native/huffman_decode.c"]
+
+setup(ext_modules=[Extension("esftctl._native", SOURCES, depends=["native/huffman.h"],
                              extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"])])

@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -37,12 +39,11 @@ from esftctl.huffman import (
     build_code,
     chunk_count,
     chunk_firsts,
-    decode,
+    decode_bf16,
     encode,
     entropy_bits,
-    join_bf16,
     multi_symbol_table,
-    split_bf16,
+    split_and_count,
 )
 from esftctl.jsonfile import read_json
 
@@ -95,20 +96,58 @@ def _bf16_bits(t: torch.Tensor, name: str, source: dict) -> np.ndarray:
 
 
 class _DataWriter:
-    """store.bin written as it is produced (a model's store never sits in memory): position and SHA-256."""
+    """store.bin written as it is produced (a model's store never sits in memory), by a thread of its own that
+    also keeps its SHA-256. File writes and hashing release the GIL, so they overlap the next tensors' reading and
+    encoding: on DeepSeek-V2-Lite's shapes (2 cores) a layer's 0.55 GB of store took 1.7 s to write and 0.4 s to
+    hash, beside 2.3 s to read and encode it (benchmarks/RESULTS.md, 2026-11-24). At most `depth` writes wait.
 
-    def __init__(self, path: Path):
-        self.file, self.pos, self.sha = open(path, "wb"), 0, hashlib.sha256()
+    A write that fails in the thread (a full disk) is raised by the next `write` or by `close`."""
 
-    def write(self, data: bytes) -> None:
-        self.file.write(data)
-        self.sha.update(data)
-        self.pos += len(data)
+    def __init__(self, path: Path, depth: int = 32):
+        self.path, self.pos, self.sha = path, 0, hashlib.sha256()
+        self._file = open(path, "wb")
+        self._pending: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="store.bin writer", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (data := self._pending.get()) is not None:
+            if self._error is None:
+                try:
+                    self._file.write(data)
+                    self.sha.update(data)
+                except BaseException as e:  # raised in the caller's thread by write or close
+                    self._error = e
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def write(self, data: bytes | np.ndarray) -> None:
+        """Queue `data` (bytes, or a contiguous array left unchanged from here on) to be written next."""
+        self._raise_error()
+        self._pending.put(data)
+        self.pos += memoryview(data).nbytes
 
     def align(self) -> int:
         """Pad to the next section boundary and return it."""
         self.write(b"\0" * (-self.pos % ALIGN))
         return self.pos
+
+    def close(self) -> None:
+        """Wait for every queued write, close the file, and raise what a write raised."""
+        if self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join()
+        self._file.close()
+        self._raise_error()
+
+    def __enter__(self) -> "_DataWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def compress(src: Path, out: Path, chunk: int = DEFAULT_CHUNK, table_scope: str = "layer",
@@ -131,8 +170,7 @@ def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int
     for t in tensors:
         groups.setdefault(t.name if table_scope == "tensor" or t.layer is None else t.layer, []).append(t)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        data = _DataWriter(tmp / DATA)
-        with data.file:
+        with _DataWriter(tmp / DATA) as data:
             tables, entries, total = _write_groups(groups, data, chunk, source, on_tensor)
             data.align()
         header = {"format": STORE_FORMAT, "version": STORE_VERSION, "created_by": f"esftctl {__version__}",
@@ -154,12 +192,12 @@ def _write_groups(groups: dict[object, list[SourceTensor]], data: _DataWriter, c
         for t in members:
             tensor = t.read()
             shapes[t.name] = list(tensor.shape)
-            split[t.name] = split_bf16(_bf16_bits(tensor, t.name, source))
-            counts += np.bincount(split[t.name][0], minlength=256)
+            split[t.name] = split_and_count(_bf16_bits(tensor, t.name, source))
+            counts += split[t.name][2]
         code = build_code(counts) if counts.any() else Code(np.zeros(256, dtype=np.int64))
         tables.append({"lengths": code.lengths.tolist()})
         for t in members:
-            exponent, sign_mantissa = split.pop(t.name)
+            exponent, sign_mantissa, tensor_counts = split.pop(t.name)
             if len(exponent):
                 stream, offsets = encode(exponent, code, chunk)
             else:
@@ -173,9 +211,9 @@ def _write_groups(groups: dict[object, list[SourceTensor]], data: _DataWriter, c
             entry["chunk_offset"], entry["chunks"] = data.align(), len(offsets)
             data.write(offsets.astype("<u4").tobytes())
             entry["sm_offset"] = data.align()
-            data.write(sign_mantissa.tobytes())
+            data.write(sign_mantissa)
             entries.append(entry)
-            h = entropy_bits(np.bincount(exponent, minlength=256)) if len(exponent) else 0.0
+            h = entropy_bits(tensor_counts) if len(exponent) else 0.0
             total["values"] += len(exponent)
             total["original_bytes"] += 2 * len(exponent)
             total["entropy_bound_bytes"] += len(exponent) * (h + 8) / 8
@@ -267,9 +305,8 @@ class ExpertStore:
             return out
         self._check_destination(e, out)
         stream, offsets, sign_mantissa = self._sections(e)
-        exponent = decode(stream.tobytes(), offsets.astype(np.uint64), e["count"], self.codes[e["table"]], self.chunk)
-        bits = join_bf16(exponent, sign_mantissa)
-        out.view(torch.int16).reshape(-1).copy_(torch.from_numpy(bits.view(np.int16)))
+        bits = out.view(torch.int16).reshape(-1).numpy().view(np.uint16)
+        decode_bf16(stream, offsets.astype(np.uint64), self.codes[e["table"]], self.chunk, sign_mantissa, bits)
         return out
 
     def _entry(self, name: str) -> dict:

@@ -1,6 +1,6 @@
-/* The Huffman encoder of esftctl's expert stores, native and multithreaded.
+/* The Huffman encoder of esftctl's expert stores, native and multithreaded, and the bf16 split before it.
  *
- * Writes exactly the stream of esftctl.huffman.encode (the reference, tested bit for bit against this): the
+ * encode writes exactly the stream of esftctl.huffman.encode_reference (tested bit for bit against it): the
  * symbols in chunk_layout's order (chunk c of block b takes values b*LANES*chunk + g*LANES*GROUP + c*GROUP + j),
  * each code MSB-first, chunks back to back with no padding, and the starting bit of every chunk. The numpy
  * reference runs at 7-15 M values/s on one core; DeepSeek-V2-Lite's 14.4 G expert values then take 25 minutes.
@@ -12,38 +12,34 @@
  *
  *   encode(symbols: buffer of uint8, lengths: buffer of 256 uint8, codes: buffer of 256 uint64, chunk: int,
  *          threads: int) -> (bytes, bytes of uint64 chunk offsets)
+ *
+ * split_bf16 does esftctl.huffman.split_bf16 and the exponents' histogram in one pass (numpy needs five passes
+ * and four temporaries, and np.bincount another):
+ *
+ *   split_bf16(bits: buffer of uint16, threads: int) -> (exponent bytes, sign-and-mantissa bytes,
+ *                                                        bytes of 256 int64 counts)
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <string.h>
+#include "huffman.h"
 
-#define LANES 32
-#define GROUP 16
+#include <string.h>
 
 typedef struct {
     const uint8_t *symbols;
-    int64_t count, chunk, nchunks;
+    int64_t count, chunk;
     const uint8_t *lengths;
     const uint64_t *codes;
-    uint64_t *offsets;  /* nchunks + 1: starting bits, then the total */
-    uint64_t *words;    /* output, big-endian words once written */
+    uint64_t *offsets;   /* nchunks + 1: starting bits, then the total */
+    uint64_t *words;     /* output, big-endian words once written */
     int64_t first, last; /* this thread's chunks [first, last) */
-    int missing;        /* a symbol without a code was met */
-} Job;
-
-/* Chunk k's values: its block, lane and the values of each group that fall below count. */
-static inline int64_t chunk_first(const Job *j, int64_t k) {
-    return (k / LANES) * (LANES * j->chunk) + (k % LANES) * GROUP;
-}
+    int missing;         /* a symbol without a code was met */
+} EncodeJob;
 
 static void *count_bits(void *arg) {
-    Job *j = (Job *)arg;
+    EncodeJob *j = (EncodeJob *)arg;
     for (int64_t k = j->first; k < j->last; k++) {
         uint64_t bits = 0;
-        for (int64_t g = chunk_first(j, k); g < j->count && g < (k / LANES + 1) * (LANES * j->chunk);
-             g += LANES * GROUP) {
+        int64_t block_end = chunk_block_end(k, j->chunk);
+        for (int64_t g = chunk_first(k, j->chunk); g < j->count && g < block_end; g += LANES * GROUP) {
             int64_t end = g + GROUP < j->count ? g + GROUP : j->count;
             for (int64_t i = g; i < end; i++) {
                 uint8_t n = j->lengths[j->symbols[i]];
@@ -63,7 +59,7 @@ static inline void or_word(uint64_t *words, int64_t w, uint64_t v, int shared) {
 }
 
 static void *write_bits(void *arg) {
-    Job *j = (Job *)arg;
+    EncodeJob *j = (EncodeJob *)arg;
     if (j->first >= j->last) return NULL;
     uint64_t pos = j->offsets[j->first], end_bit = j->offsets[j->last];
     int64_t first_word = (int64_t)(pos >> 6), last_word = (int64_t)((end_bit - (end_bit > pos)) >> 6);
@@ -71,8 +67,8 @@ static void *write_bits(void *arg) {
     uint64_t acc = 0;
     int used = (int)(pos & 63); /* bits of acc already taken (by the previous thread, for the first word) */
     for (int64_t k = j->first; k < j->last; k++) {
-        for (int64_t g = chunk_first(j, k); g < j->count && g < (k / LANES + 1) * (LANES * j->chunk);
-             g += LANES * GROUP) {
+        int64_t block_end = chunk_block_end(k, j->chunk);
+        for (int64_t g = chunk_first(k, j->chunk); g < j->count && g < block_end; g += LANES * GROUP) {
             int64_t end = g + GROUP < j->count ? g + GROUP : j->count;
             for (int64_t i = g; i < end; i++) {
                 uint8_t s = j->symbols[i];
@@ -97,45 +93,29 @@ static void *write_bits(void *arg) {
     return NULL;
 }
 
-static int run_threads(void *(*fn)(void *), Job *jobs, int threads) {
-    pthread_t ids[256];
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, fn, &jobs[t]) != 0) break;
-        started = t;
-    }
-    fn(&jobs[0]);
-    for (int t = started + 1; t < threads; t++) fn(&jobs[t]); /* any thread that failed to start */
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
-    return 0;
-}
-
-static PyObject *encode(PyObject *self, PyObject *args) {
+PyObject *huffman_encode(PyObject *self, PyObject *args) {
     Py_buffer sym, len, cod;
     long long chunk;
     int threads;
     if (!PyArg_ParseTuple(args, "y*y*y*Li", &sym, &len, &cod, &chunk, &threads)) return NULL;
     PyObject *result = NULL;
     uint64_t *offsets = NULL, *words = NULL;
-    Job *jobs = NULL;
+    EncodeJob *jobs = NULL;
     if (len.len != 256 || cod.len != 256 * 8 || chunk <= 0 || chunk % GROUP) {
         PyErr_SetString(PyExc_ValueError, "need 256 code lengths, 256 uint64 codes and a chunk multiple of 16");
         goto done;
     }
-    if (threads < 1) threads = 1;
-    if (threads > 256) threads = 256;
-    int64_t count = sym.len;
-    int64_t whole = count / (LANES * chunk), rest = count % (LANES * chunk);
-    int64_t nchunks = whole * LANES + ((rest + GROUP - 1) / GROUP < LANES ? (rest + GROUP - 1) / GROUP : LANES);
+    threads = clamp_threads(threads);
+    int64_t count = sym.len, nchunks = chunk_total(count, chunk);
     offsets = calloc((size_t)nchunks + 1, sizeof(uint64_t));
-    jobs = calloc((size_t)threads, sizeof(Job));
+    jobs = calloc((size_t)threads, sizeof(EncodeJob));
     if (!offsets || !jobs) { PyErr_NoMemory(); goto done; }
     for (int t = 0; t < threads; t++) {
-        jobs[t] = (Job){sym.buf, count, chunk, nchunks, len.buf, cod.buf, offsets, NULL,
-                        nchunks * t / threads, nchunks * (t + 1) / threads, 0};
+        jobs[t] = (EncodeJob){sym.buf, count, chunk, len.buf, cod.buf, offsets, NULL,
+                              nchunks * t / threads, nchunks * (t + 1) / threads, 0};
     }
     Py_BEGIN_ALLOW_THREADS
-    run_threads(count_bits, jobs, threads);
+    run_threads(count_bits, jobs, sizeof(EncodeJob), threads);
     Py_END_ALLOW_THREADS
     for (int t = 0; t < threads; t++) {
         if (jobs[t].missing) { PyErr_SetString(PyExc_ValueError, "a symbol has no code"); goto done; }
@@ -147,7 +127,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     if (!words) { PyErr_NoMemory(); goto done; }
     for (int t = 0; t < threads; t++) jobs[t].words = words;
     Py_BEGIN_ALLOW_THREADS
-    run_threads(write_bits, jobs, threads);
+    run_threads(write_bits, jobs, sizeof(EncodeJob), threads);
     for (int64_t w = 0; w < nwords; w++) words[w] = __builtin_bswap64(words[w]);
     Py_END_ALLOW_THREADS
     PyObject *data = PyBytes_FromStringAndSize((const char *)words, (Py_ssize_t)((total + 7) / 8));
@@ -165,11 +145,62 @@ done:
     return result;
 }
 
-static PyMethodDef methods[] = {
-    {"encode", encode, METH_VARARGS, "Huffman-encode uint8 symbols in esftctl's chunk layout (see the source)."},
-    {NULL, NULL, 0, NULL},
-};
+typedef struct {
+    const uint16_t *bits;
+    uint8_t *exponent, *sign_mantissa;
+    int64_t first, last;
+    int64_t counts[256];
+} SplitJob;
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "esftctl._native", NULL, -1, methods};
+static void *split_range(void *arg) {
+    SplitJob *j = (SplitJob *)arg;
+    for (int64_t i = j->first; i < j->last; i++) {
+        uint16_t b = j->bits[i];
+        uint8_t e = (uint8_t)(b >> 7);
+        j->exponent[i] = e;
+        j->sign_mantissa[i] = (uint8_t)(((b >> 8) & 0x80) | (b & 0x7F));
+        j->counts[e]++;
+    }
+    return NULL;
+}
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyObject *huffman_split_bf16(PyObject *self, PyObject *args) {
+    Py_buffer bits;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*i", &bits, &threads)) return NULL;
+    PyObject *result = NULL, *exponent = NULL, *sign_mantissa = NULL, *counts = NULL;
+    SplitJob *jobs = NULL;
+    if (bits.len % 2) {
+        PyErr_SetString(PyExc_ValueError, "bf16 bits must be whole uint16 values");
+        goto done;
+    }
+    threads = clamp_threads(threads);
+    int64_t n = bits.len / 2;
+    exponent = PyBytes_FromStringAndSize(NULL, n);
+    sign_mantissa = PyBytes_FromStringAndSize(NULL, n);
+    counts = PyBytes_FromStringAndSize(NULL, 256 * sizeof(int64_t));
+    jobs = calloc((size_t)threads, sizeof(SplitJob));
+    if (!exponent || !sign_mantissa || !counts || !jobs) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    for (int t = 0; t < threads; t++) {
+        jobs[t].bits = bits.buf;
+        jobs[t].exponent = (uint8_t *)PyBytes_AS_STRING(exponent);
+        jobs[t].sign_mantissa = (uint8_t *)PyBytes_AS_STRING(sign_mantissa);
+        jobs[t].first = n * t / threads;
+        jobs[t].last = n * (t + 1) / threads;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(split_range, jobs, sizeof(SplitJob), threads);
+    Py_END_ALLOW_THREADS
+    int64_t *total = (int64_t *)PyBytes_AS_STRING(counts);
+    memset(total, 0, 256 * sizeof(int64_t));
+    for (int t = 0; t < threads; t++)
+        for (int s = 0; s < 256; s++) total[s] += jobs[t].counts[s];
+    result = PyTuple_Pack(3, exponent, sign_mantissa, counts);
+done:
+    Py_XDECREF(exponent);
+    Py_XDECREF(sign_mantissa);
+    Py_XDECREF(counts);
+    free(jobs);
+    PyBuffer_Release(&bits);
+    return result;
+}

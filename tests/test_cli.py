@@ -113,14 +113,20 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path, monkeypatch
 
     from esftctl import cli, store
 
-    write = store._DataWriter.write
+    class FillingFile:  # store.bin's file, full after 1 MiB (written from the store's writer thread)
+        def __init__(self, path, mode):
+            self.file, self.written = open(path, mode), 0
 
-    def write_until_full(self, data):
-        if self.pos > 1 << 20:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.file.name))
-        write(self, data)
+        def write(self, data):
+            self.written += memoryview(data).nbytes
+            if self.written > 1 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device", self.file.name)
+            return self.file.write(data)
 
-    monkeypatch.setattr(store._DataWriter, "write", write_until_full)
+        def close(self):
+            self.file.close()
+
+    monkeypatch.setattr(store, "open", FillingFile, raising=False)
     monkeypatch.setattr(sys, "argv", ["esftctl", "compress", str(world.base_dir), "--out", str(tmp_path / "store")])
     with pytest.raises(SystemExit) as stop:
         cli.main()

@@ -1,4 +1,5 @@
-"""The native Huffman encoder (native/huffman_encode.c) against the numpy reference, bit for bit.
+"""The native Huffman encoder (native/huffman_encode.c) against the numpy reference, bit for bit, and its bf16
+split with the exponents' histogram against split_bf16 and np.bincount.
 
 Random and trained-like bf16 exponents, every edge the layout has (no values, one value, one symbol only, sizes
 that end inside a group, a chunk and a block), chunk sizes and thread counts: the bytes and the chunk offsets
@@ -10,7 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from esftctl.huffman import GROUP, LANES, _native, build_code, decode, encode, encode_reference, split_bf16
+from esftctl.huffman import (
+    GROUP,
+    LANES,
+    _native,
+    build_code,
+    decode,
+    encode,
+    encode_reference,
+    split_and_count,
+    split_bf16,
+)
 
 pytestmark = pytest.mark.skipif(_native() is None, reason="the native encoder was not built (no C compiler)")
 
@@ -51,3 +62,13 @@ def test_native_encoder_refuses_a_symbol_without_a_code():
     code = build_code(np.bincount(np.array([1, 2, 2], dtype=np.uint8), minlength=256))
     with pytest.raises(ValueError, match="a symbol has no code"):
         encode(np.array([1, 2, 5], dtype=np.uint8), code, 16)
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 300_001])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_split_gives_the_reference_bytes_and_histogram(n, threads):
+    bits = np.random.default_rng(n).integers(0, 1 << 16, n).astype(np.uint16)
+    exponent, sign_mantissa, counts = split_and_count(bits, threads=threads)
+    want_exponent, want_sign_mantissa = split_bf16(bits)
+    assert np.array_equal(exponent, want_exponent) and np.array_equal(sign_mantissa, want_sign_mantissa)
+    assert counts.dtype == np.int64 and np.array_equal(counts, np.bincount(want_exponent, minlength=256))

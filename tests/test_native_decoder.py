@@ -1,0 +1,64 @@
+"""The native Huffman decoder (native/huffman_decode.c) against the numpy reference (decode, then join_bf16).
+
+The same edges as the encoder's tests (no values, one, one symbol only, sizes that end inside a group, a chunk
+and a block), chunk sizes and thread counts: the bf16 bits must be the reference's. A corrupted stream is an
+error, never a read past the buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from esftctl.huffman import GROUP, LANES, _native, build_code, decode, decode_bf16, encode_reference, join_bf16
+
+pytestmark = pytest.mark.skipif(_native() is None, reason="the native decoder was not built (no C compiler)")
+
+
+def trained_like_bits(n: int, seed: int) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    w = (g.standard_normal(n) * 0.02 * np.exp(g.normal(0, 0.25, n))).astype(np.float32)
+    return (w.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def cases():
+    g = np.random.default_rng(1)
+    chunk = 64
+    block = LANES * chunk
+    yield "empty", np.zeros(0, dtype=np.uint16), chunk
+    yield "one value", np.array([0x3F80], dtype=np.uint16), chunk
+    yield "one symbol", (np.full(5000, 0x4000, dtype=np.uint16) | g.integers(0, 0x7F, 5000).astype(np.uint16)), chunk
+    for n in (GROUP - 1, GROUP + 1, chunk + 3, block - 1, block + 1, 3 * block + 17):
+        yield f"random {n}", g.integers(0, 1 << 16, n).astype(np.uint16), chunk
+    for chunk in (16, 1024):
+        yield f"trained-like, chunk {chunk}", trained_like_bits(300_001, 2), chunk
+
+
+def _encoded(bits: np.ndarray, chunk: int):
+    exponent, sign_mantissa = (bits >> 7).astype(np.uint8), (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
+    code = build_code(np.bincount(exponent, minlength=256) if len(bits) else np.eye(256, dtype=np.int64)[0])
+    data, offsets = encode_reference(exponent, code, chunk)
+    return data, offsets, code, sign_mantissa
+
+
+@pytest.mark.parametrize("name,bits,chunk", list(cases()), ids=[c[0] for c in cases()])
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_native_decoder_gives_the_reference_bits(name, bits, chunk, threads):
+    data, offsets, code, sign_mantissa = _encoded(bits, chunk)
+    want = join_bf16(decode(data, offsets, len(bits), code, chunk), sign_mantissa)
+    assert np.array_equal(want, bits)  # the reference round-trips
+    out = np.full(len(bits), 0xDEAD, dtype=np.uint16)
+    decode_bf16(np.frombuffer(data, dtype=np.uint8), offsets, code, chunk, sign_mantissa, out, threads=threads)
+    assert np.array_equal(out, want)
+
+
+def test_native_decoder_refuses_a_corrupt_stream():
+    bits = trained_like_bits(50_000, 3)
+    data, offsets, code, sign_mantissa = _encoded(bits, 64)
+    out = np.empty(len(bits), dtype=np.uint16)
+    with pytest.raises(ValueError, match="corrupt Huffman stream"):  # chunks start past the stream's end
+        decode_bf16(data, offsets + np.uint64(8 * len(data)), code, 64, sign_mantissa, out)
+    with pytest.raises(ValueError, match="chunk offsets for"):
+        decode_bf16(data, offsets[:-1], code, 64, sign_mantissa, out)
+    with pytest.raises(ValueError, match="one uint16 of output per value"):
+        decode_bf16(data, offsets, code, 64, sign_mantissa, out[:-1])
