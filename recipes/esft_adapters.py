@@ -84,11 +84,12 @@ def main() -> None:
     _, _, base_exact, base_loss = results[0]
     table = Table(title=f"held-out task exact match, and retention on the held-out general mixture "
                         f"({len(general_test)} examples)", header_style="bold")
-    for col in ("adapter", "task exact: base", "ESFT", "general exact", "general loss (nats/token)"):
+    for col in ("adapter", "task exact: base", "ESFT", "general exact", "general loss (nats/token)", "vs base"):
         table.add_column(col, justify="right")
-    table.add_row("base", "", "", f"{base_exact:.0%}", f"{base_loss:.3f}")
+    table.add_row("base", "", "", f"{base_exact:.0%}", f"{base_loss:.4f}", "")
     for task, (before, after), exact, loss in results[1:]:
-        table.add_row(task, f"{before:.0%}", f"[green]{after:.0%}[/]", f"{exact:.0%}", f"{loss:.3f}")
+        table.add_row(task, f"{before:.0%}", f"[green]{after:.0%}[/]", f"{exact:.0%}", f"{loss:.4f}",
+                      f"{loss / base_loss - 1:+.1%}")
     console.print(table)
     console.print(render(describe_bundle_set([describe_path(world.root / "adapters" / t / "bundle")
                                               for t in world.task_names])))
