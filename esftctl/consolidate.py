@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from esftctl.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl import native
+from esftctl.checkpoint import EXPERT_WEIGHTS, ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json, write_json
 
@@ -43,20 +44,36 @@ def check_same_architecture(models: Sequence[MoECheckpoint]) -> None:
             raise EsftError(f"variant differs from {first.path} in {', '.join(differ)}", m.path)
 
 
-def _flat(m: MoECheckpoint, layer: int, expert: int) -> torch.Tensor:
-    return torch.cat([t.reshape(-1).double() for _, t in m.read_expert(layer, expert).items()])
+def pair_distances_reference(experts: Sequence[ExpertWeights]) -> float:
+    """The sum over unordered pairs of ||expert_i - expert_j||_2, all weights flattened, in float64 with torch:
+    the reference of `pair_distances`."""
+    flats = [torch.cat([t.reshape(-1).double() for _, t in x.items()]) for x in experts]
+    return sum(float(torch.linalg.vector_norm(flats[i] - flats[j]))
+               for i in range(len(flats)) for j in range(i + 1, len(flats)))
+
+
+def pair_distances(experts: Sequence[ExpertWeights]) -> float:
+    """`pair_distances_reference`, from one native pass per weight over the variants' bf16 values
+    (native/distances.c: every pair's float64 sum of squares at once); the reference for other dtypes or where
+    the package was built without its C extension."""
+    lib = native.module()
+    if lib is None or any(t.dtype != torch.bfloat16 for x in experts for _, t in x.items()):
+        return pair_distances_reference(experts)
+    squared = 0.0
+    for weight in EXPERT_WEIGHTS:
+        bits = [getattr(x, weight).contiguous().view(torch.int16).numpy() for x in experts]
+        squared = squared + np.frombuffer(lib.pair_squared_distances(bits, native.threads()), dtype=np.float64)
+    return float(np.sqrt(squared).sum())
 
 
 def expert_distances(models: Sequence[MoECheckpoint], on_layer: Callable[[int], None] = lambda l: None) -> np.ndarray:
-    """[MoE layers, experts]: sum over variant pairs of ||expert_i - expert_j||_2."""
+    """[MoE layers, experts]: sum over variant pairs of ||expert_i - expert_j||_2 (`pair_distances`)."""
     check_same_architecture(models)
     first = models[0]
     out = np.zeros((len(first.moe_layers), first.num_experts))
     for li, layer in enumerate(first.moe_layers):
         for e in range(first.num_experts):
-            flats = [_flat(m, layer, e) for m in models]
-            out[li, e] = sum(float(torch.linalg.vector_norm(flats[i] - flats[j]))
-                             for i in range(len(flats)) for j in range(i + 1, len(flats)))
+            out[li, e] = pair_distances([m.read_expert(layer, e) for m in models])
         on_layer(layer)
     return out
 

@@ -18,11 +18,12 @@ decoder resolves a symbol with one lookup in a 2**MAX_LENGTH table of (symbol, l
 from __future__ import annotations
 
 import heapq
-import os
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
+from esftctl import native
 
 MAX_LENGTH = 12
 LANES = 32  # chunks that share a block of values: one warp's lanes
@@ -40,12 +41,12 @@ def split_bf16(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def split_and_count(bits: np.ndarray, threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """split_bf16 and the exponents' histogram ([256] int64), in one native pass over `bits` where the package
     was built with its C extension (read-only arrays), else with numpy."""
-    native = _native()
-    if native is None:
+    lib = native.module()
+    if lib is None:
         exponent, sign_mantissa = split_bf16(bits)
         return exponent, sign_mantissa, np.bincount(exponent, minlength=256)
-    exponent, sign_mantissa, counts = native.split_bf16(np.ascontiguousarray(bits, dtype=np.uint16),
-                                                        threads or os.cpu_count() or 1)
+    exponent, sign_mantissa, counts = lib.split_bf16(np.ascontiguousarray(bits, dtype=np.uint16),
+                                                     native.threads(threads))
     return (np.frombuffer(exponent, dtype=np.uint8), np.frombuffer(sign_mantissa, dtype=np.uint8),
             np.frombuffer(counts, dtype=np.int64))
 
@@ -196,25 +197,15 @@ def encode(symbols: np.ndarray, code: Code, chunk: int, threads: int | None = No
 
     The native encoder (native/huffman_encode.c, built with the package) writes the same bytes with `threads`
     threads (default: every core); without it, `encode_reference` does."""
-    native = _native()
-    if native is None:
+    lib = native.module()
+    if lib is None:
         return encode_reference(symbols, code, chunk)
     if chunk % GROUP:
         raise ValueError(f"chunk size must be a multiple of {GROUP}")
-    data, starts = native.encode(np.ascontiguousarray(symbols, dtype=np.uint8),
-                                 np.ascontiguousarray(code.lengths, dtype=np.uint8),
-                                 np.ascontiguousarray(code.codes(), dtype=np.uint64), chunk,
-                                 threads or os.cpu_count() or 1)
+    data, starts = lib.encode(np.ascontiguousarray(symbols, dtype=np.uint8),
+                              np.ascontiguousarray(code.lengths, dtype=np.uint8),
+                              np.ascontiguousarray(code.codes(), dtype=np.uint64), chunk, native.threads(threads))
     return data, np.frombuffer(starts, dtype=np.uint64).copy()
-
-
-def _native():
-    """The compiled module (native/), or None where the package was installed without a compiler."""
-    try:
-        from esftctl import _native
-    except ImportError:
-        return None
-    return _native
 
 
 def encode_reference(symbols: np.ndarray, code: Code, chunk: int) -> tuple[bytes, np.ndarray]:
@@ -258,14 +249,14 @@ def decode_bf16(data: bytes | np.ndarray, offsets: np.ndarray, code: Code, chunk
     """Decode a tensor's exponents and join them with its sign-and-mantissa bytes into `out` (uint16 bf16 bits, one
     per value), with the native decoder (native/huffman_decode.c, `threads` threads: default every core) where the
     package was built with it, else with `decode` and `join_bf16`."""
-    native = _native()
+    lib = native.module()
     count = len(sign_mantissa)
-    if native is None:
+    if lib is None:
         out[:] = join_bf16(decode(data, offsets, count, code, chunk), sign_mantissa)
         return out
     symbols, lengths = code.table
-    native.decode_bf16(data, np.ascontiguousarray(offsets, dtype=np.uint64), count, symbols, lengths, chunk,
-                       np.ascontiguousarray(sign_mantissa, dtype=np.uint8), out, threads or os.cpu_count() or 1)
+    lib.decode_bf16(data, np.ascontiguousarray(offsets, dtype=np.uint64), count, symbols, lengths, chunk,
+                    np.ascontiguousarray(sign_mantissa, dtype=np.uint8), out, native.threads(threads))
     return out
 
 

@@ -1,5 +1,5 @@
-/* Shared by the native Huffman encoder and decoder of esftctl's expert stores (esftctl/huffman.py says the
- * format): the chunk layout's constants and a helper that runs one function over per-thread jobs. */
+/* Shared by esftctl's native sources: the Huffman chunk layout's constants (esftctl/huffman.py says the format),
+ * a helper that runs one function over per-thread jobs, and the functions module.c exports. */
 #ifndef ESFTCTL_HUFFMAN_H
 #define ESFTCTL_HUFFMAN_H
 
@@ -42,5 +42,6 @@ static inline int clamp_threads(int threads) { return threads < 1 ? 1 : threads 
 PyObject *huffman_encode(PyObject *self, PyObject *args);
 PyObject *huffman_split_bf16(PyObject *self, PyObject *args);
 PyObject *huffman_decode_bf16(PyObject *self, PyObject *args);
+PyObject *pair_squared_distances(PyObject *self, PyObject *args);
 
 #endif

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import run_cli
 
+from esftctl import native
 from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.consolidate import (
     ExpertMap,
@@ -17,6 +18,8 @@ from esftctl.consolidate import (
     consolidate,
     expert_distances,
     materialize,
+    pair_distances,
+    pair_distances_reference,
     rank_positions,
 )
 from esftctl.errors import EsftError
@@ -177,3 +180,21 @@ def test_bench_consolidate_tables_and_plot(tmp_path):
     assert len(bench.tables(serve_only)) == 1
     bench.plot(serve_only, tmp_path / "serve.png")
     assert (tmp_path / "all.png").stat().st_size > 0 and (tmp_path / "serve.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(native.module() is None, reason="the native extension was not built (no C compiler)")
+@pytest.mark.parametrize("variants", [2, 4, 7])
+def test_native_pair_distances_match_the_reference(variants):
+    """native/distances.c against the torch reference, on fresh random bf16 experts of odd sizes: nearly equal
+    variants (a fine-tune's small changes), identical ones (distance 0 exactly) and thread counts."""
+    g = torch.Generator().manual_seed(variants)
+    base = [torch.randn(37, 301, generator=g).bfloat16() for _ in range(3)]  # 3 blocks of 4096 values
+    experts = [ExpertWeights(*(w + (0.01 * torch.randn(w.shape, generator=g)).bfloat16() * (k % 3 != 0) for w in base))
+               for k in range(variants)]
+    experts[-1] = experts[0]  # an identical pair
+    want = pair_distances_reference(experts)
+    assert abs(pair_distances(experts) - want) <= 1e-12 * want
+    bits = [x.gate.view(torch.int16).numpy() for x in experts]
+    one, three = (np.frombuffer(native.module().pair_squared_distances(bits, t), dtype=np.float64) for t in (1, 3))
+    assert np.array_equal(one, three)  # blocks summed in order, whatever the thread count
+    assert one[variants - 2] == 0.0  # pair (0, last): identical experts

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from esftctl.huffman import GROUP, LANES, _native, build_code, decode, decode_bf16, encode_reference, join_bf16
+from esftctl import native
+from esftctl.huffman import GROUP, LANES, build_code, decode, decode_bf16, encode_reference, join_bf16
 
-pytestmark = pytest.mark.skipif(_native() is None, reason="the native decoder was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(native.module() is None, reason="the native decoder was not built (no C compiler)")
 
 
 def trained_like_bits(n: int, seed: int) -> np.ndarray:

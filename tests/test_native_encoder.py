@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from esftctl import native
 from esftctl.huffman import (
     GROUP,
     LANES,
-    _native,
     build_code,
     decode,
     encode,
@@ -23,7 +23,7 @@ from esftctl.huffman import (
     split_bf16,
 )
 
-pytestmark = pytest.mark.skipif(_native() is None, reason="the native encoder was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(native.module() is None, reason="the native encoder was not built (no C compiler)")
 
 
 def trained_like_exponents(n: int, seed: int) -> np.ndarray:
