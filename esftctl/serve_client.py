@@ -117,7 +117,24 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
     if variants:
         memory.add_row("variants' non-expert weights, kept for switching", format_bytes(status["variant_switch_bytes"]))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")
-    return Group(table, memory)
+    return Group(table, memory, *([_ranks_table(status["per_rank"])] if status.get("per_rank") else []))
+
+
+def _ranks_table(per_rank: list[dict | None]) -> Table:
+    """Tensor parallelism: each rank's part of the experts (the tables above count rank 0's)."""
+    table = Table(title=f"memory per tensor-parallel rank ({len(per_rank)} ranks; bytes above are rank 0's)",
+                  title_justify="left")
+    for col in ("rank", "device", "base experts", "adapter experts", "adapter experts, physical", "experts now"):
+        table.add_column(col, justify="left" if col == "device" else "right")
+    for r, s in enumerate(per_rank):
+        if s is None:
+            table.add_row(str(r), "not reported yet", "", "", "", "")
+            continue
+        physical = s["adapter_physical_bytes"]
+        table.add_row(str(r), s["device"], format_bytes(s["base_expert_bytes"]),
+                      format_bytes(s["adapter_expert_bytes"]), "paged" if physical is None else format_bytes(physical),
+                      format_bytes(s["expert_device_bytes"]))
+    return table
 
 
 def _counts(counts: list[int]) -> str:

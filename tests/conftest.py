@@ -72,6 +72,10 @@ def server_args(settings: dict) -> list[str]:
         args.append("--enforce-eager")
     if "gpu_memory_utilization" in settings:
         args += ["--gpu-memory-utilization", str(settings["gpu_memory_utilization"])]
+    if settings.get("tensor_parallel_size", 1) > 1:
+        args += ["--tensor-parallel-size", str(settings["tensor_parallel_size"])]
+    if settings.get("enable_expert_parallel"):
+        args.append("--enable-expert-parallel")
     return args
 
 

@@ -321,3 +321,24 @@ def test_page_runs():
 
     assert page_runs([5, 1, 2, 3, 9, 10]) == [(1, 3), (5, 1), (9, 2)]
     assert page_runs([]) == []
+
+
+def test_tensor_parallel_shards_put_back_together_are_the_experts():
+    """Issue 20: rank r's part of stacked experts is vLLM's cut (gate's and up's r-th slice of I, stacked; w2's
+    r-th slice of columns), so the ranks' parts side by side are the experts again; a padded width stays zero."""
+    from esftctl.runtime.vllm_model import tensor_parallel_shard
+
+    g = torch.Generator().manual_seed(5)
+    n, inter, hidden = 3, 12, 8
+    w13, w2 = torch.randn(n, 2 * inter, hidden, generator=g), torch.randn(n, hidden, inter, generator=g)
+    assert tensor_parallel_shard(w13, w2, rank=0, size=1) == (w13, w2)
+    for size in (2, 3, 4):
+        parts = [tensor_parallel_shard(w13, w2, rank=r, size=size) for r in range(size)]
+        gate = torch.cat([p13[:, : inter // size] for p13, _ in parts], dim=1)
+        up = torch.cat([p13[:, inter // size:] for p13, _ in parts], dim=1)
+        assert torch.equal(torch.cat([gate, up], dim=1), w13)
+        assert torch.equal(torch.cat([p2 for _, p2 in parts], dim=2), w2)
+    p13, p2 = tensor_parallel_shard(w13, w2, rank=1, size=2, per_rank=8)  # padded from 6 to 8
+    assert p13.shape == (n, 16, hidden) and p2.shape == (n, hidden, 8)
+    assert torch.equal(p13[:, :6], w13[:, 6:12]) and torch.equal(p13[:, 8:14], w13[:, 18:24])
+    assert not p13[:, 6:8].any() and not p13[:, 14:].any() and not p2[..., 6:].any()

@@ -83,9 +83,9 @@ def random_base(architecture: str, world, root: Path) -> Path:
                              tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
 
 
-def serve_exactly(base: Path, prompts: list[str], tmp: Path, engine: dict, seed: int, **options) -> None:
+def serve_exactly(base: Path, prompts: list[str], tmp: Path, engine: dict, seed: int, **options) -> dict:
     """Three adapters of `base` served together, with the base, answer as their merged models served alone by
-    plain vLLM with the same engine settings."""
+    plain vLLM with the same engine settings; returns the server's status after the requests."""
     bundles, merged = make_adapters(base, tmp, seed=seed, prompts=prompts)
     ref = reference({"base": base, **merged}, prompts, tmp, engine)
     serve_plan = plan(base, [f"{n}={p}" for n, p in bundles.items()], name="base", port=free_port(),
@@ -93,6 +93,7 @@ def serve_exactly(base: Path, prompts: list[str], tmp: Path, engine: dict, seed:
     with Server(serve_plan) as server:
         server.wait_ready()
         serve_concurrently(serve_plan.url, list(ref), prompts, ref)
+        return status(serve_plan.url)
 
 
 def complete(url: str, model: str, prompt: str) -> dict:

@@ -47,6 +47,13 @@ class ServeConfig:
         return cls(**fields)
 
 
+def rank_status_file(status_file: str | Path, rank: int) -> Path:
+    """Where tensor-parallel rank `rank` writes its status: rank 0 the status file itself (every field of the
+    table), rank r > 0 a file beside it (the API server adds its memory to rank 0's: esftctl.runtime.vllm_status)."""
+    path = Path(status_file)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
 def open_servable_bundle(path: str | Path, base: MoECheckpoint) -> Bundle:
     """A verified bundle of `base` that changes routed experts only (what the runtime serves)."""
     bundle = Bundle.open(path)

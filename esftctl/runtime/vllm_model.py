@@ -53,12 +53,38 @@ from esftctl.units import format_bytes
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
 
 
+def tensor_parallel_shard(w13: torch.Tensor, w2: torch.Tensor, *, rank: int, size: int,
+                          per_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked checkpoint experts (w13 [n, 2I, H], gate over up; w2 [n, H, I]) -> rank `rank` of `size`'s
+    part, as vLLM's FusedMoE weight loader shards them: the intermediate dim I cut into `size` equal parts, the
+    rank's part of gate over its part of up, and the same part of w2's columns. `per_rank` is the rank's
+    (possibly padded) width of I in the engine's tensors; padding stays zero, as vLLM leaves it."""
+    inter = w2.shape[-1]
+    if size == 1 and per_rank in (None, inter):
+        return w13, w2
+    loaded = inter // size
+    per_rank = per_rank or loaded
+    start = loaded * rank
+    n = max(0, min(loaded, inter - start))
+    n_experts, hidden = w13.shape[0], w13.shape[-1]
+    part13 = w13.new_zeros(n_experts, 2 * per_rank, hidden)
+    part13[:, :n] = w13[:, start:start + n]
+    part13[:, per_rank:per_rank + n] = w13[:, inter + start:inter + start + n]
+    part2 = w2.new_zeros(n_experts, w2.shape[1], per_rank)
+    part2[..., :n] = w2[..., start:start + n]
+    return part13, part2
+
+
 def engine_layout(engine: EngineMoELayer) -> ExpertLayout:
-    """The layer's kernel layout, as a conversion that runs vLLM's own processing on a stand-in layer."""
+    """The layer's kernel layout, as a conversion that takes this rank's tensor-parallel part of the experts
+    (`tensor_parallel_shard`) and runs vLLM's own processing on a stand-in layer."""
     experts, kernel = engine.experts, engine.kernel
     dtype = experts.w13_weight.dtype
+    parallel = experts.moe_config.moe_parallel_config
+    per_rank = getattr(experts.moe_config, "intermediate_size_per_partition", None)
 
     def convert(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = tensor_parallel_shard(w13, w2, rank=parallel.tp_rank, size=parallel.tp_size, per_rank=per_rank)
         stand_in = torch.nn.Module()
         stand_in.w13_weight = torch.nn.Parameter(w13.to(experts.w13_weight.device, dtype), requires_grad=False)
         stand_in.w2_weight = torch.nn.Parameter(w2.to(experts.w2_weight.device, dtype), requires_grad=False)

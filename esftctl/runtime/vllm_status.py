@@ -1,7 +1,8 @@
 """esftctl's additions to vLLM's OpenAI server, installed with vLLM's `--middleware` option.
 
 - GET /esftctl/status: the engine's adapter and memory table, as JSON, with the server's process id. The
-  engine process writes it to a file after every adapter change (esftctl.runtime.vllm_worker); this serves that file.
+  engine process writes it to a file after every adapter change (esftctl.runtime.vllm_worker); this serves that file,
+  and under tensor parallelism adds every rank's memory from the rank's own file (`per_rank`).
 - POST /v1/load_lora_adapter: checked here first, so an expected refusal is a 4xx with its real message (vLLM
   answers an engine-side failure with HTTP 500, a traceback in its log, and file paths masked as `<path>`): a bad
   name or a bundle that is not this base's servable adapter (corrupt, another base, non-expert tensors) is 400,
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse, Response
 
-from esftctl.runtime.serve_config import ServeConfig
+from esftctl.runtime.serve_config import ServeConfig, rank_status_file
 
 STATUS_PATH = "/esftctl/status"
 LOAD_PATH = "/v1/load_lora_adapter"
@@ -44,12 +45,27 @@ async def status_middleware(request, call_next):
     return response
 
 
-def _engine_status() -> dict | None:
-    config = ServeConfig.from_env()
+RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "adapter_physical_bytes",
+               "expert_device_bytes", "reserved_bytes", "updated")
+
+
+def _read_status(path: Path) -> dict | None:
     try:
-        return json.loads(Path(config.status_file).read_text()) if config else None
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _engine_status() -> dict | None:
+    """Rank 0's status; under tensor parallelism with `per_rank`, every rank's memory (None for a rank whose
+    file is not there yet)."""
+    config = ServeConfig.from_env()
+    status = _read_status(Path(config.status_file)) if config else None
+    if status is None or status.get("ranks", 1) == 1:
+        return status
+    ranks = [status] + [_read_status(rank_status_file(config.status_file, r)) for r in range(1, status["ranks"])]
+    status["per_rank"] = [None if r is None else {k: r.get(k) for k in RANK_FIELDS} for r in ranks]
+    return status
 
 
 def _error(message: str, status_code: int, kind: str) -> JSONResponse:

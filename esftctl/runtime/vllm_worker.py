@@ -17,7 +17,7 @@ variant's own experts into a slot of its own, and every variant's non-expert wei
 (esftctl.runtime.variant_weights); a variant's LoRA name binds to its slot, and each step puts the step's
 variant's non-expert weights in place (vLLM's scheduler runs one variant per step: esftctl.runtime.variant_turns).
 After every change, and every second while serving, it writes the adapter and memory table to the status
-file `esftctl serve` shows.
+file `esftctl serve` shows; under tensor parallelism every rank writes its own (`rank_status_file`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from esftctl.errors import EsftError
 from esftctl.jsonfile import write_json
 from esftctl.names import check_name
 from esftctl.runtime.host_cache import HostAdapterCache, stage
-from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle
+from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file
 from esftctl.runtime.variant_weights import VariantWeights, collect
 from esftctl.runtime.vllm_model import EsftModel
 from esftctl.runtime.vllm_moe import check_engine
@@ -94,6 +94,13 @@ class EsftWorkerManager:
                 self.runtime.slots.load(_variant_key(v), staged.experts(), staged.rows())
         self.write_status()
         return model
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """(this worker's tensor-parallel rank, the group's size): each rank holds its part of every expert."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
     # ---- adapters --------------------------------------------------------------------------------
     def _bind_variant(self, lora_request) -> bool:
@@ -276,9 +283,10 @@ class EsftWorkerManager:
         physical_adapter = None if runtime.pager else slots.physical_bytes() - base_experts
         cache = self.vllm_config.cache_config
         blocks = getattr(cache, "num_gpu_blocks", None)
+        rank, ranks = self.rank
         return {
             "updated": time.time(),
-            "base": str(self.base.path), "device": str(runtime.device),
+            "base": str(self.base.path), "device": str(runtime.device), "rank": rank, "ranks": ranks,
             "slots": slots.num_slots, "experts_per_slot": self.config.experts_per_slot,
             "moe_layers": list(runtime.layers),
             "adapters": adapters,
@@ -314,7 +322,7 @@ class EsftWorkerManager:
     def write_status(self) -> None:
         self._status_written = time.monotonic()
         if self.config.status_file:
-            write_json(Path(self.config.status_file), self.status())
+            write_json(rank_status_file(self.config.status_file, self.rank[0]), self.status())
 
 
 def _variant_key(variant: int) -> str:

@@ -1,0 +1,54 @@
+"""`esftctl serve` under vLLM's tensor parallelism (issue 20): adapters answer as their merged models do.
+
+Each rank's virtual tensors hold its part of every expert, base and adapter alike, cut as vLLM's FusedMoE
+loader cuts the base's (esftctl.runtime.vllm_model.tensor_parallel_shard): an adapter served by two ranks
+must give the greedy tokens of its merged model served by plain vLLM with the same parallelism. vLLM's CPU
+build runs TP=2 on two cores when each rank's OpenMP threads are bound by hand (its automatic binding wants a
+NUMA node per rank), so this runs in CI; on the GPU machine it needs two GPUs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from conftest import engine_settings, has_gpu
+from rich.console import Console
+from test_serve import prompts_of, serve_exactly
+
+from esftctl.checkpoint import MoECheckpoint
+from esftctl.serve_client import status_table
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """Skip without two GPUs (on a GPU machine) or two cores (on the CPU); on the CPU bind one core per rank."""
+    if has_gpu():
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs two GPUs")
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def test_adapters_under_tensor_parallelism_equal_their_merged_models(world, tmp_path, two_ranks):
+    engine = engine_settings() | {"tensor_parallel_size": 2}
+    status = serve_exactly(world.base_dir, prompts_of(world), tmp_path, engine, seed=40)
+    # Issue 20, item 4: each rank reports its own memory, half of every expert.
+    ranks = status["per_rank"]
+    assert [r["rank"] for r in ranks] == [0, 1] and status["ranks"] == 2
+    whole = MoECheckpoint(world.base_dir)
+    experts = len(whole.moe_layers) * whole.num_experts * whole.expert_nbytes
+    for r in ranks:  # (a kernel's layout may pad its rows: vLLM's CPU build prepacks them)
+        assert experts // 2 <= r["base_expert_bytes"] == ranks[0]["base_expert_bytes"] < experts
+        assert 0 < r["adapter_expert_bytes"] == ranks[0]["adapter_expert_bytes"]
+    table = io.StringIO()
+    Console(file=table, width=200).print(status_table(status))
+    assert "memory per tensor-parallel rank (2 ranks" in table.getvalue()
