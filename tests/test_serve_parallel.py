@@ -38,9 +38,13 @@ def two_ranks(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def test_adapters_under_tensor_parallelism_equal_their_merged_models(world, tmp_path, two_ranks):
+@pytest.mark.parametrize("paged", [False, True], ids=["resident", "paged"])
+def test_adapters_under_tensor_parallelism_equal_their_merged_models(world, tmp_path, two_ranks, paged):
+    """Resident, and paged through one layer's memory on every rank (each rank pages its own parts)."""
     engine = engine_settings() | {"tensor_parallel_size": 2}
-    status = serve_exactly(world.base_dir, prompts_of(world), tmp_path, engine, seed=40)
+    status = serve_exactly(world.base_dir, prompts_of(world), tmp_path, engine, seed=40,
+                           **({"paging_window": 1} if paged else {}))
+    assert status["paging_window"] == (1 if paged else 0) and (status["paging_loads"] > 0) == paged
     # Issue 20, item 4: each rank reports its own memory, half of every expert.
     ranks = status["per_rank"]
     assert [r["rank"] for r in ranks] == [0, 1] and status["ranks"] == 2
@@ -49,6 +53,7 @@ def test_adapters_under_tensor_parallelism_equal_their_merged_models(world, tmp_
     for r in ranks:  # (a kernel's layout may pad its rows: vLLM's CPU build prepacks them)
         assert experts // 2 <= r["base_expert_bytes"] == ranks[0]["base_expert_bytes"] < experts
         assert 0 < r["adapter_expert_bytes"] == ranks[0]["adapter_expert_bytes"]
+        assert 0 < r["expert_device_bytes"] <= (r["base_expert_bytes"] if paged else experts)
     table = io.StringIO()
     Console(file=table, width=200).print(status_table(status))
     assert "memory per tensor-parallel rank (2 ranks" in table.getvalue()

@@ -66,8 +66,9 @@ class Experts(torch.nn.Module):
         self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
         self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
         self.quant_method = UnquantizedFusedMoEMethod()
-        self.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, enable_eplb=False),
-                                          num_experts=w13.shape[0])
+        parallel = SimpleNamespace(use_ep=False, enable_eplb=False, tp_rank=0, tp_size=1)
+        self.moe_config = SimpleNamespace(moe_parallel_config=parallel, num_experts=w13.shape[0],
+                                          intermediate_size_per_partition=w2.shape[-1])
         self.expert_map_manager = SimpleNamespace(num_fused_shared_experts=0)
         self.activation, self.expert_map, self.global_num_experts = "silu", None, w13.shape[0]
 

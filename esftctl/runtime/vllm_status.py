@@ -153,5 +153,6 @@ async def _unknown_model(request, response):
         return Response(body, status_code=404, media_type=response.media_type)
     if known is not None and "does not exist" in message:
         names = [m.name for m in known.base_model_paths] + sorted(known.lora_requests)
-        error["message"] = f"{message.split('. ')[0]}. Servable models: {', '.join(names)}."
+        # vLLM's first sentence, without its full stop (0.25 ends it "exist.", and a second one followed)
+        error["message"] = f"{message.split('. ')[0].rstrip('.')}. Servable models: {', '.join(names)}."
     return JSONResponse({"error": error}, status_code=404)

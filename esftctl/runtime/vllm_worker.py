@@ -74,6 +74,10 @@ class EsftWorkerManager:
     def create_lora_manager(self, model, vllm_config=None):
         check_engine(self.vllm_config)
         config, scheduler = self.config, self.vllm_config.scheduler_config
+        if self.rank[1] > 1 and (config.paging_store or config.variant_map):
+            raise EsftError(f"{'--paging-store' if config.paging_store else '--variants'} is not supported under "
+                            "tensor parallelism yet (the store decodes whole experts; variants' non-expert weights "
+                            "are not split per rank); serve on one GPU, or page from host memory only")
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
         store = ExpertStore(config.paging_store) if config.paging_store else None
         if config.variant_map:
