@@ -99,7 +99,7 @@ class _DataWriter:
     """store.bin written as it is produced (a model's store never sits in memory), by a thread of its own that
     also keeps its SHA-256. File writes and hashing release the GIL, so they overlap the next tensors' reading and
     encoding: on DeepSeek-V2-Lite's shapes (2 cores) a layer's 0.55 GB of store took 1.7 s to write and 0.4 s to
-    hash, beside 2.3 s to read and encode it (benchmarks/RESULTS.md, 2026-11-24). At most `depth` writes wait.
+    hash, beside 2.4 s to read and encode it (benchmarks/RESULTS.md, 2026-11-24). At most `depth` writes wait.
 
     A write that fails in the thread (a full disk) is raised by the next `write` or by `close`."""
 
