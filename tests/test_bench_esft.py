@@ -89,7 +89,8 @@ def test_run_reports_every_metric_for_every_method(world, tmp_path):
 
     task = world.task_names[0]
     result = bench.run(world, tasks=[task], methods=bench.METHODS, steps=2, work_dir=tmp_path / "work",
-                       eval_examples=3)
+                       replay=0.5, eval_examples=3)
+    assert result["recipe"]["replay"] == 0.5 and result["recipe"]["steps"] == 2
     rows = {r["method"]: r for r in result["rows"]}
     assert list(rows) == ["base", *bench.METHODS]
     for r in rows.values():
@@ -118,6 +119,7 @@ def test_run_reports_every_metric_for_every_method(world, tmp_path):
         console.print(t)
     text = console.export_text()
     assert "Averages over 1 task" in text and "(3) ESFT storage ~10x smaller than FFT" in text
+    assert "2 steps per fine-tune, 50% of each batch replayed" in text
     bench.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -127,6 +129,7 @@ def test_run_reports_every_metric_for_every_method(world, tmp_path):
     (["--methods", "esft-gate,qlora"], "--methods: unknown 'qlora'"),
     (["--steps", "0"], "--steps 0: must be at least 1"),
     (["--fft-lr", "-1"], "--fft-lr -1.0: must be above 0"),
+    (["--replay", "1"], "--replay 1.0: must be at least 0 and below 1"),
 ])
 def test_cli_refuses_bad_options_in_one_line(args, message, tmp_path):
     proc = run_cli("bench", "esft", "--out", tmp_path, *args)

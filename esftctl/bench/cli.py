@@ -255,6 +255,9 @@ def esft(
                                          "esftctl.world.esft.FINETUNE)."),
     fft_lr: float = typer.Option(1e-3, help="Learning rate of full fine-tuning only (ESFT trains at the recipe's "
                                             "1e-2, which wipes out the base when every weight moves)."),
+    replay: float = typer.Option(None, help="Share of every batch drawn from the general mixture, for every method "
+                                            "alike (default: the recipe's, 0.9; 0 trains on task data alone, as the "
+                                            "paper's fine-tunes do)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """The ESFT paper's comparison in miniature: ESFT (token, gate) vs full fine-tuning vs LoRA on every task of
@@ -279,6 +282,8 @@ def esft(
         raise EsftError(f"--steps {steps}: must be at least 1")
     if not fft_lr > 0:
         raise EsftError(f"--fft-lr {fft_lr}: must be above 0")
+    if replay is not None and not 0 <= replay < 1:
+        raise EsftError(f"--replay {replay}: must be at least 0 and below 1")
     err = Console(stderr=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[loss]}"), TimeElapsedColumn())
@@ -302,7 +307,7 @@ def esft(
 
         world = build_world(log=lambda msg: on_step(msg, 0, 0, None))
         result = bench.run(world, tasks=chosen_tasks, methods=chosen_methods, steps=steps, work_dir=Path(work),
-                           fft_lr=fft_lr, on_step=on_step)
+                           fft_lr=fft_lr, replay=replay, on_step=on_step)
         progress.update(stage, description="done", total=1, completed=1)
     if as_json:
         print(json.dumps(result, indent=1))

@@ -124,12 +124,12 @@ def train_method(method: str, *, base_dir: Path, folder: Path, train_set: list, 
 
 
 def run(world=None, *, tasks: Sequence[str] | None = None, methods: Sequence[str] = METHODS, steps: int | None = None,
-        work_dir: Path, fft_lr: float = FFT_LR, eval_examples: int | None = EVAL_EXAMPLES,
+        work_dir: Path, fft_lr: float = FFT_LR, replay: float | None = None, eval_examples: int | None = EVAL_EXAMPLES,
         on_step: OnStep = lambda what, step, steps, loss: None) -> dict:
     """Every (task, method) of the comparison, base rows first. `on_step(what, step, steps, loss)` reports each
     training step (step 1..steps and its loss) and every other stage (step = steps = 0, loss None). Models,
-    bundles and adapters are written under `work_dir`; `steps` overrides the recipe's; FFT trains at `fft_lr`,
-    ESFT at the recipe's learning rate, LoRA at its own (`esftctl.world.lora.LR`)."""
+    bundles and adapters are written under `work_dir`; `steps` and `replay` override the recipe's; FFT trains at
+    `fft_lr`, ESFT at the recipe's learning rate, LoRA at its own (`esftctl.world.lora.LR`)."""
     from esftctl.jsonl import read_jsonl
     from esftctl.relevance import compute_relevance
     from esftctl.world.build import build_world
@@ -140,7 +140,7 @@ def run(world=None, *, tasks: Sequence[str] | None = None, methods: Sequence[str
     quiet_transformers()
     world = world if world is not None else build_world()
     tasks = list(tasks or world.task_names)
-    recipe = {**FINETUNE, **({"steps": steps} if steps else {})}
+    recipe = {**FINETUNE, **({"steps": steps} if steps else {}), **({"replay": replay} if replay is not None else {})}
     general_train = list(read_jsonl(world.general_file("train")))
     general_test = list(read_jsonl(world.general_file("test")))[:eval_examples]
     base_general = None
@@ -240,8 +240,9 @@ def tables(result: dict) -> list:
     ev = result["eval_examples"]
     for task in result["tasks"]:
         recipe = result["recipe"]
-        t = Table(title=f"{task}: {recipe['steps']} steps per fine-tune (lr: ESFT {recipe['lr']:g}, "
-                        f"FFT {result['fft_lr']:g}, LoRA {result['lora']['lr']:g}); "
+        t = Table(title=f"{task}: {recipe['steps']} steps per fine-tune, {recipe.get('replay', 0):.0%} of each "
+                        f"batch replayed (lr: ESFT {recipe['lr']:g}, FFT {result['fft_lr']:g}, "
+                        f"LoRA {result['lora']['lr']:g}); "
                         f"{ev['task']} held-out task and {ev['general']} general examples; loss in nats/token",
                   header_style="bold")
         for col in ("method", "task exact", "task loss", "general loss", "general exact", "trainable params",
