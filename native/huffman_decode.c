@@ -16,6 +16,8 @@
  */
 #include "huffman.h"
 
+#include <string.h>
+
 typedef struct {
     const uint8_t *data;
     int64_t nbytes;
@@ -31,8 +33,11 @@ typedef struct {
 
 /* The 32 bits from byte b on, big-endian, zero past the end. */
 static inline uint32_t load32(const uint8_t *data, int64_t nbytes, int64_t b) {
-    if (b + 4 <= nbytes) return __builtin_bswap32(*(const uint32_t *)__builtin_assume_aligned(data + b, 1));
     uint32_t v = 0;
+    if (b + 4 <= nbytes) {
+        memcpy(&v, data + b, 4); /* any alignment: one load once compiled */
+        return __builtin_bswap32(v);
+    }
     for (int i = 0; i < 4; i++) v = (v << 8) | (b + i < nbytes ? data[b + i] : 0);
     return v;
 }
