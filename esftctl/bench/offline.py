@@ -9,9 +9,9 @@ All are cached under `root` and built once.
 
 Each command runs as a user runs it (`esftctl ...`, a child process), with its inputs evicted from the page
 cache first (fsync, then POSIX_FADV_DONTNEED: a 24 GiB machine would otherwise read a 4.5 GB checkpoint it
-just wrote from memory). Per command: wall seconds, peak resident memory (the child's ru_maxrss, which counts
-the pages of checkpoint files it maps while they stay cached, so it moves with the page cache), peak anonymous
-memory (RssAnon sampled every 50 ms: what the command itself holds), the bytes it
+just wrote from memory). Per command: wall seconds, peak resident memory (the child's VmHWM, which counts the
+pages of checkpoint files it maps while they stay cached, so it moves with the page cache), peak anonymous
+memory (RssAnon: what the command itself holds), both sampled every 50 ms, the bytes it
 must read (its inputs' sizes; `inspect` reads headers only, `materialize` one checkpoint's worth from the three
 variants, counted as what it writes; `consolidate` reads the variants' experts, less than their sizes) and write
 (its output's size), and the floor those
@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from esftctl.bench.disk import evict, read_bandwidth
+
 GB = 1e9
 FULL_LAYERS = 27  # DeepSeek-V2-Lite
 FULL_BYTES = 31.4 * GB  # its bf16 checkpoint
@@ -48,19 +50,6 @@ def tree_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def evict(*paths: Path) -> None:
-    """Drop the files under `paths` from the page cache (written back first), so the next read comes from disk."""
-    os.sync()
-    for path in paths:
-        files = [Path(path)] if Path(path).is_file() else [f for f in Path(path).rglob("*") if f.is_file()]
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def disk_speed(folder: Path, nbytes: int = PROBE_BYTES) -> dict:
     """Sequential write (fsync'd) and cold read speed of the disk under `folder`, in bytes per second."""
     probe = Path(folder) / ".esftctl-disk-probe"
@@ -73,15 +62,10 @@ def disk_speed(folder: Path, nbytes: int = PROBE_BYTES) -> dict:
             f.flush()
             os.fsync(f.fileno())
         write_s = time.perf_counter() - start
-        evict(probe)
-        start = time.perf_counter()
-        with open(probe, "rb", buffering=0) as f:
-            while f.read(len(block)):
-                pass
-        read_s = time.perf_counter() - start
+        read_Bps = read_bandwidth(probe, chunk=len(block))
     finally:
         probe.unlink(missing_ok=True)
-    return {"bytes": nbytes, "write_Bps": nbytes / write_s, "read_Bps": nbytes / read_s}
+    return {"bytes": nbytes, "write_Bps": nbytes / write_s, "read_Bps": read_Bps}
 
 
 def _memory(pid: int) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from typing import Callable
 
 from esftctl import serve_client
 from esftctl.bench import serve_models
+from esftctl.bench.disk import evict, read_bandwidth
 from esftctl.bench.load import Load, run_load, shares, summary, weighted_names
 from esftctl.bench.serve_models import Served
 from esftctl.jsonfile import write_json
@@ -315,13 +316,13 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
             serve_client.unload(url, name)
             if kind == "cold":  # a changed file misses the server's host cache; its pages leave the page cache
                 os.utime(data)
-                serve_models.evict(path)
+                evict(path)
             start = time.perf_counter()
             serve_client.load(url, name, path)
             times[kind].append(time.perf_counter() - start)
     hits = serve_client.status(url).get("host_cache_hits", 0)
-    serve_models.evict(path)
-    disk = serve_models.read_bandwidth(data)
+    evict(path)
+    disk = read_bandwidth(data)
     copy = serve_models.copy_bandwidth()
     return {"adapter": name, "bytes": nbytes, "seconds": times, "host_cache_hits": hits, "disk_read_bytes_per_s": disk,
             "copy_bytes_per_s": copy, "floor_s": nbytes / copy, "cold_floor_s": max(nbytes / copy, nbytes / disk),

@@ -13,7 +13,6 @@ merged into it) and later the adapters, but not both at once.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -145,26 +144,6 @@ def merged_copy(served: Served, model: str, scratch: Path, on_step: Callable[[st
 
 def drop(scratch: Path, what: str) -> None:
     shutil.rmtree(scratch / what, ignore_errors=True)
-
-
-def evict(path: Path) -> None:
-    """Drop a file's (or a folder's files') pages from the page cache, so the next read comes from disk."""
-    for f in ([path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def read_bandwidth(file: Path, chunk: int = 16 << 20) -> float:
-    """Bytes per second of one sequential read of `file` from disk (evicted first)."""
-    evict(file)
-    start, n = time.perf_counter(), 0
-    with open(file, "rb", buffering=0) as f:
-        while block := f.read(chunk):
-            n += len(block)
-    return n / (time.perf_counter() - start)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
