@@ -97,6 +97,13 @@ def plain_vllm(models: dict[str, Path], prompts: list[str], tmp: Path, max_token
     return {name: by_dir[str(d)] for name, d in models.items()}
 
 
+def trained_like_bits(rows: int, cols: int, seed: int):
+    """The bit patterns (uint16 numpy) of trained-like bf16 weights, the benches' (esftctl.bench.compress)."""
+    from esftctl.bench.compress import trained_like
+
+    return trained_like((rows, cols), torch.Generator().manual_seed(seed)).view(torch.int16).numpy().view("uint16")
+
+
 def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     """Run `esftctl ARGS` in a subprocess, as a user would."""
     proc = subprocess.run([sys.executable, "-m", "esftctl.cli", *map(str, args)], capture_output=True, text=True,

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import trained_like_bits
 
 from esftctl import native
-from esftctl.huffman import GROUP, LANES, build_code, decode, decode_bf16, encode_reference, join_bf16
+from esftctl.huffman import (
+    GROUP,
+    LANES,
+    build_code,
+    decode,
+    decode_bf16,
+    encode_reference,
+    join_bf16,
+    split_bf16,
+)
 
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native decoder was not built (no C compiler)")
-
-
-def trained_like_bits(n: int, seed: int) -> np.ndarray:
-    g = np.random.default_rng(seed)
-    w = (g.standard_normal(n) * 0.02 * np.exp(g.normal(0, 0.25, n))).astype(np.float32)
-    return (w.view(np.uint32) >> 16).astype(np.uint16)
 
 
 def cases():
@@ -32,11 +36,11 @@ def cases():
     for n in (GROUP - 1, GROUP + 1, chunk + 3, block - 1, block + 1, 3 * block + 17):
         yield f"random {n}", g.integers(0, 1 << 16, n).astype(np.uint16), chunk
     for chunk in (16, 1024):
-        yield f"trained-like, chunk {chunk}", trained_like_bits(300_001, 2), chunk
+        yield f"trained-like, chunk {chunk}", trained_like_bits(307, 977, 2).reshape(-1), chunk
 
 
 def _encoded(bits: np.ndarray, chunk: int):
-    exponent, sign_mantissa = (bits >> 7).astype(np.uint8), (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
+    exponent, sign_mantissa = split_bf16(bits)
     code = build_code(np.bincount(exponent, minlength=256) if len(bits) else np.eye(256, dtype=np.int64)[0])
     data, offsets = encode_reference(exponent, code, chunk)
     return data, offsets, code, sign_mantissa
@@ -54,7 +58,7 @@ def test_native_decoder_gives_the_reference_bits(name, bits, chunk, threads):
 
 
 def test_native_decoder_refuses_a_corrupt_stream():
-    bits = trained_like_bits(50_000, 3)
+    bits = trained_like_bits(50, 1000, 3).reshape(-1)
     data, offsets, code, sign_mantissa = _encoded(bits, 64)
     out = np.empty(len(bits), dtype=np.uint16)
     with pytest.raises(ValueError, match="corrupt Huffman stream"):  # chunks start past the stream's end

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import trained_like_bits
 
 from esftctl import native
 from esftctl.huffman import (
@@ -26,13 +27,6 @@ from esftctl.huffman import (
 pytestmark = pytest.mark.skipif(native.module() is None, reason="the native encoder was not built (no C compiler)")
 
 
-def trained_like_exponents(n: int, seed: int) -> np.ndarray:
-    g = np.random.default_rng(seed)
-    w = (g.standard_normal(n) * 0.02 * np.exp(g.normal(0, 0.25, n))).astype(np.float32)
-    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
-    return split_bf16(bits)[0]
-
-
 def cases():
     g = np.random.default_rng(0)
     chunk = 64
@@ -43,7 +37,7 @@ def cases():
     for n in (GROUP - 1, GROUP + 1, chunk + 3, block - 1, block + 1, 3 * block + 17):
         yield f"random {n}", g.integers(0, 256, n).astype(np.uint8), chunk
     for chunk in (16, 1024):
-        yield f"trained-like, chunk {chunk}", trained_like_exponents(300_001, 1), chunk
+        yield f"trained-like, chunk {chunk}", split_bf16(trained_like_bits(307, 977, 1).reshape(-1))[0], chunk
 
 
 @pytest.mark.parametrize("name,symbols,chunk", list(cases()), ids=[c[0] for c in cases()])
