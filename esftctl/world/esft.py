@@ -13,9 +13,9 @@ replaying half of each batch raised the general mixture's loss by 20-140% (all o
 keeps it within a few percent of the base's (benchmarks/RESULTS.md, 2026-11-24).
 
 The quick start selects experts by token selection ratio at p=0.25 (`SELECTION`), a little above the paper's 0.2
-(which `esftctl bench esft` keeps): on world v6 every task reached 88-97% at 0.2, 0.25 and 0.3 alike, but at 0.2
-cipher's two experts per layer raised the general loss by 23% (its own known letters grew less sure), at 0.3 by
-11%, at 0.25 by 3% (benchmarks/RESULTS.md, 2026-11-24, world v6).
+(which `esftctl bench esft` keeps): on world v6 every task reached 88-97% at both 0.2 and 0.25 (cipher 91% at 0.3
+too), but at 0.2 cipher's two experts per layer raised the general loss by 23% (its own known letters grew less
+sure), at 0.3 by 11%, at 0.25 by 3% (benchmarks/RESULTS.md, 2026-11-24, world v6).
 """
 
 from __future__ import annotations
