@@ -121,8 +121,8 @@ def status_table(status: dict, served: list[str] | None = None) -> Group:
 
 
 def _ranks_table(per_rank: list[dict | None]) -> Table:
-    """Tensor parallelism: each rank's part of the experts (the tables above count rank 0's)."""
-    table = Table(title=f"memory per tensor-parallel rank ({len(per_rank)} ranks; bytes above are rank 0's)",
+    """Tensor or expert parallelism: each rank's part of the experts (the tables above count rank 0's)."""
+    table = Table(title=f"memory per rank ({len(per_rank)} ranks; bytes above are rank 0's)",
                   title_justify="left")
     for col in ("rank", "device", "base experts", "adapter experts", "adapter experts, physical", "experts now"):
         table.add_column(col, justify="left" if col == "device" else "right")

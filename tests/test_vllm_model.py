@@ -47,30 +47,43 @@ class CPUUnquantizedExperts:
         pass
 
 
+class TritonExperts(CPUUnquantizedExperts):
+    """Named as vLLM's Triton kernel, which applies the expert map (pairs mapped to -1 are another rank's), as
+    MoE.forward below does."""
+
+
 class UnquantizedFusedMoEMethod:
     """Named as vLLM's method for bf16 experts: EsftModel refuses other methods and kernels by name."""
 
     is_monolithic = False
 
-    def __init__(self):
-        self.moe_kernel = SimpleNamespace(fused_experts=CPUUnquantizedExperts())
+    def __init__(self, kernel=CPUUnquantizedExperts):
+        self.moe_kernel = SimpleNamespace(fused_experts=kernel())
 
 
 class Experts(torch.nn.Module):
-    """Shaped as esftctl's RoutedExperts in vLLM: `run_layers` calls the pager around it as that class does."""
+    """Shaped as esftctl's RoutedExperts in vLLM: `run_layers` calls the pager around it as that class does.
+    `expert_map`: expert parallelism, as vLLM sets it up (this rank's rows of its experts, -1 elsewhere)."""
 
     esft_paging = None
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, expert_map: torch.Tensor | None = None):
         super().__init__()
         self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
         self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
-        self.quant_method = UnquantizedFusedMoEMethod()
-        parallel = SimpleNamespace(use_ep=False, enable_eplb=False, tp_rank=0, tp_size=1)
-        self.moe_config = SimpleNamespace(moe_parallel_config=parallel, num_experts=w13.shape[0],
+        self.quant_method = UnquantizedFusedMoEMethod(CPUUnquantizedExperts if expert_map is None else TritonExperts)
+        ep = expert_map is not None
+        parallel = SimpleNamespace(use_ep=ep, enable_eplb=False, tp_rank=0, tp_size=1)
+        experts = w13.shape[0] if expert_map is None else len(expert_map)
+        self.moe_config = SimpleNamespace(moe_parallel_config=parallel, num_experts=experts,
                                           intermediate_size_per_partition=w2.shape[-1])
         self.expert_map_manager = SimpleNamespace(num_fused_shared_experts=0)
-        self.activation, self.expert_map, self.global_num_experts = "silu", None, w13.shape[0]
+        self.activation, self.global_num_experts = "silu", experts
+        self.register_buffer("_expert_map", expert_map, persistent=False)
+
+    @property
+    def expert_map(self) -> torch.Tensor | None:
+        return self._expert_map
 
 
 class MoE(torch.nn.Module):
@@ -80,25 +93,38 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router.select(x)
+        expert_map = self.routed_experts.expert_map
+        if expert_map is not None:  # another rank's pairs count nothing here
+            ids = expert_map[ids.long()]
+            weights, ids = weights * (ids >= 0), ids.clamp(min=0)
         w13, w2 = self.routed_experts.w13_weight[ids.long()], self.routed_experts.w2_weight[ids.long()]
         gate, up = (w13.float() @ x.float()[:, None, :, None]).squeeze(-1).chunk(2, -1)
         out = (w2.float() @ (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
         return (weights[..., None] * out).sum(1)
 
 
-def engine_model(ckpt: MoECheckpoint, experts: dict | None, device: str) -> torch.nn.Module:
-    """`ckpt`'s MoE layers (with `experts` replacing some, as in a merged model) as vLLM-shaped modules."""
+def engine_model(ckpt: MoECheckpoint, experts: dict | None, device: str,
+                 rank: tuple[int, int] | None = None) -> torch.nn.Module:
+    """`ckpt`'s MoE layers (with `experts` replacing some, as in a merged model) as vLLM-shaped modules;
+    `rank` (r, n): rank r's part under expert parallelism over n ranks, experts placed round-robin (vLLM's
+    other placement, "linear", gives contiguous blocks: the runtime reads whichever from the map)."""
     root = torch.nn.Module()
     root.layers = torch.nn.ModuleDict()
     for l in ckpt.moe_layers:
         weights = [ckpt.read_expert(l, e) for e in range(ckpt.num_experts)]
         for e, w in (experts or {}).get(l, {}).items():
             weights[e] = w
+        expert_map = None
+        if rank is not None:
+            r, n = rank
+            weights = weights[r::n]
+            expert_map = torch.tensor([e // n if e % n == r else -1 for e in range(ckpt.num_experts)],
+                                      dtype=torch.int32, device=device)
         w13, w2 = stack_experts(weights)
         layer = torch.nn.Module()
         layer.mlp = torch.nn.Module()
         layer.mlp.experts = MoE(Router(ckpt.read_router(l).to(device), ckpt.top_k),
-                                Experts(w13.to(device), w2.to(device)))
+                                Experts(w13.to(device), w2.to(device), expert_map))
         root.layers[str(l)] = layer
     return root
 
@@ -283,8 +309,8 @@ def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_model
     refused(lambda e: setattr(e.quant_method, "is_monolithic", True), "monolithic")
     refused(lambda e: setattr(e, "quant_method", SimpleNamespace(is_monolithic=False)), "quantized experts")
     refused(lambda e: setattr(e.quant_method.moe_kernel, "fused_experts", object()), "has not been checked on")
-    refused(lambda e: setattr(e.moe_config.moe_parallel_config, "use_ep", True), "expert parallelism")
-    refused(lambda e: setattr(e, "expert_map", torch.arange(ckpt.num_experts)), "expert parallelism")
+    refused(lambda e: setattr(e.moe_config.moe_parallel_config, "use_ep", True), "expert parallelism needs a kernel")
+    refused(lambda e: e.register_buffer("_expert_map", torch.arange(ckpt.num_experts)), "CPUUnquantizedExperts")
     refused(lambda e: setattr(e.moe_config.moe_parallel_config, "enable_eplb", True), "EPLB")
     refused(lambda e: setattr(e.expert_map_manager, "num_fused_shared_experts", 1), "shared experts fused")
     refused(lambda e: setattr(e.moe_config, "num_logical_experts", ckpt.num_experts - 1), "redundant experts")
@@ -307,3 +333,54 @@ def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_model
         vllm_moe.check_rows(1000, vllm_moe.KERNEL_MAX_ROWS, 64, "layer 1")
     vllm_moe.check_rows(992, vllm_moe.KERNEL_MAX_ROWS, 64, "layer 1")
     vllm_moe.check_rows(5000, None, 64, "layer 1")  # a by-id kernel has no limit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_parallel_ranks_compute_each_rerouted_pair_once(tiny_models, monkeypatch, device):
+    """Two ranks of expert parallelism (each holds every other expert, vLLM's round-robin placement), the same
+    adapters loaded on both: every rank reroutes alike, but only the rank holding the base expert an adapter
+    replaces maps and computes its row, so the ranks' outputs summed (vLLM's all-reduce) are each adapter's
+    merged model; a pair computed on both ranks, or on neither, would show."""
+    from esftctl.runtime import vllm_model
+
+    monkeypatch.setattr(vllm_model, "kernel_config", lambda layer, experts: None)  # vLLM's Triton tile lookup
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=40 + k, experts_per_layer=3 + k, scale=4.0) for k in range(3)}
+    ranks = [engine_model(ckpt, None, device, rank=(r, 2)) for r in range(2)]
+    runtimes = [EsftModel(model, ckpt, num_slots=3, experts_per_slot=6, max_tokens=64) for model in ranks]
+    slots = [{name: rt.slots.load(name, experts) for name, experts in adapters.items()} for rt in runtimes]
+    assert slots[0] == slots[1]
+    rt0, rt1 = runtimes
+    rt0.slots.evict("a1")  # rows freed and taken again: the ranks' row allocations stay alike
+    rt1.slots.evict("a1")
+    for rt in runtimes:
+        rt.slots.collect()
+        slots[runtimes.index(rt)]["a1"] = rt.slots.load("a1", adapters["a1"])
+    assert slots[0] == slots[1]
+    for index in ckpt.moe_layers:
+        layers = [rt.layers[index] for rt in runtimes]
+        assert torch.equal(layers[0].table, layers[1].table)
+        for r, layer in enumerate(layers):
+            experts = ranks[r].layers[str(index)].mlp.experts.routed_experts
+            assert experts.global_num_experts == layer.num_rows and len(experts.expert_map) == layer.num_rows
+            mine = [e for a in adapters.values() for e in a.get(index, {}) if e % 2 == r]
+            assert layer.base_rows == ckpt.num_experts // 2
+            assert sum(map(layer.w13.is_mapped, range(layer.base_rows, layer.w13.num_rows))) == len(mine)
+            here = experts.expert_map[ckpt.num_experts:]  # adapter rows: this rank's, or -1
+            assert int((here >= 0).sum()) == len(mine)
+        assert torch.equal((layers[0].expert_map >= 0) ^ (layers[1].expert_map >= 0),  # every row: one rank
+                           torch.tensor([True] * ckpt.num_experts + [
+                               row in {r for rows in layers[0].slot_rows.values() for r in rows.values()}
+                               for row in range(ckpt.num_experts, layers[0].num_rows)], device=device))
+    x = torch.randn(48, ckpt.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    owner = np.array([-1, 0, 1, 2] * 12, dtype=np.int32)
+    for rt in runtimes:
+        rt.set_token_adapters(owner)
+    got = x
+    for index in map(str, ckpt.moe_layers):  # each layer: the ranks' outputs all-reduced
+        got = got + sum(model.layers[index].mlp.experts(got) for model in ranks)
+    names = {slot: name for name, slot in slots[0].items()}
+    for slot in (-1, 0, 1, 2):
+        rows = torch.from_numpy(owner == slot).to(device)
+        want = run_layers(engine_model(ckpt, adapters.get(names.get(slot)), device), x)
+        torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-5, msg=f"tokens of slot {slot}")

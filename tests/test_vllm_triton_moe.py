@@ -29,17 +29,10 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return (weights[..., None] * out).sum(1)
 
 
-@pytest.fixture(scope="module")
-def layer():
-    """A virtual MoE layer on the GPU: E base experts and three adapters in the rows after them."""
-    pytest.importorskip("vllm")
+def experts():
+    """E base experts and three adapters' experts (2, 4 and 6 of them), random."""
     from esftctl.checkpoint import ExpertWeights
-    from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
-    from esftctl.runtime.moe_layer import VirtualMoELayer
 
-    pool = PhysicalPagePool("cuda")
-    virtual = VirtualMoELayer(E, HIDDEN, INTERMEDIATE, SLOTS, PER_SLOT, torch.bfloat16,
-                              lambda nbytes: CudaAddressSpace(nbytes, pool))
     g = torch.Generator().manual_seed(0)
 
     def expert() -> ExpertWeights:
@@ -47,10 +40,33 @@ def layer():
         down = torch.randn(HIDDEN, INTERMEDIATE, generator=g) / INTERMEDIATE**0.5
         return ExpertWeights(gate.bfloat16(), up.bfloat16(), down.bfloat16())
 
-    virtual.load_base({e: expert() for e in range(E)})
-    for slot in range(SLOTS):
-        chosen = torch.randperm(E, generator=g)[: 2 + 2 * slot].tolist()
-        virtual.load(slot, {e: expert() for e in chosen})
+    base = {e: expert() for e in range(E)}
+    return base, [{e: expert() for e in torch.randperm(E, generator=g)[: 2 + 2 * slot].tolist()}
+                  for slot in range(SLOTS)]
+
+
+def virtual_layer(expert_map: torch.Tensor | None = None):
+    """A virtual MoE layer on the GPU with the base and the adapters (in the rows after the base's) loaded; with
+    `expert_map`, one expert-parallel rank's part."""
+    from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
+    from esftctl.runtime.moe_layer import VirtualMoELayer, stack_experts
+
+    pool = PhysicalPagePool("cuda")
+    virtual = VirtualMoELayer(E, HIDDEN, INTERMEDIATE, SLOTS, PER_SLOT, torch.bfloat16,
+                              lambda nbytes: CudaAddressSpace(nbytes, pool), expert_map=expert_map)
+    base, adapters = experts()
+    held = sorted((e for e in base if virtual.holds(e)), key=virtual.local_row)
+    virtual.load_base_rows(*stack_experts([base[e] for e in held]))
+    for slot, adapter in enumerate(adapters):
+        virtual.load(slot, adapter)
+    return virtual
+
+
+@pytest.fixture(scope="module")
+def layer():
+    """A virtual MoE layer on the GPU: E base experts and three adapters in the rows after them."""
+    pytest.importorskip("vllm")
+    virtual = virtual_layer()
     yield virtual
     virtual.close()
 
@@ -82,6 +98,41 @@ def test_triton_kernel_computes_adapter_rows(layer, tokens):
     if tokens * TOP_K * 4 > layer.num_rows:  # aligned over the base's experts, vLLM drops the adapter rows
         dropped = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=E).float()
         assert not (dropped - want).norm() / want.norm() < 0.1  # wrong, or NaN where nothing was written
+
+
+@pytest.mark.parametrize("tokens", [3, 512])
+def test_expert_parallel_ranks_compute_each_adapter_row_once(layer, tokens):
+    """Expert parallelism over two ranks, both on this GPU: each rank's layer holds its half of the experts
+    (vLLM's linear placement) and the adapter rows that replace them, and vLLM's kernel, handed the rank's
+    expert map extended to the adapter rows, computes that rank's pairs. The ranks' outputs summed (vLLM's
+    all-reduce) must be the one-rank output; with the map not extended, the adapter pairs are lost."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    from esftctl.kernels.reroute import reroute
+
+    half = E // 2
+    maps = [torch.tensor([e - r * half if e // half == r else -1 for e in range(E)], dtype=torch.int32)
+            for r in range(2)]
+    ranks = [virtual_layer(m) for m in maps]
+    x, weights, ids, adapters = routed(tokens, seed=100 + tokens)
+    rerouted = reroute(ids, adapters, layer.table)
+    for rank in ranks:
+        assert torch.equal(rank.table, layer.table) and rank.base_rows == half
+        assert torch.equal(reroute(ids, adapters, rank.table), rerouted)
+    want = reference_moe(x, layer.w13.tensor, layer.w2.tensor, weights, rerouted)
+
+    def summed(expert_maps) -> torch.Tensor:
+        return sum(fused_experts(x, rank.w13.tensor, rank.w2.tensor, weights, rerouted,
+                                 global_num_experts=rank.num_rows, expert_map=m).float()
+                   for rank, m in zip(ranks, expert_maps))
+
+    error = (summed([rank.expert_map for rank in ranks]) - want).norm() / want.norm()
+    assert error < 1e-2, f"{tokens} tokens: relative error {error:.2e}"
+    base_only = [torch.cat([rank.expert_map[:E], torch.full_like(rank.expert_map[E:], -1)]) for rank in ranks]
+    if (rerouted >= E).any():
+        assert not (summed(base_only) - want).norm() / want.norm() < 0.1
+    for rank in ranks:
+        rank.close()
 
 
 def test_alignment_limit_is_the_one_esftctl_enforces():

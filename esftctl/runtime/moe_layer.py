@@ -11,6 +11,14 @@ identity and serves the base model.
 
 An engine may keep experts in its own layout (vLLM's CPU kernels prepack and pad them): an `ExpertLayout`
 turns checkpoint weights into that layout's rows, and the rows' shapes follow from it.
+
+Under expert parallelism a rank holds only its own experts (vLLM's `expert_map`: global expert -> this rank's
+row, -1 where another rank holds it). Row numbers stay global (the table's, the ones tokens are rerouted to),
+and the layer keeps its tensors in local rows: the rank's base experts, then the adapter area. Every rank
+allocates every adapter row (same loads in the same order, so the same rows), but gives local rows (the lowest
+free ones, densely, so runs of rows share pages) only to rows that replace experts it holds, and extends the map
+to them (`expert_map`, [rows]: adapter row -> its local row here, -1 on the other ranks). So each rerouted
+token-expert pair is computed on exactly one rank, the one that holds the base expert it replaces.
 """
 
 from __future__ import annotations
@@ -67,19 +75,31 @@ class VirtualMoELayer:
         dtype: torch.dtype,
         make_space: Callable[[int], AddressSpace],
         layout: ExpertLayout | None = None,
+        expert_map: torch.Tensor | None = None,
     ):
+        """`expert_map` (expert parallelism): the engine's map of the `num_experts` global experts to this rank's
+        base rows, -1 where another rank holds them; None: this rank holds every expert."""
         self.num_experts = num_experts
         self.num_slots = num_slots
-        self.num_rows = num_experts + num_slots * experts_per_slot
+        self.num_rows = num_experts + num_slots * experts_per_slot  # global rows: what tokens are rerouted to
+        self._owned = None if expert_map is None else [int(r) for r in expert_map.tolist()]
+        self.base_rows = num_experts if self._owned is None else sum(r >= 0 for r in self._owned)
+        local_rows = self.base_rows + num_slots * experts_per_slot
         self.layout = layout or ExpertLayout.plain(hidden_size, intermediate_size)
-        self.w13 = VirtualExpertTensor(make_space(self.num_rows * math.prod(self.layout.w13_row) * dtype.itemsize),
-                                       self.num_rows, self.layout.w13_row, dtype)
-        self.w2 = VirtualExpertTensor(make_space(self.num_rows * math.prod(self.layout.w2_row) * dtype.itemsize),
-                                      self.num_rows, self.layout.w2_row, dtype)
+        self.w13 = VirtualExpertTensor(make_space(local_rows * math.prod(self.layout.w13_row) * dtype.itemsize),
+                                       local_rows, self.layout.w13_row, dtype)
+        self.w2 = VirtualExpertTensor(make_space(local_rows * math.prod(self.layout.w2_row) * dtype.itemsize),
+                                      local_rows, self.layout.w2_row, dtype)
         self.device = self.w13.space.device
+        self.expert_map = None if expert_map is None else torch.cat([
+            expert_map.to(self.device, torch.int32),
+            torch.full((self.num_rows - num_experts,), -1, dtype=torch.int32, device=self.device)])
         self.table = torch.arange(num_experts, dtype=torch.int32, device=self.device).repeat(num_slots + 1, 1)
         self._identity = self.table[0].clone()
         self._free_rows = list(range(num_experts, self.num_rows))  # a heap: lowest row first
+        # Expert parallelism: this rank's local rows of the adapter rows it computes, and its free local rows.
+        self._adapter_local: dict[int, int] = {}
+        self._free_local = list(range(self.base_rows, local_rows))  # a heap
         self.slot_rows: dict[int, dict[int, int]] = {}
         # Paging (esftctl.runtime.paging): host copies of the held rows (base rows in one pair of tensors,
         # adapter rows one pair each, made as adapters load), and whether the rows are on the device.
@@ -99,21 +119,41 @@ class VirtualMoELayer:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
+    def holds(self, expert: int) -> bool:
+        """Whether this rank computes base expert `expert` (and the adapter rows that replace it)."""
+        return self._owned is None or self._owned[expert] >= 0
+
+    def holds_row(self, row: int) -> bool:
+        """Whether this rank computes global row `row`: its base expert's, or an adapter row replacing one."""
+        if self._owned is None:
+            return True
+        return self._owned[row] >= 0 if row < self.num_experts else row in self._adapter_local
+
+    def local_row(self, row: int) -> int:
+        """The tensors' row of global row `row` (the same number without expert parallelism)."""
+        if self._owned is None:
+            return row
+        return self._owned[row] if row < self.num_experts else self._adapter_local[row]
+
     def _write(self, rows: Sequence[int], experts: Sequence[ExpertWeights]) -> None:
-        if not rows:
+        held = [k for k, row in enumerate(rows) if self.holds_row(row)]
+        if not held:
             return
-        w13, w2 = self.layout.convert(*stack_experts(experts))
-        self.write_rows(rows, w13, w2)
+        w13, w2 = self.layout.convert(*stack_experts([experts[k] for k in held]))
+        self.write_rows([rows[k] for k in held], w13, w2)
 
     def write_rows(self, rows: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row]) into their rows: the
-        device rows unless the layer is paged out, and the host copy if the layer keeps one."""
+        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row]) into their (global)
+        rows: the device rows unless the layer is paged out, and the host copy if the layer keeps one. Rows
+        another rank computes are left out."""
         for k, row in enumerate(rows):
+            if not self.holds_row(row):
+                continue
             if self.host is not None:
                 self._host_copy(row, w13[k], w2[k])
             if not self.paged_out:
-                self.w13.tensor[row].copy_(w13[k], non_blocking=True)
-                self.w2.tensor[row].copy_(w2[k], non_blocking=True)
+                self.w13.tensor[self.local_row(row)].copy_(w13[k], non_blocking=True)
+                self.w2.tensor[self.local_row(row)].copy_(w2[k], non_blocking=True)
 
     # ---- paging: every expert of the layer, base and adapters alike, leaves and returns together ----
     def _host_empty(self, *shape: int) -> torch.Tensor:
@@ -136,7 +176,8 @@ class VirtualMoELayer:
 
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
-        return sorted({*range(self.num_experts), *(r for rows in self.slot_rows.values() for r in rows.values())})
+        attached = (r for rows in self.slot_rows.values() for r in rows.values())
+        return sorted({*(e for e in range(self.num_experts) if self.holds(e)), *filter(self.holds_row, attached)})
 
     def held_bytes(self) -> int:
         """Bytes of the held rows' experts (what the layer takes on the device when it is paged in)."""
@@ -173,8 +214,9 @@ class VirtualMoELayer:
         self.paged_out = False
 
     def _map(self, rows: list[int]) -> None:
-        self.w13.map_rows(rows)
-        self.w2.map_rows(rows)
+        local = [self.local_row(r) for r in rows]
+        self.w13.map_rows(local)
+        self.w2.map_rows(local)
 
     def load_base(self, experts: Mapping[int, ExpertWeights]) -> None:
         """Map rows 0..E-1 and copy the base experts in."""
@@ -184,9 +226,11 @@ class VirtualMoELayer:
         self._write(list(range(self.num_experts)), [experts[e] for e in range(self.num_experts)])
 
     def load_base_rows(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Map rows 0..E-1 and copy in base experts that are already in the layout (an engine's own tensors)."""
-        self._map(list(range(self.num_experts)))
-        self.write_rows(range(self.num_experts), w13, w2)
+        """Map the base rows and copy in base experts that are already in the layout (an engine's own tensors:
+        under expert parallelism, this rank's experts in its row order)."""
+        held = sorted((e for e in range(self.num_experts) if self.holds(e)), key=self.local_row)
+        self._map(held)
+        self.write_rows(held, w13, w2)
 
     def replace_base(self, experts: Mapping[int, ExpertWeights]) -> None:
         """Write other experts into some base rows (the base rows must be loaded)."""
@@ -224,13 +268,17 @@ class VirtualMoELayer:
         if staged is not None and len(staged[0]) != len(experts):
             raise ValueError(f"{len(staged[0])} staged rows for {len(experts)} experts")
         rows = {e: heapq.heappop(self._free_rows) for e in sorted(experts)}
+        held = [row for e, row in rows.items() if self.holds(e)]
+        if self._owned is not None:
+            self._adapter_local.update((row, heapq.heappop(self._free_local)) for row in held)
         if not self.paged_out:  # a paged-out layer gets the rows mapped (and filled) when it pages in
-            self._map(list(rows.values()))
+            self._map(held)
         if staged is not None:
             self.write_rows(list(rows.values()), *staged)
         else:
             written = [e for e in rows if experts[e] is not None]
             self._write([rows[e] for e in written], [experts[e] for e in written])
+        self._set_expert_map(held, [self.local_row(r) for r in held])
         new_map = self._identity.clone()
         for e, row in rows.items():
             new_map[e] = row
@@ -250,12 +298,22 @@ class VirtualMoELayer:
         return list(rows.values())
 
     def release_rows(self, rows: list[int]) -> None:
-        mapped = [r for r in rows if self.w13.is_mapped(r)]  # a paged-out layer's rows are not
+        held = [r for r in rows if self.holds_row(r)]
+        self._set_expert_map(held, [-1] * len(held))
+        mapped = [self.local_row(r) for r in held if self.w13.is_mapped(self.local_row(r))]  # paged out: none
         self.w13.unmap_rows(mapped)
         self.w2.unmap_rows(mapped)
         for row in rows:
             self.host_rows.pop(row, None)
+            if row in self._adapter_local:
+                heapq.heappush(self._free_local, self._adapter_local.pop(row))
             heapq.heappush(self._free_rows, row)
+
+    def _set_expert_map(self, rows: list[int], local: list[int]) -> None:
+        """Under expert parallelism, point the extended expert map's entries for global `rows` at `local`."""
+        if self.expert_map is not None and rows:
+            values = torch.tensor(local, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.expert_map[torch.tensor(rows).to(self.device, non_blocking=True)] = values
 
     def physical_bytes(self) -> int:
         return self.w13.stats().mapped_bytes + self.w2.stats().mapped_bytes

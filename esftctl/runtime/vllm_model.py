@@ -6,8 +6,10 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   whose further rows take adapter experts, converted by vLLM's own weight processing for that kernel
   (`process_weights_after_loading` of the layer's experts, on a stand-in layer), so the fused kernel reads
   one ordinary tensor and is not changed;
-- checks that conversion once against the loaded base (expert 0 of the checkpoint, converted, must equal
-  row 0 bit for bit) and refuses a backend whose layout it cannot reproduce;
+- checks that conversion once against the loaded base (the rank's first expert of the checkpoint, converted,
+  must equal its row bit for bit) and refuses a backend whose layout it cannot reproduce;
+- under expert parallelism keeps only the rank's experts and the adapter rows that replace them, and hands
+  the kernel vLLM's expert map extended to those rows (esftctl.runtime.moe_layer);
 - optionally pages the experts (esftctl.runtime.paging with HeldRowBlocks): only `paging_window` layers hold
   their rows, base and adapter alike; the others are loaded from the layer's host copy just before their
   layer runs (the experts layer calls the pager around its kernel: esftctl.runtime.vllm_layers), and an
@@ -42,9 +44,11 @@ from esftctl.runtime.vllm_moe import (
     EngineMoELayer,
     check_rows,
     check_supported,
+    expert_map,
     find_moe_layers,
     kernel_config,
     max_rows,
+    set_expert_map,
     widen_to_rows,
 )
 from esftctl.store import ExpertStore, missing_base_experts
@@ -175,6 +179,9 @@ class EsftModel:
     def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int, base: MoECheckpoint,
                       store: ExpertStore | None, store_experts: int | None) -> PagedExperts:
         """Keep every layer's rows in host memory and let only `window` layers hold them on the device."""
+        if any(layer.expert_map is not None for layer in self.layers.values()):
+            raise EsftError("paging is not supported under expert parallelism yet (a rank's rows are its own "
+                            "experts, the pager's blocks assume every expert); serve without --paging-window")
         custom = [i for i, e in engine_layers.items() if not hasattr(type(e.experts), "esft_paging")]
         if custom:
             raise EsftError(f"layer {custom[0]}: this model builds its experts with its own class "
@@ -225,21 +232,29 @@ class EsftModel:
                  experts_per_slot: int) -> VirtualMoELayer:
         check_supported(engine)
         w13, w2 = engine.experts.w13_weight.data, engine.experts.w2_weight.data
-        check_rows(w13.shape[0] + num_slots * experts_per_slot, max_rows(engine), w13.shape[0],
-                   f"layer {engine.index}")
+        owned = expert_map(engine)  # expert parallelism: this rank's experts
+        experts = base.num_experts if owned is not None else w13.shape[0]
+        check_rows(experts + num_slots * experts_per_slot, max_rows(engine), experts, f"layer {engine.index}")
         layout = engine_layout(engine)
-        layer = VirtualMoELayer(w13.shape[0], base.hidden_size, base.moe_intermediate_size, num_slots,
-                                experts_per_slot, w13.dtype, self._make_space, layout)
+        layer = VirtualMoELayer(experts, base.hidden_size, base.moe_intermediate_size, num_slots,
+                                experts_per_slot, w13.dtype, self._make_space, layout, expert_map=owned)
+        if layer.base_rows != w13.shape[0]:
+            raise EsftError(f"layer {engine.index}: vLLM's expert map gives this rank {layer.base_rows} experts, its "
+                            f"weights hold {w13.shape[0]}")
         layer.load_base_rows(w13, w2)
-        probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, 0)]))
-        if not (torch.equal(probe13[0], layer.w13.tensor[0]) and torch.equal(probe2[0], layer.w2.tensor[0])):
+        probe = next(e for e in range(experts) if layer.holds(e))  # one of this rank's experts, converted
+        probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, probe)]))
+        row = layer.local_row(probe)
+        if not (torch.equal(probe13[0], layer.w13.tensor[row]) and torch.equal(probe2[0], layer.w2.tensor[row])):
             method = type(engine.experts.quant_method).__name__
             raise EsftError(f"layer {engine.index}: vLLM's expert layout for {method}"
                             " could not be reproduced from the checkpoint; this MoE backend is not supported")
         _replace_weight(engine.experts, "w13_weight", layer.w13.tensor)
         _replace_weight(engine.experts, "w2_weight", layer.w2.tensor)
         widen_to_rows(engine, layer.num_rows)
-        engine.experts.esft_kernel_config = kernel_config(engine, layer.num_experts)
+        if layer.expert_map is not None:
+            set_expert_map(engine, layer.expert_map)
+        engine.experts.esft_kernel_config = kernel_config(engine, layer.base_rows)
         engine.router.set_capture_fn(self._rerouter(layer.table, engine.router.capture_fn))
         return layer
 

@@ -20,15 +20,24 @@ kernel computes every row an id names, and vLLM's kernels differ:
   for every call. On the H100 with vLLM 0.25 it matters for e.g. Mixtral at TP 2 (E=8, N=7168 has a file);
   DeepSeek-V2-Lite (E=64, N=1408) has none there and runs the default config either way.
 
+- Expert parallelism: vLLM gives each rank its experts' rows and an `expert_map` (global id -> local row, -1
+  where another rank computes it) that the Triton kernel applies. The layer's map is extended to the adapter
+  rows (`set_expert_map`; esftctl.runtime.moe_layer says how), so every rank reroutes alike and exactly one
+  rank computes each rerouted pair: the one holding the expert it replaces. Without data parallelism, EP runs
+  over the tensor-parallel group and sends no tokens between ranks (each computes its experts' share of every
+  token, then the outputs are all-reduced as under TP): adapters change no traffic. All-to-all dispatch comes
+  only with data parallelism, refused below. vLLM's CPU kernel ignores the expert map (plain vLLM crashes
+  there: vllm-project/vllm#57837), so EP is refused on it.
+
 Refused at start-up, each with one line (`check_supported`, `check_engine`): a kernel not in KERNELS
 (FlashInfer's, AITER's: unchecked layouts and id handling; `-- --moe-backend triton` picks Triton),
-quantized experts (per-expert scales that adapter rows lack), expert parallelism, EPLB and redundant
-experts (ids pass through vLLM's expert maps, which know E experts), fused shared experts (AITER puts them
-at rows E.., where adapters live), zero-expert routers (ids >= E mean "no expert" there), monolithic kernels
-(routing inside the kernel, where no reroute reaches), vLLM's returned routed experts (its capture callback
-replaces the reroute), micro-batched or sequence-parallel MoE (the router then sees a part of the step's
-tokens, not the order the per-token adapters follow), data parallelism (its idle steps remove every
-adapter) and sleep mode (it frees vLLM's memory but not the virtual tensors').
+quantized experts (per-expert scales that adapter rows lack), expert parallelism on a kernel that ignores
+the expert map, EPLB and redundant experts (physical expert ids, which adapter rows do not have), fused
+shared experts (AITER puts them at rows E.., where adapters live), zero-expert routers (ids >= E mean "no
+expert" there), monolithic kernels (routing inside the kernel, where no reroute reaches), vLLM's returned
+routed experts (its capture callback replaces the reroute), micro-batched or sequence-parallel MoE (the
+router then sees a part of the step's tokens, not the order the per-token adapters follow), data parallelism
+(its idle steps remove every adapter) and sleep mode (it frees vLLM's memory but not the virtual tensors').
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from esftctl.errors import EsftError
 # vLLM's modular expert kernels the runtime serves on: class name -> whether it aligns pairs over
 # `global_num_experts` (True) or indexes weights by id (False).
 KERNELS = {"TritonExperts": True, "CPUUnquantizedExperts": False}
+# Those of KERNELS that apply vLLM's expert map (pairs mapped to -1 are another rank's): expert parallelism.
+EXPERT_MAP_KERNELS = {"TritonExperts"}
 # moe_align_block_size pads the expert count to a multiple of 32 and wants it below 1024.
 KERNEL_MAX_ROWS = 1024 - 32
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -100,9 +111,15 @@ def check_supported(layer: EngineMoELayer) -> None:
         raise EsftError(f"{where}: vLLM chose the MoE kernel {type(layer.kernel).__name__}, which esftctl has not "
                         f"been checked on (supported: {', '.join(KERNELS)}); choose `-- --moe-backend triton`")
     parallel = experts.moe_config.moe_parallel_config
-    if parallel.use_ep or getattr(experts, "expert_map", None) is not None:
-        raise EsftError(f"{where}: expert parallelism is not supported yet (vLLM's expert map knows only the "
-                        "base's experts); serve without --enable-expert-parallel")
+    if (parallel.use_ep or expert_map(layer) is not None) and kernel_name(layer) not in EXPERT_MAP_KERNELS:
+        raise EsftError(f"{where}: expert parallelism needs a kernel that applies vLLM's expert map, and "
+                        f"{type(layer.kernel).__name__} does not (vLLM's CPU build: vllm-project/vllm#57837); serve "
+                        "without --enable-expert-parallel")
+    if parallel.use_ep and expert_map(layer) is None:
+        raise EsftError(f"{where}: expert parallelism without an expert map is not supported")
+    if hasattr(experts, "expert_global_to_physical"):
+        raise EsftError(f"{where}: physical expert routing tables (EPLB) are not supported; serve without "
+                        "--enable-eplb")
     if parallel.enable_eplb:
         raise EsftError(f"{where}: EPLB (redundant experts) is not supported; serve without --enable-eplb")
     logical = getattr(experts.moe_config, "num_logical_experts", None)
@@ -134,6 +151,23 @@ def check_engine(vllm_config) -> None:
     if getattr(vllm_config.model_config, "enable_sleep_mode", False):
         raise EsftError("sleep mode is not supported (it frees vLLM's memory, not the adapters' virtual tensors); "
                         "serve without --enable-sleep-mode")
+
+
+def expert_map(layer: EngineMoELayer) -> torch.Tensor | None:
+    """Under expert parallelism, vLLM's map of the layer's global experts to this rank's rows (-1: another
+    rank's); None otherwise."""
+    return getattr(layer.experts, "expert_map", None)
+
+
+def set_expert_map(layer: EngineMoELayer, extended: torch.Tensor) -> None:
+    """Hand the kernel the expert map extended to the adapter rows (VirtualMoELayer.expert_map): vLLM keeps it
+    as a buffer of the experts layer, which every call reads."""
+    experts = layer.experts
+    name = next((n for n in ("_expert_map", "expert_map") if n in experts._buffers), None)
+    if name is None:
+        raise EsftError(f"layer {layer.index}: this vLLM keeps its expert map where esftctl cannot extend it; serve "
+                        "without --enable-expert-parallel")
+    experts.register_buffer(name, extended, persistent=False)
 
 
 def max_rows(layer: EngineMoELayer) -> int | None:

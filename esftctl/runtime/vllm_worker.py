@@ -76,8 +76,8 @@ class EsftWorkerManager:
         config, scheduler = self.config, self.vllm_config.scheduler_config
         if self.rank[1] > 1 and (config.paging_store or config.variant_map):
             raise EsftError(f"{'--paging-store' if config.paging_store else '--variants'} is not supported under "
-                            "tensor parallelism yet (the store decodes whole experts; variants' non-expert weights "
-                            "are not split per rank); serve on one GPU, or page from host memory only")
+                            "tensor or expert parallelism yet (the store decodes whole experts; variants' non-expert "
+                            "weights are not split per rank); serve on one GPU, or page from host memory only")
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
         store = ExpertStore(config.paging_store) if config.paging_store else None
         if config.variant_map:
@@ -101,7 +101,8 @@ class EsftWorkerManager:
 
     @property
     def rank(self) -> tuple[int, int]:
-        """(this worker's tensor-parallel rank, the group's size): each rank holds its part of every expert."""
+        """(this worker's tensor-parallel rank, the group's size): each rank holds its part of every expert, or
+        under expert parallelism (over the same group) its own experts."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
@@ -269,7 +270,7 @@ class EsftWorkerManager:
         runtime = self.runtime
         slots = runtime.slots
         expert_bytes = runtime.expert_bytes()  # one expert in every MoE layer
-        base_experts = sum(l.num_experts * l.expert_bytes for l in runtime.layers.values())
+        base_experts = sum(l.base_rows * l.expert_bytes for l in runtime.layers.values())
         adapters = []
         for lora_id, name in sorted(self.names.items()):
             info = slots.adapters[_key(lora_id)]
