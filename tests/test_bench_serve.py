@@ -3,6 +3,7 @@ adapters, the load generator's arguments and request shares, and the whole bench
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -162,13 +163,50 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
 
 
+def test_parallel_sizes_have_their_own_anchors_and_a_ratio_to_the_first(world):
+    """`--parallel 1,2`: each size's ratios are against plain vLLM's base at that size, and every server's
+    throughput is also set against its own run at the first size (what the second GPU buys)."""
+    from rich.console import Console
+
+    from esftctl.bench import serve as bench
+    from esftctl.bench.serve_models import Served
+
+    def measured(kind: str, ranks: int, throughput: float, tpot: float) -> dict:
+        row = {"scenario": "base @ inf rps", "rate": "inf rps", "mean_ttft_ms": 10.0, "p99_ttft_ms": 12.0,
+               "mean_tpot_ms": tpot, "p99_tpot_ms": tpot, "mean_tpot_ms_range": [tpot, tpot], "p99_itl_ms": 9.0,
+               "mean_e2el_ms": 50.0, "output_throughput": throughput, "adapters": 0}
+        return {"server": kind + bench.parallel_label(ranks, False), "kind": kind, "ranks": ranks,
+                "kv_cache_tokens": 1000, "rows": [row]}
+
+    results = [measured("vLLM base", 1, 100.0, 5.0), measured("vLLM base", 2, 150.0, 4.0),
+               measured("esftctl", 1, 90.0, 5.5), measured("esftctl", 2, 120.0, 4.4)]
+    out = bench.finish(bench.PROFILES["tiny"], Served(world.base_dir), results, {}, alpha=1.0, gpu=False,
+                       servers=("base", "esftctl"))
+    rows = {res["server"]: res["rows"][0] for res in out["servers"]}
+    assert out["config"]["parallel"] == [1, 2] and set(rows) == {"vLLM base", "vLLM base TP=2", "esftctl",
+                                                                   "esftctl TP=2"}
+    assert rows["esftctl TP=2"]["throughput_ratio"] == 120 / 150 and rows["esftctl TP=2"]["tpot_ratio"] == 4.4 / 4
+    assert rows["esftctl TP=2"]["throughput_vs_first"] == 120 / 90
+    assert rows["vLLM base TP=2"]["throughput_vs_first"] == 1.5
+    assert rows["esftctl"]["throughput_ratio"] == 0.9 and rows["esftctl"]["throughput_vs_first"] == 1
+    text = io.StringIO()
+    for table in bench.tables(out):
+        Console(file=text, width=250).print(table)
+    assert "tok/s vs first" in text.getvalue() and "1.33" in text.getvalue()
+    assert bench.parallel_args(1, True) == () and bench.parallel_args(2, True) == (
+        "--tensor-parallel-size", "2", "--enable-expert-parallel")
+
+
 def test_bad_bench_serve_options_are_one_line_errors(world):
     cases = [(("bench", "serve", "--rates", "4,nan"), "--rates '4,nan': every rate must be above 0"),
+             (("bench", "serve", "--parallel", "1,0"), "--parallel '1,0': every number must be at least 1"),
+             (("bench", "serve", "--parallel", "1,4096"), "--parallel '1,4096': 4096 ranks, but this machine has"),
              (("bench", "serve", "--servers", "base,,esftctl"), "--servers: unknown ''"),
              (("bench", "serve", "--model", "huge"), "unknown --model 'huge'"),
              (("serve", world.base_dir, "--host-cache", "1.2.3"), "--host-cache: cannot read '1.2.3' as a size")]
     if not torch.cuda.is_available():
         cases.append((("bench", "serve", "--servers", "base,lora"), "need a GPU"))
+        cases.append((("bench", "serve", "--parallel", "2", "--expert-parallel"), "need a GPU"))
     for args, message in cases:
         proc = run_cli(*args)
         assert proc.returncode == 1 and message in proc.stderr, (args, proc.stderr)

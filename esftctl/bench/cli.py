@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -199,10 +200,16 @@ def serve(
                                            "always), merged, esftctl and lora (vLLM multi-LoRA, GPU only: vLLM's "
                                            "CPU build has no MoE LoRA kernel; --max-loras is the largest "
                                            "--adapters count); default all there are."),
+    parallel: str = typer.Option("1", help="Comma-separated tensor-parallel sizes: every server is measured at "
+                                           "each (1,2: what a second GPU buys, as tok/s against the first size). On "
+                                           "the CPU build each rank gets one core."),
+    expert_parallel: bool = typer.Option(False, "--expert-parallel", metavar="",
+                                         help="Sizes above 1 run vLLM's expert parallelism (GPU only: vLLM's CPU "
+                                              "MoE kernel ignores expert maps)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """TTFT, TPOT, ITL and throughput (vLLM bench serve): plain vLLM (base, merged), esftctl serve with 0-20
-    adapters, and vLLM multi-LoRA; KV-cache room; adapter load time."""
+    adapters, and vLLM multi-LoRA, on one device or several; KV-cache room; adapter load time."""
     from esftctl.bench import serve as bench
     from esftctl.errors import EsftError
 
@@ -216,12 +223,18 @@ def serve(
                         f"{', '.join(bench.SERVERS)})")
     import torch
 
-    if not torch.cuda.is_available() and (model != "tiny" or "lora" in (chosen or ())):
-        raise EsftError("--model deepseek-v2-lite and --servers lora need a GPU (vLLM's CPU build would take "
-                        "hours on the one, and has no MoE LoRA kernel for the other)")
+    if not torch.cuda.is_available() and (model != "tiny" or "lora" in (chosen or ()) or expert_parallel):
+        raise EsftError("--model deepseek-v2-lite, --servers lora and --expert-parallel need a GPU (vLLM's CPU build "
+                        "would take hours on the first, and has no MoE LoRA kernel and no expert maps in its MoE "
+                        "kernel for the others)")
+    sizes = tuple(dict.fromkeys(_counts("--parallel", parallel, minimum=1)))
+    available = torch.cuda.device_count() if torch.cuda.is_available() else len(os.sched_getaffinity(0))
+    if max(sizes) > available:
+        raise EsftError(f"--parallel {parallel!r}: {max(sizes)} ranks, but this machine has {available} "
+                        f"{'GPUs' if torch.cuda.is_available() else 'cores'}")
     _measure(bench, "serve", out, as_json, model=model, work=work, scratch=scratch, counts=counts,
              rates=_rates(rates) if rates else None, prompts=prompts, repeats=repeats, alpha=alpha, servers=chosen,
-             results_dir=out)
+             parallel=sizes, expert_parallel=expert_parallel, results_dir=out)
 
 
 @app.command()

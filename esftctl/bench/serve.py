@@ -17,6 +17,10 @@ over repeats is reported with the range of the means. Every server also reports 
 and the `esftctl` server times `esftctl adapters load` of one adapter, cold (its file evicted from the page
 cache) and warm (in host memory), against bytes / the host-to-device copy bandwidth measured here.
 
+`parallel` (e.g. 1,2) measures every server at each tensor-parallel size in turn (labels "TP=2", or "EP=2"
+with `expert_parallel`), each size's ratios against plain vLLM's base at that size, and the throughput of
+every server and scenario against its own run at the first size ("tok/s vs first"): what a second GPU buys.
+
 Models: `tiny` (the tiny world's base and synthetic adapters; CI-sized, on the CPU build) or
 `deepseek-v2-lite` (bench.synthetic_model: generated on demand into --work, 31 GB; adapters with ExpertWeave
 Table 1's per-layer counts). Big files go where they fit: the merged copy is written just before its server
@@ -26,6 +30,7 @@ each name its own slot with its own memory, so N names cost what N distinct adap
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -159,16 +164,40 @@ def _median(reps: list[dict]) -> dict:
     return out
 
 
+def parallel_args(ranks: int, expert_parallel: bool) -> tuple[str, ...]:
+    """vLLM's flags for `ranks`-way tensor (or expert) parallelism."""
+    if ranks == 1:
+        return ()
+    return ("--tensor-parallel-size", str(ranks), *(("--enable-expert-parallel",) if expert_parallel else ()))
+
+
+def parallel_label(ranks: int, expert_parallel: bool) -> str:
+    return "" if ranks == 1 else f" {'EP' if expert_parallel else 'TP'}={ranks}"
+
+
+def bind_cpu_ranks(ranks: int) -> None:
+    """vLLM's CPU build runs tensor parallelism only with each rank's OpenMP threads bound by hand (its own
+    binding wants a NUMA node per rank): one core per rank for the servers started from here on, unless the
+    environment binds them already."""
+    cores = sorted(os.sched_getaffinity(0))
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores[:ranks]))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None = None,
         counts: tuple[int, ...] | None = None, rates: tuple[float, ...] | None = None, prompts: int | None = None,
         repeats: int | None = None, alpha: float = 1.0, servers: tuple[str, ...] | None = None, load_repeats: int = 3,
-        results_dir: Path = Path("bench-results"), on_step: Callable[[str], None] = lambda msg: None) -> dict:
+        parallel: tuple[int, ...] = (1,), expert_parallel: bool = False, results_dir: Path = Path("bench-results"),
+        on_step: Callable[[str], None] = lambda msg: None) -> dict:
     import torch
 
     profile = PROFILES[model]
     profile = replace(profile, **{k: v for k, v in dict(counts=counts, rates=rates, prompts=prompts,
                                                           repeats=repeats).items() if v is not None})
     gpu = torch.cuda.is_available()
+    if not gpu:
+        bind_cpu_ranks(max(parallel))
     servers = servers or (SERVERS if gpu else SERVERS[:-1])
     work = Path(work) if work else serve_models.default_work(model)
     scratch = Path(scratch) if scratch else work
@@ -177,34 +206,40 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
     served = serve_models.prepare_base(model, work, on_step)
     results, errors = [], {}
 
-    def attempt(label: str, make_plan: Callable, runs: list[Scenario], after=None) -> None:
-        try:
-            results.append(measure_server(label, make_plan(label), served=served, profile=profile, runs=runs, out=out,
-                                          on_step=on_step, after=after))
-        except Exception as e:  # one failing server does not lose the others' numbers
-            errors[label] = " ".join(str(e).split())[:500]
-            on_step(f"{label}: FAILED: {errors[label]}")
-        write_json(out / "serve.partial.json", finish(profile, served, results, errors, alpha=alpha, gpu=gpu,
-                                                      servers=servers))
+    def attempt(server: str, make_plan: Callable, runs: list[Scenario], after=None) -> None:
+        """Measure `server` at every parallel size (make_plan(label, vLLM's parallel flags) -> its plan)."""
+        for ranks in parallel:
+            label = server + parallel_label(ranks, expert_parallel)
+            try:
+                result = measure_server(label, make_plan(label, parallel_args(ranks, expert_parallel)),
+                                        served=served, profile=profile, runs=runs, out=out, on_step=on_step,
+                                        after=after if ranks == parallel[0] else None)
+                results.append({**result, "kind": server, "ranks": ranks})
+            except Exception as e:  # one failing server does not lose the others' numbers
+                errors[label] = " ".join(str(e).split())[:500]
+                on_step(f"{label}: FAILED: {errors[label]}")
+            write_json(out / "serve.partial.json", finish(profile, served, results, errors, alpha=alpha, gpu=gpu,
+                                                          servers=servers))
 
-    def plain(label: str, model_dir: Path, name: str, args: tuple[str, ...] = ()):
+    def plain(label: str, model_dir: Path, name: str, args: tuple[str, ...]):
         return plan(model_dir, [], name=name, esft=False, state_dir=work / "state" / _slug(label), port=free_port(),
                     vllm_args=[*profile.engine_args, *args])
 
     base_runs = [Scenario(f"base @ {_rate(r)}", [], r, 0) for r in profile.rates]
-    attempt("vLLM base", lambda label: plain(label, served.base, "base"), base_runs)  # the anchor: always
+    attempt("vLLM base", lambda label, par: plain(label, served.base, "base", par), base_runs)  # the anchor: always
     if "merged" in servers:
-        attempt("vLLM merged",
-                lambda label: plain(label, serve_models.merged_copy(served, model, scratch, on_step), "merged"),
+        merged = functools.cache(lambda: serve_models.merged_copy(served, model, scratch, on_step))  # at first use
+        attempt("vLLM merged", lambda label, par: plain(label, merged(), "merged", par),
                 [replace(s, name=s.name.replace("base", "merged")) for s in base_runs])
         serve_models.drop(scratch, "merged")
     if "esftctl" in servers:
         serve_models.write_adapters(served, model, scratch, n_max, distinct=profile.distinct,
                                     esft_sized=profile.esft_sized, on_step=on_step)
         specs = [f"{n}={p}" for n, p in served.bundles.items()]
-        attempt("esftctl", lambda label: plan(served.base, specs, name="base", adapter_memory=_bundle_bytes(served),
-                                              state_dir=work / "state" / "esftctl", port=free_port(),
-                                              vllm_args=list(profile.engine_args)),
+        budget = _bundle_bytes(served)
+        attempt("esftctl", lambda label, par: plan(served.base, specs, name="base", adapter_memory=budget,
+                                                   state_dir=work / "state" / _slug(label), port=free_port(),
+                                                   vllm_args=[*profile.engine_args, *par]),
                 scenarios(served.table1, profile, alpha, served.esft_sized),
                 after=(lambda url: {"adapter_load": adapter_load_times(url, served, load_repeats, on_step)})
                 if served.table1 else None)
@@ -212,7 +247,7 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
         serve_models.write_loras(served, scratch, n_max, distinct=profile.distinct, on_step=on_step)
         lora_args = ("--enable-lora", "--max-loras", str(n_max), "--max-cpu-loras", str(n_max), "--max-lora-rank",
                      "16", "--lora-modules", *(f"{n}={p}" for n, p in served.loras.items()))
-        attempt("vLLM multi-LoRA", lambda label: plain(label, served.base, "base", lora_args),
+        attempt("vLLM multi-LoRA", lambda label, par: plain(label, served.base, "base", (*lora_args, *par)),
                 scenarios(list(served.loras), profile, alpha))
     return finish(profile, served, results, errors, alpha=alpha, gpu=gpu, servers=servers)
 
@@ -239,16 +274,20 @@ def finish(profile: Profile, served: Served, results: list[dict], errors: dict, 
     from esftctl.checkpoint import MoECheckpoint
 
     base = MoECheckpoint(served.base)
-    anchors = {r["rate"]: r for res in results if res["server"] == "vLLM base" for r in res["rows"]}
+    anchors = {(res["ranks"], r["rate"]): r for res in results if res["kind"] == "vLLM base" for r in res["rows"]}
+    first = {}  # (server, scenario) -> its row at the first parallel size measured
     for res in results:
         for r in res["rows"]:
-            a = anchors.get(r["rate"])
+            first.setdefault((res["kind"], r["scenario"]), r)
+            a = anchors.get((res["ranks"], r["rate"]))
             if a:
                 r["ttft_ratio"] = r["mean_ttft_ms"] / a["mean_ttft_ms"]
                 r["tpot_ratio"] = r["mean_tpot_ms"] / a["mean_tpot_ms"]
                 r["throughput_ratio"] = r["output_throughput"] / a["output_throughput"]
+            r["throughput_vs_first"] = r["output_throughput"] / first[res["kind"], r["scenario"]]["output_throughput"]
     settings = {**asdict(profile), "rates": [_rate(r) for r in profile.rates], "high_rate": _rate(max(profile.rates))}
-    return {"benchmark": "serve", "config": {**settings, "alpha": alpha, "servers": list(servers),
+    parallel = sorted({res["ranks"] for res in results}, key=[res["ranks"] for res in results].index)
+    return {"benchmark": "serve", "config": {**settings, "alpha": alpha, "servers": list(servers), "parallel": parallel,
                                              "base": str(served.base), "model_bytes": base.total_nbytes,
                                              "device": _device_name(gpu)},
             "servers": results, "errors": errors, "kv_cache": kv_room(results, base, served)}
@@ -269,7 +308,7 @@ def kv_room(results: list[dict], base, served: Served) -> dict:
     (each copy after the first takes the base's bytes again; 0: they do not fit)."""
     kv = {r["server"]: r["kv_cache_tokens"] for r in results}
     out: dict = {"reported": kv}
-    alone = kv.get("vLLM base")
+    alone = next((r["kv_cache_tokens"] for r in results if r["kind"] == "vLLM base"), None)  # first parallel size
     if not alone or not served.bundles:
         return out
     per_token = _kv_bytes_per_token(base)
@@ -340,8 +379,9 @@ def tables(result: dict) -> list:
     t = Table(title=f"serving on {c['device']}: {c['model']}, {c['prompts']} requests of {c['input_len']} -> "
                     f"{c['output_len']} tokens per run, vLLM bench serve; median of {c['repeats']} interleaved runs; "
                     "ratios against plain vLLM serving the base alone at the same rate", title_justify="left")
+    several = len(c.get("parallel", [1])) > 1
     for col in ("server", "scenario", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "TPOT range", "ITL p99",
-                "E2EL ms", "tok/s", "TTFT x", "TPOT x", "tok/s x"):
+                "E2EL ms", "tok/s", "TTFT x", "TPOT x", "tok/s x", *(["tok/s vs first"] if several else [])):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for res in result["servers"]:
         for r in res["rows"]:
@@ -349,7 +389,8 @@ def tables(result: dict) -> list:
             ratios = [f"{r[k]:.3f}" if k in r else "-" for k in ("ttft_ratio", "tpot_ratio", "throughput_ratio")]
             t.add_row(res["server"], r["scenario"], f"{r['mean_ttft_ms']:.1f}", f"{r['p99_ttft_ms']:.1f}",
                       f"{r['mean_tpot_ms']:.2f}", f"{r['p99_tpot_ms']:.2f}", f"{low:.2f}-{high:.2f}",
-                      f"{r['p99_itl_ms']:.1f}", f"{r['mean_e2el_ms']:.0f}", f"{r['output_throughput']:.0f}", *ratios)
+                      f"{r['p99_itl_ms']:.1f}", f"{r['mean_e2el_ms']:.0f}", f"{r['output_throughput']:.0f}", *ratios,
+                      *([f"{r['throughput_vs_first']:.2f}"] if several else []))
     out.append(t)
     kv = result["kv_cache"]
     t = Table(title="KV-cache room: tokens vLLM reports, and per adapter count (esftctl: the base's room less the "
