@@ -7,11 +7,13 @@ are read one at a time through memory maps, so a 16B model is never loaded whole
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -38,6 +40,7 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors' spelling: BF16, F32, ...
+    offset: int  # where its bytes start in the file
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -76,15 +79,17 @@ class ExpertWeights:
 
 def _read_header(file: Path) -> dict[str, TensorInfo]:
     try:
-        with safe_open(file, framework="pt") as f:
-            return {
-                name: TensorInfo(file, tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
-                for name in f.keys()
-            }
+        with safe_open(file, framework="pt") as f:  # validates the whole header against the file
+            described = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
     except FileNotFoundError:
         raise EsftError("missing safetensors shard", file) from None
     except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
         raise EsftError(f"not a readable safetensors file ({one_line(e)})", file) from None
+    with open(file, "rb") as f:  # byte offsets, which safetensors does not hand out: u64 header length, the
+        length = int.from_bytes(f.read(8), "little")  # JSON header, then the data its offsets count from
+        header = json.loads(f.read(length))
+    return {name: TensorInfo(file, shape, dtype, 8 + length + header[name]["data_offsets"][0])
+            for name, (shape, dtype) in described.items()}
 
 
 class MoECheckpoint:
@@ -184,6 +189,37 @@ class MoECheckpoint:
                 return f.get_tensor(name)
         except Exception as e:
             raise EsftError(f"cannot read tensor {name!r} ({one_line(e)})", info.file) from None
+
+    def read_bytes(self, name: str, into: memoryview, start: int = 0) -> None:
+        """Fill `into` with the tensor's bytes as stored, from byte `start` of the tensor on: no tensor made, and no
+        header parsed (`esftctl pack` compares a fine-tune with its base this way)."""
+        info = self.tensors[name]
+        if start + len(into) > info.nbytes:
+            raise ValueError(f"bytes {start}..{start + len(into)} outside {name!r} ({info.nbytes} bytes)")
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(into):
+                n = os.preadv(fd, [into[done:]], info.offset + start + done)
+                if n == 0:
+                    raise EsftError(f"the file ends inside tensor {name!r} (truncated?)", info.file)
+                done += n
+        finally:
+            os.close(fd)
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Ask the kernel to start reading these tensors into the page cache now (it returns at once), so that
+        later reads of them find their pages there."""
+        by_file: dict[Path, list[TensorInfo]] = {}
+        for name in names:
+            by_file.setdefault(self.tensors[name].file, []).append(self.tensors[name])
+        for file, infos in by_file.items():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                for info in infos:
+                    os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
         self.check_expert_id(layer, expert)

@@ -99,6 +99,31 @@ def test_sharded_checkpoint(tmp_path):
         MoECheckpoint(tmp_path / "m")
 
 
+def test_stored_bytes_are_the_tensors_bytes(tmp_path):
+    """read_bytes reads a tensor's bytes where the safetensors header puts them, in every shard, from any start;
+    a file cut short after opening is one line naming it."""
+    from esftctl.world.models import build_model, tiny_config
+
+    model = build_model(tiny_config("qwen3_moe"), seed=2).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m", max_shard_size="2MB")
+    ckpt = MoECheckpoint(tmp_path / "m")
+    ckpt.prefetch(ckpt.tensors)  # only advice to the kernel: reads are the same with it
+    for name in sorted(ckpt.tensors)[::7]:
+        want = ckpt.read_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        got = bytearray(len(want))
+        ckpt.read_bytes(name, memoryview(got))
+        assert got == want, name
+        tail = bytearray(len(want) - 3)
+        ckpt.read_bytes(name, memoryview(tail), start=3)
+        assert tail == want[3:], name
+    with pytest.raises(ValueError, match="outside"):
+        ckpt.read_bytes(name, memoryview(bytearray(len(want))), start=1)
+    info = ckpt.tensors[max(ckpt.tensors, key=lambda n: ckpt.tensors[n].offset)]  # the last tensor of a shard
+    info.file.write_bytes(info.file.read_bytes()[:info.offset + 1])
+    with pytest.raises(EsftError, match="the file ends inside tensor"):
+        ckpt.read_bytes(max(ckpt.tensors, key=lambda n: ckpt.tensors[n].offset), memoryview(bytearray(2)))
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst

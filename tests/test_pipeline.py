@@ -272,6 +272,29 @@ def test_cli_relevance_and_select(world, tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_pack_compares_stored_bits(tiny_models, tmp_path, monkeypatch):
+    """A change is a change of stored bits: -0.0 for 0.0 is one (torch.equal misses it), the same NaN in both
+    is none (torch.equal sees a change); a tensor compared in several chunks shows a change in its last one."""
+    from esftctl.checkpoint import write_checkpoint
+    from esftctl.pack import StoredBytes, changed_experts, changed_non_expert
+
+    base = MoECheckpoint(tiny_models["deepseek_v2"])
+    gate, down, last = (base.expert_tensor_names(l, e)[w] for l, e, w in ((1, 3, "gate"), (2, 5, "down"),
+                                                                          (3, 7, "down")))
+    zero, nan = base.read_tensor(gate).clone(), base.read_tensor(down).clone()
+    zero[0, 0], nan[-1, -1] = 0.0, float("nan")
+    ref = MoECheckpoint(write_checkpoint(base, tmp_path / "ref", {gate: zero, down: nan}))
+    negative, moved = zero.clone(), base.read_tensor(last).clone()
+    negative[0, 0] = -0.0
+    moved.view(-1)[-1] += 1
+    tuned = MoECheckpoint(write_checkpoint(ref, tmp_path / "tuned", {gate: negative, last: moved}))
+    assert torch.equal(negative, zero) and not torch.equal(nan, nan)  # what value comparison would say
+    monkeypatch.setattr(StoredBytes, "CHUNK", 1000)  # several chunks per tensor
+    changed = changed_experts(ref, tuned)
+    assert {l: ids for l, ids in changed.items() if ids} == {1: [3], 3: [7]}
+    assert changed_non_expert(ref, tuned) == []
+
+
 def test_esft_finetune_trains_only_selected_experts(world, tmp_path):
     from esftctl.jsonl import read_jsonl
     from esftctl.world.esft import esft_finetune
