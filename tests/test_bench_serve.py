@@ -163,6 +163,27 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
 
 
+def test_cpu_ranks_are_bound_only_while_a_parallel_server_starts(monkeypatch):
+    import os
+
+    from esftctl.bench.serve import cpu_ranks_bound
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    cores = sorted(os.sched_getaffinity(0))
+    for ranks, gpu in ((1, False), (2, True)):
+        with cpu_ranks_bound(ranks, gpu):
+            assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # one rank: vLLM's own binding, every core
+    if len(cores) >= 2:
+        with cpu_ranks_bound(2, False):
+            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == f"{cores[0]}|{cores[1]}"
+            assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")  # the user's own binding is kept
+    with cpu_ranks_bound(2, False):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+
+
 def test_parallel_sizes_have_their_own_anchors_and_a_ratio_to_the_first(world):
     """`--parallel 1,2`: each size's ratios are against plain vLLM's base at that size, and every server's
     throughput is also set against its own run at the first size (what the second GPU buys)."""

@@ -202,7 +202,8 @@ def serve(
                                            "--adapters count); default all there are."),
     parallel: str = typer.Option("1", help="Comma-separated tensor-parallel sizes: every server is measured at "
                                            "each (1,2: what a second GPU buys, as tok/s against the first size). On "
-                                           "the CPU build each rank gets one core."),
+                                           "the CPU build each rank of a larger size gets one core "
+                                           "(VLLM_CPU_OMP_THREADS_BIND, unless set)."),
     expert_parallel: bool = typer.Option(False, "--expert-parallel", metavar="",
                                          help="Sizes above 1 run vLLM's expert parallelism (GPU only: vLLM's CPU "
                                               "MoE kernel ignores expert maps)."),

@@ -30,6 +30,7 @@ each name its own slot with its own memory, so N names cost what N distinct adap
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -175,14 +176,26 @@ def parallel_label(ranks: int, expert_parallel: bool) -> str:
     return "" if ranks == 1 else f" {'EP' if expert_parallel else 'TP'}={ranks}"
 
 
-def bind_cpu_ranks(ranks: int) -> None:
+@contextlib.contextmanager
+def cpu_ranks_bound(ranks: int, gpu: bool):
     """vLLM's CPU build runs tensor parallelism only with each rank's OpenMP threads bound by hand (its own
-    binding wants a NUMA node per rank): one core per rank for the servers started from here on, unless the
-    environment binds them already."""
+    binding wants a NUMA node per rank): while a server of `ranks` > 1 starts on the CPU, one core per rank,
+    unless the environment binds them already. One rank keeps vLLM's own binding (every core)."""
+    if gpu or ranks == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
     cores = sorted(os.sched_getaffinity(0))
-    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores[:ranks]))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores[:ranks])), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    before = {k: os.environ.get(k) for k in binding}
+    os.environ.update(binding)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None = None,
@@ -196,8 +209,6 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
     profile = replace(profile, **{k: v for k, v in dict(counts=counts, rates=rates, prompts=prompts,
                                                           repeats=repeats).items() if v is not None})
     gpu = torch.cuda.is_available()
-    if not gpu:
-        bind_cpu_ranks(max(parallel))
     servers = servers or (SERVERS if gpu else SERVERS[:-1])
     work = Path(work) if work else serve_models.default_work(model)
     scratch = Path(scratch) if scratch else work
@@ -211,9 +222,10 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
         for ranks in parallel:
             label = server + parallel_label(ranks, expert_parallel)
             try:
-                result = measure_server(label, make_plan(label, parallel_args(ranks, expert_parallel)),
-                                        served=served, profile=profile, runs=runs, out=out, on_step=on_step,
-                                        after=after if ranks == parallel[0] else None)
+                with cpu_ranks_bound(ranks, gpu):
+                    result = measure_server(label, make_plan(label, parallel_args(ranks, expert_parallel)),
+                                            served=served, profile=profile, runs=runs, out=out, on_step=on_step,
+                                            after=after if ranks == parallel[0] else None)
                 results.append({**result, "kind": server, "ranks": ranks})
             except Exception as e:  # one failing server does not lose the others' numbers
                 errors[label] = " ".join(str(e).split())[:500]
