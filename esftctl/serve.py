@@ -30,6 +30,7 @@ from pathlib import Path
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.names import check_name
+from esftctl.runtime.launcher import LAUNCHER_ENV
 from esftctl.runtime.serve_config import ENV, ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS, check_rows
 from esftctl.serve_client import request
@@ -121,6 +122,7 @@ class ServePlan:
         env = {**os.environ, **kv, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
         env.pop(ENV, None)
+        env[LAUNCHER_ENV] = str(os.getpid())  # the server stops when this process dies (runtime.launcher)
         if self.esft:
             env.update({**self.config().to_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
         return env
@@ -379,5 +381,7 @@ def _interrupt(signum, frame):
 
 
 def stop_on_sigterm() -> None:
-    """Let SIGTERM stop the launcher as Ctrl-C does, so the vLLM child is stopped too."""
+    """Let SIGTERM, and SIGHUP (its terminal closed), stop the launcher as Ctrl-C does, so the vLLM child is
+    stopped in order too."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)

@@ -1,5 +1,6 @@
 """esftctl's vLLM plugin, loaded by vLLM in every process through the `vllm.general_plugins` entry point.
 
+- In the process esftctl started, it asks for SIGTERM when esftctl dies (esftctl.runtime.launcher).
 - On the CPU build it installs a fix for vLLM's CPU rotary embedding (esftctl.runtime.cpu_rope).
 - Under `esftctl serve` (the ESFTCTL_SERVE environment variable, see esftctl.runtime.serve_config) it
   makes the model runner build esftctl's worker adapter manager instead of vLLM's LoRA one: the model
@@ -13,6 +14,10 @@ from __future__ import annotations
 
 def register() -> None:
     from vllm.platforms import current_platform
+
+    from esftctl.runtime.launcher import follow_launcher
+
+    follow_launcher()
 
     if current_platform.is_cpu():
         from esftctl.runtime import cpu_rope

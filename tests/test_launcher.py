@@ -1,0 +1,90 @@
+"""A vLLM server that esftctl started stops when esftctl is killed (esftctl.runtime.launcher).
+
+Without vLLM: a launcher process starts a child as ServePlan starts vLLM (a session of its own, the plan's
+environment), the child calls what esftctl's vLLM plugin calls first, and the launcher is killed with SIGKILL,
+which it cannot handle. The child must then get SIGTERM; a child that was not started by the pid in the
+environment must not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from esftctl.runtime.launcher import LAUNCHER_ENV
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from esftctl.runtime.launcher import follow_launcher
+    signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1] + ".term", "w").write("SIGTERM"), os._exit(0)))
+    follow_launcher()
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    time.sleep(60)
+""")
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from esftctl.runtime.launcher import LAUNCHER_ENV
+    env = {**os.environ, LAUNCHER_ENV: sys.argv[3] or str(os.getpid())}
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env=env, start_new_session=True)
+    time.sleep(60)
+""")
+
+
+def _wait_for(path: Path, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if path.exists() and path.stat().st_size:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has exited
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["started-by-esftctl", "not-its-child"])
+def test_a_killed_launcher_takes_its_server_with_it(tmp_path, named):
+    ready = tmp_path / "child.pid"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, CHILD, str(ready), "" if named else "1"])
+    try:
+        assert _wait_for(ready, 30), "the child did not start"
+        child = int(ready.read_text())
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        assert _wait_for(Path(str(ready) + ".term"), 10) == named
+        if named:
+            end = time.monotonic() + 10
+            while _alive(child) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert not _alive(child)
+        else:
+            assert _alive(child)
+    finally:
+        launcher.kill()
+        if ready.exists() and ready.read_text():
+            try:
+                os.kill(int(ready.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_every_plan_names_its_launcher(world):
+    from esftctl.serve import plan
+
+    for esft in (True, False):
+        env = plan(world.base_dir, [], name="base", esft=esft, port=8000).env()
+        assert env[LAUNCHER_ENV] == str(os.getpid())
