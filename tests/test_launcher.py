@@ -65,7 +65,7 @@ def test_a_killed_launcher_takes_its_server_with_it(tmp_path, named):
         child = int(ready.read_text())
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
-        assert _wait_for(Path(str(ready) + ".term"), 10) == named
+        assert _wait_for(Path(str(ready) + ".term"), 10 if named else 3) == named
         if named:
             end = time.monotonic() + 10
             while _alive(child) and time.monotonic() < end:

@@ -349,13 +349,10 @@ def test_expert_parallel_ranks_compute_each_rerouted_pair_once(tiny_models, monk
     ranks = [engine_model(ckpt, None, device, rank=(r, 2)) for r in range(2)]
     runtimes = [EsftModel(model, ckpt, num_slots=3, experts_per_slot=6, max_tokens=64) for model in ranks]
     slots = [{name: rt.slots.load(name, experts) for name, experts in adapters.items()} for rt in runtimes]
-    assert slots[0] == slots[1]
-    rt0, rt1 = runtimes
-    rt0.slots.evict("a1")  # rows freed and taken again: the ranks' row allocations stay alike
-    rt1.slots.evict("a1")
-    for rt in runtimes:
+    for rt, loaded in zip(runtimes, slots):  # rows freed and taken again: the ranks' allocations stay alike
+        rt.slots.evict("a1")
         rt.slots.collect()
-        slots[runtimes.index(rt)]["a1"] = rt.slots.load("a1", adapters["a1"])
+        loaded["a1"] = rt.slots.load("a1", adapters["a1"])
     assert slots[0] == slots[1]
     for index in ckpt.moe_layers:
         layers = [rt.layers[index] for rt in runtimes]
