@@ -55,8 +55,7 @@ def virtual_layer(expert_map: torch.Tensor | None = None):
     virtual = VirtualMoELayer(E, HIDDEN, INTERMEDIATE, SLOTS, PER_SLOT, torch.bfloat16,
                               lambda nbytes: CudaAddressSpace(nbytes, pool), expert_map=expert_map)
     base, adapters = experts()
-    held = sorted((e for e in base if virtual.holds(e)), key=virtual.local_row)
-    virtual.load_base_rows(*stack_experts([base[e] for e in held]))
+    virtual.load_base_rows(*stack_experts([base[e] for e in virtual.own_experts]))
     for slot, adapter in enumerate(adapters):
         virtual.load(slot, adapter)
     return virtual

@@ -298,7 +298,7 @@ def finish(profile: Profile, served: Served, results: list[dict], errors: dict, 
                 r["throughput_ratio"] = r["output_throughput"] / a["output_throughput"]
             r["throughput_vs_first"] = r["output_throughput"] / first[res["kind"], r["scenario"]]["output_throughput"]
     settings = {**asdict(profile), "rates": [_rate(r) for r in profile.rates], "high_rate": _rate(max(profile.rates))}
-    parallel = sorted({res["ranks"] for res in results}, key=[res["ranks"] for res in results].index)
+    parallel = list(dict.fromkeys(res["ranks"] for res in results))  # in the order measured
     return {"benchmark": "serve", "config": {**settings, "alpha": alpha, "servers": list(servers), "parallel": parallel,
                                              "base": str(served.base), "model_bytes": base.total_nbytes,
                                              "device": _device_name(gpu)},

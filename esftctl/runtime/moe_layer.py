@@ -83,7 +83,9 @@ class VirtualMoELayer:
         self.num_slots = num_slots
         self.num_rows = num_experts + num_slots * experts_per_slot  # global rows: what tokens are rerouted to
         self._owned = None if expert_map is None else [int(r) for r in expert_map.tolist()]
-        self.base_rows = num_experts if self._owned is None else sum(r >= 0 for r in self._owned)
+        # The base experts this rank computes, in the order of its rows.
+        self.own_experts = sorted((e for e in range(num_experts) if self.holds(e)), key=self.local_row)
+        self.base_rows = len(self.own_experts)
         local_rows = self.base_rows + num_slots * experts_per_slot
         self.layout = layout or ExpertLayout.plain(hidden_size, intermediate_size)
         self.w13 = VirtualExpertTensor(make_space(local_rows * math.prod(self.layout.w13_row) * dtype.itemsize),
@@ -125,9 +127,9 @@ class VirtualMoELayer:
 
     def holds_row(self, row: int) -> bool:
         """Whether this rank computes global row `row`: its base expert's, or an adapter row replacing one."""
-        if self._owned is None:
-            return True
-        return self._owned[row] >= 0 if row < self.num_experts else row in self._adapter_local
+        if row < self.num_experts:
+            return self.holds(row)
+        return self._owned is None or row in self._adapter_local
 
     def local_row(self, row: int) -> int:
         """The tensors' row of global row `row` (the same number without expert parallelism)."""
@@ -177,7 +179,7 @@ class VirtualMoELayer:
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
         attached = (r for rows in self.slot_rows.values() for r in rows.values())
-        return sorted({*(e for e in range(self.num_experts) if self.holds(e)), *filter(self.holds_row, attached)})
+        return sorted({*self.own_experts, *filter(self.holds_row, attached)})
 
     def held_bytes(self) -> int:
         """Bytes of the held rows' experts (what the layer takes on the device when it is paged in)."""
@@ -228,9 +230,8 @@ class VirtualMoELayer:
     def load_base_rows(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Map the base rows and copy in base experts that are already in the layout (an engine's own tensors:
         under expert parallelism, this rank's experts in its row order)."""
-        held = sorted((e for e in range(self.num_experts) if self.holds(e)), key=self.local_row)
-        self._map(held)
-        self.write_rows(held, w13, w2)
+        self._map(self.own_experts)
+        self.write_rows(self.own_experts, w13, w2)
 
     def replace_base(self, experts: Mapping[int, ExpertWeights]) -> None:
         """Write other experts into some base rows (the base rows must be loaded)."""

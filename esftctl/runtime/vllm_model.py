@@ -242,7 +242,7 @@ class EsftModel:
             raise EsftError(f"layer {engine.index}: vLLM's expert map gives this rank {layer.base_rows} experts, its "
                             f"weights hold {w13.shape[0]}")
         layer.load_base_rows(w13, w2)
-        probe = next(e for e in range(experts) if layer.holds(e))  # one of this rank's experts, converted
+        probe = layer.own_experts[0]  # one of this rank's experts, converted
         probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, probe)]))
         row = layer.local_row(probe)
         if not (torch.equal(probe13[0], layer.w13.tensor[row]) and torch.equal(probe2[0], layer.w2.tensor[row])):
