@@ -12,6 +12,7 @@ from rich.console import Console
 from esftctl.atomic import check_output
 from esftctl.bench.cli import app as bench_app
 from esftctl.errors import EsftError
+from esftctl.serve_client import API_KEY_ENV
 
 app = typer.Typer(
     help="Prepare and serve Expert-Specialized Fine-Tuning (ESFT) adapters of Mixture-of-Experts models.",
@@ -401,6 +402,14 @@ def serve(
                                                  "map's order (default: their folders' names)."),
     quantum: int = typer.Option(4, help="With --variants: engine steps a variant runs before the next one with "
                                         "requests takes its turn (each switch copies non-expert weights)."),
+    api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
+                                help="Require this key (`Authorization: Bearer KEY`) on every request, esftctl's "
+                                     "own endpoints and /health included; handed to vLLM in its environment. "
+                                     "Prefer the environment variable: an option shows in `ps`."),
+    adapter_root: Path = typer.Option(None, help="Load adapters at run time (`esftctl adapters load`, "
+                                                 "/v1/load_lora_adapter) only from bundles under this folder, "
+                                                 "symbolic links resolved; others get HTTP 403 (default: any path "
+                                                 "the server can read)."),
 ) -> None:
     """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;
     a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager
@@ -410,7 +419,8 @@ def serve(
 
     kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
                   paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
-                  paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"))
+                  paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"),
+                  api_key=api_key or None, adapter_root=adapter_root)
     if state_dir is not None:
         kwargs["state_dir"] = state_dir
     if variant_names is not None and variants is None:
@@ -419,17 +429,16 @@ def serve(
                       _parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None,
                       variants=variants, variant_names=variant_names.split(",") if variant_names else None,
                       quantum=quantum, **kwargs)
-    server = Server(serve_plan)
+    server, key = Server(serve_plan), serve_plan.request_key
     server.start()
     stopped_cleanly = False
     try:
         with console.status(f"starting vLLM (log: {serve_plan.log_file})") as status:
             server.wait_ready(ready_timeout, lambda s: status.update(f"starting vLLM, {s:.0f} s (log: "
                                                                      f"{serve_plan.log_file})"))
-        console.print(serve_client.status_table(serve_client.status(serve_plan.url),
-                                                serve_client.models(serve_plan.url)))
-        console.print(f"serving at {serve_plan.url}/v1 (models: {', '.join(serve_client.models(serve_plan.url))}); "
-                      "Ctrl-C stops")
+        served = serve_client.models(serve_plan.url, api_key=key)
+        console.print(serve_client.status_table(serve_client.status(serve_plan.url, api_key=key), served))
+        console.print(f"serving at {serve_plan.url}/v1 (models: {', '.join(served)}); Ctrl-C stops")
         stop_on_sigterm()
         server.process.wait()
         raise EsftError(f"vLLM exited with status {server.process.returncode}: {server.last_error()}",
@@ -447,17 +456,23 @@ adapters_app = typer.Typer(help="List, load and unload the adapters of a running
                            no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
 URL_HELP = "The server's address."
+API_KEY_HELP = "The server's API key, if it has one (prefer the environment variable: an option shows in `ps`)."
+
+
+def _api_key_option():
+    return typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY", help=API_KEY_HELP)
 
 
 @adapters_app.command("list")
 def adapters_list(
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+    api_key: str = _api_key_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the status as JSON instead of a table.", metavar=""),
 ) -> None:
     """The served models and the adapter table (slots, experts per layer, memory, KV-cache room)."""
     from esftctl import serve_client
 
-    served, status = serve_client.models(url), serve_client.status(url)
+    served, status = serve_client.models(url, api_key=api_key), serve_client.status(url, api_key=api_key)
     if as_json:
         print(json.dumps({"models": served, **status}, indent=1))
     else:
@@ -469,6 +484,7 @@ def adapters_load(
     name: str = typer.Argument(..., help="The name requests will use."),
     bundle: Path = typer.Argument(..., help="The adapter bundle folder (a path the server can read)."),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+    api_key: str = _api_key_option(),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Load an adapter bundle into a running server."""
@@ -476,7 +492,7 @@ def adapters_load(
 
     if not bundle.exists():
         raise EsftError("no such bundle folder", bundle)
-    message = serve_client.load(url, name, bundle)
+    message = serve_client.load(url, name, bundle, api_key=api_key)
     if as_json:
         print(json.dumps({"loaded": name, "bundle": str(bundle.resolve()), "message": message}))
     else:
@@ -487,12 +503,13 @@ def adapters_load(
 def adapters_unload(
     name: str = typer.Argument(..., help="The adapter's name."),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
+    api_key: str = _api_key_option(),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Unload an adapter from a running server (its slot and expert memory are freed)."""
     from esftctl import serve_client
 
-    message = serve_client.unload(url, name)
+    message = serve_client.unload(url, name, api_key=api_key)
     if as_json:
         print(json.dumps({"unloaded": name, "message": message}))
     else:

@@ -11,6 +11,9 @@ With `--variants MAP_DIR` (consolidated fine-tuned variants, esftctl.variants) t
 vLLM loads, every other one is a LoRA module name bound to its slot, and vLLM's scheduler runs with turns
 (esftctl.runtime.variant_turns), one variant per engine step.
 The launcher waits until the server answers, prints the adapter table, and forwards Ctrl-C / SIGTERM.
+With an API key (`serve --api-key` or ESFTCTL_API_KEY), vLLM gets it in its environment (VLLM_API_KEY), not on a
+command line every user can read; a key given to vLLM after `--` works too. The launcher's own requests send it.
+`--adapter-root DIR` limits adapters loaded at run time to bundles under DIR (checked by the middleware).
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 from esftctl.names import check_name
 from esftctl.runtime.launcher import LAUNCHER_ENV
-from esftctl.runtime.serve_config import ENV, ServeConfig, open_servable_bundle
+from esftctl.runtime.serve_config import ENV, VLLM_API_KEY_ENV, ServeConfig, open_servable_bundle
 from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS, check_rows
-from esftctl.serve_client import request
+from esftctl.serve_client import API_KEY_ENV, request
 from esftctl.units import format_bytes
 from esftctl.variants import VariantSet
 
@@ -50,7 +54,7 @@ class ServePlan:
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once; memory reserved at start
     host: str = "127.0.0.1"
     port: int = 8000
-    state_dir: Path | None = None  # None: a new temporary folder, removed when the server stops cleanly
+    state_dir: Path | None = None  # None: a temporary folder, made when the server starts, removed when it stops
     vllm_args: list[str] = field(default_factory=list)
     cpu_kv_cache_gib: float | None = None  # None: $VLLM_CPU_KVCACHE_SPACE if set, else 1 GiB
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
@@ -63,12 +67,20 @@ class ServePlan:
     variant_names: list[str] = field(default_factory=list)  # every variant's served name, the home one first
     variant_paths: list[Path] = field(default_factory=list)
     quantum: int = 4  # engine steps per variant turn
+    api_key: str | None = field(default=None, repr=False)  # esftctl's own key, handed to vLLM in its environment
+    adapter_root: Path | None = None  # adapters load at run time only from under this folder
 
     temporary_state: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        self.temporary_state = self.state_dir is None
+
+    @property
+    def state(self) -> Path:
+        """The state folder; a temporary one is made on first use, so a plan never started leaves none behind."""
         if self.state_dir is None:
-            self.state_dir, self.temporary_state = Path(tempfile.mkdtemp(prefix="esftctl-serve-")), True
+            self.state_dir = Path(tempfile.mkdtemp(prefix="esftctl-serve-"))
+        return self.state_dir
 
     @property
     def url(self) -> str:
@@ -76,17 +88,25 @@ class ServePlan:
 
     @property
     def log_file(self) -> Path:
-        return self.state_dir / "vllm.log"
+        return self.state / "vllm.log"
+
+    @property
+    def request_key(self) -> str | None:
+        """The key this server's clients send: one given to vLLM after `--` (vLLM prefers it), else esftctl's own,
+        else a VLLM_API_KEY inherited from the environment, which vLLM reads too."""
+        given = vllm_api_keys(self.vllm_args)
+        return given[0] if given else (self.api_key or os.environ.get(VLLM_API_KEY_ENV) or None)
 
     def config(self) -> ServeConfig:
         return ServeConfig(slots=self.slots, experts_per_slot=self.experts_per_slot,
-                           status_file=str(self.state_dir / "status.json"), adapter_budget=self.adapter_budget,
+                           status_file=str(self.state / "status.json"), adapter_budget=self.adapter_budget,
                            paging_window=self.paging_window,
                            paging_store=str(self.paging_store) if self.paging_store else None,
                            store_experts=self.store_experts, paging_adaptive=self.paging_adaptive,
                            host_cache_bytes=self.host_cache,
                            variant_map=str(self.variant_map) if self.variant_map else None,
-                           variant_names=tuple(self.variant_names), quantum=self.quantum)
+                           variant_names=tuple(self.variant_names), quantum=self.quantum,
+                           adapter_root=str(self.adapter_root) if self.adapter_root else None)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -123,9 +143,22 @@ class ServePlan:
                "TRANSFORMERS_OFFLINE": "1"}
         env.pop(ENV, None)
         env[LAUNCHER_ENV] = str(os.getpid())  # the server stops when this process dies (runtime.launcher)
+        if self.api_key:
+            env[VLLM_API_KEY_ENV] = self.api_key
         if self.esft:
             env.update({**self.config().to_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
         return env
+
+
+def vllm_api_keys(args: list[str]) -> list[str]:
+    """The API keys in vLLM's arguments, as its parser reads them: `--api-key K [K ...]` or `--api-key=K` (also
+    spelt `--api_key`), the last such option winning."""
+    keys: list[str] = []
+    for i, arg in enumerate(args):
+        option, eq, value = arg.partition("=")
+        if option.replace("_", "-") == "--api-key":
+            keys = [value] if eq else list(takewhile(lambda a: not a.startswith("-"), args[i + 1:]))
+    return [k for k in keys if k]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -161,6 +194,15 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
     (at most that many per layer: the plan counts positions, the engine loads only those that differ)."""
     if (base_dir is None) == (variants is None):
         raise EsftError("give a base model or --variants MAP_DIR, not both")
+    port = kwargs.get("port", ServePlan.port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise EsftError(f"--port {port}: choose a port in 1..65535")
+    if kwargs.get("api_key") and vllm_api_keys(kwargs.get("vllm_args", [])):
+        raise EsftError(f"an API key is given twice: with --api-key (or ${API_KEY_ENV}) and after `--`; give one")
+    if kwargs.get("adapter_root") is not None:
+        kwargs["adapter_root"] = Path(kwargs["adapter_root"]).resolve()
+        if not kwargs["adapter_root"].is_dir():
+            raise EsftError("--adapter-root: not a folder", kwargs["adapter_root"])
     vset = VariantSet.open(variants, variant_names) if variants is not None else None
     if vset is not None and name is not None:
         raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
@@ -286,7 +328,7 @@ class Server:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.plan.state_dir.mkdir(parents=True, exist_ok=True)
+        self.plan.state.mkdir(parents=True, exist_ok=True)
         log = open(self.plan.log_file, "ab")
         self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -299,9 +341,9 @@ class Server:
                 raise EsftError(f"vLLM exited with status {self.process.returncode} before it was ready: "
                                 f"{self.last_error()}", self.plan.log_file)
             try:
-                request(self.plan.url, "/health", timeout=5)
+                request(self.plan.url, "/health", timeout=5, api_key=self.plan.request_key)
                 if self.plan.esft:  # the server that answers must be ours, not one that held the port first
-                    status = request(self.plan.url, "/esftctl/status", timeout=5)
+                    status = request(self.plan.url, "/esftctl/status", timeout=5, api_key=self.plan.request_key)
                     pid = status.get("server_pid") if isinstance(status, dict) else None
                     if pid != self.process.pid:
                         self.stop()
@@ -352,7 +394,7 @@ class Server:
 
     def remove_state(self) -> None:
         """Remove the plan's state folder if it is a temporary one (kept after a failure: the log is in it)."""
-        if self.plan.temporary_state:
+        if self.plan.temporary_state and self.plan.state_dir is not None:
             shutil.rmtree(self.plan.state_dir, ignore_errors=True)
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -367,11 +409,12 @@ def serve_and_ask(serve_plan: ServePlan, asks: list[tuple[str, dict]], *, consol
     once and print the answers against the expected completions; with `keep_serving`, stay up until Ctrl-C."""
     from esftctl.serve_client import answers_table, models, status, status_table
 
+    key = serve_plan.request_key
     with Server(serve_plan) as server:
         with console.status(f"starting vLLM (log: {serve_plan.log_file})"):
             server.wait_ready()
-        console.print(status_table(status(serve_plan.url), models(serve_plan.url)))
-        console.print(answers_table(serve_plan.url, asks, max_tokens=max_tokens, title=title))
+        console.print(status_table(status(serve_plan.url, api_key=key), models(serve_plan.url, api_key=key)))
+        console.print(answers_table(serve_plan.url, asks, max_tokens=max_tokens, title=title, api_key=key))
         if keep_serving:
             server.serve_until_interrupted(console)
 

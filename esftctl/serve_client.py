@@ -1,7 +1,9 @@
 """Talking to a running `esftctl serve`: its models, its adapter table, loading and unloading adapters.
 
 Plain HTTP against vLLM's own endpoints (/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter) and
-esftctl's /esftctl/status; errors come back as one-line EsftErrors carrying the server's message.
+esftctl's /esftctl/status; errors come back as one-line EsftErrors carrying the server's message. A server
+started with an API key wants it on every request (`Authorization: Bearer KEY`): every call takes `api_key`, which
+the command line reads from `--api-key` or API_KEY_ENV (an environment variable keeps it out of `ps`).
 """
 
 from __future__ import annotations
@@ -20,21 +22,30 @@ from esftctl.errors import EsftError
 from esftctl.units import format_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+API_KEY_ENV = "ESFTCTL_API_KEY"
 
 
-def request(url: str, path: str, body: dict | None = None, timeout: float = 600) -> dict | str:
-    """GET (no body) or POST JSON; the decoded JSON reply, or its text when it is not JSON."""
+def request(url: str, path: str, body: dict | None = None, timeout: float = 600, *, api_key: str | None = None
+            ) -> dict | str:
+    """GET (no body) or POST JSON, with the server's API key if given; the decoded JSON reply, or its text when it
+    is not JSON."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise EsftError("not a server URL (expected http://HOST:PORT)", url)
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url.rstrip("/") + path, data=data,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as reply:
             text = reply.read().decode()
     except urllib.error.HTTPError as e:
-        raise EsftError(f"{path}: {_error_message(e.read().decode(errors='replace'))} (HTTP {e.code})", url) from None
+        message = _error_message(e.read().decode(errors="replace"))
+        if e.code == 401:
+            message += (f"; give the server's API key (--api-key or ${API_KEY_ENV})" if not api_key else
+                        "; the server refused this API key")
+        raise EsftError(f"{path}: {message} (HTTP {e.code})", url) from None
     except (urllib.error.URLError, OSError) as e:
         raise EsftError(f"cannot reach the server ({getattr(e, 'reason', e)})", url) from None
     try:
@@ -55,23 +66,24 @@ def _error_message(text: str) -> str:
     return inner.group(1) if inner else message
 
 
-def models(url: str) -> list[str]:
-    return [m["id"] for m in request(url, "/v1/models")["data"]]
+def models(url: str, *, api_key: str | None = None) -> list[str]:
+    return [m["id"] for m in request(url, "/v1/models", api_key=api_key)["data"]]
 
 
-def status(url: str) -> dict:
-    return request(url, "/esftctl/status")
+def status(url: str, *, api_key: str | None = None) -> dict:
+    return request(url, "/esftctl/status", api_key=api_key)
 
 
-def load(url: str, name: str, bundle: Path) -> str:
+def load(url: str, name: str, bundle: Path, *, api_key: str | None = None) -> str:
     from esftctl.names import check_name
 
     check_name(name)
-    return str(request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(bundle).resolve())}))
+    return str(request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(bundle).resolve())},
+                       api_key=api_key))
 
 
-def unload(url: str, name: str) -> str:
-    return str(request(url, "/v1/unload_lora_adapter", {"lora_name": name}))
+def unload(url: str, name: str, *, api_key: str | None = None) -> str:
+    return str(request(url, "/v1/unload_lora_adapter", {"lora_name": name}, api_key=api_key))
 
 
 def status_table(status: dict, served: list[str] | None = None) -> Group:
@@ -143,7 +155,8 @@ def _counts(counts: list[int]) -> str:
     return f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"
 
 
-def answers_table(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, title: str) -> Table:
+def answers_table(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, title: str,
+                  api_key: str | None = None) -> Table:
     """Send every (model, example) as a greedy completion of the example's prompt, all at once, and tabulate the
     answers against the examples' completions (the recipes' last step)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +164,7 @@ def answers_table(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, ti
     def ask(job):
         model, example = job
         reply = request(url, "/v1/completions", {"model": model, "prompt": example["prompt"],
-                                                 "max_tokens": max_tokens, "temperature": 0})
+                                                 "max_tokens": max_tokens, "temperature": 0}, api_key=api_key)
         return reply["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(asks)) as pool:

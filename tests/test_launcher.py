@@ -82,9 +82,9 @@ def test_a_killed_launcher_takes_its_server_with_it(tmp_path, named):
                 pass
 
 
-def test_every_plan_names_its_launcher(world):
+def test_every_plan_names_its_launcher(world, tmp_path):
     from esftctl.serve import plan
 
     for esft in (True, False):
-        env = plan(world.base_dir, [], name="base", esft=esft, port=8000).env()
+        env = plan(world.base_dir, [], name="base", esft=esft, port=8000, state_dir=tmp_path).env()
         assert env[LAUNCHER_ENV] == str(os.getpid())

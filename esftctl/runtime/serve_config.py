@@ -17,6 +17,7 @@ from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
 
 ENV = "ESFTCTL_SERVE"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ServeConfig:
     variant_map: str | None = None  # `serve --variants`: the consolidated map's folder (esftctl.variants)
     variant_names: tuple[str, ...] = ()  # served names of its variants, the home one (vLLM's --model) first
     quantum: int = 4  # engine steps per variant turn (esftctl.runtime.variant_turns)
+    adapter_root: str | None = None  # `serve --adapter-root`: adapters load at run time only from under this folder
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

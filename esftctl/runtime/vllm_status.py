@@ -1,5 +1,11 @@
 """esftctl's additions to vLLM's OpenAI server, installed with vLLM's `--middleware` option.
 
+vLLM adds `--middleware` after its own authentication, and Starlette runs the last added first: this middleware
+sees every request before vLLM's key check, which also guards only paths under /v1 (not /esftctl/status, not
+/health, /metrics or /invocations). So, when the server has an API key (vLLM's `--api-key` or VLLM_API_KEY, read
+as vLLM reads them), this middleware checks it first, on every path, in constant time: a request without a valid
+`Authorization: Bearer KEY` gets 401 before anything below runs or any file is read.
+
 - GET /esftctl/status: the engine's adapter and memory table, as JSON, with the server's process id. The
   engine process writes it to a file after every adapter change (esftctl.runtime.vllm_worker); this serves that file,
   and under tensor parallelism adds every rank's memory from the rank's own file (`per_rank`).
@@ -7,7 +13,8 @@
   answers an engine-side failure with HTTP 500, a traceback in its log, and file paths masked as `<path>`): a bad
   name or a bundle that is not this base's servable adapter (corrupt, another base, non-expert tensors) is 400,
   and no free slot (by the engine's last status, unloaded adapters making room) is 507, as vLLM's own LoRA
-  endpoints answer a full cache.
+  endpoints answer a full cache. With `serve --adapter-root DIR` a path outside DIR, symbolic links resolved, is
+  403 before anything is opened.
 - A completion for an unknown model: vLLM's 404 names only the base; the answer names every servable model.
 - POST /v1/unload_lora_adapter: vLLM's handler forgets the name (new requests for it get vLLM's unknown-
   model error) but leaves the weights in the engine, where LoRA evicts lazily. An ESFT adapter holds a
@@ -18,13 +25,15 @@ Every other request goes to vLLM untouched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
 
 from starlette.responses import JSONResponse, Response
 
-from esftctl.runtime.serve_config import ServeConfig, rank_status_file
+from esftctl.runtime.serve_config import VLLM_API_KEY_ENV, ServeConfig, rank_status_file
 
 STATUS_PATH = "/esftctl/status"
 LOAD_PATH = "/v1/load_lora_adapter"
@@ -33,6 +42,11 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 async def status_middleware(request, call_next):
+    if request.method != "OPTIONS" and not _authorized(request):  # CORS preflights carry no credentials
+        response = _error("Unauthorized: this server wants its API key as 'Authorization: Bearer KEY'", 401,
+                          "Unauthorized")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
     if request.url.path == STATUS_PATH and request.method == "GET":
         return _status()
     if request.url.path == LOAD_PATH and request.method == "POST":
@@ -43,6 +57,34 @@ async def status_middleware(request, call_next):
     if response.status_code == 404 and request.url.path in COMPLETION_PATHS:
         return await _unknown_model(request, response)
     return response
+
+
+def _api_keys(app) -> list[str]:
+    """The keys vLLM accepts, as vLLM reads them: `--api-key` (several allowed), else VLLM_API_KEY."""
+    given = getattr(getattr(app.state, "args", None), "api_key", None)
+    return [key for key in (given or [os.environ.get(VLLM_API_KEY_ENV)]) if key]
+
+
+def _authorized(request) -> bool:
+    """No key set, or the request's bearer token is one of the keys; compared as digests in constant time, all of
+    them every time, so the answer's timing tells nothing about a key."""
+    keys = _api_keys(request.app)
+    if not keys:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    digest = hashlib.sha256(token.encode()).digest()
+    match = False
+    for key in keys:
+        match |= secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    return match and scheme.lower() == "bearer"
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether `path`, every symbolic link resolved, lies under `root` (resolving reads links, opens no file)."""
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+    except ValueError:  # a NUL byte in the path
+        return False
 
 
 RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "adapter_physical_bytes",
@@ -104,10 +146,14 @@ async def _load(request, call_next):
         body = await request.json()
     except ValueError:
         body = None
+    name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+    config = ServeConfig.from_env()
+    if config is not None and config.adapter_root and isinstance(path, str) and not _inside(path, config.adapter_root):
+        return _error(f"adapter {name!r}: this server loads adapters only from under {config.adapter_root} "
+                      "(--adapter-root)", 403, "Forbidden")
     status = _engine_status()
     if not isinstance(body, dict) or status is None:
         return await call_next(request)
-    name, path = body.get("lora_name"), body.get("lora_path")
     known = getattr(request.app.state, "openai_serving_models", None)
     if not isinstance(name, str) or not isinstance(path, str) or (known and name in known.lora_requests):
         return await call_next(request)  # vLLM's own answers (missing fields, a name in use)

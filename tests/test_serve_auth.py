@@ -1,0 +1,317 @@
+"""Authenticated serving (issue 32, items 4 and 5): an API key for `esftctl serve`, its launcher and `esftctl adapters`,
+esftctl's own endpoints behind it, and runtime adapter loads limited to `--adapter-root`.
+
+Most of it without vLLM: the middleware is called through FastAPI's test client with spies on what it reads, the
+launcher and the client talk to a small HTTP server that wants a key. One test starts `esftctl serve` on vLLM's CPU
+build with a key and an adapter root and checks the whole path.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import engine_settings, run_cli, server_args
+
+from esftctl.errors import EsftError
+from esftctl.runtime.serve_config import ServeConfig
+from esftctl.serve import ServePlan, Server, free_port, plan, vllm_api_keys
+
+KEY = "s3cret-key"
+
+
+# ---- the middleware, through FastAPI's test client ------------------------------------------------------------
+
+
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    """A FastAPI app with esftctl's middleware in front of stand-ins for vLLM's routes; `calls` records what reached
+    them and what the middleware read (the status file, a bundle)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from esftctl.runtime import vllm_status
+
+    calls: list[str] = []
+    api = FastAPI()
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/completions"):
+        api.post(path)(lambda path=path: calls.append(path) or {"ok": path})
+    api.get("/v1/models")(lambda: calls.append("/v1/models") or {"data": []})
+    api.get("/health")(lambda: calls.append("/health") or {})
+    api.middleware("http")(vllm_status.status_middleware)
+
+    root = tmp_path / "root"
+    (root / "bundle").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "link").symlink_to(tmp_path / "outside")
+    status_file = tmp_path / "status.json"
+    status_file.write_text(json.dumps({"base": "b", "adapters": [], "slots": 4}))
+    config = ServeConfig(slots=4, experts_per_slot=2, status_file=str(status_file), adapter_root=str(root))
+    monkeypatch.setenv("ESFTCTL_SERVE", config.to_env()["ESFTCTL_SERVE"])
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    read = vllm_status._read_status
+    monkeypatch.setattr(vllm_status, "_read_status", lambda path: calls.append(f"read {path.name}") or read(path))
+    monkeypatch.setattr(vllm_status, "_check_load", lambda name, path, status: calls.append(f"open {path}"))
+    return TestClient(api), calls, root
+
+
+def bearer(key: str = KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_without_a_valid_key_nothing_answers_and_nothing_is_read(app):
+    client, calls, root = app
+    requests = [("get", "/esftctl/status", None), ("get", "/health", None), ("get", "/v1/models", None),
+                ("post", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(root / "bundle")}),
+                ("post", "/v1/unload_lora_adapter", {"lora_name": "a"}),
+                ("post", "/v1/completions", {"model": "a", "prompt": "x"})]
+    for headers in ({}, bearer("wrong"), bearer(KEY + "x"), {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):
+        for method, path, body in requests:
+            reply = client.request(method, path, json=body, headers=headers)
+            assert reply.status_code == 401, (path, headers, reply.text)
+            assert reply.headers["WWW-Authenticate"] == "Bearer"
+    assert calls == []  # no route ran, no status file or bundle was read
+    assert client.get("/esftctl/status", headers=bearer()).json()["slots"] == 4
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(root / "bundle")},
+                       headers=bearer()).status_code == 200
+    assert calls == ["read status.json", "read status.json", f"open {root / 'bundle'}", "/v1/load_lora_adapter"]
+
+
+def test_keys_given_to_vllm_are_the_ones_checked(app, monkeypatch):
+    """`-- --api-key A B` reaches the middleware as vLLM's parsed arguments, which win over VLLM_API_KEY (as in
+    vLLM); with no key at all everything answers as before."""
+    from types import SimpleNamespace
+
+    client, calls, _ = app
+    client.app.state.args = SimpleNamespace(api_key=["first", "second"])
+    assert client.get("/health", headers=bearer("second")).status_code == 200
+    assert client.get("/health", headers=bearer(KEY)).status_code == 401
+    client.app.state.args = SimpleNamespace(api_key=None)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert client.get("/esftctl/status").status_code == 200 and client.get("/health").status_code == 200
+
+
+def test_loads_outside_the_adapter_root_are_forbidden_unopened(app, tmp_path):
+    client, calls, root = app
+    for path in (tmp_path / "outside", root / "link", root / ".." / "outside", Path("/etc"), "relative/x", "a\0b"):
+        reply = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(path)}, headers=bearer())
+        assert reply.status_code == 403, (path, reply.text)
+        assert f"only from under {root}" in reply.json()["error"]["message"]
+    assert calls == []  # not even the status file
+    reply = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(root / "bundle")},
+                        headers=bearer())
+    assert reply.status_code == 200 and calls[-1] == "/v1/load_lora_adapter"
+
+
+# ---- the plan: where the key goes ---------------------------------------------------------------------------
+
+
+def test_the_key_reaches_vllm_through_its_environment_not_a_command_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    serve_plan = ServePlan(tmp_path, "base", {}, 1, 1, state_dir=tmp_path / "state", api_key=KEY)
+    assert serve_plan.env()["VLLM_API_KEY"] == KEY and serve_plan.request_key == KEY
+    assert KEY not in " ".join(serve_plan.command()) and KEY not in repr(serve_plan)
+    given = ServePlan(tmp_path, "base", {}, 1, 1, state_dir=tmp_path / "state",
+                      vllm_args=["--api-key", "A", "B", "--enforce-eager"])
+    assert given.request_key == "A" and "VLLM_API_KEY" not in given.env()
+    monkeypatch.setenv("VLLM_API_KEY", "inherited")  # vLLM reads it: so does the launcher
+    assert ServePlan(tmp_path, "base", {}, 1, 1, state_dir=tmp_path / "state").request_key == "inherited"
+    assert vllm_api_keys(["--api-key=K", "--x"]) == ["K"] and vllm_api_keys(["--api_key", "L"]) == ["L"]
+    assert vllm_api_keys(["--api-key", "A", "--api-key", "B"]) == ["B"] and vllm_api_keys(["--port", "1"]) == []
+    with pytest.raises(EsftError, match="an API key is given twice"):
+        plan(tmp_path, [], api_key=KEY, vllm_args=["--api-key", "K"])
+    with pytest.raises(EsftError, match="--adapter-root: not a folder"):
+        plan(tmp_path, [], adapter_root=tmp_path / "missing")
+
+
+def test_a_plan_never_started_leaves_no_state_folder(tmp_path, monkeypatch):
+    """Issue 32, item 12: every plan made a /tmp/esftctl-serve-* folder, removed only by a server that started and
+    stopped cleanly (tests and `bench` make plans they never start, or only ask for their environment)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    serve_plan = ServePlan(tmp_path / "base", "base", {}, 1, 1)
+    assert list(tmp_path.iterdir()) == []
+    server = Server(serve_plan)
+    server.remove_state()  # nothing to remove, nothing fails
+    assert serve_plan.log_file.parent.name.startswith("esftctl-serve-")  # made when first needed
+    server.remove_state()
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the launcher and the client against a server that wants a key ------------------------------------------
+
+
+class KeyedServer(http.server.ThreadingHTTPServer):
+    """Answers /health, /v1/models, /esftctl/status and the adapter endpoints only with `Authorization: Bearer KEY`,
+    as `esftctl serve --api-key KEY` does; `pid` is the process it claims as its server."""
+
+    pid: int | None = None
+    seen: list = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.headers.get("Authorization") != f"Bearer {KEY}":
+                code, reply = 401, {"error": {"message": "Unauthorized", "code": 401}}
+            else:
+                self.server.seen.append((self.path, json.loads(body) if body else None))
+                code, reply = 200, {"/v1/models": {"data": [{"id": "base"}]},
+                                    "/esftctl/status": {"server_pid": self.server.pid, "adapters": [], "slots": 1,
+                                                        "base": "b", "device": "cpu", "moe_layers": [1],
+                                                        "model_bytes": 1, "adapter_expert_bytes": 0,
+                                                        "adapter_physical_bytes": 0, "padded_bytes": 0,
+                                                        "merged_bytes": 0}}.get(self.path, "done")
+            data = json.dumps(reply).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), self.Handler)
+        self.seen = []
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.mark.parametrize("how", ["--api-key", "after --"])
+def test_the_launcher_waits_for_its_server_with_the_key(tmp_path, how):
+    """Issue 32, item 4: the readiness calls sent no key, got 401 and stopped vLLM after the timeout."""
+    with KeyedServer() as fake:
+        options = {"api_key": KEY} if how == "--api-key" else {"vllm_args": ["--api-key", KEY]}
+        serve_plan = ServePlan(tmp_path, "base", {}, 1, 1, port=fake.server_address[1], state_dir=tmp_path / "s",
+                               **options)
+        server = Server(serve_plan)
+        server.process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # "our vLLM"
+        fake.pid = server.process.pid
+        try:
+            server.wait_ready(timeout=10)
+        finally:
+            server.stop()
+        fake.shutdown()
+
+
+def test_adapters_commands_send_the_key(tmp_path, monkeypatch, capsys):
+    from esftctl import cli
+
+    def esftctl(*args) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["esftctl", *map(str, args)])
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        out, err = capsys.readouterr()
+        return stop.value.code, out, err
+
+    monkeypatch.delenv("ESFTCTL_API_KEY", raising=False)
+    with KeyedServer() as fake:
+        code, _, err = esftctl("adapters", "list", "--url", fake.url)
+        assert code == 1 and err.count("\n") == 1, err
+        assert "HTTP 401" in err and "give the server's API key (--api-key or $ESFTCTL_API_KEY)" in err, err
+        code, out, err = esftctl("adapters", "list", "--url", fake.url, "--api-key", KEY, "--json")
+        assert code == 0 and json.loads(out)["models"] == ["base"], err
+        monkeypatch.setenv("ESFTCTL_API_KEY", KEY)  # the variable keeps the key out of `ps`
+        assert esftctl("adapters", "load", "a", tmp_path, "--url", fake.url)[0] == 0
+        assert esftctl("adapters", "unload", "a", "--url", fake.url)[0] == 0
+        assert fake.seen[-2:] == [("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path)}),
+                                  ("/v1/unload_lora_adapter", {"lora_name": "a"})]
+        code, _, err = esftctl("adapters", "list", "--url", fake.url, "--api-key", "wrong")
+        assert code == 1 and "the server refused this API key" in err, err
+        fake.shutdown()
+
+
+# ---- the whole path, on vLLM ---------------------------------------------------------------------------------
+
+
+def raw(url: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict | str]:
+    """One request, its HTTP status and decoded reply, without the client's error handling."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as reply:
+            code, text = reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        code, text = e.code, e.read().decode()
+    except (urllib.error.URLError, OSError) as e:  # nothing listens yet
+        return 0, str(e)
+    try:
+        return code, json.loads(text)
+    except ValueError:
+        return code, text
+
+
+@pytest.mark.vllm
+def test_a_server_with_a_key_and_an_adapter_root(world, tmp_path, monkeypatch):
+    """`esftctl serve --adapter-root ROOT` with the key in ESFTCTL_API_KEY: every unauthenticated request is 401,
+    esftctl's endpoints included; the authorised ones work, `esftctl adapters` with the key too; a load from outside
+    ROOT (directly or through a link) is 403; the key is on no process's command line."""
+    from esftctl.world.synthetic import write_synthetic_adapter
+
+    root = tmp_path / "root"
+    inside = write_synthetic_adapter(world.base_dir, root / "inside", "inside", seed=1, experts_per_layer=2)
+    outside = write_synthetic_adapter(world.base_dir, tmp_path / "outside", "outside", seed=2, experts_per_layer=2)
+    (root / "link").symlink_to(outside)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    proc = subprocess.Popen([sys.executable, "-m", "esftctl.cli", "serve", world.base_dir, "--name", "base",
+                             "--port", str(port), "--adapter-root", root, "--state-dir", tmp_path / "state", "--",
+                             *server_args(engine_settings())], env={**os.environ, "ESFTCTL_API_KEY": KEY},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline and raw(url, "/health", key=KEY)[0] != 200:
+            time.sleep(1)
+        assert raw(url, "/health", key=KEY)[0] == 200, proc.poll()
+        load = {"lora_name": "inside", "lora_path": str(inside)}
+        completion = {"model": "base", "prompt": "1", "max_tokens": 1}
+        for key in (None, "wrong"):
+            assert raw(url, "/esftctl/status", key=key)[0] == 401
+            assert raw(url, "/v1/load_lora_adapter", load, key=key)[0] == 401
+            assert raw(url, "/v1/unload_lora_adapter", {"lora_name": "inside"}, key=key)[0] == 401
+            assert raw(url, "/v1/completions", completion, key=key)[0] == 401
+            assert raw(url, "/v1/models", key=key)[0] == 401 and raw(url, "/health", key=key)[0] == 401
+        status = raw(url, "/esftctl/status", key=KEY)[1]
+        assert status["adapters"] == []  # the unauthenticated load did nothing
+        for pid in (status["server_pid"], proc.pid):
+            assert KEY not in Path(f"/proc/{pid}/cmdline").read_text()
+
+        monkeypatch.delenv("ESFTCTL_API_KEY", raising=False)
+        listed = run_cli("adapters", "list", "--url", url, "--api-key", KEY, "--json")
+        assert listed.returncode == 0 and json.loads(listed.stdout)["models"] == ["base"], listed.stderr
+        monkeypatch.setenv("ESFTCTL_API_KEY", KEY)
+        run_cli("adapters", "load", "inside", inside, "--url", url, check=True)
+        code, reply = raw(url, "/v1/completions", {**completion, "model": "inside"}, key=KEY)
+        assert code == 200 and reply["choices"], reply
+        for name, path in (("outside", outside), ("linked", root / "link")):
+            refused = run_cli("adapters", "load", name, path, "--url", url)
+            assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+            assert f"loads adapters only from under {root}" in refused.stderr and "HTTP 403" in refused.stderr
+        run_cli("adapters", "unload", "inside", "--url", url, check=True)
+        assert [m["id"] for m in raw(url, "/v1/models", key=KEY)[1]["data"]] == ["base"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "serving at" in out
