@@ -28,6 +28,25 @@ from esftctl import native
 MAX_LENGTH = 12
 LANES = 32  # chunks that share a block of values: one warp's lanes
 GROUP = 16  # values a chunk takes in turn: a lane's vector of output
+MAX_CHUNK = 1 << 16  # values per chunk at most (native/huffman.h has the same): LANES * chunk stays far from overflow
+
+
+def check_chunk(chunk: object) -> int:
+    """`chunk` if it is a chunk size the coders take (a multiple of GROUP up to MAX_CHUNK), else ValueError."""
+    if type(chunk) is not int or not GROUP <= chunk <= MAX_CHUNK or chunk % GROUP:
+        raise ValueError(f"chunk size must be a multiple of {GROUP} from {GROUP} to {MAX_CHUNK}, not {chunk!r}")
+    return chunk
+
+
+def check_lengths(lengths: object) -> np.ndarray:
+    """Code lengths as a stored table gives them, if they describe a prefix code: 256 integers from 0 (unused)
+    to MAX_LENGTH whose Kraft sum is at most 1; else ValueError. A decoder's lookup tables are only right then."""
+    if not isinstance(lengths, list) or len(lengths) != 256 or any(
+            type(n) is not int or not 0 <= n <= MAX_LENGTH for n in lengths):
+        raise ValueError(f"a code table must be 256 code lengths from 0 to {MAX_LENGTH}")
+    if sum(1 << (MAX_LENGTH - n) for n in lengths if n) > 1 << MAX_LENGTH:
+        raise ValueError("code lengths that no prefix code has (Kraft sum above 1)")
+    return np.array(lengths, dtype=np.int64)
 
 
 def split_bf16(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,8 +186,7 @@ def chunk_layout(count: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     Chunk c of block b holds values b * LANES * chunk + g * LANES * GROUP + c * GROUP + j, for groups g
     and j < GROUP, that are below `count`; empty chunks at the end are left out.
     """
-    if chunk % GROUP:
-        raise ValueError(f"chunk size must be a multiple of {GROUP}")
+    check_chunk(chunk)
     blocks = -(-count // (LANES * chunk))
     index = (np.arange(blocks, dtype=np.int64)[:, None, None, None] * (LANES * chunk)
              + np.arange(LANES, dtype=np.int64)[None, :, None, None] * GROUP
@@ -200,8 +218,7 @@ def encode(symbols: np.ndarray, code: Code, chunk: int, threads: int | None = No
     lib = native.module()
     if lib is None:
         return encode_reference(symbols, code, chunk)
-    if chunk % GROUP:
-        raise ValueError(f"chunk size must be a multiple of {GROUP}")
+    check_chunk(chunk)
     data, starts = lib.encode(np.ascontiguousarray(symbols, dtype=np.uint8),
                               np.ascontiguousarray(code.lengths, dtype=np.uint8),
                               np.ascontiguousarray(code.codes(), dtype=np.uint64), chunk, native.threads(threads))
@@ -262,7 +279,9 @@ def decode_bf16(data: bytes | np.ndarray, offsets: np.ndarray, code: Code, chunk
 
 def decode(data: bytes, offsets: np.ndarray, count: int, code: Code, chunk: int) -> np.ndarray:
     """Decode `count` symbols; all chunks advance together, one symbol per step (vectorized over chunks): the
-    reference of the native decoder (about 33 M values/s)."""
+    reference of the native decoder (about 33 M values/s). Like it, a window that matches no code, or a chunk
+    that ends past its successor's start (the last: past the data's end), is ValueError; reads past the data
+    see zero bits."""
     out = np.zeros(count, dtype=np.uint8)
     if count == 0:
         return out
@@ -272,16 +291,24 @@ def decode(data: bytes, offsets: np.ndarray, count: int, code: Code, chunk: int)
     width = MAX_LENGTH
     table_sym, table_len = code.decode_table(width)
     buf = np.frombuffer(bytes(data) + b"\0\0\0\0", dtype=np.uint8).astype(np.uint32)
-    pos = offsets.astype(np.int64).copy()
+    pos = offsets.astype(np.uint64).astype(np.int64)
+    nbits = 8 * (len(buf) - 4)
+    if np.any(pos < 0) or np.any(pos > nbits):
+        raise ValueError("corrupt Huffman stream (a chunk starts past the data's end)")
+    limit = np.append(pos[1:], nbits)
     first = np.cumsum(lengths) - lengths
     stream = np.zeros(count, dtype=np.uint8)
     for step in range(int(lengths.max())):
         live = lengths > step
         p = pos[live]
-        byte = p >> 3
+        byte = np.minimum(p >> 3, len(buf) - 3)  # at the end: the last bytes, then zeros (pos > limit then)
         window = (buf[byte] << 16) | (buf[byte + 1] << 8) | buf[byte + 2]  # 24 bits >= 12 + 7
         peek = (window >> (24 - width - (p & 7)).astype(np.uint32)) & ((1 << width) - 1)
+        if not table_len[peek].all():
+            raise ValueError("corrupt Huffman stream (a code that does not exist)")
         stream[first[live] + step] = table_sym[peek]
         pos[live] = p + table_len[peek]
+    if np.any(pos > limit):
+        raise ValueError("corrupt Huffman stream (a chunk past its end)")
     out[order] = stream
     return out

@@ -11,7 +11,13 @@
 
 #define LANES 32 /* chunks that share a block of values */
 #define GROUP 16 /* values a chunk takes in turn */
+/* The largest chunk (esftctl.huffman.MAX_CHUNK): callers refuse larger ones before any chunk arithmetic, so that
+ * LANES * chunk and the indices below stay far from overflow (at 2**59 LANES * chunk wrapped to 0). */
+#define MAX_CHUNK (1 << 16)
 #define MAX_THREADS 256
+
+/* Whether `chunk` is a chunk size the coders take: a multiple of GROUP from GROUP to MAX_CHUNK. */
+static inline int chunk_ok(long long chunk) { return chunk >= GROUP && chunk <= MAX_CHUNK && chunk % GROUP == 0; }
 
 /* The first value of chunk k, and the end of its block: chunk k takes GROUP values every LANES * GROUP from
  * its first, up to the block's end or count. */

@@ -9,6 +9,7 @@
  * Chunks decode independently, so threads take contiguous ranges of chunks. A symbol is one lookup of the next
  * `width` bits (width >= the longest code) in a table of (symbol, code length). Reads past the stream's end see
  * zero bits; a window that matches no code, or a chunk that runs past its successor's start, is an error.
+ * A chunk size outside GROUP..MAX_CHUNK is refused before any arithmetic on it (huffman.h).
  *
  *   decode_bf16(data: buffer, offsets: buffer of uint64 chunk starting bits, count: int, symbols: buffer of
  *               2**width uint8, lengths: buffer of 2**width uint8, chunk: int, sign_mantissa: buffer of count
@@ -78,9 +79,9 @@ PyObject *huffman_decode_bf16(PyObject *self, PyObject *args) {
     DecodeJob *jobs = NULL;
     int width = 0;
     while (((Py_ssize_t)1 << width) < symbols.len) width++;
-    int64_t nchunks = count > 0 && chunk > 0 ? chunk_total(count, chunk) : 0;
-    if (chunk <= 0 || chunk % GROUP || count < 0) {
-        PyErr_SetString(PyExc_ValueError, "the chunk size must be a positive multiple of 16");
+    int64_t nchunks = chunk_ok(chunk) && count > 0 ? chunk_total(count, chunk) : 0; /* only for a chunk size in range */
+    if (!chunk_ok(chunk) || count < 0) {
+        PyErr_Format(PyExc_ValueError, "the chunk size must be a multiple of %d from %d to %d", GROUP, GROUP, MAX_CHUNK);
     } else if (((Py_ssize_t)1 << width) != symbols.len || symbols.len != lengths.len || width < 1 || width > 25) {
         PyErr_SetString(PyExc_ValueError, "decode tables must be two tables of 2**width entries, width 1 to 25");
     } else if (offsets.len != nchunks * 8) {

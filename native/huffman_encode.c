@@ -101,8 +101,9 @@ PyObject *huffman_encode(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     uint64_t *offsets = NULL, *words = NULL;
     EncodeJob *jobs = NULL;
-    if (len.len != 256 || cod.len != 256 * 8 || chunk <= 0 || chunk % GROUP) {
-        PyErr_SetString(PyExc_ValueError, "need 256 code lengths, 256 uint64 codes and a chunk multiple of 16");
+    if (len.len != 256 || cod.len != 256 * 8 || !chunk_ok(chunk)) {
+        PyErr_Format(PyExc_ValueError, "need 256 code lengths, 256 uint64 codes and a chunk size that is a multiple "
+                                       "of %d from %d to %d", GROUP, GROUP, MAX_CHUNK);
         goto done;
     }
     threads = clamp_threads(threads);

@@ -67,3 +67,23 @@ def test_native_decoder_refuses_a_corrupt_stream():
         decode_bf16(data, offsets[:-1], code, 64, sign_mantissa, out)
     with pytest.raises(ValueError, match="one uint16 of output per value"):
         decode_bf16(data, offsets, code, 64, sign_mantissa, out[:-1])
+
+
+@pytest.mark.parametrize("corrupt", ["starts past the end", "runs into its successor", "no such code"])
+def test_reference_decoder_refuses_what_the_native_one_does(corrupt):
+    """Where the package has no native decoder the numpy reference decodes: a corrupt stream must be the same
+    ValueError there (the store turns it into one line naming the file), never an IndexError or wrong values."""
+    bits = trained_like_bits(50, 1000, 3).reshape(-1)
+    data, offsets, code, sign_mantissa = _encoded(bits, 64)
+    if corrupt == "starts past the end":
+        offsets = offsets + np.uint64(8 * len(data) + 1)
+    elif corrupt == "runs into its successor":
+        offsets = offsets.copy()
+        offsets[1:] = offsets[:-1]
+    else:
+        code = build_code(np.eye(256, dtype=np.int64)[0])  # one symbol, code "0": a 1 bit is no code
+    out = np.empty(len(bits), dtype=np.uint16)
+    for decoder in (lambda: decode(data, offsets, len(bits), code, 64),
+                    lambda: decode_bf16(data, offsets, code, 64, sign_mantissa, out)):
+        with pytest.raises(ValueError, match="corrupt Huffman stream"):
+            decoder()

@@ -66,3 +66,24 @@ def test_native_split_gives_the_reference_bytes_and_histogram(n, threads):
     want_exponent, want_sign_mantissa = split_bf16(bits)
     assert np.array_equal(exponent, want_exponent) and np.array_equal(sign_mantissa, want_sign_mantissa)
     assert counts.dtype == np.int64 and np.array_equal(counts, np.bincount(want_exponent, minlength=256))
+
+
+def test_native_encoder_refuses_a_chunk_size_past_the_bound():
+    """LANES * chunk overflowed at 2**59 (SIGFPE, no message): the encoder refuses what the decoder refuses. In a
+    subprocess, so that a signal fails this test rather than the run."""
+    import subprocess
+    import sys
+
+    code = ("from esftctl import _native\n"
+            "for chunk in (1 << 59, 1 << 58, 65536 + 16, 8):\n"
+            "    try:\n"
+            "        _native.encode(bytes(40), bytes(256), bytes(2048), chunk, 1)\n"
+            "        print('encoded', chunk)\n"
+            "    except ValueError as e:\n"
+            "        print('refused', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert all(line.startswith("refused") and "from 16 to 65536" in line for line in proc.stdout.splitlines())
+    assert len(proc.stdout.splitlines()) == 4
+    with pytest.raises(ValueError, match="from 16 to 65536"):
+        encode(np.zeros(40, dtype=np.uint8), build_code(np.eye(256, dtype=np.int64)[0]), 1 << 59)
