@@ -22,13 +22,24 @@ streams from thrashing L1 (RESULTS.md has the measurements).
 The plain reference is the CPU decoder (esftctl.huffman.decode + join_bf16); the tests compare the two.
 A DecodePlan holds the descriptors on the device, so `run()` is one launch with no host work, and can be
 captured in a CUDA graph.
+
+The descriptors are device addresses, so a store's numbers must be checked before they become ones:
+`DecodePlan.build` refuses (ValueError) every segment that would make a lane read or write outside its buffers,
+the bounds the C decoder checks (a destination of exactly the tensor's values, the chunk count its size needs,
+chunk starts in order inside the data, the sign-and-mantissa bytes inside the data, a table that exists), and the
+kernel masks every word load past the data's end, so that no chunk offset makes it read outside the data.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from esftctl.huffman import GROUP, LANES, MAX_LENGTH
+from esftctl.huffman import GROUP, LANES, MAX_LENGTH, check_chunk, chunk_count, chunk_firsts
+
+MAX_COUNT = (1 << 31) - 1  # values per tensor at most: a lane counts the values left in int32
 
 try:
     import triton
@@ -45,8 +56,8 @@ try:
         return (((high.to(tl.uint64) << 32) | low.to(tl.uint64)) >> shift).to(tl.uint32)
 
     @triton.jit
-    def _decode_chunks_kernel(words_ptr, data_ptr, multi_ptr, bit_ptr, sm_ptr, dst_ptr, remaining_ptr, table_ptr,
-                              n_chunks, CHUNK: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
+    def _decode_chunks_kernel(words_ptr, n_words, data_ptr, multi_ptr, bit_ptr, sm_ptr, dst_ptr, remaining_ptr,
+                              table_ptr, n_chunks, CHUNK: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
                               BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr):
         tl.static_assert(GROUP == 16, "the queue holds a group of 16 values and the up to 3 decoded past it")
         tl.static_assert(STEPS * WIDTH <= 32, "one 32-bit refill must cover STEPS lookups in a 64-bit buffer")
@@ -60,7 +71,7 @@ try:
         n = tl.load(remaining_ptr + lanes, mask=ok, other=0)
         base = tl.load(table_ptr + lanes, mask=ok, other=0).to(tl.int64) << WIDTH
         word = bit >> 5
-        first = _bswap32(tl.load(words_ptr + word, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
+        first = _bswap32(tl.load(words_ptr + word, mask=ok & (word < n_words), other=0).to(tl.uint32)).to(tl.uint64)
         buf = (first << 32) << (bit & 31).to(tl.uint64)
         nbits = 32 - (bit & 31).to(tl.int32)
         word += 1
@@ -84,7 +95,9 @@ try:
             live = ok & (left > 0)
             while tl.max(tl.where(live, GROUP - queued, 0), axis=0) > 0:
                 need = live & (queued < GROUP) & (nbits < STEPS * WIDTH)
-                w = _bswap32(tl.load(words_ptr + word, mask=need, other=0).to(tl.uint32)).to(tl.uint64)
+                # Past the data's end (a corrupt stream's chunk runs on): zero bits, never a read outside it.
+                w = _bswap32(tl.load(words_ptr + word, mask=need & (word < n_words), other=0).to(tl.uint32))
+                w = w.to(tl.uint64)
                 buf = tl.where(need, buf | (w << (32 - nbits).to(tl.uint64)), buf)
                 nbits = tl.where(need, nbits + 32, nbits)
                 word = tl.where(need, word + 1, word)
@@ -126,6 +139,37 @@ except ImportError:
     triton = None
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One tensor to decode: each chunk's absolute starting bit in the data, where its sign-and-mantissa bytes
+    start in the data, its value count, its code table, and its destination."""
+
+    bits: np.ndarray  # int64, one per chunk
+    sm_offset: int
+    count: int
+    table: int
+    out: torch.Tensor
+
+
+def check_segment(s: Segment, *, chunk: int, data_bytes: int, tables: int, device: torch.device) -> None:
+    """ValueError unless decoding `s` stays inside its buffers: the kernel writes `count` values from the
+    destination's start, reads as many sign-and-mantissa bytes from `sm_offset`, and reads words from each chunk's
+    starting bit on (masked at the data's end)."""
+    out = s.out
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"destinations must be contiguous bf16 tensors on {device}")
+    if type(s.count) is not int or not 0 <= s.count <= MAX_COUNT or out.numel() != s.count:
+        raise ValueError(f"a destination of {out.numel()} values for a tensor of {s.count!r} (at most {MAX_COUNT})")
+    if len(s.bits) != chunk_count(s.count, chunk):
+        raise ValueError(f"{len(s.bits)} chunk offsets for {chunk_count(s.count, chunk)} chunks")
+    if len(s.bits) and (s.bits[0] < 0 or s.bits[-1] > 8 * data_bytes or np.any(np.diff(s.bits) < 0)):
+        raise ValueError("chunk offsets out of order or outside the data")
+    if type(s.sm_offset) is not int or s.sm_offset < 0 or s.sm_offset + s.count > data_bytes:
+        raise ValueError("sign-and-mantissa bytes outside the data")
+    if type(s.table) is not int or not 0 <= s.table < tables:
+        raise ValueError(f"code table {s.table!r} of {tables}")
+
+
 class DecodePlan:
     """Chunk descriptors for decoding a set of tensors into fixed destinations, ready on the device."""
 
@@ -134,6 +178,7 @@ class DecodePlan:
 
     def __init__(self, data: torch.Tensor, tables: torch.Tensor, chunk: int, descriptors: dict[str, torch.Tensor],
                  keepalive: list[torch.Tensor], aligned: bool = False):
+        """Descriptors as `build` makes them (which checks them against the buffers: build plans with it)."""
         if data.numel() % 4:
             raise ValueError("the data buffer must hold whole 32-bit words")
         self.data, self.tables, self.chunk = data, tables, chunk
@@ -144,12 +189,40 @@ class DecodePlan:
         # Vector loads and stores need every destination to start on a group boundary in memory.
         self.aligned = aligned
 
+    @classmethod
+    def build(cls, data: torch.Tensor, tables: torch.Tensor, chunk: int, segments: list[Segment]) -> "DecodePlan":
+        """A plan writing every segment into its destination in one launch: `data` the store's bytes on the device
+        (whole words), `tables` its multi-symbol tables ([tables, 2**MAX_LENGTH] int64). ValueError, before
+        anything reaches the device, for a segment that check_segment refuses."""
+        check_chunk(chunk)
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 4:
+            raise ValueError("the data buffer must be uint8 bytes in whole 32-bit words")
+        if tables.dim() != 2 or tables.shape[1] != 1 << MAX_LENGTH:
+            raise ValueError(f"decode tables must be [n, {1 << MAX_LENGTH}]")
+        bits, sm, dst, remaining, table = [], [], [], [], []
+        for s in segments:
+            check_segment(s, chunk=chunk, data_bytes=data.numel(), tables=tables.shape[0], device=data.device)
+            firsts = chunk_firsts(s.count, chunk)
+            # Each tensor's chunks start a warp: its lanes then read and write whole lines. Lanes that pad
+            # the last warp have no values.
+            pad = -len(firsts) % LANES
+            bits.append(np.pad(np.asarray(s.bits, dtype=np.int64), (0, pad)))
+            sm.append(np.pad(s.sm_offset + firsts, (0, pad)))
+            dst.append(np.pad(s.out.data_ptr() + 2 * firsts, (0, pad)))
+            remaining.append(np.pad((s.count - firsts).astype(np.int32), (0, pad)))
+            table.append(np.full(len(firsts) + pad, s.table, dtype=np.int32))
+        descriptors = {k: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).to(data.device)
+                       for k, v in (("bits", bits), ("sm", sm), ("dst", dst), ("remaining", remaining),
+                                    ("table", table))}
+        aligned = all(s.out.data_ptr() % (2 * GROUP) == 0 and s.sm_offset % GROUP == 0 for s in segments)
+        return cls(data, tables, chunk, descriptors, [s.out for s in segments], aligned)
+
     def run(self) -> None:
         if triton is None:
             raise RuntimeError("GPU decoding needs Triton")
         if self.n_chunks == 0:
             return
         _decode_chunks_kernel[(triton.cdiv(self.n_chunks, self.BLOCK),)](
-            self.words, self.data, self.tables, self.d["bits"], self.d["sm"], self.d["dst"], self.d["remaining"],
-            self.d["table"], self.n_chunks, CHUNK=self.chunk, WIDTH=MAX_LENGTH, GROUP=GROUP, BLOCK=self.BLOCK,
-            ALIGNED=self.aligned, STEPS=self.STEPS, num_warps=self.BLOCK // 32)
+            self.words, self.words.numel(), self.data, self.tables, self.d["bits"], self.d["sm"], self.d["dst"],
+            self.d["remaining"], self.d["table"], self.n_chunks, CHUNK=self.chunk, WIDTH=MAX_LENGTH, GROUP=GROUP,
+            BLOCK=self.BLOCK, ALIGNED=self.aligned, STEPS=self.STEPS, num_warps=self.BLOCK // 32)
