@@ -205,6 +205,7 @@ def export(
                                          "tensors (DeepSeek's loader takes every tensor of the modules an adapter "
                                          "trains: the unchanged ones come from the base)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write an adapter bundle in another tool's adapter format (esft: DeepSeek's ESFT code)."""
     from esftctl.esft_adapter import export_adapter
@@ -213,6 +214,9 @@ def export(
         raise EsftError(f"unknown format {fmt!r} (choose esft)")
     check_output(out, overwrite=overwrite, folder=True)
     config = export_adapter(bundle, out, base_dir=base, overwrite=overwrite)
+    if as_json:
+        _wrote(out, as_json, format=fmt, **config.to_json())
+        return
     counts = [len(ids) for ids in config.experts.values()]
     console.print(f"wrote {out}: {sum(counts)} experts over {len(counts)} MoE layers (per layer: "
                   f"{' '.join(map(str, counts))}), shared_experts {str(config.shared_experts).lower()}, "
@@ -288,11 +292,21 @@ def consolidate(
 
     from esftctl.checkpoint import MoECheckpoint
     from esftctl.consolidate import consolidate as do_consolidate
+    from esftctl.units import format_bytes
 
     budget_bytes = _parse_bytes(budget, "--budget") if budget is not None else None
     check_output(out, overwrite=overwrite, folder=True)
+    first = MoECheckpoint(models[0])
+    positions = len(first.moe_layers) * first.num_experts
+    if capacity is not None and capacity > positions:  # a mistake (another model? experts per layer?), not a wish
+        raise EsftError(f"--capacity {capacity}: the variants have {positions} expert positions "
+                        f"({len(first.moe_layers)} MoE layers x {first.num_experts} experts); give 0..{positions}")
+    if budget_bytes is not None and budget_bytes >= positions * first.expert_nbytes:  # more memory than needed
+        err_console.print(f"note: --budget {budget} holds all {positions} expert positions "
+                          f"({format_bytes(positions * first.expert_nbytes)}): capacity {positions}")
+        capacity, budget_bytes = positions, None
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("distances", total=len(MoECheckpoint(models[0]).moe_layers))
+        task = progress.add_task("distances", total=len(first.moe_layers))
         emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite,
                                          on_layer=lambda layer: progress.advance(task))
     if as_json:
@@ -360,7 +374,7 @@ def serve(
                                                                    "(repeat for more)."),
     name: str = typer.Option(None, help="The base model's name in requests (default: the folder's name)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
-    port: int = typer.Option(8000, help="Port to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on (1-65535)."),
     slots: int = typer.Option(None, min=1, help="Adapters resident at once (default: the given ones + 2, at "
                                                 "least 4)."),
     experts_per_slot: int = typer.Option(None, min=1, help="Expert rows reserved per slot and layer, pooled: a "
@@ -526,11 +540,12 @@ def _tensor_progress(what: str, total: int):
         yield lambda name: progress.advance(task)
 
 
-def _wrote(out: Path, as_json: bool) -> None:
-    """The last line of a command that writes a folder: its path, or for scripts its path and files as JSON."""
+def _wrote(out: Path, as_json: bool, **fields) -> None:
+    """The last line of a command that writes a folder: its path, or for scripts its path and files as JSON (and
+    the command's own `fields`)."""
     if as_json:
         files = sorted(p for p in out.rglob("*") if p.is_file())
-        print(json.dumps({"out": str(out), "files": [str(p.relative_to(out)) for p in files],
+        print(json.dumps({**fields, "out": str(out), "files": [str(p.relative_to(out)) for p in files],
                           "bytes": sum(p.stat().st_size for p in files)}, indent=1))
     else:
         console.print(f"wrote {out}")

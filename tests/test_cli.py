@@ -43,6 +43,14 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_port_out_of_range_is_one_line(world):
+    """Issue 32, item 12: `serve --port 70000` and `--port -5` ended in a traceback (OverflowError from bind)."""
+    for port in ("70000", "-5", "0"):
+        proc = run_cli("serve", world.base_dir, "--port", port)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip() == f"error: --port {port}: choose a port in 1..65535", proc.stderr
+
+
 def test_adapters_with_a_url_that_is_not_one_is_one_line(tmp_path):
     for args in (("adapters", "list"), ("adapters", "load", "a", tmp_path), ("adapters", "unload", "a")):
         proc = run_cli(*args, "--url", "notaurl")
@@ -68,11 +76,16 @@ def test_compress_of_a_float32_model_names_the_model(tiny_models, tmp_path):
 
 
 def test_one_name_rule_for_pack_serve_and_load(world, tmp_path):
-    """Issue 18, item 5: a name with a space is refused alike by pack, serve and adapters load, in one line."""
+    """Issue 18, item 5: a name with a space is refused alike by pack, serve and adapters load, in one line. Issue 32,
+    item 12: so is a name starting with '-' (vLLM read `--lora-modules -dash=PATH` as an option, 18 s later)."""
     for args in (("pack", world.base_dir, world.base_dir, "--out", tmp_path / "b", "--name", "a b"),
+                 ("pack", world.base_dir, world.base_dir, "--out", tmp_path / "b", "--name", "-dash"),
                  ("serve", world.base_dir, "--adapter", f"a b={tmp_path}"),
+                 ("serve", world.base_dir, "--adapter", f"-dash={tmp_path}"),
                  ("serve", world.base_dir, "--name", "my base"),
-                 ("adapters", "load", "a b", tmp_path, "--url", "http://127.0.0.1:9")):
+                 ("serve", world.base_dir, "--name", ".."),
+                 ("adapters", "load", "a b", tmp_path, "--url", "http://127.0.0.1:9"),
+                 ("adapters", "load", "--url", "http://127.0.0.1:9", "--", "-dash", tmp_path)):
         proc = run_cli(*args)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert "use 1-128 letters, digits, '.', '_' and '-'" in proc.stderr, (args, proc.stderr)
@@ -164,15 +177,18 @@ def test_sigterm_during_a_write_leaves_nothing(world, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_explicit_cpu_kv_cache_wins_over_the_environment(world, monkeypatch):
+def test_explicit_cpu_kv_cache_wins_over_the_environment(world, monkeypatch, tmp_path):
     """Issue 18, item 12: --cpu-kv-cache-gib beats VLLM_CPU_KVCACHE_SPACE; without it the variable holds."""
     from esftctl.serve import free_port, plan
 
+    def env(**options):
+        return plan(world.base_dir, [], port=free_port(), state_dir=tmp_path, **options).env()
+
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
-    assert plan(world.base_dir, [], port=free_port(), cpu_kv_cache_gib=2.5).env()["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
-    assert plan(world.base_dir, [], port=free_port()).env()["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    assert env(cpu_kv_cache_gib=2.5)["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
+    assert env()["VLLM_CPU_KVCACHE_SPACE"] == "7"
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
-    assert plan(world.base_dir, [], port=free_port()).env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_pack_on_the_wrong_base_says_so(world, tmp_path):
@@ -281,6 +297,26 @@ def test_json_for_scripts_on_every_writing_command(world, tmp_path):
     run_cli("compress", bundle, "--out", tmp_path / "st", check=True)
     assert js("decompress", tmp_path / "st", "--out", tmp_path / "back")["files"] == ["experts.safetensors",
                                                                                        "manifest.json"]
+    exported = js("export", bundle, "--format", "esft", "--out", tmp_path / "esft")  # issue 32, item 12
+    assert exported["files"] == ["expert_cfg.json", "model.safetensors"] and exported["format"] == "esft"
+    assert [len(ids) for ids in exported["experts"].values()] == [1, 1, 1]
+
+
+def test_consolidate_capacity_beyond_the_positions(world, tmp_path):
+    """Issue 32, item 12: `--capacity 10000` was recorded as given. More positions than the variants have is refused
+    before any work (a mistake: another model, or experts per layer); a budget above all of them is a memory limit
+    that happens to be generous, so it loads every position and says so."""
+    from esftctl.world.synthetic import write_synthetic_variant
+
+    v = [write_synthetic_variant(world.base_dir, tmp_path / f"v{i}", seed=i, experts_per_layer=2) for i in range(2)]
+    proc = run_cli("consolidate", *v, "--capacity", "10000", "--out", tmp_path / "map")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("--capacity 10000: the variants have 192 expert positions (3 MoE layers x 64 experts); give 0..192"
+            in proc.stderr), proc.stderr
+    assert not (tmp_path / "map").exists()
+    proc = run_cli("consolidate", *v, "--budget", "1GiB", "--out", tmp_path / "map", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["capacity"] == 192 and "holds all 192 expert positions" in proc.stderr
 
 
 def test_readme_points_only_at_files_in_the_repository():

@@ -369,7 +369,7 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     # write: the engine refuses at start-up, and the CLI reports that one line.
     run_cli("compress", world.base_dir, "--out", tmp_path / "base_store", check=True)
     proc = run_cli("serve", world.base_dir, "--paging-window", "1", "--paging-store", tmp_path / "base_store",
-                   "--port", str(free_port()), "--", *ENGINE_ARGS)
+                   "--port", str(free_port()), "--state-dir", tmp_path / "state", "--", *ENGINE_ARGS)  # its log
     assert proc.returncode == 1 and "keeps its own" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}", "--slots", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
