@@ -27,7 +27,7 @@ from esftctl.huffman import (
     join_bf16,
     split_bf16,
 )
-from esftctl.store import ExpertStore, SourceTensor, compress, decompress, write_store
+from esftctl.store import ExpertStore, SourceTensor, compress, decompress, header_hash, write_store
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -167,6 +167,10 @@ def test_corrupted_truncated_and_wrong_inputs(world, tmp_path):
     with pytest.raises(EsftError, match="store.json: store version 1 is not supported .*compress the model again"):
         ExpertStore(old)
     (old / "store.json").write_text(json.dumps({**header, "lanes": 64}))
+    with pytest.raises(EsftError, match="store.json: header checksum mismatch"):
+        ExpertStore(old)
+    relaid = {**header, "lanes": 64}
+    (old / "store.json").write_text(json.dumps({**relaid, "header_sha256": header_hash(relaid)}))
     with pytest.raises(EsftError, match="store.json: chunks laid out for 64 lanes"):
         ExpertStore(old)
     with pytest.raises(EsftError, match="only bf16"):

@@ -63,3 +63,42 @@ def test_one_launch_into_virtual_tensor_rows_and_graph_replay(tmp_path):
         assert torch.equal(layer.w2.tensor[x].cpu(), ew.down)
     layer.close()
     pool.trim()
+
+
+def test_gpu_decoder_stays_inside_its_buffers(tmp_path):
+    """Issue 32: a crafted store made the kernel write 512 values past its destination. On the device: segments
+    that would read or write outside their buffers are refused before a launch; chunks that start at the data's very
+    end (their loads masked) write the tensor's values and not one past them; the issue's store (count 2112 for a
+    [40, 40] tensor, checksums recomputed) is refused on opening."""
+    import numpy as np
+    from test_untrusted_stores import TENSORS, _segment, _write
+
+    from esftctl.errors import EsftError
+    from esftctl.kernels.huffman_decode import DecodePlan
+    from esftctl.store import ExpertStore
+
+    store = ExpertStore(_write(tmp_path / "s"))
+    data, tables = store.to_device(torch.device("cuda"))
+    guard = 64
+    for case in ("exact", "chunks at the data's end", "chunks at the stream's end"):
+        buffer = torch.full((1600 + 2 * guard,), 7.0, dtype=torch.bfloat16, device="cuda")
+        out = buffer[guard:guard + 1600].view(40, 40)
+        segment = _segment(store, "c", out=out)
+        if case != "exact":
+            end = 8 * data.numel() if case == "chunks at the data's end" else int(segment.bits[-1]) + 1
+            segment = _segment(store, "c", out=out, bits=np.full(len(segment.bits), end, dtype=np.int64))
+        DecodePlan.build(data, tables, store.chunk, [segment]).run()
+        torch.cuda.synchronize()
+        assert (buffer[:guard] == 7.0).all() and (buffer[-guard:] == 7.0).all(), case
+        if case == "exact":
+            assert torch.equal(out.cpu().view(torch.int16), TENSORS["c"].view(torch.int16))
+    good = _segment(store, "c", out=torch.empty(40, 40, dtype=torch.bfloat16, device="cuda"))
+    for bad in (_segment(store, "c", out=good.out, count=2112),
+                _segment(store, "c", out=good.out, bits=good.bits + 8 * data.numel()),
+                _segment(store, "c", out=good.out, sm_offset=data.numel() - 1000),
+                _segment(store, "c", out=torch.empty(40, 40, dtype=torch.bfloat16))):  # on the host
+        with pytest.raises(ValueError):
+            DecodePlan.build(data, tables, store.chunk, [good, bad])
+    store.tensors["c"] = {**store.tensors["c"], "count": 2112}
+    with pytest.raises(EsftError, match="a destination of 1600 values for a tensor of 2112"):
+        store.plan([("c", good.out)])
