@@ -8,6 +8,7 @@ are read one at a time through memory maps, so a 16B model is never loaded whole
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,13 +17,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from esftctl.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
-from esftctl.jsonfile import read_json
+from esftctl.jsonfile import open_regular, read_json
 from esftctl.units import format_ranges
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,7 +30,8 @@ SINGLE_FILE = "model.safetensors"
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                  "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+                 "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -77,19 +78,95 @@ class ExpertWeights:
         return all(torch.equal(a, getattr(other, w)) for w, a in self.items())
 
 
-def _read_header(file: Path) -> dict[str, TensorInfo]:
+HEADER_LIMIT = 100 << 20  # bytes of a safetensors JSON header (safetensors' own limit)
+
+
+def _header_error(why: str, file: Path) -> EsftError:
+    return EsftError(f"not a readable safetensors file (corrupted or truncated: {why})", file)
+
+
+def _pread_all(fd: int, into: memoryview, offset: int, what: str, file: Path) -> None:
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n == 0:
+            raise EsftError(f"the file ends inside {what} (truncated?)", file)
+        done += n
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """A safetensors file's tensors, from its header validated as the format requires before anything trusts
+    it: a bounded JSON object of known dtypes, shapes of non-negative integers, and byte ranges of exactly each
+    tensor's size that tile the data section, which ends where the file ends. Nothing is mapped."""
+    fd = open_regular(file)
     try:
-        with safe_open(file, framework="pt") as f:  # validates the whole header against the file
-            described = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
-    except FileNotFoundError:
-        raise EsftError("missing safetensors shard", file) from None
-    except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
-        raise EsftError(f"not a readable safetensors file ({one_line(e)})", file) from None
-    with open(file, "rb") as f:  # byte offsets, which safetensors does not hand out: u64 header length, the
-        length = int.from_bytes(f.read(8), "little")  # JSON header, then the data its offsets count from
-        header = json.loads(f.read(length))
-    return {name: TensorInfo(file, shape, dtype, 8 + length + header[name]["data_offsets"][0])
-            for name, (shape, dtype) in described.items()}
+        size = os.fstat(fd).st_size
+        head = bytearray(8)
+        if size < 8:
+            raise _header_error(f"{size} bytes", file)
+        _pread_all(fd, memoryview(head), 0, "the header", file)
+        length = int.from_bytes(head, "little")
+        if length > min(HEADER_LIMIT, size - 8):
+            raise _header_error(f"a header of {length} bytes in a file of {size}", file)
+        raw = bytearray(length)
+        _pread_all(fd, memoryview(raw), 8, "the header", file)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise _header_error(f"header is not JSON: {one_line(e, 80)}", file) from None
+    if not isinstance(header, dict):
+        raise _header_error("header is not a JSON object", file)
+    infos, ranges = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, offsets = (entry.get(k) if isinstance(entry, dict) else None
+                                 for k in ("dtype", "shape", "data_offsets"))
+        if dtype not in TORCH_DTYPES or not isinstance(shape, list) or not (
+                isinstance(offsets, list) and len(offsets) == 2
+                and all(type(v) is int and v >= 0 for v in [*shape, *offsets])):
+            raise _header_error(f"tensor {name[:100]!r} has no known dtype, shape and byte range", file)
+        if offsets[1] - offsets[0] != math.prod(shape) * TORCH_DTYPES[dtype].itemsize:
+            raise _header_error(f"tensor {name[:100]!r}: bytes {offsets} for {dtype} {shape}", file)
+        ranges.append(offsets)
+        infos[name] = TensorInfo(file, tuple(shape), dtype, 8 + length + offsets[0])
+    end = 0
+    for begin, stop in sorted(ranges):
+        if begin != end:
+            raise _header_error("tensors overlap or leave gaps", file)
+        end = stop
+    if 8 + length + end != size:
+        raise _header_error(f"its tensors end at byte {8 + length + end}, the file at {size}", file)
+    return infos
+
+
+def _read_header(file: Path) -> dict[str, TensorInfo]:
+    """read_header of a checkpoint's shard, one that is missing named as such."""
+    if not os.path.lexists(file):
+        raise EsftError("missing safetensors shard", file)
+    return read_header(file)
+
+
+def read_stored_bytes(info: TensorInfo, into: memoryview, start: int = 0, *, name: str) -> None:
+    """Fill `into` with tensor `name`'s bytes as stored, from byte `start` of the tensor on: read, not mapped
+    (a mapped tensor keeps its whole file mapped: a merge held a shard's mapping per tensor), so memory stays
+    what the tensors hold, and Ctrl-C is a KeyboardInterrupt, not a read error."""
+    if start + len(into) > info.nbytes:
+        raise ValueError(f"bytes {start}..{start + len(into)} outside {name!r} ({info.nbytes} bytes)")
+    fd = open_regular(info.file)
+    try:
+        _pread_all(fd, into, info.offset + start, f"tensor {name!r}", info.file)
+    finally:
+        os.close(fd)
+
+
+def read_stored(info: TensorInfo, *, name: str) -> torch.Tensor:
+    """Tensor `name` as a new tensor of its own memory (read_stored_bytes)."""
+    t = torch.empty(info.shape, dtype=info.torch_dtype)
+    read_stored_bytes(info, memoryview(t.reshape(-1).view(torch.uint8).numpy()), name=name)
+    return t
 
 
 class MoECheckpoint:
@@ -184,28 +261,12 @@ class MoECheckpoint:
         info = self.tensors.get(name)
         if info is None:
             raise EsftError(f"no tensor named {name!r}", self.path)
-        try:
-            with safe_open(info.file, framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception as e:
-            raise EsftError(f"cannot read tensor {name!r} ({one_line(e)})", info.file) from None
+        return read_stored(info, name=name)
 
     def read_bytes(self, name: str, into: memoryview, start: int = 0) -> None:
         """Fill `into` with the tensor's bytes as stored, from byte `start` of the tensor on: no tensor made, and no
         header parsed (`esftctl pack` compares a fine-tune with its base this way)."""
-        info = self.tensors[name]
-        if start + len(into) > info.nbytes:
-            raise ValueError(f"bytes {start}..{start + len(into)} outside {name!r} ({info.nbytes} bytes)")
-        fd = os.open(info.file, os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(into):
-                n = os.preadv(fd, [into[done:]], info.offset + start + done)
-                if n == 0:
-                    raise EsftError(f"the file ends inside tensor {name!r} (truncated?)", info.file)
-                done += n
-        finally:
-            os.close(fd)
+        read_stored_bytes(self.tensors[name], into, start, name=name)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Ask the kernel to start reading these tensors into the page cache now (it returns at once), so that

@@ -43,20 +43,18 @@ their modules from the base (its strict load needs them), so `--base` is needed 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from esftctl.architectures import EXPERT_WEIGHTS, architecture_for
 from esftctl.atomic import atomic_dir
 from esftctl.bundle import Bundle, write_bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, TensorInfo, _read_header
-from esftctl.errors import EsftError, one_line
+from esftctl.checkpoint import ExpertWeights, MoECheckpoint, TensorInfo, _read_header, read_stored
+from esftctl.errors import EsftError
 from esftctl.pack import PackReport
 from esftctl.selection import ExpertConfig
 
@@ -92,25 +90,18 @@ def _names(base: MoECheckpoint) -> tuple[dict[str, tuple[int, int, str]], set[st
 def _read_tensors(entries: dict[str, tuple[str, TensorInfo]], base: MoECheckpoint) -> dict[str, torch.Tensor]:
     """{checkpoint name: tensor in the base's dtype} for entries {checkpoint name: (adapter key, its info)}."""
     out = {}
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for name, (key, info) in sorted(entries.items()):
-            try:
-                if info.file not in handles:
-                    handles[info.file] = stack.enter_context(safe_open(info.file, framework="pt"))
-                t = handles[info.file].get_tensor(key)
-            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-                raise EsftError(f"cannot read tensor {key!r} ({one_line(e)})", info.file) from None
-            want = base.tensors[name]
-            if info.dtype != want.dtype:
-                converted = t.to(want.torch_dtype)
-                inexact = int((converted.to(t.dtype) != t).sum())
-                if inexact:
-                    raise EsftError(f"tensor {key!r} is {info.dtype} and {inexact} of its {t.numel()} values do not "
-                                    f"convert exactly to the base's {want.dtype}: convert it yourself if rounding "
-                                    "is intended", info.file)
-                t = converted
-            out[name] = t
+    for name, (key, info) in sorted(entries.items()):
+        t = read_stored(info, name=key)
+        want = base.tensors[name]
+        if info.dtype != want.dtype:
+            converted = t.to(want.torch_dtype)
+            inexact = int((converted.to(t.dtype) != t).sum())
+            if inexact:
+                raise EsftError(f"tensor {key!r} is {info.dtype} and {inexact} of its {t.numel()} values do not "
+                                f"convert exactly to the base's {want.dtype}: convert it yourself if rounding "
+                                "is intended", info.file)
+            t = converted
+        out[name] = t
     return out
 
 
