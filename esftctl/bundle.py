@@ -17,26 +17,38 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+import os
+import re
+import reprlib
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from esftctl import __version__
 from esftctl.architectures import EXPERT_WEIGHTS
 from esftctl.atomic import atomic_dir
-from esftctl.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint
-from esftctl.errors import EsftError, one_line
-from esftctl.jsonfile import read_json
+from esftctl.checkpoint import (
+    TORCH_DTYPES,
+    ExpertWeights,
+    MoECheckpoint,
+    TensorInfo,
+    read_header,
+    read_stored,
+    read_stored_bytes,
+)
+from esftctl.errors import EsftError
+from esftctl.jsonfile import check_regular, read_json
 from esftctl.names import check_name
+from esftctl.units import format_ranges
 
 BUNDLE_FORMAT = "esftctl-adapter"
 BUNDLE_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_FILE = "experts.safetensors"
+MANIFEST_LIMIT = 16 << 20  # bytes; a 60-layer model with every expert listed writes about 100 KB
 NON_EXPERT_PREFIX = "non_expert."
 
 
@@ -44,18 +56,22 @@ def expert_tensor_name(layer: int, expert: int, weight: str) -> str:
     return f"layers.{layer}.experts.{expert}.{weight}"
 
 
+HASH_CHUNK = 16 << 20  # bytes read at a time while hashing
+
+
 def tensors_sha256(path: Path) -> str:
-    """SHA-256 over a safetensors file's tensors: name, dtype, shape and bytes of each, in name order."""
+    """SHA-256 over a safetensors file's tensors: name, dtype, shape and bytes of each, in name order (the bytes
+    read a chunk at a time)."""
+    tensors = read_header(path)
     h = hashlib.sha256()
-    try:
-        with safe_open(path, framework="pt") as f:
-            for name in sorted(f.keys()):
-                t = f.get_tensor(name).contiguous()
-                h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    except Exception as e:
-        raise EsftError(f"corrupted or truncated: not a readable safetensors file "
-                        f"({one_line(e, 120)})", path) from None
+    buffer = memoryview(bytearray(HASH_CHUNK))
+    for name in sorted(tensors):
+        info = tensors[name]
+        h.update(f"{name}|{info.torch_dtype}|{list(info.shape)}|".encode())
+        for start in range(0, info.nbytes, HASH_CHUNK):
+            chunk = buffer[:min(HASH_CHUNK, info.nbytes - start)]
+            read_stored_bytes(info, chunk, start, name=name)
+            h.update(chunk)
     return h.hexdigest()
 
 
@@ -99,40 +115,164 @@ def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, d
     return out
 
 
+def _short(value: object) -> str:
+    """A manifest value for a message: reprlib's bounds on nesting, digits and items, then 60 characters."""
+    text = reprlib.repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Fields:
+    """Type and range checks of one manifest's fields, each refusal one line naming the manifest."""
+
+    def __init__(self, file: Path):
+        self.file = file
+
+    def fail(self, what: str, value: object, want: str) -> EsftError:
+        return EsftError(f"manifest field {what} must be {want}, not {_short(value)}", self.file)
+
+    def get(self, d: dict, key: str, where: str = "") -> object:
+        if key not in d:
+            raise EsftError(f"manifest has no {where}{key!r}", self.file)
+        return d[key]
+
+    def int(self, value: object, what: str, lo: int, hi: int) -> int:
+        if type(value) is not int or not lo <= value <= hi:  # type(): True is an int to isinstance
+            raise self.fail(what, value, f"an integer from {lo} to {hi}")
+        return value
+
+    def str(self, value: object, what: str, limit: int = 1024) -> str:
+        if not isinstance(value, str) or not 0 < len(value) <= limit:
+            raise self.fail(what, value, f"a string of 1-{limit} characters")
+        return value
+
+    def dict(self, value: object, what: str) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(what, value, "an object")
+        return value
+
+    def distinct_ints(self, value: object, what: str, lo: int, hi: int) -> list[int]:
+        if not isinstance(value, list):
+            raise self.fail(what, value, "a list")
+        ids = [self.int(v, f"{what}[{k}]", lo, hi) for k, v in enumerate(value)]
+        if len(set(ids)) != len(ids):
+            raise self.fail(what, value, "a list without repeats")
+        return ids
+
+
+MAX_COUNT = 1 << 20  # layers, experts, and vocabulary entries (real models: hundreds; hundreds of thousands)
+MAX_DIM = 1 << 31
+
+
+def _check_base(base: object, fields: _Fields) -> dict:
+    base = fields.dict(base, "base")
+    for key in ("architecture", "model_type", "expert_dtype", "fingerprint"):
+        fields.str(fields.get(base, key, "base."), f"base.{key}", 128)
+    if base["expert_dtype"] not in TORCH_DTYPES:
+        raise fields.fail("base.expert_dtype", base["expert_dtype"], f"one of {', '.join(TORCH_DTYPES)}")
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", base["fingerprint"]):
+        raise fields.fail("base.fingerprint", base["fingerprint"], "'sha256:' and 64 hex digits")
+    layers = fields.int(fields.get(base, "num_layers", "base."), "base.num_layers", 1, MAX_COUNT)
+    experts = fields.int(fields.get(base, "num_experts", "base."), "base.num_experts", 1, MAX_COUNT)
+    fields.int(fields.get(base, "top_k", "base."), "base.top_k", 1, experts)
+    for key in ("hidden_size", "moe_intermediate_size"):
+        fields.int(fields.get(base, key, "base."), f"base.{key}", 1, MAX_DIM)
+    if fields.get(base, "vocab_size", "base.") is not None:
+        fields.int(base["vocab_size"], "base.vocab_size", 1, MAX_COUNT)
+    moe = fields.distinct_ints(fields.get(base, "moe_layers", "base."), "base.moe_layers", 0, layers - 1)
+    if not moe or moe != sorted(moe):
+        raise fields.fail("base.moe_layers", moe, "a non-empty list in increasing order")
+    return base
+
+
+def _check_manifest(m: object, fields: _Fields) -> dict:
+    """Every field of a manifest type- and range-checked, ids against the declared base, shapes its shapes."""
+    if not isinstance(m, dict) or m.get("format") != BUNDLE_FORMAT:
+        raise EsftError(f"not an esftctl adapter manifest (format is not {BUNDLE_FORMAT!r})", fields.file)
+    if type(m.get("version")) is not int or m["version"] != BUNDLE_VERSION:
+        raise EsftError(f"bundle format version {_short(m.get('version'))} is not supported (this esftctl reads "
+                        f"{BUNDLE_VERSION})", fields.file)
+    name = fields.get(m, "name")
+    if not isinstance(name, str):
+        raise fields.fail("name", name, "a string")
+    try:
+        check_name(name)
+    except EsftError as e:
+        raise EsftError(f"manifest {e}", fields.file) from None
+    if "created_by" in m:
+        fields.str(m["created_by"], "created_by")
+    base = _check_base(fields.get(m, "base"), fields)
+    if fields.get(m, "dtype") != base["expert_dtype"]:
+        raise fields.fail("dtype", m["dtype"], f"the base's expert dtype {base['expert_dtype']!r}")
+    h, i = base["hidden_size"], base["moe_intermediate_size"]
+    want = {"gate": [i, h], "up": [i, h], "down": [h, i]}
+    if fields.get(m, "shapes") != want:
+        raise fields.fail("shapes", m["shapes"], f"the base's expert shapes {want}")
+    experts = fields.dict(fields.get(m, "experts"), "experts")
+    layers = {str(layer) for layer in base["moe_layers"]}
+    for layer, ids in experts.items():
+        if layer not in layers:
+            raise fields.fail("experts", layer, f"keyed by the base's MoE layers ({format_ranges(base['moe_layers'])})")
+        fields.distinct_ints(ids, f"experts[{layer}]", 0, base["num_experts"] - 1)
+    names = m.get("non_expert_tensors", [])
+    if not isinstance(names, list):
+        raise fields.fail("non_expert_tensors", names, "a list")
+    for k, n in enumerate(names):
+        fields.str(n, f"non_expert_tensors[{k}]")
+    if len(set(names)) != len(names):
+        raise fields.fail("non_expert_tensors", names, "a list without repeats")
+    fields.str(fields.get(m, "file"), "file", 255)
+    if not re.fullmatch(r"[0-9a-f]{64}", fields.str(fields.get(m, "tensors_sha256"), "tensors_sha256", 64)):
+        raise fields.fail("tensors_sha256", m["tensors_sha256"], "64 hex digits")
+    return m
+
+
+def data_file_of(folder: Path, manifest: dict, manifest_file: Path) -> Path:
+    """The data file a manifest names: a plain name of a regular file in the bundle folder. The refusal of a
+    name that leaves the folder (absolute, '..', a link out) says nothing about what lies outside."""
+    name = manifest.get("file")
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise EsftError(f"manifest field file must name a file in the bundle folder, not {_short(name)}",
+                        manifest_file)
+    path = folder / name
+    if path.resolve().parent != folder.resolve():
+        raise EsftError(f"manifest field file {name!r} is a link out of the bundle folder", manifest_file)
+    check_regular(path)
+    return path
+
+
+def bundle_files(path: str | Path) -> tuple[Path, Path]:
+    """(manifest, data file it names) of a bundle folder, the data file checked as data_file_of does."""
+    manifest_file = Path(path) / MANIFEST
+    m = read_json(manifest_file, MANIFEST_LIMIT)
+    if not isinstance(m, dict):
+        raise EsftError("not an esftctl adapter manifest (not a JSON object)", manifest_file)
+    return manifest_file, data_file_of(Path(path), m, manifest_file)
+
+
 @dataclass
 class Bundle:
-    """An opened, verified adapter bundle (checksum, header, tensor names, shapes and dtypes all checked)."""
+    """An opened, verified adapter bundle (manifest fields, data file, checksum, header, tensor names, shapes and
+    dtypes all checked)."""
 
     path: Path
     manifest: dict
+    tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)  # the data file's, by name
 
     @classmethod
     def open(cls, path: str | Path) -> "Bundle":
         path = Path(path)
         manifest_file = path / MANIFEST
-        if not manifest_file.exists():
+        if not os.path.lexists(manifest_file):
             raise EsftError(f"not an adapter bundle (no {MANIFEST})", path)
-        m = read_json(manifest_file)
-        if not isinstance(m, dict) or m.get("format") != BUNDLE_FORMAT:
-            raise EsftError(f"not an esftctl adapter manifest (format is not {BUNDLE_FORMAT!r})", manifest_file)
-        if m.get("version") != BUNDLE_VERSION:
-            raise EsftError(f"bundle format version {m.get('version')!r} is not supported (this esftctl reads "
-                            f"{BUNDLE_VERSION})", manifest_file)
-        for key in ("name", "base", "dtype", "shapes", "experts", "file", "tensors_sha256"):
-            if key not in m:
-                raise EsftError(f"manifest has no {key!r}", manifest_file)
+        m = _check_manifest(read_json(manifest_file, MANIFEST_LIMIT), _Fields(manifest_file))
         bundle = cls(path, m)
-        bundle._verify()
+        bundle._verify(data_file_of(path, m, manifest_file))
         return bundle
 
-    def _verify(self) -> None:
-        data = self.data_file
-        if not data.exists():
-            raise EsftError("missing bundle data file", data)
-        if tensors_sha256(data) != self.manifest["tensors_sha256"]:
-            raise EsftError("checksum mismatch: the file is corrupted or truncated", data)
-        with safe_open(data, framework="pt") as f:
-            header = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
+    def _verify(self, data: Path) -> None:
+        """The data file's tensors are exactly the manifest's, then its bytes are the ones packed (checksum)."""
+        self.tensors = read_header(data)
+        header = {n: (info.shape, info.dtype) for n, info in self.tensors.items()}
         shapes = {w: tuple(s) for w, s in self.manifest["shapes"].items()}
         expected = {expert_tensor_name(l, e, w): (shapes[w], self.manifest["dtype"])
                     for l, ids in self.experts.items() for e in ids for w in EXPERT_WEIGHTS}
@@ -145,6 +285,8 @@ class Bundle:
         if extra or not non_expert <= set(header):
             raise EsftError(f"tensors do not match the manifest ({sorted(extra or non_expert - set(header))[:3]})",
                             data)
+        if tensors_sha256(data) != self.manifest["tensors_sha256"]:
+            raise EsftError("checksum mismatch: the file is corrupted or truncated", data)
 
     @property
     def name(self) -> str:
@@ -173,24 +315,25 @@ class Bundle:
     def check_base(self, base: MoECheckpoint) -> None:
         """Refuse a base other than the one this bundle was packed against."""
         identity = base_identity(base)
-        if identity["fingerprint"] != self.base["fingerprint"]:
+        if any(identity[k] != self.base.get(k) for k in identity):  # the fingerprint, and what the manifest says
             mismatch = [k for k in identity if k != "fingerprint" and identity[k] != self.base.get(k)]
             why = f"differs in {', '.join(mismatch)}" if mismatch else "has other router weights"
             raise EsftError(f"bundle {self.name!r} was packed for another base model than {base.path} (this base "
                             f"{why})", self.path)
 
+    def _read(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise EsftError(f"bundle has no tensor {name!r}", self.data_file)
+        return read_stored(self.tensors[name], name=name)
+
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
-        with safe_open(self.data_file, framework="pt") as f:
-            return ExpertWeights(**{w: f.get_tensor(expert_tensor_name(layer, expert, w)) for w in EXPERT_WEIGHTS})
+        return ExpertWeights(**{w: self._read(expert_tensor_name(layer, expert, w)) for w in EXPERT_WEIGHTS})
 
     def read_experts(self) -> dict[int, dict[int, ExpertWeights]]:
-        with safe_open(self.data_file, framework="pt") as f:
-            return {l: {e: ExpertWeights(**{w: f.get_tensor(expert_tensor_name(l, e, w)) for w in EXPERT_WEIGHTS})
-                        for e in ids} for l, ids in self.experts.items()}
+        return {l: {e: self.read_expert(l, e) for e in ids} for l, ids in self.experts.items()}
 
     def read_non_expert(self) -> dict[str, torch.Tensor]:
-        with safe_open(self.data_file, framework="pt") as f:
-            return {n: f.get_tensor(NON_EXPERT_PREFIX + n) for n in self.non_expert_tensors}
+        return {n: self._read(NON_EXPERT_PREFIX + n) for n in self.non_expert_tensors}
 
     def experts_per_layer(self) -> list[int]:
         return [len(self.experts.get(l, [])) for l in self.base["moe_layers"]]

@@ -5,11 +5,12 @@ and converts its experts to the engine's rows (vLLM's conversion runs on the GPU
 pinned host memory); only then are they copied into the virtual tensors. Measured
 on an H200 before this cache: 4.7 s to load a 3.98 GiB Table 1 adapter whose file was already in the page
 cache, 61x its floor (77 ms: bytes over 55 GB/s of pinned host-to-device copy). The cache keeps the staged
-rows of recently loaded bundles (least recently used out first, bounded in bytes), keyed by the bundle files'
-identity (device, inode, size, modification time): an unchanged file is the same verified bytes, so a load
-that finds it skips reading, verifying and converting, and copies pinned rows straight into the virtual
-tensors. A changed file misses and is read and verified again. Pinned blocks come from torch's caching host
-allocator, which rounds sizes up and keeps freed blocks: the pinned memory held can exceed the capacity.
+rows of recently loaded bundles (least recently used out first, bounded in bytes), keyed by the identity
+(device, inode, size, modification time) of the manifest and of the data file it names: unchanged files are
+the same verified bytes, so a load that finds them skips reading, verifying and converting, and copies pinned
+rows straight into the virtual tensors. A changed file misses and is read and verified again. Pinned blocks
+come from torch's caching host allocator, which rounds sizes up and keeps freed blocks: the pinned memory held
+can exceed the capacity.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from esftctl.bundle import DATA_FILE, MANIFEST
+from esftctl.bundle import bundle_files
 from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
 from esftctl.runtime.moe_layer import VirtualMoELayer
@@ -63,9 +64,9 @@ def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[i
 
 
 def file_identity(bundle: str | Path) -> tuple:
-    """What makes two loads of a bundle the same bytes: its two files' device, inode, size and mtime."""
-    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)
-                 for s in (os.stat(Path(bundle) / MANIFEST), os.stat(Path(bundle) / DATA_FILE)))
+    """What makes two loads of a bundle the same bytes: the device, inode, size and mtime of its manifest and of
+    the data file that manifest names."""
+    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, bundle_files(bundle)))
 
 
 class HostAdapterCache:
@@ -83,7 +84,7 @@ class HostAdapterCache:
         its staged rows if the cache holds them."""
         try:
             key = file_identity(bundle)
-        except OSError:
+        except (OSError, EsftError):
             return None, None  # the bundle's own checks will say what is wrong with it
         staged = self._entries.get(key)
         if staged is None:
