@@ -32,7 +32,6 @@ import math
 import os
 import queue
 import reprlib
-import stat
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -61,6 +60,7 @@ from esftctl.huffman import (
     multi_symbol_table,
     split_and_count,
 )
+from esftctl.jsonfile import open_regular, read_json
 
 STORE_FORMAT = "esftctl-expert-store"
 STORE_VERSION = 3  # 2: no header or tensor hashes (still read, unprotected); 1: chunks held consecutive values
@@ -270,25 +270,6 @@ def _write_groups(groups: dict[object, list[SourceTensor]], data: _DataWriter, c
     return tables, entries, total
 
 
-def _open_regular(path: Path, what: str, follow: bool = True) -> int:
-    """A read-only descriptor of `path` if it is a regular file: not a FIFO or a device (/dev/zero hashes forever),
-    and not a symbolic link unless `follow`. Opened without blocking, so that opening a FIFO cannot hang."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise EsftError(f"missing {what}", path) from None
-    except OSError as e:
-        if not follow and os.path.islink(path):
-            raise EsftError(f"the {what} is a symbolic link; it must be a regular file in the store folder",
-                            path) from None
-        raise EsftError(f"cannot open the {what} ({e.strerror})", path) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise EsftError(f"the {what} is not a regular file", path)
-    return fd
-
-
 def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
     """Fill `buf` from `offset` on, or EsftError where the file ends first."""
     done = 0
@@ -315,27 +296,10 @@ def _fd_sha256(fd: int, nbytes: int, path: Path, block: int = 8 << 20) -> str:
     return sha.hexdigest()
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON has")
-
-
 def read_header(path: Path) -> object:
-    """store.json parsed, bounded: a regular file of at most MAX_HEADER_BYTES, JSON without NaN or infinities; a
-    100,000-digit integer or deeply nested arrays are one-line errors like any other bad JSON."""
-    fd = _open_regular(path, "store header")
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_HEADER_BYTES:
-            raise EsftError(f"a store header of {size} bytes (at most {MAX_HEADER_BYTES} are read)", path)
-        raw = _pread(fd, 0, size, path).tobytes()
-    finally:
-        os.close(fd)
-    try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise EsftError("not valid JSON (nested too deeply)", path) from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers of more digits than Python converts
-        raise EsftError(f"not valid JSON ({one_line(e, 120)})", path) from None
+    """store.json parsed, bounded: a regular file of at most MAX_HEADER_BYTES (jsonfile.read_json: a 100,000-digit
+    integer or deeply nested arrays are one-line errors like any other bad JSON)."""
+    return read_json(path, limit=MAX_HEADER_BYTES)
 
 
 _brief = reprlib.Repr()
@@ -521,7 +485,11 @@ class ExpertStore:
         return iter(self.header["tensors"])
 
     def _open_data(self) -> int:
-        return _open_regular(self.data_file, "store data file", follow=False)
+        """store.bin's descriptor: a regular file (no FIFO, no device), and not a link out of the store folder."""
+        if self.data_file.is_symlink():
+            raise EsftError("the store data file is a symbolic link; it must be a regular file in the store folder",
+                            self.data_file)
+        return open_regular(self.data_file)
 
     @cached_property
     def data(self) -> np.ndarray:
