@@ -104,6 +104,8 @@ def store_table(d: dict) -> Table:
         ("bits per weight", f"{d['bits_per_weight']:.3f}"),
         ("exponent-entropy bound", f"{format_bytes(d['entropy_bound_bytes'])}  (stored = "
                                    f"{d['stored_over_bound']:.4f} x bound)"),
+        ("header checksum", "yes" if d.get("header_checksum") else
+         f"none (store version {d.get('version')}): {d.get('warning', '')}"),
     ):
         table.add_row(name, value)
     return table
