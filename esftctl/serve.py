@@ -301,7 +301,7 @@ def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> No
         from esftctl.store import ExpertStore, missing_base_experts
 
         options["paging_store"] = Path(store).resolve()
-        opened = ExpertStore(store, verify=False)  # the engine verifies the checksum when it opens it
+        opened = ExpertStore(store, verify=False)  # header checked; the probe's tensor against its own hash (store v3)
         header = opened.header
         if header["source"]["kind"] != "model":
             raise EsftError("--paging-store: this store holds an adapter bundle; make one of the base with "
@@ -404,19 +404,22 @@ class Server:
 
 
 def serve_and_ask(serve_plan: ServePlan, asks: list[tuple[str, dict]], *, console, max_tokens: int, title: str,
-                  keep_serving: bool = False) -> None:
+                  keep_serving: bool = False) -> list[str]:
     """The recipes' last step: start the plan's server, print its adapter table, send every (model, example) at
-    once and print the answers against the expected completions; with `keep_serving`, stay up until Ctrl-C."""
-    from esftctl.serve_client import answers_table, models, status, status_table
+    once and print the answers against the expected completions; with `keep_serving`, stay up until Ctrl-C.
+    Returns the answers, in the order of `asks`."""
+    from esftctl.serve_client import answers_table, ask_all, models, status, status_table
 
     key = serve_plan.request_key
     with Server(serve_plan) as server:
         with console.status(f"starting vLLM (log: {serve_plan.log_file})"):
             server.wait_ready()
         console.print(status_table(status(serve_plan.url, api_key=key), models(serve_plan.url, api_key=key)))
-        console.print(answers_table(serve_plan.url, asks, max_tokens=max_tokens, title=title, api_key=key))
+        answers = ask_all(serve_plan.url, asks, max_tokens=max_tokens, api_key=key)
+        console.print(answers_table(asks, answers, title=title))
         if keep_serving:
             server.serve_until_interrupted(console)
+    return answers
 
 
 def _interrupt(signum, frame):

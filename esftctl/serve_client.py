@@ -155,10 +155,8 @@ def _counts(counts: list[int]) -> str:
     return f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"
 
 
-def answers_table(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, title: str,
-                  api_key: str | None = None) -> Table:
-    """Send every (model, example) as a greedy completion of the example's prompt, all at once, and tabulate the
-    answers against the examples' completions (the recipes' last step)."""
+def ask_all(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, api_key: str | None = None) -> list[str]:
+    """Send every (model, example) as a greedy completion of the example's prompt, all at once; the answers."""
     from concurrent.futures import ThreadPoolExecutor
 
     def ask(job):
@@ -168,7 +166,11 @@ def answers_table(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, ti
         return reply["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(asks)) as pool:
-        answers = list(pool.map(ask, asks))
+        return list(pool.map(ask, asks))
+
+
+def answers_table(asks: list[tuple[str, dict]], answers: list[str], *, title: str) -> Table:
+    """The answers against the examples' completions (the recipes' last step)."""
     table = Table(title=title)
     for col in ("model", "task", "prompt", "expected", "answer", "right"):
         table.add_column(col)
