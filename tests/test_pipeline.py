@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +312,120 @@ def test_esft_finetune_trains_only_selected_experts(world, tmp_path):
     assert changed_non_expert(base, tuned) == []
     changed = changed_experts(base, tuned)
     assert {l: ids for l, ids in changed.items() if ids} == config.experts
+
+
+# ---- atomic outputs ---------------------------------------------------------------------------------------------
+
+def _write(folder, text):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("a", "b", "c"):
+        (folder / name).write_text(f"{text} {name}")
+
+
+def _content(folder):
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_output_that_appears_during_the_run_is_kept(tmp_path, kind):
+    """Without --overwrite, a target that appeared while the command ran is left as it is (it used to be deleted)
+    and the new output stays beside it, under the name the error gives."""
+    from esftctl.atomic import atomic_dir, atomic_file
+
+    out = tmp_path / "out"
+    with pytest.raises(EsftError, match="output appeared while this command ran and was left as it is; the new "
+                                        "output is at (.*)") as e:
+        with (atomic_dir(out) if kind == "dir" else atomic_file(out, overwrite=False)) as tmp:
+            _write(tmp, "new") if kind == "dir" else tmp.write_text("new")
+            _write(out, "theirs") if kind == "dir" else out.write_text("theirs")
+    kept = Path(str(e.value).rsplit("the new output is at ", 1)[1])
+    if kind == "dir":
+        assert _content(out) == {n: f"theirs {n}" for n in "abc"} and _content(kept) == {n: f"new {n}" for n in "abc"}
+    else:
+        assert out.read_text() == "theirs" and kept.read_text() == "new"
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["exchange", "aside"])
+def test_overwrite_interrupted_leaves_an_output_whole(tmp_path, monkeypatch, renameat2):
+    """--overwrite swaps by renames: interrupted while the old output is deleted, the target holds the new one
+    whole (it used to hold what was left of the old one), with renameat2's exchange and without it."""
+    import shutil as real_shutil
+
+    from esftctl import atomic
+
+    if not renameat2:
+        monkeypatch.setattr(atomic, "_renameat2", None)
+    out = tmp_path / "out"
+    _write(out, "old")
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        if kwargs.get("ignore_errors"):
+            return real_shutil.rmtree(path, *args, **kwargs)
+        (Path(path) / "a").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.atomic_dir(out, overwrite=True) as tmp:
+            _write(tmp, "new")
+    assert _content(out) == {n: f"new {n}" for n in "abc"}
+
+
+def test_outputs_are_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """Every file and folder of an output reaches the disk under its temporary name, then the folder that names
+    it after the rename (a power loss could leave a merged checkpoint or a JSON file empty under its name)."""
+    import os
+
+    from esftctl.jsonfile import write_json
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append((path, os.path.lexists(tmp_path / "out.json")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_json(tmp_path / "out.json", {"a": 1})
+    assert [(".out.json.tmp-" in Path(p).name, after) for p, after in synced] == [(True, False),
+                                                                                    (False, True)]
+    assert synced[1][0] == str(tmp_path)
+
+
+def test_overwrite_onto_a_symlink_is_refused_before_any_work(finetune, tmp_path):
+    from esftctl.atomic import check_output
+
+    base, tuned, _ = finetune
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(EsftError, match="link: output is a symbolic link"):
+        check_output(tmp_path / "link", overwrite=True, folder=True)
+    proc = run_cli("pack", base, tuned, "--out", tmp_path / "link", "--name", "x", "--overwrite")
+    assert proc.returncode == 1 and "output is a symbolic link" in proc.stderr
+    assert (tmp_path / "link").is_symlink() and not list((tmp_path / "real").iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_failed_pack_leaves_no_parent_folders(finetune, tmp_path):
+    """Parent folders of an output are created only when it is written, and removed if writing fails."""
+    from esftctl.atomic import atomic_dir
+
+    base, _, _ = finetune
+    proc = run_cli("pack", base, base, "--out", tmp_path / "new" / "deep" / "bundle", "--name", "x")
+    assert proc.returncode == 1 and "identical to the base" in proc.stderr
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(tmp_path / "new2" / "deep" / "out") as tmp:
+            _write(tmp, "half")
+            raise KeyboardInterrupt
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new2").exists()
+
+
+def test_sizes_in_tera():
+    from esftctl.units import parse_bytes
+
+    assert parse_bytes("2TiB") == 2 * 2**40 and parse_bytes("1.5 TB") == 1_500_000_000_000
+    assert parse_bytes("12gib") == 12 * 2**30 and parse_bytes("1048576") == 2**20
+    assert parse_bytes("0.1GB") == 100_000_000  # exact, not float-rounded
+    with pytest.raises(EsftError, match="cannot read '3 PB' as a size"):
+        parse_bytes("3 PB")
