@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -202,3 +205,101 @@ def test_write_refuses_wrong_shape_and_existing_output(tiny_models, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(EsftError, match="output already exists"):
         write_checkpoint(src, tmp_path / "out")
+
+
+# ---- untrusted files (issue 32) -----------------------------------------------------------------------------
+
+def _safetensors(path, header, data=b""):
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header,data,match", [
+    ({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
+      "u": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "overlap or leave gaps"),
+    ({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [4, 8]}}, b"\0" * 8, "overlap or leave gaps"),
+    ({"t": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4, r"bytes \[0, 4\] for BF16 \[4\]"),
+    ({"t": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "no known dtype"),
+    ({"t": {"dtype": "BF16", "shape": [-2], "data_offsets": [0, 4]}}, b"\0" * 4, "no known dtype, shape"),
+    ({"t": {"dtype": "BF16", "shape": [True, 2], "data_offsets": [0, 4]}}, b"\0" * 4, "no known dtype, shape"),
+    ({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 2, "end at byte"),
+    ({"t": []}, b"", "no known dtype"),
+    ([1], b"", "not a JSON object"),
+    (b"[" * 50_000, b"", "header is not JSON"),
+])
+def test_safetensors_header_is_validated(tmp_path, header, data, match):
+    """esftctl checks a safetensors header itself before reading any tensor at its offsets."""
+    from esftctl.checkpoint import read_header
+
+    with pytest.raises(EsftError, match="x.safetensors: not a readable safetensors file .corrupted or truncated: "
+                                        ".*" + match):
+        read_header(_safetensors(tmp_path / "x.safetensors", header, data))
+    (tmp_path / "y.safetensors").write_bytes((2**63).to_bytes(8, "little") + b"{}")
+    with pytest.raises(EsftError, match="a header of 9223372036854775808 bytes in a file of 10"):
+        read_header(tmp_path / "y.safetensors")
+
+
+def test_fifo_shard_is_refused_at_once(tiny_models, tmp_path):
+    from test_untrusted_bundles import unblocked
+
+    m = _copy(tiny_models["qwen3_moe"], tmp_path / "m")
+    (m / "model.safetensors").unlink()
+    os.mkfifo(m / "model.safetensors")
+    with unblocked(m / "model.safetensors"), pytest.raises(EsftError, match="model.safetensors: not a regular file"):
+        MoECheckpoint(m)
+
+
+MERGE_UNDER_LIMIT = """
+import resource, sys
+from esftctl.checkpoint import MoECheckpoint, write_checkpoint
+src = MoECheckpoint(sys.argv[1])
+src.read_tensor(next(iter(src.tensors)))  # torch's first tensor allocations happen before the limit
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (384 << 20), resource.RLIM_INFINITY))
+write_checkpoint(src, sys.argv[2])
+print("ok")
+"""
+
+
+def test_copy_keeps_virtual_memory_bounded(tiny_models, tmp_path):
+    """Writing a checkpoint (merge, materialize) holds one shard's tensors, not a mapping of the whole shard per
+    tensor: 190 tensors of a 10 MB file took 1.9 GB of address space; here it runs under 384 MB more than the
+    interpreter's own."""
+    args = [sys.executable, "-c", MERGE_UNDER_LIMIT, str(tiny_models["deepseek_v2"]), str(tmp_path / "o")]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    a, b = MoECheckpoint(tiny_models["deepseek_v2"]), MoECheckpoint(tmp_path / "o")
+    assert all(torch.equal(a.read_tensor(n), b.read_tensor(n)) for n in a.tensors)
+
+
+def test_ctrl_c_while_reading_is_an_interrupt(tiny_models):
+    """Ctrl-C (here SIGALRM raising KeyboardInterrupt every 0.1-2 ms) while tensors are read is always a
+    KeyboardInterrupt: through safetensors' mapping, torch turned some into a ValueError, which the reader
+    reported as the base file's fault ("cannot read tensor ...")."""
+    import signal
+    import time
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    names = sorted(ckpt.tensors)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupts, start, n = 0, time.monotonic(), 0
+    try:
+        while time.monotonic() - start < 3:
+            n += 1
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.0001 + (n % 20) * 0.0001)
+                for name in names:
+                    ckpt.read_tensor(name)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                interrupts += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupts > 10
