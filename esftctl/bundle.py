@@ -321,19 +321,20 @@ class Bundle:
             raise EsftError(f"bundle {self.name!r} was packed for another base model than {base.path} (this base "
                             f"{why})", self.path)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """A tensor of the data file by its name there (layers.L.experts.E.W or non_expert.NAME), read, not mapped."""
         if name not in self.tensors:
             raise EsftError(f"bundle has no tensor {name!r}", self.data_file)
         return read_stored(self.tensors[name], name=name)
 
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
-        return ExpertWeights(**{w: self._read(expert_tensor_name(layer, expert, w)) for w in EXPERT_WEIGHTS})
+        return ExpertWeights(**{w: self.read_tensor(expert_tensor_name(layer, expert, w)) for w in EXPERT_WEIGHTS})
 
     def read_experts(self) -> dict[int, dict[int, ExpertWeights]]:
         return {l: {e: self.read_expert(l, e) for e in ids} for l, ids in self.experts.items()}
 
     def read_non_expert(self) -> dict[str, torch.Tensor]:
-        return {n: self._read(NON_EXPERT_PREFIX + n) for n in self.non_expert_tensors}
+        return {n: self.read_tensor(NON_EXPERT_PREFIX + n) for n in self.non_expert_tensors}
 
     def experts_per_layer(self) -> list[int]:
         return [len(self.experts.get(l, [])) for l in self.base["moe_layers"]]

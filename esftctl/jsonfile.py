@@ -49,8 +49,9 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
     """A regular file's bytes, refused if it holds more than `limit`."""
     fd = open_regular(path)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
+        size = os.fstat(fd).st_size
+        with os.fdopen(fd, "rb", closefd=False) as f:  # read() allocates what it is asked for: the size, not the limit
+            data = f.read(min(size, limit) + 1)
     finally:
         os.close(fd)
     if len(data) > limit:

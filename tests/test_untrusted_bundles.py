@@ -329,3 +329,16 @@ def test_bundle_reads_are_not_mapped(tiny):
     t = Bundle.open(tiny[1]).read_expert(1, next(iter(tiny[2][1]))).gate
     assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     assert isinstance(t, torch.Tensor)
+
+
+def test_bounded_reads_allocate_the_file_not_the_bound(tiny):
+    """read_json's bound (64 MiB) is a limit, not an allocation: reading a small file allocates about its size."""
+    import tracemalloc
+
+    from esftctl.jsonfile import read_json
+
+    tracemalloc.start()
+    read_json(tiny[1] / MANIFEST)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1 << 20, peak
