@@ -240,10 +240,21 @@ def data_file_of(folder: Path, manifest: dict, manifest_file: Path) -> Path:
     return path
 
 
+def read_manifest(folder: Path) -> object:
+    """A bundle folder's manifest.json as parsed JSON: a regular file in the folder (not a link out of it),
+    bounded in size."""
+    manifest_file = folder / MANIFEST
+    if not os.path.lexists(manifest_file):
+        raise EsftError(f"not an adapter bundle (no {MANIFEST})", folder)
+    if manifest_file.resolve().parent != folder.resolve():
+        raise EsftError("is a link out of the bundle folder", manifest_file)
+    return read_json(manifest_file, MANIFEST_LIMIT)
+
+
 def bundle_files(path: str | Path) -> tuple[Path, Path]:
-    """(manifest, data file it names) of a bundle folder, the data file checked as data_file_of does."""
+    """(manifest, data file it names) of a bundle folder, both checked as Bundle.open checks them."""
     manifest_file = Path(path) / MANIFEST
-    m = read_json(manifest_file, MANIFEST_LIMIT)
+    m = read_manifest(Path(path))
     if not isinstance(m, dict):
         raise EsftError("not an esftctl adapter manifest (not a JSON object)", manifest_file)
     return manifest_file, data_file_of(Path(path), m, manifest_file)
@@ -262,9 +273,7 @@ class Bundle:
     def open(cls, path: str | Path) -> "Bundle":
         path = Path(path)
         manifest_file = path / MANIFEST
-        if not os.path.lexists(manifest_file):
-            raise EsftError(f"not an adapter bundle (no {MANIFEST})", path)
-        m = _check_manifest(read_json(manifest_file, MANIFEST_LIMIT), _Fields(manifest_file))
+        m = _check_manifest(read_manifest(path), _Fields(manifest_file))
         bundle = cls(path, m)
         bundle._verify(data_file_of(path, m, manifest_file))
         return bundle

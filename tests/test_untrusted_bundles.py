@@ -139,8 +139,8 @@ def test_manifest_json_is_bounded(tiny, tmp_path, raw, match):
 
 
 def test_files_outside_the_bundle_are_not_read_or_revealed(tiny, tmp_path):
-    """A data file given as a path out of the folder, or a link out of it, is refused by name alone: the message
-    is the same whether the outside file exists or not."""
+    """A data file given as a path out of the folder, or a link out of it, and a manifest that is a link out of
+    it are refused by name alone: the message is the same whether the outside file exists or not."""
     outside = tmp_path / "outside.safetensors"
     shutil.copy(tiny[1] / DATA_FILE, outside)
     messages = []
@@ -153,8 +153,12 @@ def test_files_outside_the_bundle_are_not_read_or_revealed(tiny, tmp_path):
         (b / DATA_FILE).unlink()
         (b / DATA_FILE).symlink_to(outside)
         messages.append(refused(b, "is a link out of the bundle folder").replace(str(b), "B"))
+        b = crafted(tiny[1], tmp_path / f"manifest-link-{exists}")
+        shutil.move(b / MANIFEST, tmp_path / f"outside-{exists}.json")
+        (b / MANIFEST).symlink_to(tmp_path / f"outside-{exists}.json" if exists else tmp_path / "none.json")
+        messages.append(refused(b, "manifest.json: is a link out of the bundle folder").replace(str(b), "B"))
         outside.unlink(missing_ok=True)
-    assert messages[:3] == messages[3:]
+    assert messages[:4] == messages[4:]
     inside = crafted(tiny[1], tmp_path / "inside", _set("file", "data.safetensors"))  # another plain name: fine
     (inside / DATA_FILE).rename(inside / "data.safetensors")
     assert Bundle.open(inside).data_file == inside / "data.safetensors"
