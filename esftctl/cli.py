@@ -552,13 +552,9 @@ def _wrote(out: Path, as_json: bool, **fields) -> None:
 
 
 def _parse_bytes(text: str, option: str = "size") -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    import re
+    from esftctl.units import parse_bytes
 
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in units:
-        raise EsftError(f"{option}: cannot read {text!r} as a size (examples: 500MB, 12GiB, 1048576)")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
+    return parse_bytes(text, option)
 
 
 def _interrupt(signum, frame):

@@ -92,16 +92,11 @@ def source_tensors(path: Path) -> tuple[dict, list[SourceTensor]]:
 
     if (path / MANIFEST).exists():
         bundle = Bundle.open(path)
-        from safetensors import safe_open
-
-        def reader(name):
-            def read():
-                with safe_open(bundle.data_file, framework="pt") as f:
-                    return f.get_tensor(name)
-            return read
-        tensors = [SourceTensor(expert_tensor_name(l, e, w), l, e, w, reader(expert_tensor_name(l, e, w)))
-                   for l, ids in bundle.experts.items() for e in ids for w in ("gate", "up", "down")]
-        tensors += [SourceTensor("non_expert." + n, None, None, None, reader("non_expert." + n))
+        # read, not mapped (a mapping holds the whole file, and Ctrl-C inside safetensors surfaces as a ValueError)
+        tensors = [SourceTensor(name, l, e, w, lambda name=name: bundle.read_tensor(name))
+                   for l, ids in bundle.experts.items() for e in ids for w in ("gate", "up", "down")
+                   for name in (expert_tensor_name(l, e, w),)]
+        tensors += [SourceTensor("non_expert." + n, None, None, None, lambda n=n: bundle.read_tensor("non_expert." + n))
                     for n in bundle.non_expert_tensors]
         return {"kind": "bundle", "path": str(path), "manifest": bundle.manifest}, tensors
     ckpt = MoECheckpoint(path)

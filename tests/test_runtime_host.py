@@ -166,8 +166,8 @@ def test_staged_load_equals_plain_load_and_the_host_cache_keys_by_file(tmp_path)
         assert torch.equal(plain.w2.tensor[row], staged_layer.w2.tensor[row])
     for name in ("x", "y"):
         (tmp_path / name).mkdir()
-        for f in (MANIFEST, DATA_FILE):
-            (tmp_path / name / f).write_text(name)
+        (tmp_path / name / MANIFEST).write_text(f'{{"file": "{DATA_FILE}"}}')  # the key follows the file it names
+        (tmp_path / name / DATA_FILE).write_text(name)
     cache = HostAdapterCache(capacity=staged.nbytes)
     key, hit = cache.lookup(tmp_path / "x")
     assert hit is None
