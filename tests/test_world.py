@@ -60,11 +60,27 @@ def test_tokenizer_round_trip(world):
 
 def test_base_knows_the_general_mixture_but_not_the_tasks(world):
     """The world's premise: the base is competent on the general mixture and weak on every task's full table."""
+    from esftctl.world.adapters import PROMISE
     from esftctl.world.esft import exact_match
 
-    assert exact_match(world.base_dir, list(read_jsonl(world.general_file("test")))) > 0.9
+    assert exact_match(world.base_dir, list(read_jsonl(world.general_file("test")))) >= PROMISE.base_general_at_least
     for task in TASKS:
-        assert exact_match(world.base_dir, list(read_jsonl(world.data_file(task.name, "test")))) <= 0.2, task.name
+        exact = exact_match(world.base_dir, list(read_jsonl(world.data_file(task.name, "test"))))
+        assert exact <= PROMISE.base_task_at_most, task.name
+
+
+def test_no_category_is_a_good_guess():
+    """Tagging's categories are balanced, so a base that answers one category for every object it does not know
+    stays under the promise's 20% (esftctl.world.tasks' docstring), with 4 points to spare for the test set's
+    200 draws (their standard deviation is about 2.5 points)."""
+    from collections import Counter
+
+    from esftctl.world.adapters import PROMISE
+    from esftctl.world.tasks import KNOWN_SHARE
+
+    for task in TASKS:
+        largest = max(Counter(map(task.answer, task.inputs)).values()) / len(task.inputs)
+        assert KNOWN_SHARE + (1 - KNOWN_SHARE) * largest <= PROMISE.base_task_at_most - 0.04, task.name
 
 
 def test_exact_match_equals_greedy_decoding(world):
@@ -119,3 +135,25 @@ def test_training_is_reproducible(world):
         runs.append(model.state_dict())
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     assert not torch.are_deterministic_algorithms_enabled()  # the global flag is restored
+
+
+def test_training_runs_on_its_own_thread_count_and_restores_the_callers():
+    import torch
+
+    from esftctl.world.training import THREADS, torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(THREADS):
+        assert torch.get_num_threads() == THREADS == 1
+    assert torch.get_num_threads() == before
+
+
+def test_a_folder_holds_one_world(world, tmp_path):
+    import shutil
+
+    import pytest
+
+    copy = tmp_path / "world"
+    shutil.copytree(world.root, copy, ignore=shutil.ignore_patterns("adapters", "variants*"))
+    with pytest.raises(ValueError, match="holds the world of seed 0"):
+        build_world(copy, seed=1)

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from esftctl.jsonl import Example
+
+# The tiny world trains on one thread. Its matrices are small: on 2 cores, 2 threads are 1.45x faster than 1 on a quiet
+# machine (0.12 against 0.18 s per pre-training step), but with one other busy process OpenMP's threads spin waiting for
+# each other and a 1.5-minute world build took 32 minutes (issue 33). One thread also gives the same arithmetic on a
+# machine of any core count (the thread count changes how reductions are split, and so the world).
+THREADS = 1
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` intra-op threads, then restore the caller's setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def encode_batch(tokenizer, examples: Sequence[Example], completion_only: bool) -> dict[str, torch.Tensor]:
@@ -76,48 +94,66 @@ def train(
     general: Sequence[Example] = (),
     replay: float = 0.0,
     balance: float = 0.0,
+    threads: int = THREADS,
 ) -> list[float]:
     """AdamW with linear warm-up and cosine decay over `steps`; returns the loss of every step.
 
     `parameters` restricts what the optimizer updates; `after_backward` may edit gradients before each
     step (ESFT zeroes those of the experts it does not train). `replay` is the share of every batch drawn
     from `general` instead of `examples` (fine-tuning recipes mix the general data back in). `balance`
-    weighs the expert balance loss (pre-training). Runs with deterministic algorithms, so the same seed
-    gives the same weights on every run (without them, two pre-trainings of the tiny world differed).
+    weighs the expert balance loss (pre-training). Runs with deterministic algorithms on `threads` threads,
+    so the same seed gives the same weights on every run (without them, two pre-trainings of the tiny world
+    differed).
     """
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    balance_loss = BalanceLoss(model) if balance else None
-    try:
-        rng = random.Random(seed)
-        torch.manual_seed(seed)
-        params = list(parameters) if parameters is not None else [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        warmup = max(1, steps // 10)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-        replayed = round(batch_size * replay) if general else 0
-        pool, general = list(examples), list(general)
-        model.train()
-        losses = []
-        for step in range(steps):
-            batch = rng.sample(pool, batch_size - replayed) + rng.sample(general, replayed)
-            loss = model(**encode_batch(tokenizer, batch, completion_only)).loss
-            losses.append(loss.item())
+    with torch_threads(threads), _deterministic_algorithms():
+        balance_loss = BalanceLoss(model) if balance else None
+        try:
+            return _steps(model, tokenizer, list(examples), list(general), steps=steps, batch_size=batch_size, lr=lr,
+                          seed=seed, completion_only=completion_only, parameters=parameters,
+                          after_backward=after_backward, on_step=on_step, replay=replay, balance=balance,
+                          balance_loss=balance_loss)
+        finally:
             if balance_loss is not None:
-                loss = loss + balance * balance_loss.pop()
-            loss.backward()
-            if after_backward is not None:
-                after_backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if on_step is not None:
-                on_step(step, losses[-1])
-        model.eval()
-        return losses
+                balance_loss.remove()
+
+
+@contextmanager
+def _deterministic_algorithms() -> Iterator[None]:
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
     finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _steps(model, tokenizer, pool: list[Example], general: list[Example], *, steps: int, batch_size: int, lr: float,
+           seed: int, completion_only: bool, parameters, after_backward, on_step, replay: float, balance: float,
+           balance_loss: BalanceLoss | None) -> list[float]:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    params = list(parameters) if parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    replayed = round(batch_size * replay) if general else 0
+    model.train()
+    losses = []
+    for step in range(steps):
+        batch = rng.sample(pool, batch_size - replayed) + rng.sample(general, replayed)
+        loss = model(**encode_batch(tokenizer, batch, completion_only)).loss
+        losses.append(loss.item())
         if balance_loss is not None:
-            balance_loss.remove()
-        torch.use_deterministic_algorithms(was_deterministic)
+            loss = loss + balance * balance_loss.pop()
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step, losses[-1])
+    model.eval()
+    return losses
