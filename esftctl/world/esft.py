@@ -6,11 +6,11 @@ Everything else (attention, norms, embeddings, shared experts, the router, every
 transformers keeps a layer's experts fused ([E, 2I, H] and [E, H, I]), so the unselected experts' rows
 get their gradients zeroed before each step; AdamW without weight decay then leaves them bit-identical.
 
-The recipe (`FINETUNE`) mixes the general mixture back into every batch (`replay`, 90% of it: 29 of 32 examples),
+The recipe (`FINETUNE`) mixes the general mixture back into every batch (`replay`, 75% of it: 24 of 32 examples),
 for ESFT and full fine-tuning alike. In trials on earlier bases, ESFT trained on task data alone kept only 10-70%
-of the base's general exact match (the selected experts also serve the general data). On the tiny world v5,
-replaying half of each batch raised the general mixture's loss by 20-140% (all of it on copying); replaying 90%
-keeps it within a few percent of the base's (benchmarks/RESULTS.md, 2026-11-24).
+of the base's general exact match (the selected experts also serve the general data). On world v9, replaying 90%
+left too little task data for some bases (78-84% where 75% replay reached 87-98% on the same base and experts),
+while 50% raised the general perplexity by up to 7%; 75% kept it within 2.2% (benchmarks/RESULTS.md, 2026-11-25).
 
 The quick start selects experts by token selection ratio at p=0.5 (`SELECTION`; `esftctl bench esft` keeps the
 paper's 0.2). At world v9's answer positions that is 4-13 of 64 experts per layer (6-20%; the paper's published

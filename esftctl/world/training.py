@@ -12,9 +12,9 @@ import torch
 from esftctl.jsonl import Example
 
 # The tiny world trains on one thread. Its matrices are small: on 2 cores, 2 threads are 1.45x faster than 1 on a quiet
-# machine (0.12 against 0.18 s per pre-training step), but with one other busy process OpenMP's threads spin waiting for
-# each other and a 1.5-minute world build took 32 minutes (issue 33). One thread also gives the same arithmetic on a
-# machine of any core count (the thread count changes how reductions are split, and so the world).
+# machine (0.12 against 0.18 s per pre-training step), but beside one other busy process OpenMP's threads spin waiting
+# for each other: 10.2 s per step against one thread's 0.23 (two pinned cores, benchmarks/RESULTS.md, 2026-11-25; the
+# issue's 1.5-minute build took 32 minutes). One thread also gives the same arithmetic on a machine of any core count.
 THREADS = 1
 
 
