@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from esftctl.describe import describe_bundle_set, describe_path, render
-from esftctl.world.adapters import Adapter, Check, Recipe, prepare_adapter, verdict
+from esftctl.world.adapters import Adapter, Check, Recipe, perplexity_rise, prepare_adapter, verdict
 from esftctl.world.build import GENERAL_SPLITS, build_world, default_world_dir
 from esftctl.world.models import quiet_transformers
 
@@ -28,14 +28,14 @@ def scores_table(adapters: list[Adapter], general_examples: int) -> Table:
     table = Table(title=f"held-out task exact match, and retention on the held-out general mixture "
                         f"({general_examples} examples)", header_style="bold")
     for col in ("adapter", "experts per layer", "task exact: base", "ESFT", "general exact",
-                "general loss (nats/token)", "vs base"):
+                "general loss (nats/token)", "perplexity vs base"):
         table.add_column(col, justify="right")
     base = adapters[0].base
     table.add_row("base", "", "", "", f"{base.general_exact:.0%}", f"{base.general_loss:.4f}", "")
     for a in adapters:
         table.add_row(a.task, " ".join(map(str, a.experts_per_layer)), f"{a.base.task_exact:.0%}",
                       f"{a.tuned.task_exact:.0%}", f"{a.tuned.general_exact:.0%}", f"{a.tuned.general_loss:.4f}",
-                      f"{a.tuned.general_loss / base.general_loss - 1:+.1%}")
+                      f"{perplexity_rise(a):+.2%}")
     return table
 
 
