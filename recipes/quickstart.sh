@@ -18,7 +18,7 @@ stage "2/5 the tiny MoE world (built once, about 2 minutes on one core; cached i
 stage "3/5 the base, as esftctl inspect sees it"
 "$venv/bin/esftctl" inspect "$world/base"
 # One ESFT adapter per task: relevance -> select -> fine-tune the selected experts -> pack -> inspect -> verdict.
-stage "4/5 one ESFT adapter per task (about 45 s each), then the promise, target by target"
+stage "4/5 one ESFT adapter per task (about 35 s each), then the promise, target by target"
 "$venv/bin/python" "$root/recipes/esft_adapters.py"
 # Serve the base and every adapter in one vLLM server; one request per adapter and to the base, sent together.
 stage "5/5 serving the base and the four adapters from one vLLM server (about a minute)"
