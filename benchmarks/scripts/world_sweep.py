@@ -39,7 +39,7 @@ def _world(root: str, seed: int, threads: int, pretrain: dict) -> dict:
     world = build_world(Path(root), seed=seed, threads=threads, pretrain=pretrain)
     seconds = time.time() - start
     with torch_threads(threads):
-        scores = {task: base_scores(world, task) for task in world.task_names}
+        scores = base_scores(world, world.task_names)
     general = next(iter(scores.values()))
     kept = (general.general_exact >= PROMISE.base_general_at_least
             and all(s.task_exact <= PROMISE.base_task_at_most for s in scores.values()))
@@ -99,6 +99,35 @@ def _summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _world_dir(out: Path, variant: int, seed: int, threads: int) -> Path:
+    return out / f"world-v{variant}-s{seed}-t{threads}"
+
+
+def _collect(futures: list, log_file: Path, describe) -> list[dict]:
+    """Each finished job's row, as it finishes: appended to `log_file` (JSON lines) and printed as `describe` says."""
+    rows = []
+    with open(log_file, "a") as log:
+        for done in as_completed(futures):
+            rows.append(done.result())
+            log.write(json.dumps(rows[-1]) + "\n")
+            log.flush()
+            print(describe(rows[-1]), flush=True)
+    return rows
+
+
+def _describe_world(row: dict) -> str:
+    return (f"{Path(row['world']).name}: {row['seconds']:.0f} s, general exact {row['general_exact']:.1%} "
+            f"loss {row['general_loss']:.4f}, tasks {' '.join(f'{t} {e:.1%}' for t, e in row['task_exact'].items())}"
+            f"{'' if row['kept'] else '  MISSED'}")
+
+
+def _describe_adapter(row: dict) -> str:
+    return (f"{Path(row['world']).name} {row['task']:12s} seed {row['recipe']['seed']} p {row['recipe']['p']}"
+            f" experts {row['experts']} base {row['base']['task_exact']:.1%} ESFT {row['tuned']['task_exact']:.1%}"
+            f" perplexity {row['general_perplexity_rise']:+.2%} ({row['seconds']:.0f} s)"
+            f"{' MISSED ' + '; '.join(row['missed']) if row['missed'] else ''}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="worlds, adapters and results.jsonl go here")
@@ -123,43 +152,24 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        built = [pool.submit(_world, str(args.out / f"world-v{v}-s{s}-t{t}"), s, t, variants[v]) for v, s, t in worlds]
-        made = []
-        with open(args.out / "worlds.jsonl", "a") as log:
-            for done in as_completed(built):
-                row = done.result()
-                made.append(row)
-                log.write(json.dumps(row) + "\n")
-                print(f"{Path(row['world']).name}: {row['seconds']:.0f} s, general exact {row['general_exact']:.1%} "
-                      f"loss {row['general_loss']:.4f}, tasks "
-                      f"{' '.join(f'{t} {e:.1%}' for t, e in row['task_exact'].items())}"
-                      f"{'' if row['kept'] else '  MISSED'}", flush=True)
+        built = [pool.submit(_world, str(_world_dir(args.out, v, s, t)), s, t, variants[v]) for v, s, t in worlds]
+        made = _collect(built, args.out / "worlds.jsonl", _describe_world)
         good = [v for v in range(len(variants)) if all(r["kept"] for r in made if r["pretrain"] == variants[v])]
         if args.worlds_only or not good:
             print("no pre-training variant keeps the base's side of the promise on every world" if not good else "")
             return
         print(f"adapters on pre-training variant {good[0]}: {variants[good[0]]}", flush=True)
-        worlds = [(v, s, t) for v, s, t in worlds if v == good[0]]
         jobs = []
         for v, s, t in worlds:
-            root = args.out / f"world-v{v}-s{s}-t{t}"
+            if v != good[0]:
+                continue
+            root = _world_dir(args.out, v, s, t)
             for r, recipe in enumerate(recipes):
                 for ft in map(int, args.ft_seeds.split(",")):
                     for task in tasks:
                         folder = root / f"adapters-r{r}-f{ft}" / task
                         jobs.append(pool.submit(_adapter, str(root), t, task, {**recipe, "seed": ft}, str(folder)))
-        rows = []
-        with open(args.out / "results.jsonl", "a") as log:
-            for done in as_completed(jobs):
-                row = done.result()
-                rows.append(row)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                print(f"{Path(row['world']).name} {row['task']:12s} seed {row['recipe']['seed']} p {row['recipe']['p']}"
-                      f" experts {row['experts']} base {row['base']['task_exact']:.1%} ESFT "
-                      f"{row['tuned']['task_exact']:.1%} perplexity {row['general_perplexity_rise']:+.2%} "
-                      f"({row['seconds']:.0f} s){' MISSED ' + '; '.join(row['missed']) if row['missed'] else ''}",
-                      flush=True)
+        rows = _collect(jobs, args.out / "results.jsonl", _describe_adapter)
     print(f"\n{len(rows)} adapters in {time.time() - start:.0f} s\n{_summary(rows)}")
 
 

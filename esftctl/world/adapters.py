@@ -78,10 +78,11 @@ class Promise:
 PROMISE = Promise()
 
 
-def base_scores(world: World, task: str) -> Scores:
-    general = list(read_jsonl(world.general_file("test")))
-    return Scores(evaluate(world.base_dir, list(read_jsonl(world.data_file(task, "test"))))[0],
-                  *evaluate(world.base_dir, general))
+def base_scores(world: World, tasks: list[str]) -> dict[str, Scores]:
+    """The base's scores on each task, with its general-mixture scores (evaluated once) beside each."""
+    general = evaluate(world.base_dir, list(read_jsonl(world.general_file("test"))))
+    return {task: Scores(evaluate(world.base_dir, list(read_jsonl(world.data_file(task, "test"))))[0], *general)
+            for task in tasks}
 
 
 def prepare_adapter(world: World, task: str, recipe: Recipe = Recipe(), *, folder: Path | None = None,
@@ -123,7 +124,7 @@ def prepare_adapter(world: World, task: str, recipe: Recipe = Recipe(), *, folde
         held_out = list(read_jsonl(world.data_file(task, "test")))
         general = list(read_jsonl(world.general_file("test")))
         tuned_scores = Scores(evaluate(tuned, held_out)[0], *evaluate(tuned, general))
-        base = base_scores(world, task)
+        base = base_scores(world, [task])[task]
     return Adapter(task, bundle, [len(ids) for ids in experts.experts.values()], base, tuned_scores, seconds)
 
 
