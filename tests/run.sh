@@ -6,5 +6,5 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 venv="${ESFTCTL_VENV:-$root/.venv}"
-"$venv/bin/ruff" check esftctl tests recipes benchmarks/scripts
+"$venv/bin/ruff" check esftctl runtime kernels tests recipes benchmarks/scripts setup.py
 exec "$venv/bin/python" -m pytest -q "$@"

@@ -131,7 +131,7 @@ def engine_model(ckpt: MoECheckpoint, experts: dict | None, device: str,
 
 def run_layers(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Every MoE layer on x, one after another (residual), as the model's forward would; around a paged
-    layer's kernel, the pager calls that esftctl's RoutedExperts makes in vLLM (esftctl/runtime/vllm_layers.py)."""
+    layer's kernel, the pager calls that esftctl's RoutedExperts makes in vLLM (runtime/vllm_layers.py)."""
     for layer in model.layers.values():
         paging = getattr(layer.mlp.experts.routed_experts, "esft_paging", None)
         if paging is not None:
