@@ -4,12 +4,12 @@ Everything is checked before vLLM starts (the base, every bundle against it), so
 one-line error, not a minute of engine start-up. Then vLLM's own server runs in a child process with
 - LoRA support enabled for its plumbing: each adapter is a LoRA module name (`--lora-modules`), picked by
   the request's `model` field, listed by /v1/models, loadable and unloadable at run time;
-- ESFTCTL_SERVE in the environment, which makes esftctl's vLLM plugin (esftctl.runtime.vllm_plugin) put
+- ESFTCTL_SERVE in the environment, which makes esftctl's vLLM plugin (esftctl.runtime.vllm.plugin) put
   the ESFT runtime in place of vLLM's LoRA layers;
 - esftctl's status middleware (GET /esftctl/status).
 With `--variants MAP_DIR` (consolidated fine-tuned variants, esftctl.variants) the first variant is the model
 vLLM loads, every other one is a LoRA module name bound to its slot, and vLLM's scheduler runs with turns
-(esftctl.runtime.variant_turns), one variant per engine step.
+(esftctl.runtime.vllm.variant_turns), one variant per engine step.
 The launcher waits until the server answers, prints the adapter table, and forwards Ctrl-C / SIGTERM.
 With an API key (`serve --api-key` or ESFTCTL_API_KEY), vLLM gets it in its environment (VLLM_API_KEY), not on a
 command line every user can read; a key given to vLLM after `--` works too. The launcher's own requests send it.
@@ -36,12 +36,12 @@ from esftctl.errors import EsftError
 from esftctl.names import check_name
 from esftctl.runtime.launcher import LAUNCHER_ENV
 from esftctl.runtime.serve_config import ENV, VLLM_API_KEY_ENV, ServeConfig, open_servable_bundle
-from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS, check_rows
+from esftctl.runtime.vllm.moe import KERNEL_MAX_ROWS, check_rows
 from esftctl.serve_client import API_KEY_ENV, request
 from esftctl.units import format_bytes
 from esftctl.variants import VariantSet
 
-STATUS_MIDDLEWARE = "esftctl.runtime.vllm_status.status_middleware"
+STATUS_MIDDLEWARE = "esftctl.runtime.vllm.status.status_middleware"
 
 
 @dataclass
@@ -120,7 +120,7 @@ class ServePlan:
         if modules:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in modules.items())]
         if self.variant_map:
-            cmd += ["--scheduler-cls", "esftctl.runtime.variant_turns.variant_scheduler"]
+            cmd += ["--scheduler-cls", "esftctl.runtime.vllm.variant_turns.variant_scheduler"]
         if self.eager and "--enforce-eager" not in self.vllm_args:
             cmd.append("--enforce-eager")
         return cmd + self.vllm_args

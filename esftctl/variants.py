@@ -7,7 +7,7 @@ first variant is the *home* one, the checkpoint vLLM loads, and
   variant uses it) and the home variant's own expert elsewhere;
 - every other variant is an adapter slot holding its own experts at the positions that were not loaded (its
   misses), except where its expert is bit-identical to the home one (an ESFT-style variant shares most);
-- every variant brings its own non-expert weights (esftctl.runtime.variant_weights).
+- every variant brings its own non-expert weights (esftctl.runtime.vllm.variant_weights).
 So variant v runs exactly `esftctl materialize MAP_DIR --variant v`: its own non-expert weights, the mapped
 expert where loaded, its own elsewhere. Memory: L x E base rows plus each variant's distinct misses; with
 C = every position, no variant adds a single expert.

@@ -8,7 +8,7 @@ unmapped memory, and a newly loaded adapter never overwrites rows such a kernel 
 
 `budget` caps the adapter experts loaded at once (counted in experts of all layers): a load past it is
 refused before anything is mapped. The engine reserves the budget's memory before vLLM sizes its KV cache
-(esftctl.runtime.vllm_model), so a load within it never fails for lack of device memory.
+(esftctl.runtime.vllm.model), so a load within it never fails for lack of device memory.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What `esftctl serve` tells the engine's processes, through one environment variable.
 
 vLLM starts its engine in processes of its own; they inherit the environment, and the plugin
-(esftctl.runtime.vllm_plugin) turns the ESFT runtime on only where `ESFTCTL_SERVE` is set, so a plain
+(esftctl.runtime.vllm.plugin) turns the ESFT runtime on only where `ESFTCTL_SERVE` is set, so a plain
 `vllm serve --enable-lora` with esftctl installed keeps vLLM's own LoRA.
 """
 
@@ -33,7 +33,7 @@ class ServeConfig:
     host_cache_bytes: int = 8 << 30  # adapters kept staged in (pinned) host memory for fast reloads
     variant_map: str | None = None  # `serve --variants`: the consolidated map's folder (esftctl.variants)
     variant_names: tuple[str, ...] = ()  # served names of its variants, the home one (vLLM's --model) first
-    quantum: int = 4  # engine steps per variant turn (esftctl.runtime.variant_turns)
+    quantum: int = 4  # engine steps per variant turn (esftctl.runtime.vllm.variant_turns)
     adapter_root: str | None = None  # `serve --adapter-root`: adapters load at run time only from under this folder
 
     def to_env(self) -> dict[str, str]:
@@ -51,7 +51,7 @@ class ServeConfig:
 
 def rank_status_file(status_file: str | Path, rank: int) -> Path:
     """Where tensor-parallel rank `rank` writes its status: rank 0 the status file itself (every field of the
-    table), rank r > 0 a file beside it (the API server adds its memory to rank 0's: esftctl.runtime.vllm_status)."""
+    table), rank r > 0 a file beside it (the API server adds its memory to rank 0's: esftctl.runtime.vllm.status)."""
     path = Path(status_file)
     return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 

@@ -12,7 +12,7 @@ import torch
 def test_cpu_rope_matches_native(neox, layout):
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from esftctl.runtime.cpu_rope import CpuRowsRotaryEmbedding
+    from esftctl.runtime.vllm.cpu_rope import CpuRowsRotaryEmbedding
 
     with set_current_vllm_config(VllmConfig()):
         rope = CpuRowsRotaryEmbedding(64, 64, 256, 10000.0, neox, torch.float32)

@@ -65,7 +65,7 @@ def test_wheel_holds_and_imports_every_source_module(tmp_path):
     assert _modules(n for n in names if n.startswith("esftctl/")) == _source_modules()
     assert any(n.startswith("esftctl/_native") and n.endswith(".so") for n in names)  # the native encoder, built
     assert "esftctl = esftctl.cli:main" in entry_points
-    plugin = "esftctl.runtime.vllm_plugin:register"
+    plugin = "esftctl.runtime.vllm.plugin:register"
     assert f"esftctl = {plugin}" in entry_points
     # Installed from the wheel alone (its folder first on the path, run away from the checkout), every module
     # imports from it, the plugin's entry point resolves, and the command answers --version.

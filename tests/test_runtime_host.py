@@ -326,7 +326,7 @@ def test_page_runs():
 def test_tensor_parallel_shards_put_back_together_are_the_experts():
     """Issue 20: rank r's part of stacked experts is vLLM's cut (gate's and up's r-th slice of I, stacked; w2's
     r-th slice of columns), so the ranks' parts side by side are the experts again; a padded width stays zero."""
-    from esftctl.runtime.vllm_model import tensor_parallel_shard
+    from esftctl.runtime.vllm.model import tensor_parallel_shard
 
     g = torch.Generator().manual_seed(5)
     n, inter, hidden = 3, 12, 8

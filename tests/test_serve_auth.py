@@ -39,7 +39,7 @@ def app(tmp_path, monkeypatch):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from esftctl.runtime import vllm_status
+    from esftctl.runtime.vllm import status as vllm_status
 
     calls: list[str] = []
     api = FastAPI()

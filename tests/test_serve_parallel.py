@@ -1,7 +1,7 @@
 """`esftctl serve` under vLLM's tensor and expert parallelism (issue 20): adapters answer as their merged models do.
 
 Each rank's virtual tensors hold its part of every expert, base and adapter alike, cut as vLLM's FusedMoE
-loader cuts the base's (esftctl.runtime.vllm_model.tensor_parallel_shard): an adapter served by two ranks
+loader cuts the base's (esftctl.runtime.vllm.model.tensor_parallel_shard): an adapter served by two ranks
 must give the greedy tokens of its merged model served by plain vLLM with the same parallelism. vLLM's CPU
 build runs TP=2 on two cores when each rank's OpenMP threads are bound by hand (its automatic binding wants a
 NUMA node per rank), so this runs in CI; on the GPU machine it needs two GPUs. Under expert parallelism each

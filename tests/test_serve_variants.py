@@ -126,7 +126,7 @@ def test_bad_variant_maps_are_refused_before_vllm_starts(variants, tmp_path, tin
 
 
 def test_turns_are_round_robin_by_quantum_and_nothing_starves():
-    from esftctl.runtime.variant_turns import Turns
+    from esftctl.runtime.vllm.variant_turns import Turns
 
     turns = Turns(3, quantum=2)
     assert [turns.next({0, 1, 2}) for _ in range(7)] == [0, 0, 1, 1, 2, 2, 0]

@@ -19,7 +19,7 @@ import torch
 
 from esftctl.checkpoint import MoECheckpoint
 from esftctl.runtime.moe_layer import stack_experts
-from esftctl.runtime.vllm_model import EsftModel
+from esftctl.runtime.vllm.model import EsftModel
 from esftctl.world.synthetic import synthetic_experts
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -131,7 +131,7 @@ def engine_model(ckpt: MoECheckpoint, experts: dict | None, device: str,
 
 def run_layers(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Every MoE layer on x, one after another (residual), as the model's forward would; around a paged
-    layer's kernel, the pager calls that esftctl's RoutedExperts makes in vLLM (runtime/vllm_layers.py)."""
+    layer's kernel, the pager calls that esftctl's RoutedExperts makes in vLLM (runtime/vllm/layers.py)."""
     for layer in model.layers.values():
         paging = getattr(layer.mlp.experts.routed_experts, "esft_paging", None)
         if paging is not None:
@@ -289,7 +289,7 @@ def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_model
     the router keeps routing over the base's E; layer set-ups in which adapter rows would be dropped or
     mis-mapped are refused with one line."""
     from esftctl.errors import EsftError
-    from esftctl.runtime import vllm_moe
+    from esftctl.runtime.vllm import moe as vllm_moe
 
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
     served = engine_model(ckpt, None, "cpu")
@@ -341,7 +341,7 @@ def test_expert_parallel_ranks_compute_each_rerouted_pair_once(tiny_models, monk
     adapters loaded on both: every rank reroutes alike, but only the rank holding the base expert an adapter
     replaces maps and computes its row, so the ranks' outputs summed (vLLM's all-reduce) are each adapter's
     merged model; a pair computed on both ranks, or on neither, would show."""
-    from esftctl.runtime import vllm_model
+    from esftctl.runtime.vllm import model as vllm_model
 
     monkeypatch.setattr(vllm_model, "kernel_config", lambda layer, experts: None)  # vLLM's Triton tile lookup
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])

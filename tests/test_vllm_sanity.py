@@ -1,7 +1,7 @@
 """vLLM (the CPU build here) loads the tiny base and generates what transformers generates.
 
 This test found that vLLM 0.32's CPU rotary kernel mishandles DeepSeek-V2's 3-D queries (greedy tokens
-parted from transformers with gaps of 2.6 nats); esftctl's vLLM plugin (runtime/cpu_rope.py) fixes it.
+parted from transformers with gaps of 2.6 nats); esftctl's vLLM plugin (runtime/vllm/cpu_rope.py) fixes it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from esftctl.runtime.vllm_moe import KERNEL_MAX_ROWS
+from esftctl.runtime.vllm.moe import KERNEL_MAX_ROWS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

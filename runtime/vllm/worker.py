@@ -4,9 +4,9 @@ vLLM already does everything around an adapter that is not about its weights: th
 request's `model` name to a LoRARequest (`--lora-modules`, /v1/load_lora_adapter, /v1/models), the
 scheduler keeps at most `max_loras` adapters in a batch, and every step the model runner hands its
 worker LoRA manager the batch's requests and the adapter id of every token. `EsftWorkerManager` takes that
-manager's place (vllm_plugin swaps the class the model runner builds) and, instead of wrapping layers
+manager's place (the plugin swaps the class the model runner builds) and, instead of wrapping layers
 with LoRA layers:
-- `create_lora_manager` installs the ESFT runtime into the model (esftctl.runtime.vllm_model);
+- `create_lora_manager` installs the ESFT runtime into the model (esftctl.runtime.vllm.model);
 - `add_adapter` opens the LoRARequest's path as an ESFT bundle, checks it against the served base, and
   loads its experts into a free slot (from the host cache, esftctl.runtime.host_cache, when it holds the
   unchanged file); no free slot, a bundle of another base, a corrupted bundle: it raises, vLLM answers the
@@ -14,8 +14,8 @@ with LoRA layers:
 - `set_active_adapters` turns the per-token LoRA ids into per-token slots for the rerouting.
 Under `serve --variants` (esftctl.variants) it also loads the consolidated experts into the base rows, each
 variant's own experts into a slot of its own, and every variant's non-expert weights beside the model
-(esftctl.runtime.variant_weights); a variant's LoRA name binds to its slot, and each step puts the step's
-variant's non-expert weights in place (vLLM's scheduler runs one variant per step: esftctl.runtime.variant_turns).
+(esftctl.runtime.vllm.variant_weights); a variant's LoRA name binds to its slot, and each step puts the step's
+variant's non-expert weights in place (vLLM's scheduler runs one variant per step: esftctl.runtime.vllm.variant_turns).
 After every change, and every second while serving, it writes the adapter and memory table to the status
 file `esftctl serve` shows; under tensor parallelism every rank writes its own (`rank_status_file`).
 """
@@ -35,9 +35,9 @@ from esftctl.jsonfile import write_json
 from esftctl.names import check_name
 from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file
-from esftctl.runtime.variant_weights import VariantWeights, collect
-from esftctl.runtime.vllm_model import EsftModel
-from esftctl.runtime.vllm_moe import check_engine
+from esftctl.runtime.vllm.model import EsftModel
+from esftctl.runtime.vllm.moe import check_engine
+from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
 from esftctl.store import ExpertStore
 from esftctl.variants import HOME, VariantSet
 

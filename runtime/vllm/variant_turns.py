@@ -1,7 +1,7 @@
 """vLLM's scheduler with turns: every engine step runs the requests of one variant only.
 
 Consolidated variants share the experts but each has its own non-expert weights, which the worker puts in
-place before a step (esftctl.runtime.variant_weights). So a step must not mix variants. vLLM's scheduler is
+place before a step (esftctl.runtime.vllm.variant_weights). So a step must not mix variants. vLLM's scheduler is
 kept whole (`--scheduler-cls` names `variant_scheduler`, which builds vLLM's own Scheduler or AsyncScheduler
 with this mixin); the mixin only picks whose turn it is and hides the others' requests for that step, through
 the scheduler's own means: a running request of another variant is not eligible this step

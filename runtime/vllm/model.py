@@ -12,10 +12,10 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   the kernel vLLM's expert map extended to those rows (esftctl.runtime.moe_layer);
 - optionally pages the experts (esftctl.runtime.paging with HeldRowBlocks): only `paging_window` layers hold
   their rows, base and adapter alike; the others are loaded from the layer's host copy just before their
-  layer runs (the experts layer calls the pager around its kernel: esftctl.runtime.vllm_layers), and an
+  layer runs (the experts layer calls the pager around its kernel: esftctl.runtime.vllm.layers), and an
   adapter loaded meanwhile is written to the host copies of the layers that are out;
 - makes the kernel compute every row (its expert count becomes the row count) and refuses set-ups in which
-  some adapter row would be dropped or mis-mapped (esftctl.runtime.vllm_moe);
+  some adapter row would be dropped or mis-mapped (esftctl.runtime.vllm.moe);
 - sets device memory aside for the adapter budget (or the paging window) before vLLM sizes its KV cache
   from the memory left free: adapters load after that sizing;
 - sets the router's capture callback, which vLLM calls with the logical top-k ids before it uses them, to
@@ -40,7 +40,7 @@ from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, Ph
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts, store_decoder, tier_split
 from esftctl.runtime.residency import AdaptiveResidency
-from esftctl.runtime.vllm_moe import (
+from esftctl.runtime.vllm.moe import (
     EngineMoELayer,
     check_rows,
     check_supported,

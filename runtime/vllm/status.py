@@ -7,7 +7,7 @@ as vLLM reads them), this middleware checks it first, on every path, in constant
 `Authorization: Bearer KEY` gets 401 before anything below runs or any file is read.
 
 - GET /esftctl/status: the engine's adapter and memory table, as JSON, with the server's process id. The
-  engine process writes it to a file after every adapter change (esftctl.runtime.vllm_worker); this serves that file,
+  engine process writes it to a file after every adapter change (esftctl.runtime.vllm.worker); this serves that file,
   and under tensor parallelism adds every rank's memory from the rank's own file (`per_rank`).
 - POST /v1/load_lora_adapter: checked here first, so an expected refusal is a 4xx with its real message (vLLM
   answers an engine-side failure with HTTP 500, a traceback in its log, and file paths masked as `<path>`): a bad

