@@ -153,9 +153,9 @@ def pack(
     import a DeepSeek ESFT adapter folder (expert_cfg.json + the trained tensors) the same way."""
     from rich.progress import Progress
 
-    from esftctl.bundle import Bundle
-    from esftctl.checkpoint import MoECheckpoint
     from esftctl.describe import render
+    from esftctl.formats.bundle import Bundle
+    from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.pack import pack as do_pack
 
     check_output(out, overwrite=overwrite, folder=True)
@@ -185,7 +185,7 @@ def merge(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write base + adapter as one full checkpoint (the merged model that serving is checked against)."""
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.merge import merge as do_merge
 
     check_output(out, overwrite=overwrite, folder=True)
@@ -208,7 +208,7 @@ def export(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write an adapter bundle in another tool's adapter format (esft: DeepSeek's ESFT code)."""
-    from esftctl.esft_adapter import export_adapter
+    from esftctl.formats.esft_adapter import export_adapter
 
     if fmt != "esft":
         raise EsftError(f"unknown format {fmt!r} (choose esft)")
@@ -241,7 +241,7 @@ def compress(
     from rich.progress import Progress
 
     from esftctl.describe import render
-    from esftctl.store import ExpertStore, source_tensors, write_store
+    from esftctl.formats.store import ExpertStore, source_tensors, write_store
 
     check_output(out, overwrite=overwrite, folder=True)
     start = time.time()
@@ -265,8 +265,8 @@ def decompress(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
-    from esftctl.store import ExpertStore
-    from esftctl.store import decompress as do_decompress
+    from esftctl.formats.store import ExpertStore
+    from esftctl.formats.store import decompress as do_decompress
 
     check_output(out, overwrite=overwrite, folder=True)
     with _tensor_progress("decoding", len(list(ExpertStore(store, verify=False)))) as advance:
@@ -290,8 +290,8 @@ def consolidate(
     from rich.progress import Progress
     from rich.table import Table
 
-    from esftctl.checkpoint import MoECheckpoint
     from esftctl.consolidate import consolidate as do_consolidate
+    from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.units import format_bytes
 
     budget_bytes = _parse_bytes(budget, "--budget") if budget is not None else None
@@ -336,9 +336,9 @@ def materialize(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write the checkpoint a variant runs under a consolidated map (plain vLLM can serve it)."""
-    from esftctl.checkpoint import MoECheckpoint
     from esftctl.consolidate import MAP_FILE, ExpertMap
     from esftctl.consolidate import materialize as do_materialize
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     check_output(out, overwrite=overwrite, folder=True)
     models = ExpertMap.load(map_dir / MAP_FILE).models
@@ -356,8 +356,8 @@ def average(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
 ) -> None:
     """Write the weight-averaging baseline of several variants."""
-    from esftctl.checkpoint import MoECheckpoint
     from esftctl.consolidate import average as do_average
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     check_output(out, overwrite=overwrite, folder=True)
     with _tensor_progress("averaging", 2 * len(MoECheckpoint(models[0]).tensors)) as advance:

@@ -23,9 +23,15 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from esftctl import native
-from esftctl.checkpoint import EXPERT_WEIGHTS, ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.errors import EsftError
+from esftctl.formats import native
+from esftctl.formats.checkpoint import (
+    EXPERT_WEIGHTS,
+    ExpertWeights,
+    MoECheckpoint,
+    expert_replacements,
+    write_checkpoint,
+)
 from esftctl.jsonfile import read_json, write_json
 
 MAP_FILE, RANKING_FILE = "expert_map.json", "ranking.json"

@@ -7,14 +7,14 @@ from typing import Sequence
 
 from rich.table import Table
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.units import format_bytes, format_ranges
 
 
 def describe_path(path: Path) -> dict:
-    from esftctl.bundle import MANIFEST, Bundle
-    from esftctl.store import HEADER, ExpertStore
+    from esftctl.formats.bundle import MANIFEST, Bundle
+    from esftctl.formats.store import HEADER, ExpertStore
 
     if not path.exists():
         raise EsftError("no such file or folder", path)

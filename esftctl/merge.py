@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from esftctl.bundle import Bundle
-from esftctl.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
 
 
 def merge(base_dir: Path, bundle_dir: Path, out: Path, overwrite: bool = False,

@@ -3,32 +3,23 @@
 The fine-tune is verified against the base tensor by tensor: same architecture and shapes, and no change
 outside the routed experts unless told to include such changes. Without an expert config, the adapter is
 exactly the experts that changed; with one, every changed expert must be listed in it. A DeepSeek ESFT adapter
-folder (expert_cfg.json beside the trained parameters only) is imported instead: esftctl/esft_adapter.py.
+folder (expert_cfg.json beside the trained parameters only) is imported instead: esftctl/formats/esft_adapter.py.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from esftctl.bundle import base_identity, write_bundle
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import PackReport, base_identity, write_bundle
+from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.formats.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter
 from esftctl.names import check_name
 from esftctl.selection import ExpertConfig
-
-
-@dataclass
-class PackReport:
-    name: str
-    out: Path
-    experts: dict[int, list[int]]
-    unchanged_listed: list[tuple[int, int]] = field(default_factory=list)  # in the config, identical to base
-    non_expert_changed: list[str] = field(default_factory=list)
 
 
 class StoredBytes:
@@ -123,7 +114,6 @@ def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
 def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None,
          include_non_expert: bool = False, overwrite: bool = False,
          on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
-    from esftctl.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter  # it builds on this module
 
     check_name(name)  # before any reading: a bad name costs nothing
     if is_esft_adapter(tuned_dir):

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonfile import read_json, write_json
 from esftctl.jsonl import Example
 from esftctl.routing import routing_scores

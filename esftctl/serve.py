@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from pathlib import Path
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.names import check_name
 from esftctl.runtime.launcher import LAUNCHER_ENV
 from esftctl.runtime.serve_config import ENV, VLLM_API_KEY_ENV, ServeConfig, open_servable_bundle
@@ -298,7 +298,7 @@ def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> No
     if store is not None:
         import torch
 
-        from esftctl.store import ExpertStore, missing_base_experts
+        from esftctl.formats.store import ExpertStore, missing_base_experts
 
         options["paging_store"] = Path(store).resolve()
         opened = ExpertStore(store, verify=False)  # header checked; the probe's tensor against its own hash (store v3)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.consolidate import MAP_FILE, ExpertMap, check_same_architecture
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.names import check_name
 
 HOME = 0

@@ -1,16 +1,16 @@
-"""GPU decoding of Huffman-coded bf16 exponents (esftctl.huffman's format) straight into bf16 tensors.
+"""GPU decoding of Huffman-coded bf16 exponents (esftctl.formats.huffman's format) straight into bf16 tensors.
 
 One launch decodes any set of stored tensors into any destinations (for paging: the mapped rows of a
 layer's virtual weight tensors). Every chunk of every tensor becomes one lane, described by five numbers:
 its absolute bit position in the store's data on the device, where its sign-and-mantissa bytes start,
 the device address of its first output value, how many of the tensor's values lie from there on, and its
-code table. A program is one warp: the 32 chunks of a block (esftctl.huffman.chunk_layout), which take
+code table. A program is one warp: the 32 chunks of a block (esftctl.formats.huffman.chunk_layout), which take
 turns by GROUP values, so each time the warp writes a group it writes 32 * GROUP contiguous values and
 reads as many contiguous sign-and-mantissa bytes. "Does any lane still need values for this group?" is a
 warp vote.
 
 A lane keeps its next bits in a 64-bit register. One aligned 32-bit refill leaves at least STEPS * WIDTH
-bits there, enough for STEPS dependent lookups in a multi-symbol table (esftctl.huffman.multi_symbol_table:
+bits there, enough for STEPS dependent lookups in a multi-symbol table (esftctl.formats.huffman.multi_symbol_table:
 every whole code at the front of a WIDTH-bit window, up to four, and the bits they use); at about 2.6 bits
 per exponent a lookup yields about four values. Decoded bytes enter a 20-byte queue at the top with funnel
 shifts, so a step never needs to know where its values land; once GROUP are queued, the oldest GROUP are
@@ -19,7 +19,7 @@ proved the destinations start on a group boundary. The kernel is kept lean on pu
 lane, twice as many warps fit on an SM as with a wider queue, and the coalesced layout keeps their byte
 streams from thrashing L1 (RESULTS.md has the measurements).
 
-The plain reference is the CPU decoder (esftctl.huffman.decode + join_bf16); the tests compare the two.
+The plain reference is the CPU decoder (esftctl.formats.huffman.decode + join_bf16); the tests compare the two.
 A DecodePlan holds the descriptors on the device, so `run()` is one launch with no host work, and can be
 captured in a CUDA graph.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from esftctl.huffman import GROUP, LANES, MAX_LENGTH, check_chunk, chunk_count, chunk_firsts
+from esftctl.formats.huffman import GROUP, LANES, MAX_LENGTH, check_chunk, chunk_count, chunk_firsts
 
 MAX_COUNT = (1 << 31) - 1  # values per tensor at most: a lane counts the values left in int32
 
@@ -61,7 +61,7 @@ try:
                               BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr):
         tl.static_assert(GROUP == 16, "the queue holds a group of 16 values and the up to 3 decoded past it")
         tl.static_assert(STEPS * WIDTH <= 32, "one 32-bit refill must cover STEPS lookups in a 64-bit buffer")
-        tl.static_assert(BLOCK == 32, "a program is one block of esftctl.huffman.chunk_layout: LANES = 32 chunks")
+        tl.static_assert(BLOCK == 32, "a program is one block of formats.huffman.chunk_layout: LANES = 32 chunks")
         STRIDE: tl.constexpr = BLOCK * GROUP  # a block's lanes take turns by GROUP values
         lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < n_chunks

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 from esftctl.serve import plan, serve_and_ask
 from esftctl.world.build import build_world

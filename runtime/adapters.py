@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.units import format_bytes
 

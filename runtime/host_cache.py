@@ -23,9 +23,9 @@ from typing import Mapping
 
 import torch
 
-from esftctl.bundle import bundle_files
-from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import bundle_files
+from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.moe_layer import VirtualMoELayer
 
 

@@ -30,8 +30,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.address_space import AddressSpace
 from esftctl.runtime.virtual_tensor import VirtualExpertTensor
 

@@ -12,9 +12,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from esftctl.bundle import Bundle
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import MoECheckpoint
 
 ENV = "ESFTCTL_SERVE"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there

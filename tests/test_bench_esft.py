@@ -12,7 +12,7 @@ from conftest import run_cli
 from safetensors import safe_open
 
 from esftctl.bench import esft as bench
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 
 
@@ -84,7 +84,7 @@ def test_lora_finetune_trains_lora_only_and_writes_a_small_adapter(world, tmp_pa
 def test_run_reports_every_metric_for_every_method(world, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from esftctl.bundle import Bundle
+    from esftctl.formats.bundle import Bundle
     from esftctl.world.lora import lora_model, lora_parameters
 
     task = world.task_names[0]

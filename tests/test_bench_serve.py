@@ -23,8 +23,8 @@ from esftctl.bench.synthetic_model import (
     write_adapter,
     write_model,
 )
-from esftctl.bundle import Bundle
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import MoECheckpoint
 
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=3,
              n_routed_experts=8, num_attention_heads=4, num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=64,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 
 # What each tiny config (esftctl.world.models.tiny_config) must be described as.
 EXPECTED = {
@@ -230,7 +230,7 @@ def _safetensors(path, header, data=b""):
 ])
 def test_safetensors_header_is_validated(tmp_path, header, data, match):
     """esftctl checks a safetensors header itself before reading any tensor at its offsets."""
-    from esftctl.checkpoint import read_header
+    from esftctl.formats.checkpoint import read_header
 
     with pytest.raises(EsftError, match="x.safetensors: not a readable safetensors file .corrupted or truncated: "
                                         ".*" + match):
@@ -252,7 +252,7 @@ def test_fifo_shard_is_refused_at_once(tiny_models, tmp_path):
 
 MERGE_UNDER_LIMIT = """
 import resource, sys
-from esftctl.checkpoint import MoECheckpoint, write_checkpoint
+from esftctl.formats.checkpoint import MoECheckpoint, write_checkpoint
 src = MoECheckpoint(sys.argv[1])
 src.read_tensor(next(iter(src.tensors)))  # torch's first tensor allocations happen before the limit
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024

@@ -124,7 +124,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path, monkeypatch
     import errno
     import sys
 
-    from esftctl import cli, store
+    from esftctl import cli
+    from esftctl.formats import store
 
     class FillingFile:  # store.bin's file, full after 1 MiB (written from the store's writer thread)
         def __init__(self, path, mode):
@@ -194,7 +195,7 @@ def test_explicit_cpu_kv_cache_wins_over_the_environment(world, monkeypatch, tmp
 def test_pack_on_the_wrong_base_says_so(world, tmp_path):
     """Issue 18, item 7: packing a fine-tune against another base of the same shapes is refused as such, with or
     without --include-non-expert; a router-only change is called a router change and names a router tensor."""
-    from esftctl.checkpoint import MoECheckpoint, write_checkpoint
+    from esftctl.formats.checkpoint import MoECheckpoint, write_checkpoint
     from esftctl.merge import merge
     from esftctl.world.synthetic import write_synthetic_adapter, write_synthetic_variant
 

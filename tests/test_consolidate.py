@@ -9,8 +9,6 @@ import pytest
 import torch
 from conftest import run_cli
 
-from esftctl import native
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.consolidate import (
     ExpertMap,
     assign_round_robin,
@@ -23,6 +21,8 @@ from esftctl.consolidate import (
     rank_positions,
 )
 from esftctl.errors import EsftError
+from esftctl.formats import native
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 
 
 def test_ranking_and_round_robin_on_hand_made_distances():

@@ -15,8 +15,8 @@ from conftest import run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from esftctl.bundle import Bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.pack import pack
 from esftctl.world.synthetic import experts_used_by, synthetic_experts, write_synthetic_adapter
 
@@ -196,7 +196,7 @@ def test_exported_folder_is_pinned(base, tmp_path, capsys):
     """File names, expert_cfg.json byte for byte, and the safetensors keys DeepSeek's esft.py loads."""
     g = torch.Generator().manual_seed(1)
     chosen = {1: [3], 2: [0, 15]}
-    from esftctl.bundle import write_bundle
+    from esftctl.formats.bundle import write_bundle
 
     experts = {l: {e: ExpertWeights(*(torch.randn(t.shape, generator=g).to(t.dtype)
                                        for _, t in base.read_expert(l, e).items())) for e in ids}

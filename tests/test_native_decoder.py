@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import trained_like_bits
 
-from esftctl import native
-from esftctl.huffman import (
+from esftctl.formats import native
+from esftctl.formats.huffman import (
     GROUP,
     LANES,
     build_code,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import run_cli
 
-from esftctl.bundle import Bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.merge import merge
 from esftctl.pack import pack
 from esftctl.relevance import Relevance, compute_relevance
@@ -276,7 +276,7 @@ def test_cli_relevance_and_select(world, tmp_path):
 def test_pack_compares_stored_bits(tiny_models, tmp_path, monkeypatch):
     """A change is a change of stored bits: -0.0 for 0.0 is one (torch.equal misses it), the same NaN in both
     is none (torch.equal sees a change); a tensor compared in several chunks shows a change in its last one."""
-    from esftctl.checkpoint import write_checkpoint
+    from esftctl.formats.checkpoint import write_checkpoint
     from esftctl.pack import StoredBytes, changed_experts, changed_non_expert
 
     base = MoECheckpoint(tiny_models["deepseek_v2"])

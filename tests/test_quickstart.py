@@ -24,7 +24,7 @@ def test_every_target_of_the_promise_is_met(adapters):
 
 
 def test_adapters_are_bundles_of_the_selected_experts(adapters):
-    from esftctl.bundle import Bundle
+    from esftctl.formats.bundle import Bundle
 
     for a in adapters:
         bundle = Bundle.open(a.bundle)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from esftctl.checkpoint import ExpertWeights
+from esftctl.formats.checkpoint import ExpertWeights
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from esftctl.checkpoint import ExpertWeights
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.kernels.reroute import reroute, reroute_reference
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import HostAddressSpace
@@ -151,7 +151,7 @@ def test_staged_load_equals_plain_load_and_the_host_cache_keys_by_file(tmp_path)
     serves a bundle again only while its files are unchanged, and drops the least recently used past its size."""
     import os
 
-    from esftctl.bundle import DATA_FILE, MANIFEST
+    from esftctl.formats.bundle import DATA_FILE, MANIFEST
     from esftctl.runtime.host_cache import HostAdapterCache, stage
 
     plain, staged_layer = _layer(), _layer()

@@ -24,9 +24,9 @@ import pytest
 from conftest import engine_settings, has_gpu, plain_vllm, run_cli, server_args
 from rich.console import Console
 
-from esftctl.bundle import Bundle
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
 from esftctl.serve import Server, free_port, plan

@@ -19,7 +19,7 @@ from conftest import engine_settings, has_gpu
 from rich.console import Console
 from test_serve import prompts_of, serve_exactly
 
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.serve_client import status_table
 
 pytestmark = pytest.mark.vllm

@@ -16,9 +16,9 @@ import pytest
 from conftest import engine_settings, plain_vllm, run_cli, server_args
 from test_serve import ENGINE_ARGS, LOGPROBS, MAX_TOKENS, prompts_of, serve_concurrently
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.consolidate import consolidate, materialize
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.serve import Server, free_port, plan
 from esftctl.serve_client import status
 from esftctl.world.synthetic import experts_used_by, write_synthetic_variant

@@ -12,7 +12,7 @@ import torch
 from conftest import run_cli
 
 from esftctl.errors import EsftError
-from esftctl.huffman import (
+from esftctl.formats.huffman import (
     GROUP,
     LANES,
     MAX_LENGTH,
@@ -27,7 +27,7 @@ from esftctl.huffman import (
     join_bf16,
     split_bf16,
 )
-from esftctl.store import ExpertStore, SourceTensor, compress, decompress, header_hash, write_store
+from esftctl.formats.store import ExpertStore, SourceTensor, compress, decompress, header_hash, write_store
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -118,7 +118,7 @@ def test_store_round_trip_edge_tensors(tmp_path, scope):
 
 
 def test_model_store_size_and_round_trip(world, tmp_path):
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     header = compress(world.base_dir, tmp_path / "store")
     store = ExpertStore(tmp_path / "store")
@@ -179,8 +179,8 @@ def test_corrupted_truncated_and_wrong_inputs(world, tmp_path):
 
 
 def test_cli_compress_bundle_and_back(world, tmp_path):
-    from esftctl.bundle import Bundle
-    from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+    from esftctl.formats.bundle import Bundle
+    from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
     from esftctl.pack import pack
 
     base = MoECheckpoint(world.base_dir)
@@ -261,7 +261,7 @@ def test_compress_and_decompress_hold_one_layer_not_the_model(tmp_path):
     from safetensors import safe_open
 
     from esftctl.bench.synthetic_model import deepseek_v2_lite_config, write_model
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     config = deepseek_v2_lite_config(num_hidden_layers=7, vocab_size=1024, hidden_size=256, intermediate_size=512,
                                      moe_intermediate_size=512, n_routed_experts=16, num_attention_heads=4,

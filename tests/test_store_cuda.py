@@ -32,7 +32,7 @@ def test_gpu_decode_matches_cpu(tmp_path, chunk):
 
 def test_one_launch_into_virtual_tensor_rows_and_graph_replay(tmp_path):
     """A layer's experts decoded straight into mapped rows of its virtual w13/w2 tensors, in one launch."""
-    from esftctl.checkpoint import ExpertWeights
+    from esftctl.formats.checkpoint import ExpertWeights
     from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
     from esftctl.runtime.moe_layer import VirtualMoELayer
 
@@ -74,8 +74,8 @@ def test_gpu_decoder_stays_inside_its_buffers(tmp_path):
     from test_untrusted_stores import TENSORS, _segment, _write
 
     from esftctl.errors import EsftError
+    from esftctl.formats.store import ExpertStore
     from esftctl.kernels.huffman_decode import DecodePlan
-    from esftctl.store import ExpertStore
 
     store = ExpertStore(_write(tmp_path / "s"))
     data, tables = store.to_device(torch.device("cuda"))

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from esftctl.bundle import DATA_FILE, MANIFEST, Bundle, write_bundle
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.describe import describe_path
 from esftctl.errors import EsftError
-from esftctl.esft_adapter import export_adapter
+from esftctl.formats.bundle import DATA_FILE, MANIFEST, Bundle, write_bundle
+from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.formats.esft_adapter import export_adapter
 from esftctl.merge import merge
 from esftctl.world.synthetic import synthetic_experts
 

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from esftctl import native
 from esftctl.errors import EsftError
-from esftctl.huffman import MAX_CHUNK
+from esftctl.formats import native
+from esftctl.formats.huffman import MAX_CHUNK
+from esftctl.formats.store import DATA, HEADER, ExpertStore, SourceTensor, header_hash, write_store
 from esftctl.kernels.huffman_decode import DecodePlan, Segment
-from esftctl.store import DATA, HEADER, ExpertStore, SourceTensor, header_hash, write_store
 
 TENSORS = {"a": torch.tensor([[1.0, -2.5, 0.0], [3.0e-3, 7.0, -0.125]], dtype=torch.bfloat16),
            "b": torch.arange(20, dtype=torch.float32).div(8).to(torch.bfloat16),
@@ -102,9 +102,9 @@ PINNED_BIN = ("e4ae0000000000000000000000000000000000000000000000000000000000000
 def test_store_format_version_3_is_pinned(tmp_path, monkeypatch):
     """The exact header and store.bin of a tiny store: a change to the format must be a new version. The header
     hash is the SHA-256 of the canonical JSON (sorted keys, no spaces, ASCII) of every other field."""
-    import esftctl.store
+    import esftctl.formats.store
 
-    monkeypatch.setattr(esftctl.store, "__version__", "0.0.0")
+    monkeypatch.setattr(esftctl.formats.store, "__version__", "0.0.0")
     store = _write(tmp_path / "s", {"a": TENSORS["a"], "b": TENSORS["b"]}, table_scope="tensor")
     header = _header(store)
     tables = [{"lengths": [lengths.get(i, 0) for i in range(256)]} for lengths in PINNED_LENGTHS]
@@ -152,7 +152,7 @@ def test_a_changed_header_field_is_a_checksum_mismatch(tiny, tmp_path, field, va
 def test_version_2_stores_still_read_and_say_they_are_unprotected(tiny, tmp_path, caplog):
     store = _copy(tiny, tmp_path / "v2")
     _as_version_2(store)
-    with caplog.at_level(logging.WARNING, logger="esftctl.store"):
+    with caplog.at_level(logging.WARNING, logger="esftctl.formats.store"):
         opened = ExpertStore(store)
     assert any("no header checksum" in r.getMessage() and str(store) in r.getMessage() for r in caplog.records)
     d = opened.describe()
@@ -277,10 +277,10 @@ def test_unparsable_headers(tiny, tmp_path, text, message):
 
 
 def test_header_reads_are_bounded(tiny, tmp_path, monkeypatch):
-    import esftctl.store
+    import esftctl.formats.store
 
     store = _copy(tiny, tmp_path / "s")
-    monkeypatch.setattr(esftctl.store, "MAX_HEADER_BYTES", 1000)
+    monkeypatch.setattr(esftctl.formats.store, "MAX_HEADER_BYTES", 1000)
     with pytest.raises(EsftError, match="larger than 1000 bytes"):
         ExpertStore(store)
 
@@ -371,7 +371,7 @@ import sys, numpy as np, torch
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from esftctl.kernels.huffman_decode import DecodePlan
-from esftctl.store import ExpertStore
+from esftctl.formats.store import ExpertStore
 from test_untrusted_stores import TENSORS, _segment
 store = ExpertStore(Path({store!r}))
 data, tables = store.to_device(torch.device("cpu"))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.runtime.moe_layer import stack_experts
 from esftctl.runtime.vllm.model import EsftModel
 from esftctl.world.synthetic import synthetic_experts
@@ -218,7 +218,7 @@ def test_adapter_experts_page_with_their_layer(tiny_models, device):
 def test_store_tier_and_planner_page_the_same_answers(tiny_models, tmp_path, device, store_experts):
     """Base experts decoded from a Huffman store of the base (the first `store_experts` of each layer), the
     rest and the adapters' from host copies, with the residency planner running every pass."""
-    from esftctl.store import ExpertStore, compress
+    from esftctl.formats.store import ExpertStore, compress
 
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
     compress(ckpt.path, tmp_path / "store")
@@ -239,7 +239,7 @@ def test_store_tier_and_planner_page_the_same_answers(tiny_models, tmp_path, dev
 
 def test_store_tier_refuses_an_engine_layout_it_cannot_write(tiny_models, tmp_path):
     from esftctl.errors import EsftError
-    from esftctl.store import ExpertStore, compress
+    from esftctl.formats.store import ExpertStore, compress
 
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
     compress(ckpt.path, tmp_path / "store")

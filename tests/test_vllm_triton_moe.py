@@ -31,7 +31,7 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 def experts():
     """E base experts and three adapters' experts (2, 4 and 6 of them), random."""
-    from esftctl.checkpoint import ExpertWeights
+    from esftctl.formats.checkpoint import ExpertWeights
 
     g = torch.Generator().manual_seed(0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 from esftctl.world.build import GENERAL_SPLITS, SPLITS, build_world
 from esftctl.world.report import routing_distance

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape
-from esftctl.store import ExpertStore, SourceTensor, write_store
+from esftctl.formats.store import ExpertStore, SourceTensor, write_store
 
 EXPERT_COUNTS = (1, 8, 64)
 

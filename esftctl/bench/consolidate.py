@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.consolidate import average, consolidate, materialize
+from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 from esftctl.variants import VariantSet
 from esftctl.world.build import build_world

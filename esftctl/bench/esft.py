@@ -91,7 +91,7 @@ def train_method(method: str, *, base_dir: Path, folder: Path, train_set: list, 
                  experts: dict[int, list[int]] | None, on_step: Callable[[int, float], None]) -> dict:
     """Fine-tune with `method` under `folder`: {model (to evaluate), stored (folder whose bytes count), train_s,
     trainable_params, losses}."""
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.pack import pack
     from esftctl.selection import ExpertConfig
     from esftctl.world.esft import esft_finetune, full_finetune

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from esftctl.atomic import atomic_dir
-from esftctl.checkpoint import MoECheckpoint
+from esftctl.formats.checkpoint import MoECheckpoint
 
 RANK = 16
 # Projections vLLM applies LoRA to (see above); experts, shared experts and dense MLP share the names.

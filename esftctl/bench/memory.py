@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape, table1_adapters
-from esftctl.checkpoint import ExpertWeights
+from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import AccountingAddressSpace, CudaAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import VirtualMoELayer

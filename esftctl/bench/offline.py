@@ -172,7 +172,7 @@ def run(*, layers: int = FULL_LAYERS, root: Path, work: Path, on_step: Callable[
     the inputs plus about two checkpoints of free disk. `overrides` change the generated config (tests)."""
     import shutil
 
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     paths = prepare(root, layers, on_step, overrides)
     base = MoECheckpoint(paths["base"])

@@ -40,7 +40,7 @@ def _layer_weights(shape: MoEShape, seed: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _store(w13: torch.Tensor, w2: torch.Tensor, folder: Path):
-    from esftctl.store import ExpertStore, SourceTensor, write_store
+    from esftctl.formats.store import ExpertStore, SourceTensor, write_store
 
     inter = w2.shape[-1]
     cpu13, cpu2 = w13.cpu(), w2.cpu()

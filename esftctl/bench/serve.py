@@ -267,14 +267,14 @@ def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None =
 def _bundle_bytes(served: Served) -> int:
     """The adapters' expert bytes together: the memory budget reserved for them (the default reserves the
     largest adapter for every slot, which at 20 Table 1 adapters is more than an H200 holds)."""
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     return sum(_experts(p) for p in served.bundles.values()) * MoECheckpoint(served.base).expert_nbytes
 
 
 def _experts(bundle: Path) -> int:
     """A bundle's expert count from its manifest (the server verifies the checksum; no need to here)."""
-    from esftctl.bundle import MANIFEST, Bundle
+    from esftctl.formats.bundle import MANIFEST, Bundle
     from esftctl.jsonfile import read_json
 
     return Bundle(bundle, read_json(bundle / MANIFEST)).num_experts
@@ -283,7 +283,7 @@ def _experts(bundle: Path) -> int:
 def finish(profile: Profile, served: Served, results: list[dict], errors: dict, *, alpha: float, gpu: bool,
            servers: tuple[str, ...]) -> dict:
     """Ratios against plain vLLM's base at the same rate, and the KV-cache comparison."""
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     base = MoECheckpoint(served.base)
     anchors = {(res["ranks"], r["rate"]): r for res in results if res["kind"] == "vLLM base" for r in res["rows"]}
@@ -354,7 +354,7 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
     """`esftctl adapters load` of the largest adapter: cold (from disk: its file touched, so the server's host
     cache misses, and evicted from the page cache) and warm (again at once: from the server's host cache),
     against its bytes over the host-to-device copy bandwidth (and, cold, over the disk's read bandwidth)."""
-    from esftctl.bundle import DATA_FILE
+    from esftctl.formats.bundle import DATA_FILE
 
     name = max(served.table1, key=lambda n: _experts(served.bundles[n]))
     path = served.bundles[name]

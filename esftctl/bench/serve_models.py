@@ -81,7 +81,7 @@ def prepare_base(model: str, work: Path, on_step: Callable[[str], None]) -> Serv
 def write_adapters(served: Served, model: str, scratch: Path, n: int, *, distinct: int, esft_sized: int = 0,
                    on_step: Callable[[str], None] = lambda msg: None) -> None:
     """Bundles for `n` names (+ `esft_sized` DeepSeek-sized ones), each file written once into scratch/adapters."""
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     base = MoECheckpoint(served.base)
     folder = scratch / "adapters"
@@ -118,7 +118,7 @@ def write_adapters(served: Served, model: str, scratch: Path, n: int, *, distinc
 def write_loras(served: Served, scratch: Path, n: int, *, distinct: int,
                 on_step: Callable[[str], None] = lambda msg: None) -> None:
     from esftctl.bench.lora_peer import write_lora
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     base = MoECheckpoint(served.base)
     files = []

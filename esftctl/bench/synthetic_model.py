@@ -23,12 +23,12 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from esftctl.architectures import EXPERT_WEIGHTS, architecture_for
 from esftctl.atomic import atomic_dir
 from esftctl.bench.compress import trained_like
 from esftctl.bench.shapes import per_layer_counts
-from esftctl.bundle import write_bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
+from esftctl.formats.architectures import EXPERT_WEIGHTS, architecture_for
+from esftctl.formats.bundle import write_bundle
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
 BOS, EOS, PAD = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from esftctl.bundle import write_bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.formats.bundle import write_bundle
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 
 
 def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | list[int],

@@ -32,8 +32,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint
+from esftctl.formats.store import ExpertStore, missing_base_experts
 from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
@@ -51,7 +52,6 @@ from esftctl.runtime.vllm.moe import (
     set_expert_map,
     widen_to_rows,
 )
-from esftctl.store import ExpertStore, missing_base_experts
 from esftctl.units import format_bytes
 
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages

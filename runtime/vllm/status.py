@@ -174,7 +174,7 @@ class _NoFreeSlot(Exception):
 
 
 def _check_load(name: str, path: str, status: dict) -> None:
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
     from esftctl.runtime.serve_config import open_servable_bundle
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from esftctl.checkpoint import MoECheckpoint
 from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.formats.store import ExpertStore
 from esftctl.jsonfile import write_json
 from esftctl.names import check_name
 from esftctl.runtime.host_cache import HostAdapterCache, stage
@@ -38,7 +39,6 @@ from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank
 from esftctl.runtime.vllm.model import EsftModel
 from esftctl.runtime.vllm.moe import check_engine
 from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
-from esftctl.store import ExpertStore
 from esftctl.variants import HOME, VariantSet
 
 STATUS_EVERY_S = 1.0  # the status file is also rewritten at most this often while serving

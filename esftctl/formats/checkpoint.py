@@ -19,9 +19,9 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from safetensors.torch import save_file
 
-from esftctl.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
+from esftctl.formats.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
 from esftctl.jsonfile import open_regular, read_json
 from esftctl.units import format_ranges
 

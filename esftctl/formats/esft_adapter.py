@@ -50,12 +50,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from esftctl.architectures import EXPERT_WEIGHTS, architecture_for
 from esftctl.atomic import atomic_dir
-from esftctl.bundle import Bundle, write_bundle
-from esftctl.checkpoint import ExpertWeights, MoECheckpoint, TensorInfo, _read_header, read_stored
 from esftctl.errors import EsftError
-from esftctl.pack import PackReport
+from esftctl.formats.architectures import EXPERT_WEIGHTS, architecture_for
+from esftctl.formats.bundle import Bundle, PackReport, write_bundle
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, TensorInfo, _read_header, read_stored
 from esftctl.selection import ExpertConfig
 
 CONFIG_FILE = "expert_cfg.json"

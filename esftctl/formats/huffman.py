@@ -23,7 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
-from esftctl import native
+from esftctl.formats import native
 
 MAX_LENGTH = 12
 LANES = 32  # chunks that share a block of values: one warp's lanes

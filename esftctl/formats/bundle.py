@@ -28,9 +28,10 @@ import torch
 from safetensors.torch import save_file
 
 from esftctl import __version__
-from esftctl.architectures import EXPERT_WEIGHTS
 from esftctl.atomic import atomic_dir
-from esftctl.checkpoint import (
+from esftctl.errors import EsftError
+from esftctl.formats.architectures import EXPERT_WEIGHTS
+from esftctl.formats.checkpoint import (
     TORCH_DTYPES,
     ExpertWeights,
     MoECheckpoint,
@@ -39,7 +40,6 @@ from esftctl.checkpoint import (
     read_stored,
     read_stored_bytes,
 )
-from esftctl.errors import EsftError
 from esftctl.jsonfile import check_regular, read_json
 from esftctl.names import check_name
 from esftctl.units import format_ranges
@@ -258,6 +258,17 @@ def bundle_files(path: str | Path) -> tuple[Path, Path]:
     if not isinstance(m, dict):
         raise EsftError("not an esftctl adapter manifest (not a JSON object)", manifest_file)
     return manifest_file, data_file_of(Path(path), m, manifest_file)
+
+
+@dataclass
+class PackReport:
+    """What `esftctl pack` (or an ESFT adapter's import) wrote: the bundle's experts per layer, and what it left out."""
+
+    name: str
+    out: Path
+    experts: dict[int, list[int]]
+    unchanged_listed: list[tuple[int, int]] = field(default_factory=list)  # in the config, identical to base
+    non_expert_changed: list[str] = field(default_factory=list)
 
 
 @dataclass

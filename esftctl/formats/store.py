@@ -6,7 +6,7 @@ A store is a folder:
                 lengths per symbol), and per tensor: name, shape, (layer, expert, weight), its code table,
                 where its three sections lie in store.bin and their SHA-256; the SHA-256 of store.bin; and
                 `header_sha256`, the SHA-256 of the header's canonical JSON without that field (header_hash)
-    store.bin   per tensor: the Huffman-coded exponents (chunks laid out as esftctl.huffman.chunk_layout
+    store.bin   per tensor: the Huffman-coded exponents (chunks laid out as esftctl.formats.huffman.chunk_layout
                 says: a warp's 32 chunks take turns by 16 values), the chunks' starting bit offsets
                 (uint32), and one sign-and-mantissa byte per value; each section starts on a 16-byte boundary
 
@@ -44,7 +44,7 @@ import torch
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
-from esftctl.huffman import (
+from esftctl.formats.huffman import (
     GROUP,
     LANES,
     MAX_CHUNK,
@@ -73,7 +73,7 @@ MAX_TENSORS = 1 << 20
 MAX_COUNT = (1 << 31) - 1  # values per tensor: the GPU decoder counts them in int32
 MAX_DIMS = 8
 MAX_FIELD = 1 << 62  # any offset, length or size
-log = logging.getLogger("esftctl.store")
+log = logging.getLogger("esftctl.formats.store")
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ class SourceTensor:
 
 def source_tensors(path: Path) -> tuple[dict, list[SourceTensor]]:
     """What to store from a model folder (every routed expert) or an adapter bundle (all its tensors)."""
-    from esftctl.bundle import MANIFEST, Bundle, expert_tensor_name
-    from esftctl.checkpoint import MoECheckpoint
+    from esftctl.formats.bundle import MANIFEST, Bundle, expert_tensor_name
+    from esftctl.formats.checkpoint import MoECheckpoint
 
     if (path / MANIFEST).exists():
         bundle = Bundle.open(path)
@@ -607,7 +607,7 @@ def decompress(store_dir: Path, out: Path, overwrite: bool = False,
     a model store becomes a folder with experts.safetensors (the experts under their checkpoint names)."""
     from safetensors.torch import save_file
 
-    from esftctl.bundle import DATA_FILE, MANIFEST
+    from esftctl.formats.bundle import DATA_FILE, MANIFEST
 
     store = ExpertStore(store_dir)
     source = store.header["source"]
