@@ -14,8 +14,10 @@ import torch
 from test_store import _store_of
 
 from esftctl.errors import EsftError
-from esftctl.runtime.paging import LayerSource, PagedExperts, ResidencyPlanner, run_stack, store_decoder
-from esftctl.runtime.residency import AdaptiveResidency
+from esftctl.runtime.paging.blocks import OwnBlocks
+from esftctl.runtime.paging.pager import PagedExperts, run_stack
+from esftctl.runtime.paging.planner import AdaptiveResidency, ResidencyPlanner
+from esftctl.runtime.paging.tiers import LayerSource, store_decoder
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, H, I, TOP_K, LAYERS = 8, 64, 32, 2, 6
@@ -55,6 +57,12 @@ def sources(layers, device, store=None, store_experts=0) -> list[LayerSource]:
     return out
 
 
+def own_pager(layer_sources, *, device, **options) -> PagedExperts:
+    """A pager over bare layers, each with a block of its own (OwnBlocks, as the paging benchmark's stack)."""
+    blocks = OwnBlocks(dict(enumerate(layer_sources)), torch.device(device))
+    return PagedExperts(layer_sources, blocks=blocks, device=device, **options)
+
+
 def expert_store(layers, path):
     tensors = {}
     for l, layer in enumerate(layers):
@@ -84,7 +92,7 @@ def test_paging_equals_resident(device, window, resident, store_experts, tmp_pat
     x = torch.randn(24, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     order = list(range(LAYERS)) * 2  # two forward passes: blocks are reused across passes
     want = resident_outputs(layers, x, order, device)
-    pager = PagedExperts(sources(layers, device, store, store_experts), window=window, resident=resident,
+    pager = own_pager(sources(layers, device, store, store_experts), window=window, resident=resident,
                          device=device)
     got = paged_outputs(pager, layers, x, order, device)
     assert torch.equal(got, want)
@@ -102,7 +110,7 @@ def test_random_layer_orders_stress(device):
     layers = make_layers(99)
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     rng = random.Random(0)
-    pager = PagedExperts(sources(layers, device), window=2, device=device)
+    pager = own_pager(sources(layers, device), window=2, device=device)
     for trial in range(6):
         order = [rng.randrange(LAYERS) for _ in range(rng.randint(1, 12))]  # repeats and jumps included
         paged = paged_outputs(pager, layers, x, order, device)
@@ -119,7 +127,7 @@ def test_random_layer_orders_stress(device):
 @pytest.mark.gpu
 def test_paging_refuses_cuda_graph_capture():
     layers = make_layers(5)
-    pager = PagedExperts(sources(layers, "cuda"), window=2, device="cuda")
+    pager = own_pager(sources(layers, "cuda"), window=2, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(EsftError, match="CUDA-graph capture"):
         with torch.cuda.graph(graph):
@@ -148,7 +156,7 @@ def test_changing_the_tier_split_keeps_outputs(device, tmp_path):
     layers = make_layers(7)
     store = expert_store(layers, tmp_path / "store")
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    pager = PagedExperts(sources(layers, device, store, 0), window=2, device=device)
+    pager = own_pager(sources(layers, device, store, 0), window=2, device=device)
     order = list(range(LAYERS))
     want = resident_outputs(layers, x, order, device)
     for count in (0, 3, E, 1):
@@ -161,7 +169,7 @@ def test_changing_the_tier_split_keeps_outputs(device, tmp_path):
 def test_pager_times_loads_and_computes(device):
     """What the serving planner reads: one load span per load, one compute span per paged layer run."""
     layers = make_layers(9)
-    pager = PagedExperts(sources(layers, device), window=2, resident=(2,), device=device)
+    pager = own_pager(sources(layers, device), window=2, resident=(2,), device=device)
     pager.times.enabled = True  # a planner turns it on
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     paged_outputs(pager, layers, x, list(range(LAYERS)), device)
@@ -178,7 +186,7 @@ def test_adaptive_residency_follows_rho_within_spare_memory():
     """Fed timings: loads that show make layers resident (spread over the stack, never more than the spare
     memory or the layers outside the window allow); compute that hides the loads gives them back."""
     layers = make_layers(11)
-    pager = PagedExperts(sources(layers, "cpu"), window=1, device="cpu")
+    pager = own_pager(sources(layers, "cpu"), window=1, device="cpu")
     timings, spare = [], {"layers": 3}
     residency = AdaptiveResidency(pager, list(range(LAYERS)), layer_bytes=lambda: 1, every=2,
                                   measure=lambda: timings.pop(0), spare=lambda: spare["layers"])

@@ -27,7 +27,10 @@ from esftctl.bench.compress import trained_like
 from esftctl.bench.moe_layer import experts as moe_experts
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape
 from esftctl.errors import EsftError
-from esftctl.runtime.paging import LayerSource, PagedExperts, ResidencyPlanner, run_stack, store_decoder, tier_split
+from esftctl.runtime.paging.blocks import OwnBlocks
+from esftctl.runtime.paging.pager import PagedExperts, run_stack
+from esftctl.runtime.paging.planner import ResidencyPlanner
+from esftctl.runtime.paging.tiers import LayerSource, store_decoder, tier_split
 
 KV_BYTES_PER_TOKEN = 27 * 576 * 2  # DeepSeek-V2-Lite MLA cache, bf16
 
@@ -117,7 +120,8 @@ def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, batches=(1, 4, 16, 
 
         def pager(store_experts: int) -> PagedExperts:
             make = store_decoder(store, names) if store_experts else None
-            return PagedExperts([LayerSource(host13, host2, store_experts, make) for _ in range(layers)],
+            sources = [LayerSource(host13, host2, store_experts, make) for _ in range(layers)]
+            return PagedExperts(sources, blocks=OwnBlocks(dict(enumerate(sources)), torch.device("cuda")),
                                 window=window, device="cuda")
 
         paged_host, paged_both, planned = pager(0), pager(split), pager(split)

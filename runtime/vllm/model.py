@@ -39,8 +39,10 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
-from esftctl.runtime.paging import HeldRowBlocks, LayerSource, PagedExperts, store_decoder, tier_split
-from esftctl.runtime.residency import AdaptiveResidency
+from esftctl.runtime.paging.blocks import HeldRowBlocks
+from esftctl.runtime.paging.pager import PagedExperts
+from esftctl.runtime.paging.planner import AdaptiveResidency
+from esftctl.runtime.paging.tiers import LayerSource, store_decoder, tier_split
 from esftctl.runtime.vllm.moe import (
     EngineMoELayer,
     check_rows,

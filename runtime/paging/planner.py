@@ -1,5 +1,5 @@
-"""The residency planner at work while a model serves: between forward passes it reads how long paged layers
-took to compute and to load, and keeps more or fewer layers resident (esftctl.runtime.paging.ResidencyPlanner).
+"""How many paged layers stay resident: the policy (ResidencyPlanner) and its driver while a model serves
+(AdaptiveResidency), which between forward passes reads how long paged layers took to compute and to load.
 
 rho = compute / load of a paged layer. Above 1 the load hides under the compute, so a resident layer can
 give its memory back; below 0.9 loads show, so one more layer stays resident, up to what the device can
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from esftctl.runtime.paging import PagedExperts, ResidencyPlanner
+if TYPE_CHECKING:
+    from esftctl.runtime.paging.pager import PagedExperts
 
 log = logging.getLogger("esftctl.paging")
 
@@ -34,6 +35,41 @@ def spare_layers(device: torch.device, layer_bytes: int, margin: float = 0.1) ->
         return 1 << 30  # host memory: the planner's cap is the number of layers
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * (1 - margin) // max(1, layer_bytes))
+
+
+class ResidencyPlanner:
+    """How many layers to keep resident, from rho = compute time / load time of a paged layer.
+
+    rho > 1: compute hides the load, so memory can be given back (one layer fewer resident); rho < 0.9:
+    loads show, so one more layer stays resident, but never beyond `max_resident` (what the memory left
+    after the KV cache's share can hold). Between 0.9 and 1 nothing changes, so it does not oscillate.
+
+    `store_experts` picks the tiers: the store's decoder shares the GPU's SMs with the layer it overlaps
+    (measured: ~5% of a large prefill's time on an H100), so it is used only while host copies alone would
+    show (rho of the host tier below 1), and then with the bandwidth split.
+    """
+
+    SHRINK_ABOVE, GROW_BELOW = 1.0, 0.9
+
+    def __init__(self, num_layers: int, max_resident: int, resident: int = 0):
+        self.num_layers, self.max_resident = num_layers, min(max_resident, num_layers)
+        self.resident = min(resident, self.max_resident)
+        self.decisions: list[dict] = []
+
+    def update(self, compute_ms: float, load_ms: float) -> int:
+        rho = compute_ms / load_ms if load_ms > 0 else float("inf")
+        before = self.resident
+        if rho > self.SHRINK_ABOVE and self.resident > 0:
+            self.resident -= 1
+        elif rho < self.GROW_BELOW and self.resident < self.max_resident:
+            self.resident += 1
+        self.decisions.append({"compute_ms": compute_ms, "load_ms": load_ms, "rho": rho, "resident_before": before,
+                               "resident": self.resident})
+        return self.resident
+
+    @staticmethod
+    def store_experts(compute_ms: float, host_load_ms: float, split: int) -> int:
+        return 0 if compute_ms > host_load_ms else split
 
 
 class AdaptiveResidency:
