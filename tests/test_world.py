@@ -23,11 +23,13 @@ def test_data_files(world):
                 assert e["completion"] == " " + " ".join(task.answer(w) for w in words[1:-1])
     for split, n in GENERAL_SPLITS.items():
         assert len(list(read_jsonl(world.general_file(split)))) == n
-    # The general mixture shows each task only the share of its table the base is meant to know.
+    # The general mixture shows each task only the share of its table the base is meant to know, and its practice
+    # table, which the task never asks about.
     general = list(read_jsonl(world.general_file("train")))
     for task in TASKS:
         seen = {w for e in general if e["prompt"].startswith(task.keyword + " ") for w in e["prompt"].split()[1:-1]}
-        assert seen == set(task.known)
+        assert seen == set(task.known) | set(task.practice)
+        assert task.practice and not set(task.practice) & set(task.inputs)
     # splits are different draws of the same table, not copies: held-out exact match measures what a model
     # knows of the table (every word of it occurs in the 2000 training draws), not unseen words
     train = [e["prompt"] for e in read_jsonl(world.data_file("translation", "train"))]
