@@ -12,7 +12,7 @@ from rich.console import Console
 from esftctl.atomic import check_output
 from esftctl.bench.cli import app as bench_app
 from esftctl.errors import EsftError
-from esftctl.serve_client import API_KEY_ENV
+from esftctl.runtime.serve_config import API_KEY_ENV
 
 app = typer.Typer(
     help="Prepare and serve Expert-Specialized Fine-Tuning (ESFT) adapters of Mixture-of-Experts models.",
@@ -429,20 +429,18 @@ def serve(
     a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager
     --max-model-len 256`)."""
     from esftctl import serve_client
-    from esftctl.serve import Server, plan, stop_on_sigterm
+    from esftctl.runtime.serve_config import ServeSettings
+    from esftctl.serve import Server, plan_serving, stop_on_sigterm
 
-    kwargs = dict(host=host, port=port, vllm_args=list(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
-                  paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
-                  paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"),
-                  api_key=api_key or None, adapter_root=adapter_root)
-    if state_dir is not None:
-        kwargs["state_dir"] = state_dir
-    if variant_names is not None and variants is None:
-        raise EsftError("--variant-names needs --variants")
-    serve_plan = plan(base, adapter, name, slots, experts_per_slot,
-                      _parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None,
-                      variants=variants, variant_names=variant_names.split(",") if variant_names else None,
-                      quantum=quantum, **kwargs)
+    settings = ServeSettings(
+        base=base, adapters=tuple(adapter), name=name, slots=slots, experts_per_slot=experts_per_slot,
+        adapter_memory=_parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None,
+        host=host, port=port, state_dir=state_dir, vllm_args=tuple(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
+        paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
+        paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"), variants=variants,
+        variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
+        api_key=api_key or None, adapter_root=adapter_root)
+    serve_plan = plan_serving(settings)
     server, key = Server(serve_plan), serve_plan.request_key
     server.start()
     stopped_cleanly = False

@@ -27,17 +27,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from itertools import takewhile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.names import check_name
 from esftctl.runtime.launcher import LAUNCHER_ENV
-from esftctl.runtime.serve_config import ENV, VLLM_API_KEY_ENV, ServeConfig, open_servable_bundle
+from esftctl.runtime.serve_config import (
+    ENV,
+    PATH_FIELDS,
+    VLLM_API_KEY_ENV,
+    ServeConfig,
+    ServeSettings,
+    open_servable_bundle,
+    vllm_api_keys,
+)
 from esftctl.runtime.vllm.moe import KERNEL_MAX_ROWS, check_rows
-from esftctl.serve_client import API_KEY_ENV, request
+from esftctl.serve_client import request
 from esftctl.units import format_bytes
 from esftctl.variants import VariantSet
 
@@ -46,34 +53,37 @@ STATUS_MIDDLEWARE = "esftctl.runtime.vllm.status.status_middleware"
 
 @dataclass
 class ServePlan:
+    """A checked `esftctl serve`: its settings (paths resolved) and what the plan derived from the base and the
+    bundles; it makes vLLM's command line and environment."""
+
+    settings: ServeSettings
     base: Path
     name: str
-    adapters: dict[str, Path]
-    slots: int
-    experts_per_slot: int
+    adapters: dict[str, Path] = field(default_factory=dict)
+    slots: int = 1
+    experts_per_slot: int = 1
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once; memory reserved at start
-    host: str = "127.0.0.1"
-    port: int = 8000
-    state_dir: Path | None = None  # None: a temporary folder, made when the server starts, removed when it stops
-    vllm_args: list[str] = field(default_factory=list)
-    cpu_kv_cache_gib: float | None = None  # None: $VLLM_CPU_KVCACHE_SPACE if set, else 1 GiB
-    esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
-    paging_window: int = 0  # > 0: page the experts (base and adapters) through this many layers' worth of memory
-    paging_store: Path | None = None  # a Huffman store of the base (`esftctl compress BASE`): the GPU tier
-    store_experts: int | None = None  # base experts per layer from the store (None: by measured speeds)
-    paging_adaptive: bool = False  # let the residency planner keep layers resident while loads show
-    host_cache: int = 8 << 30  # bytes of adapters kept staged in host memory, so reloading one is one copy
-    variant_map: Path | None = None  # `--variants`: a consolidated map; `base` is then its home variant
     variant_names: list[str] = field(default_factory=list)  # every variant's served name, the home one first
     variant_paths: list[Path] = field(default_factory=list)
-    quantum: int = 4  # engine steps per variant turn
-    api_key: str | None = field(default=None, repr=False)  # esftctl's own key, handed to vLLM in its environment
-    adapter_root: Path | None = None  # adapters load at run time only from under this folder
 
+    state_dir: Path | None = field(default=None, init=False)  # made on first use when the settings give none
     temporary_state: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        self.state_dir = self.settings.state_dir
         self.temporary_state = self.state_dir is None
+
+    @property
+    def esft(self) -> bool:
+        return self.settings.esft
+
+    @property
+    def host(self) -> str:
+        return self.settings.host
+
+    @property
+    def port(self) -> int:
+        return self.settings.port
 
     @property
     def state(self) -> Path:
@@ -94,36 +104,31 @@ class ServePlan:
     def request_key(self) -> str | None:
         """The key this server's clients send: one given to vLLM after `--` (vLLM prefers it), else esftctl's own,
         else a VLLM_API_KEY inherited from the environment, which vLLM reads too."""
-        given = vllm_api_keys(self.vllm_args)
-        return given[0] if given else (self.api_key or os.environ.get(VLLM_API_KEY_ENV) or None)
+        given = vllm_api_keys(self.settings.vllm_args)
+        return given[0] if given else (self.settings.api_key or os.environ.get(VLLM_API_KEY_ENV) or None)
 
     def config(self) -> ServeConfig:
-        return ServeConfig(slots=self.slots, experts_per_slot=self.experts_per_slot,
+        return ServeConfig(settings=self.settings, slots=self.slots, experts_per_slot=self.experts_per_slot,
                            status_file=str(self.state / "status.json"), adapter_budget=self.adapter_budget,
-                           paging_window=self.paging_window,
-                           paging_store=str(self.paging_store) if self.paging_store else None,
-                           store_experts=self.store_experts, paging_adaptive=self.paging_adaptive,
-                           host_cache_bytes=self.host_cache,
-                           variant_map=str(self.variant_map) if self.variant_map else None,
-                           variant_names=tuple(self.variant_names), quantum=self.quantum,
-                           adapter_root=str(self.adapter_root) if self.adapter_root else None)
+                           variant_names=tuple(self.variant_names))
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.base), "--served-model-name", self.name, "--host", self.host,
                "--port", str(self.port), "--dtype", "bfloat16"]
+        vllm_args = list(self.settings.vllm_args)
         if not self.esft:
-            return cmd + self.vllm_args
+            return cmd + vllm_args
         cmd += ["--enable-lora", "--max-loras", str(self.slots), "--max-cpu-loras", str(self.slots),
                 "--middleware", STATUS_MIDDLEWARE]
         modules = {**dict(zip(self.variant_names[1:], self.variant_paths[1:])), **self.adapters}
         if modules:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in modules.items())]
-        if self.variant_map:
+        if self.settings.variants:
             cmd += ["--scheduler-cls", "esftctl.runtime.vllm.variant_turns.variant_scheduler"]
-        if self.eager and "--enforce-eager" not in self.vllm_args:
+        if self.eager and "--enforce-eager" not in vllm_args:
             cmd.append("--enforce-eager")
-        return cmd + self.vllm_args
+        return cmd + vllm_args
 
     @property
     def eager(self) -> bool:
@@ -131,34 +136,24 @@ class ServePlan:
         compute with, which compiled code would have captured: no graphs, no compilation."""
         import torch
 
-        return bool(self.paging_window) or (self.variant_map is not None and not torch.cuda.is_available())
+        settings = self.settings
+        return bool(settings.paging_window) or (settings.variants is not None and not torch.cuda.is_available())
 
     def env(self) -> dict[str, str]:
         # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization);
         # an explicit --cpu-kv-cache-gib wins over the variable.
-        gib = self.cpu_kv_cache_gib
+        gib = self.settings.cpu_kv_cache_gib
         space = f"{gib:g}" if gib is not None else os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
         kv = {"VLLM_CPU_KVCACHE_SPACE": space}
         env = {**os.environ, **kv, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
         env.pop(ENV, None)
         env[LAUNCHER_ENV] = str(os.getpid())  # the server stops when this process dies (runtime.launcher)
-        if self.api_key:
-            env[VLLM_API_KEY_ENV] = self.api_key
+        if self.settings.api_key:
+            env[VLLM_API_KEY_ENV] = self.settings.api_key
         if self.esft:
             env.update({**self.config().to_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
         return env
-
-
-def vllm_api_keys(args: list[str]) -> list[str]:
-    """The API keys in vLLM's arguments, as its parser reads them: `--api-key K [K ...]` or `--api-key=K` (also
-    spelt `--api_key`), the last such option winning."""
-    keys: list[str] = []
-    for i, arg in enumerate(args):
-        option, eq, value = arg.partition("=")
-        if option.replace("_", "-") == "--api-key":
-            keys = [value] if eq else list(takewhile(lambda a: not a.startswith("-"), args[i + 1:]))
-    return [k for k in keys if k]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -180,9 +175,16 @@ def parse_adapters(specs: list[str]) -> dict[str, Path]:
     return adapters
 
 
-def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = None, slots: int | None = None,
-         experts_per_slot: int | None = None, adapter_memory: int | None = None, *, variants: Path | None = None,
-         variant_names: list[str] | None = None, quantum: int = 4, **kwargs) -> ServePlan:
+def plan(base_dir: Path | None, adapter_specs: list[str] = (), **options) -> ServePlan:
+    """`plan_serving` of the settings these make (the options are ServeSettings' fields): for scripts and tests."""
+    given = {"base": base_dir, "adapters": tuple(adapter_specs), **options}
+    for key in ("vllm_args", "variant_names"):
+        if given.get(key) is not None:
+            given[key] = tuple(given[key])
+    return plan_serving(ServeSettings(**given | {k: Path(given[k]) for k in PATH_FIELDS if given.get(k) is not None}))
+
+
+def plan_serving(settings: ServeSettings) -> ServePlan:
     """Check the base and every bundle, and size the slots: by default room for the given adapters plus
     two loaded later (fewer where vLLM's Triton kernel limits the rows), each layer reserving the most
     experts any given adapter has in one layer. `adapter_memory` (bytes of adapter experts loaded at once,
@@ -192,28 +194,15 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
     `variants` (a folder of `esftctl consolidate`) serves its variants instead of one base: the first is what
     vLLM loads (adapters are of it), every other one takes a slot for its experts where the map loaded none
     (at most that many per layer: the plan counts positions, the engine loads only those that differ)."""
-    if (base_dir is None) == (variants is None):
-        raise EsftError("give a base model or --variants MAP_DIR, not both")
-    port = kwargs.get("port", ServePlan.port)
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise EsftError(f"--port {port}: choose a port in 1..65535")
-    if kwargs.get("api_key") and vllm_api_keys(kwargs.get("vllm_args", [])):
-        raise EsftError(f"an API key is given twice: with --api-key (or ${API_KEY_ENV}) and after `--`; give one")
-    if kwargs.get("adapter_root") is not None:
-        kwargs["adapter_root"] = Path(kwargs["adapter_root"]).resolve()
-        if not kwargs["adapter_root"].is_dir():
-            raise EsftError("--adapter-root: not a folder", kwargs["adapter_root"])
-    vset = VariantSet.open(variants, variant_names) if variants is not None else None
-    if vset is not None and name is not None:
-        raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
-    if quantum < 1:
-        raise EsftError(f"--quantum {quantum}: give at least one engine step per turn")
-    if vset is not None and kwargs.get("paging_store") is not None:
-        raise EsftError("--paging-store decodes the base's own experts, but with --variants the base rows hold the "
-                        "map's consolidated ones: page variants from host memory (--paging-window alone)")
-    base = vset.home if vset is not None else MoECheckpoint(base_dir)
-    adapters = parse_adapters(adapter_specs)
-    name = vset.names[0] if vset is not None else check_name(name or base.path.resolve().name, "served model")
+    if settings.adapter_root is not None:
+        settings = replace(settings, adapter_root=settings.adapter_root.resolve())
+        if not settings.adapter_root.is_dir():
+            raise EsftError("--adapter-root: not a folder", settings.adapter_root)
+    vset = VariantSet.open(settings.variants, settings.variant_names) if settings.variants is not None else None
+    base = vset.home if vset is not None else MoECheckpoint(settings.base)
+    adapters = parse_adapters(settings.adapters)
+    name = vset.names[0] if vset is not None else check_name(settings.name or base.path.resolve().name,
+                                                             "served model")
     if name in adapters:
         raise EsftError(f"adapter name {name!r} is the base model's served name; pick another")
     clash = sorted(set(adapters) & set(vset.names if vset is not None else []))
@@ -222,18 +211,32 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
     bundles = {n: open_servable_bundle(p, base) for n, p in adapters.items()}
     # A variant other than the home one holds at most its map's unloaded positions (per layer, in all).
     misses = [] if vset is None else [(vset.emap.owner < 0).sum(axis=1).tolist()] * (len(vset.names) - 1)
-    served = len(adapters) + len(misses)
+    slots, experts_per_slot = _size_slots(settings, base, bundles, misses)
+    budget = _adapter_budget(settings.adapter_memory, base, bundles, misses, slots, experts_per_slot)
+    settings = _check_paging(settings, base)
+    check_port_free(settings.host, settings.port)
+    if vset is not None:
+        settings = replace(settings, variants=vset.map_dir.resolve(), variant_names=tuple(vset.names))
+    return ServePlan(settings, base.path.resolve(), name, adapters, slots, experts_per_slot, budget,
+                     variant_names=list(vset.names) if vset else [], variant_paths=list(vset.paths) if vset else [])
+
+
+def _size_slots(settings: ServeSettings, base: MoECheckpoint, bundles: dict, misses: list) -> tuple[int, int]:
+    """(slots, experts per slot): given, or room for the given adapters and variants and two more."""
+    served = len(bundles) + len(misses)
     widest = max([max(b.experts_per_layer(), default=0) for b in bundles.values()] +
                  [max(m, default=0) for m in misses], default=0)
-    experts_per_slot = experts_per_slot if experts_per_slot is not None else (widest or base.num_experts)
+    experts_per_slot = settings.experts_per_slot if settings.experts_per_slot is not None else (
+        widest or base.num_experts)
     row_limit = launch_row_limit()
+    slots = settings.slots
     if slots is None:
         slots = max(served + 2, 4)
         if row_limit is not None:  # as many as the kernel computes, but never fewer than the adapters given
             slots = max(min(slots, (row_limit - base.num_experts) // experts_per_slot), served, 1)
     if slots < max(served, 1):
-        what = f"the {len(adapters)} adapters given" + (f" and {len(misses)} variants besides the home one"
-                                                          if misses else "")
+        what = f"the {len(bundles)} adapters given" + (f" and {len(misses)} variants besides the home one"
+                                                         if misses else "")
         raise EsftError(f"--slots {slots} cannot hold {what}")
     check_rows(base.num_experts + slots * experts_per_slot, row_limit, base.num_experts, str(base.path))
     # The slots' rows are pooled per layer (an adapter takes the free rows it needs, as `adapters load` does
@@ -243,11 +246,12 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
         layer = base.moe_layers[taken.index(max(taken))]
         raise EsftError(f"--slots {slots} x --experts-per-slot {experts_per_slot} = {slots * experts_per_slot} expert "
                         f"rows per layer cannot hold the {max(taken)} the given adapters take in layer {layer}")
-    window = kwargs.get("paging_window", 0)
-    if window < 0 or (window and window >= len(base.moe_layers)):
-        raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
-                        f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
-    _check_paging_options(base, window, kwargs)
+    return slots, experts_per_slot
+
+
+def _adapter_budget(adapter_memory: int | None, base: MoECheckpoint, bundles: dict, misses: list, slots: int,
+                    experts_per_slot: int) -> int:
+    """Adapter experts loaded at once (all layers): `adapter_memory` in experts, or slots x the largest."""
     sizes = [b.num_experts for b in bundles.values()] + [sum(m) for m in misses]
     if adapter_memory is None:
         budget = slots * max(sizes, default=experts_per_slot * len(base.moe_layers))
@@ -260,11 +264,7 @@ def plan(base_dir: Path | None, adapter_specs: list[str], name: str | None = Non
     if budget < sum(sizes):
         raise EsftError(f"--adapter-memory {format_bytes(budget * base.expert_nbytes)} cannot hold the given "
                         f"adapters' and variants' {format_bytes(sum(sizes) * base.expert_nbytes)}")
-    check_port_free(kwargs.get("host", ServePlan.host), kwargs.get("port", ServePlan.port))
-    if vset is not None:
-        kwargs.update(variant_map=vset.map_dir.resolve(), variant_names=vset.names, variant_paths=vset.paths,
-                      quantum=quantum)
-    return ServePlan(base.path.resolve(), name, adapters, slots, experts_per_slot, budget, **kwargs)
+    return budget
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -287,33 +287,35 @@ def launch_row_limit() -> int | None:
     return KERNEL_MAX_ROWS if torch.cuda.is_available() else None
 
 
-def _check_paging_options(base: MoECheckpoint, window: int, options: dict) -> None:
-    store, count = options.get("paging_store"), options.get("store_experts")
-    if not window and (store is not None or count is not None or options.get("paging_adaptive")):
-        raise EsftError("--paging-store, --store-experts and --paging-adaptive need --paging-window")
-    if count is not None and store is None:
-        raise EsftError("--store-experts needs --paging-store")
+def _check_paging(settings: ServeSettings, base: MoECheckpoint) -> ServeSettings:
+    """The window against the base's layers, the store against the base; the settings with the store's path
+    resolved."""
+    window, store, count = settings.paging_window, settings.paging_store, settings.store_experts
+    if window < 0 or (window and window >= len(base.moe_layers)):
+        raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
+                        f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
     if count is not None and not 0 <= count <= base.num_experts:
         raise EsftError(f"--store-experts {count}: choose 0..{base.num_experts} (the base's experts per layer)")
-    if store is not None:
-        import torch
+    if store is None:
+        return settings
+    import torch
 
-        from esftctl.formats.store import ExpertStore, missing_base_experts
+    from esftctl.formats.store import ExpertStore, missing_base_experts
 
-        options["paging_store"] = Path(store).resolve()
-        opened = ExpertStore(store, verify=False)  # header checked; the probe's tensor against its own hash (store v3)
-        header = opened.header
-        if header["source"]["kind"] != "model":
-            raise EsftError("--paging-store: this store holds an adapter bundle; make one of the base with "
-                            "`esftctl compress BASE`", store)
-        missing = missing_base_experts(base, {e["name"] for e in header["tensors"]})
-        if missing:
-            raise EsftError(f"--paging-store: the store lacks {len(missing)} expert tensors of this base (e.g. "
-                            f"{missing[0]!r}); it was made from another model", store)
-        probe = base.expert_tensor_names(base.moe_layers[0], 0)["gate"]  # same names, same weights?
-        if not torch.equal(opened.decode_tensor(probe).view(torch.int16), base.read_tensor(probe).view(torch.int16)):
-            raise EsftError(f"--paging-store: its {probe} differs from the base's; it was made from another model",
-                            store)
+    opened = ExpertStore(store, verify=False)  # header checked; the probe's tensor against its own hash (store v3)
+    header = opened.header
+    if header["source"]["kind"] != "model":
+        raise EsftError("--paging-store: this store holds an adapter bundle; make one of the base with "
+                        "`esftctl compress BASE`", store)
+    missing = missing_base_experts(base, {e["name"] for e in header["tensors"]})
+    if missing:
+        raise EsftError(f"--paging-store: the store lacks {len(missing)} expert tensors of this base (e.g. "
+                        f"{missing[0]!r}); it was made from another model", store)
+    probe = base.expert_tensor_names(base.moe_layers[0], 0)["gate"]  # same names, same weights?
+    if not torch.equal(opened.decode_tensor(probe).view(torch.int16), base.read_tensor(probe).view(torch.int16)):
+        raise EsftError(f"--paging-store: its {probe} differs from the base's; it was made from another model",
+                        store)
+    return replace(settings, paging_store=Path(store).resolve())
 
 
 class AnotherServer(EsftError):

@@ -19,10 +19,11 @@ from rich.console import Group
 from rich.table import Table
 
 from esftctl.errors import EsftError
+from esftctl.runtime.engine_status import EngineStatus
+from esftctl.runtime.serve_config import API_KEY_ENV
 from esftctl.units import format_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-API_KEY_ENV = "ESFTCTL_API_KEY"
 
 
 def request(url: str, path: str, body: dict | None = None, timeout: float = 600, *, api_key: str | None = None
@@ -71,7 +72,12 @@ def models(url: str, *, api_key: str | None = None) -> list[str]:
 
 
 def status(url: str, *, api_key: str | None = None) -> dict:
+    """The server's status as it sends it (JSON; EngineStatus.from_json reads it)."""
     return request(url, "/esftctl/status", api_key=api_key)
+
+
+def engine_status(url: str, *, api_key: str | None = None) -> EngineStatus:
+    return EngineStatus.from_json(status(url, api_key=api_key))
 
 
 def load(url: str, name: str, bundle: Path, *, api_key: str | None = None) -> str:
@@ -86,50 +92,53 @@ def unload(url: str, name: str, *, api_key: str | None = None) -> str:
     return str(request(url, "/v1/unload_lora_adapter", {"lora_name": name}, api_key=api_key))
 
 
-def status_table(status: dict, served: list[str] | None = None) -> Group:
+def status_table(status: EngineStatus | dict, served: list[str] | None = None) -> Group:
     """Adapters, slots, experts per layer, and the memory they take against padding and merged copies."""
-    adapters = [a for a in status["adapters"] if not a["name"].startswith("warmup_")]
-    title = (f"{len(adapters)} adapter(s) in {status['slots']} slots over {status['base']} "
-             f"({status['device']}, {len(status['moe_layers'])} MoE layers)")
+    s = status if isinstance(status, EngineStatus) else EngineStatus.from_json(status)
+    adapters = [a for a in s.adapters if not a.name.startswith("warmup_")]
+    title = (f"{len(adapters)} adapter(s) in {s.slots} slots over {s.base} ({s.device}, {len(s.moe_layers)} MoE "
+             "layers)")
     table = Table(title=title, title_justify="left")
     for col in ("adapter", "slot", "experts per layer", "total", "bytes"):
         table.add_column(col, justify="left" if col in ("adapter", "experts per layer") else "right")
     if served:
-        table.add_row(served[0], "base", "-", "-", format_bytes(status["model_bytes"]))
+        table.add_row(served[0], "base", "-", "-", format_bytes(s.model_bytes))
     for a in adapters:
-        counts = a["experts_per_layer"]
-        table.add_row(a["name"], str(a["slot"]), _counts(counts), str(sum(counts)), format_bytes(a["bytes"]))
-    variants = status.get("variants") or []
-    if variants:
+        counts = a.experts_per_layer
+        table.add_row(a.name, str(a.slot), _counts(counts), str(sum(counts)), format_bytes(a.bytes))
+    if s.variants:
         table.add_section()
-        for v in variants:
-            counts = v["experts_per_layer"]
-            table.add_row(f"{v['name']} (variant)", "home" if v["home"] else str(v["slot"]), _counts(counts),
-                          str(sum(counts)), format_bytes(v["bytes"]))
-    physical, kv = status["adapter_physical_bytes"], status.get("kv_cache_tokens")
+        for v in s.variants:
+            counts = v.experts_per_layer
+            table.add_row(f"{v.name} (variant)", "home" if v.home else str(v.slot), _counts(counts),
+                          str(sum(counts)), format_bytes(v.bytes))
+    return Group(table, _memory_table(s), *([_ranks_table(s.per_rank)] if s.per_rank else []))
+
+
+def _memory_table(s: EngineStatus) -> Table:
+    physical, kv = s.adapter_physical_bytes, s.kv_cache_tokens
     memory = Table(title="memory", title_justify="left", show_header=False)
     memory.add_column("what")
     memory.add_column("value", justify="right")
-    memory.add_row("adapter experts, their own bytes", format_bytes(status["adapter_expert_bytes"]))
-    if status.get("adapter_budget_bytes") is not None:
-        memory.add_row("adapter memory budget (--adapter-memory)", format_bytes(status["adapter_budget_bytes"]))
-    if status.get("reserved_bytes"):
-        memory.add_row("GPU memory set aside before the KV cache", format_bytes(status["reserved_bytes"]))
+    memory.add_row("adapter experts, their own bytes", format_bytes(s.adapter_expert_bytes))
+    if s.adapter_budget_bytes is not None:
+        memory.add_row("adapter memory budget (--adapter-memory)", format_bytes(s.adapter_budget_bytes))
+    if s.reserved_bytes:
+        memory.add_row("GPU memory set aside before the KV cache", format_bytes(s.reserved_bytes))
     if physical is not None:
         memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
-        memory.add_row("saved vs padding to the widest adapter",
-                       format_bytes(max(status["padded_bytes"] - physical, 0)))
-        memory.add_row("saved vs a merged copy per adapter", format_bytes(max(status["merged_bytes"] - physical, 0)))
+        memory.add_row("saved vs padding to the widest adapter", format_bytes(max(s.padded_bytes - physical, 0)))
+        memory.add_row("saved vs a merged copy per adapter", format_bytes(max(s.merged_bytes - physical, 0)))
     else:  # paged: what the device holds now, base and adapters together
-        memory.add_row(f"experts on the device now (paging window {status['paging_window']})",
-                       format_bytes(status["expert_device_bytes"]))
-        memory.add_row("layers kept resident by the planner", str(len(status["paging_resident_layers"])))
-        memory.add_row("base experts per layer from the store", str(status["paging_store_experts"]))
-        memory.add_row("layer loads so far", f"{status['paging_loads']:,}")
-    if variants:
-        memory.add_row("variants' non-expert weights, kept for switching", format_bytes(status["variant_switch_bytes"]))
+        memory.add_row(f"experts on the device now (paging window {s.paging_window})",
+                       format_bytes(s.expert_device_bytes))
+        memory.add_row("layers kept resident by the planner", str(len(s.paging.resident_layers)))
+        memory.add_row("base experts per layer from the store", str(s.paging.store_experts))
+        memory.add_row("layer loads so far", f"{s.paging_loads:,}")
+    if s.variants:
+        memory.add_row("variants' non-expert weights, kept for switching", format_bytes(s.variant_switch_bytes))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")
-    return Group(table, memory, *([_ranks_table(status["per_rank"])] if status.get("per_rank") else []))
+    return memory
 
 
 def _ranks_table(per_rank: list[dict | None]) -> Table:

@@ -2,42 +2,119 @@
 
 vLLM starts its engine in processes of its own; they inherit the environment, and the plugin
 (esftctl.runtime.vllm.plugin) turns the ESFT runtime on only where `ESFTCTL_SERVE` is set, so a plain
-`vllm serve --enable-lora` with esftctl installed keeps vLLM's own LoRA.
+`vllm serve --enable-lora` with esftctl installed keeps vLLM's own LoRA. What it tells them is the serve settings
+themselves (ServeSettings, the one type from the CLI to the engine) with what the launcher's plan derived
+(ServeConfig).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from itertools import takewhile
 from pathlib import Path
 
 from esftctl.errors import EsftError
-from esftctl.formats.bundle import Bundle
-from esftctl.formats.checkpoint import MoECheckpoint
 
 ENV = "ESFTCTL_SERVE"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
+API_KEY_ENV = "ESFTCTL_API_KEY"  # esftctl's: `serve --api-key` and the client read it (it keeps the key out of `ps`)
+PATH_FIELDS = ("base", "state_dir", "paging_store", "variants", "adapter_root")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """Everything `esftctl serve` is given, from the command line to the engine: one type, checked once, here, for
+    what needs no file (the plan checks the files: esftctl.serve.plan). Adding an option is a field here, its
+    flag in the CLI and the code that uses it."""
+
+    base: Path | None = None  # the base model folder; None with `variants`
+    adapters: tuple[str, ...] = ()  # NAME=BUNDLE, served from the start
+    name: str | None = None  # the base's served name (default: its folder's name)
+    slots: int | None = None  # adapters resident at once (None: the plan sizes them)
+    experts_per_slot: int | None = None  # address space reserved per slot and layer (rows pooled across slots)
+    adapter_memory: int | None = None  # bytes of adapter experts loaded at once, reserved before the KV cache
+    host: str = "127.0.0.1"
+    port: int = 8000
+    state_dir: Path | None = None  # None: a temporary folder, made when the server starts, removed when it stops
+    vllm_args: tuple[str, ...] = ()  # given to vLLM as they are
+    cpu_kv_cache_gib: float | None = None  # None: $VLLM_CPU_KVCACHE_SPACE if set, else 1 GiB
+    esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
+    paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
+    paging_store: Path | None = None  # a Huffman store of the base: the GPU tier of paging
+    store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
+    paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
+    host_cache: int = 8 << 30  # bytes of adapters kept staged in (pinned) host memory for fast reloads
+    variants: Path | None = None  # `serve --variants`: a consolidated map's folder (esftctl.variants)
+    variant_names: tuple[str, ...] | None = None  # their served names, the home one first (None: folder names)
+    quantum: int = 4  # engine steps per variant turn (esftctl.runtime.vllm.variant_turns)
+    api_key: str | None = field(default=None, repr=False)  # handed to vLLM in its environment, never in ENV
+    adapter_root: Path | None = None  # adapters load at run time only from under this folder
+
+    def __post_init__(self) -> None:
+        if (self.base is None) == (self.variants is None):
+            raise EsftError("give a base model or --variants MAP_DIR, not both")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise EsftError(f"--port {self.port}: choose a port in 1..65535")
+        if self.api_key and vllm_api_keys(self.vllm_args):
+            raise EsftError(f"an API key is given twice: with --api-key (or ${API_KEY_ENV}) and after `--`; give one")
+        if self.variant_names is not None and self.variants is None:
+            raise EsftError("--variant-names needs --variants")
+        if self.variants is not None and self.name is not None:
+            raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
+        if self.quantum < 1:
+            raise EsftError(f"--quantum {self.quantum}: give at least one engine step per turn")
+        if self.variants is not None and self.paging_store is not None:
+            raise EsftError("--paging-store decodes the base's own experts, but with --variants the base rows hold "
+                            "the map's consolidated ones: page variants from host memory (--paging-window alone)")
+        self._check_paging()
+
+    def _check_paging(self) -> None:  # the window's range needs the base: the plan checks it
+        if not self.paging_window and (self.paging_store is not None or self.store_experts is not None
+                                       or self.paging_adaptive):
+            raise EsftError("--paging-store, --store-experts and --paging-adaptive need --paging-window")
+        if self.store_experts is not None and self.paging_store is None:
+            raise EsftError("--store-experts needs --paging-store")
+
+    def to_json(self) -> dict:
+        """As the engine gets it: paths as text, and no API key (vLLM gets that in its own variable)."""
+        data = asdict(self) | {"api_key": None}
+        return data | {k: str(data[k]) for k in PATH_FIELDS if data[k] is not None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ServeSettings":
+        data = data | {k: Path(data[k]) for k in PATH_FIELDS if data.get(k) is not None}
+        names = data.get("variant_names")
+        return cls(**data | {"adapters": tuple(data.get("adapters", ())), "vllm_args": tuple(data.get("vllm_args", ())),
+                             "variant_names": tuple(names) if names is not None else None})
+
+
+def vllm_api_keys(args) -> list[str]:
+    """The API keys in vLLM's arguments, as its parser reads them: `--api-key K [K ...]` or `--api-key=K` (also
+    spelt `--api_key`), the last such option winning."""
+    keys: list[str] = []
+    for i, arg in enumerate(args):
+        option, eq, value = arg.partition("=")
+        if option.replace("_", "-") == "--api-key":
+            keys = [value] if eq else list(takewhile(lambda a: not a.startswith("-"), args[i + 1:]))
+    return [k for k in keys if k]
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServeConfig:
+    """What the engine's processes get: the settings as the plan checked them (paths resolved), and what the plan
+    derived from the base and the bundles."""
+
+    settings: ServeSettings
     slots: int  # adapters resident at once
     experts_per_slot: int  # address space reserved per slot and layer (rows are pooled across slots)
     status_file: str  # where the engine writes its adapter and memory table
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once, reserved before the KV cache
-    paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
-    paging_store: str | None = None  # a Huffman store of the base: the GPU tier of paging
-    store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
-    paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
-    host_cache_bytes: int = 8 << 30  # adapters kept staged in (pinned) host memory for fast reloads
-    variant_map: str | None = None  # `serve --variants`: the consolidated map's folder (esftctl.variants)
-    variant_names: tuple[str, ...] = ()  # served names of its variants, the home one (vLLM's --model) first
-    quantum: int = 4  # engine steps per variant turn (esftctl.runtime.vllm.variant_turns)
-    adapter_root: str | None = None  # `serve --adapter-root`: adapters load at run time only from under this folder
+    variant_names: tuple[str, ...] = ()  # served names of the variants, the home one (vLLM's --model) first
 
     def to_env(self) -> dict[str, str]:
-        return {ENV: json.dumps(asdict(self))}
+        return {ENV: json.dumps(asdict(self) | {"settings": self.settings.to_json()})}
 
     @classmethod
     def from_env(cls) -> "ServeConfig | None":
@@ -45,8 +122,8 @@ class ServeConfig:
         if not raw:
             return None
         fields = json.loads(raw)
-        fields["variant_names"] = tuple(fields.get("variant_names", ()))
-        return cls(**fields)
+        return cls(**fields | {"settings": ServeSettings.from_json(fields["settings"]),
+                               "variant_names": tuple(fields.get("variant_names", ()))})
 
 
 def rank_status_file(status_file: str | Path, rank: int) -> Path:
@@ -56,8 +133,10 @@ def rank_status_file(status_file: str | Path, rank: int) -> Path:
     return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
-def open_servable_bundle(path: str | Path, base: MoECheckpoint) -> Bundle:
-    """A verified bundle of `base` that changes routed experts only (what the runtime serves)."""
+def open_servable_bundle(path: str | Path, base):
+    """A verified bundle of `base` (a MoECheckpoint) that changes routed experts only (what the runtime serves)."""
+    from esftctl.formats.bundle import Bundle  # here: the CLI reads this module's names and stays quick to start
+
     bundle = Bundle.open(path)
     bundle.check_base(base)
     if bundle.non_expert_tensors:

@@ -414,6 +414,7 @@ def test_a_server_that_is_not_ours_is_never_taken_for_ours(tmp_path):
     import subprocess
     import threading
 
+    from esftctl.runtime.serve_config import ServeSettings
     from esftctl.serve import AnotherServer, ServePlan
 
     class Impostor(http.server.BaseHTTPRequestHandler):
@@ -429,7 +430,8 @@ def test_a_server_that_is_not_ours_is_never_taken_for_ours(tmp_path):
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor) as impostor:
         threading.Thread(target=impostor.serve_forever, daemon=True).start()
-        serve_plan = ServePlan(tmp_path, "base", {}, 1, 1, port=impostor.server_address[1], state_dir=tmp_path / "s")
+        settings = ServeSettings(base=tmp_path, port=impostor.server_address[1], state_dir=tmp_path / "s")
+        serve_plan = ServePlan(settings, tmp_path, "base")
         server = Server(serve_plan)
         server.process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # "our vLLM", still starting
         with pytest.raises(AnotherServer, match=r"another server \(process 1\) answers at http://127.0.0.1:"):

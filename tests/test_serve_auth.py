@@ -23,7 +23,8 @@ import pytest
 from conftest import engine_settings, run_cli, server_args
 
 from esftctl.errors import EsftError
-from esftctl.runtime.serve_config import ServeConfig
+from esftctl.runtime.engine_status import EngineStatus
+from esftctl.runtime.serve_config import ServeConfig, ServeSettings
 from esftctl.serve import ServePlan, Server, free_port, plan, vllm_api_keys
 
 KEY = "s3cret-key"
@@ -54,8 +55,9 @@ def app(tmp_path, monkeypatch):
     (tmp_path / "outside").mkdir()
     (root / "link").symlink_to(tmp_path / "outside")
     status_file = tmp_path / "status.json"
-    status_file.write_text(json.dumps({"base": "b", "adapters": [], "slots": 4}))
-    config = ServeConfig(slots=4, experts_per_slot=2, status_file=str(status_file), adapter_root=str(root))
+    status_file.write_text(json.dumps(engine_status(base="b", slots=4).to_json()))
+    config = ServeConfig(settings=ServeSettings(base=tmp_path, adapter_root=root), slots=4, experts_per_slot=2,
+                         status_file=str(status_file))
     monkeypatch.setenv("ESFTCTL_SERVE", config.to_env()["ESFTCTL_SERVE"])
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     read = vllm_status._read_status
@@ -112,19 +114,50 @@ def test_loads_outside_the_adapter_root_are_forbidden_unopened(app, tmp_path):
     assert reply.status_code == 200 and calls[-1] == "/v1/load_lora_adapter"
 
 
+def engine_status(**fields) -> EngineStatus:
+    """A status record of an engine serving nothing yet, with `fields` changed."""
+    empty = dict(updated=0.0, base="b", device="cpu", rank=0, ranks=1, slots=4, experts_per_slot=2, moe_layers=[],
+                 adapters=[], variants=[], variant_map=None, variant_paths=[], variant_switch_bytes=0,
+                 base_expert_bytes=0, model_bytes=0, adapter_expert_bytes=0, adapter_budget_bytes=None,
+                 reserved_bytes=0, page_bytes=0, adapter_physical_bytes=0, expert_device_bytes=0, padded_bytes=0,
+                 merged_bytes=0, kv_cache_tokens=None, host_cache_used_bytes=0, host_cache_hits=0,
+                 host_cache_misses=0, paging_window=0, paging_loads=0)
+    return EngineStatus(**empty | fields)
+
+
+def test_the_status_record_reads_and_writes_the_servers_json():
+    """Issue 30: one typed record; on the wire the flat JSON clients have always read (paging keys only while
+    paging, the API server's additions only when it adds them)."""
+    from esftctl.runtime.engine_status import AdapterStatus, PagingStatus
+
+    paged = engine_status(adapters=[AdapterStatus(name="a", lora_id=1, slot=0, bytes=8, retiring=False,
+                                                  experts_per_layer=[1, 2])],
+                          paging=PagingStatus(store_experts=2, decoded_experts=5, resident_layers=[1], decisions=[]))
+    data = paged.to_json()
+    assert data["adapters"][0] == {"name": "a", "lora_id": 1, "slot": 0, "bytes": 8, "retiring": False,
+                                   "experts_per_layer": [1, 2]}
+    assert data["paging_store_experts"] == 2 and data["paging_resident_layers"] == [1] and "paging" not in data
+    assert "per_rank" not in data and "server_pid" not in data and "paging_store_experts" not in \
+        engine_status().to_json()
+    assert EngineStatus.from_json(json.loads(json.dumps(data | {"server_pid": 7}))) == \
+        engine_status(adapters=paged.adapters, paging=paged.paging, server_pid=7)
+    assert paged.taken_by() == ["a"]
+
+
 # ---- the plan: where the key goes ---------------------------------------------------------------------------
 
 
 def test_the_key_reaches_vllm_through_its_environment_not_a_command_line(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    serve_plan = ServePlan(tmp_path, "base", {}, 1, 1, state_dir=tmp_path / "state", api_key=KEY)
+    serve_plan = ServePlan(ServeSettings(base=tmp_path, state_dir=tmp_path / "state", api_key=KEY), tmp_path, "base")
     assert serve_plan.env()["VLLM_API_KEY"] == KEY and serve_plan.request_key == KEY
     assert KEY not in " ".join(serve_plan.command()) and KEY not in repr(serve_plan)
-    given = ServePlan(tmp_path, "base", {}, 1, 1, state_dir=tmp_path / "state",
-                      vllm_args=["--api-key", "A", "B", "--enforce-eager"])
+    given = ServePlan(ServeSettings(base=tmp_path, state_dir=tmp_path / "state",
+                                    vllm_args=("--api-key", "A", "B", "--enforce-eager")), tmp_path, "base")
     assert given.request_key == "A" and "VLLM_API_KEY" not in given.env()
     monkeypatch.setenv("VLLM_API_KEY", "inherited")  # vLLM reads it: so does the launcher
-    assert ServePlan(tmp_path, "base", {}, 1, 1, state_dir=tmp_path / "state").request_key == "inherited"
+    assert ServePlan(ServeSettings(base=tmp_path, state_dir=tmp_path / "state"), tmp_path, "base").request_key == \
+        "inherited"
     assert vllm_api_keys(["--api-key=K", "--x"]) == ["K"] and vllm_api_keys(["--api_key", "L"]) == ["L"]
     assert vllm_api_keys(["--api-key", "A", "--api-key", "B"]) == ["B"] and vllm_api_keys(["--port", "1"]) == []
     with pytest.raises(EsftError, match="an API key is given twice"):
@@ -137,7 +170,7 @@ def test_a_plan_never_started_leaves_no_state_folder(tmp_path, monkeypatch):
     """Issue 32, item 12: every plan made a /tmp/esftctl-serve-* folder, removed only by a server that started and
     stopped cleanly (tests and `bench` make plans they never start, or only ask for their environment)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    serve_plan = ServePlan(tmp_path / "base", "base", {}, 1, 1)
+    serve_plan = ServePlan(ServeSettings(base=tmp_path / "base"), tmp_path / "base", "base")
     assert list(tmp_path.iterdir()) == []
     server = Server(serve_plan)
     server.remove_state()  # nothing to remove, nothing fails
@@ -196,8 +229,9 @@ def test_the_launcher_waits_for_its_server_with_the_key(tmp_path, how):
     """Issue 32, item 4: the readiness calls sent no key, got 401 and stopped vLLM after the timeout."""
     with KeyedServer() as fake:
         options = {"api_key": KEY} if how == "--api-key" else {"vllm_args": ["--api-key", KEY]}
-        serve_plan = ServePlan(tmp_path, "base", {}, 1, 1, port=fake.server_address[1], state_dir=tmp_path / "s",
-                               **options)
+        options = {"vllm_args": tuple(options["vllm_args"])} if "vllm_args" in options else options
+        settings = ServeSettings(base=tmp_path, port=fake.server_address[1], state_dir=tmp_path / "s", **options)
+        serve_plan = ServePlan(settings, tmp_path, "base")
         server = Server(serve_plan)
         server.process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # "our vLLM"
         fake.pid = server.process.pid

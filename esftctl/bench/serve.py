@@ -371,7 +371,7 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
             start = time.perf_counter()
             serve_client.load(url, name, path)
             times[kind].append(time.perf_counter() - start)
-    hits = serve_client.status(url).get("host_cache_hits", 0)
+    hits = serve_client.engine_status(url).host_cache_hits
     evict(path)
     disk = read_bandwidth(data)
     copy = serve_models.copy_bandwidth()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse, Response
 
+from esftctl.runtime.engine_status import EngineStatus, NoFreeSlot, check_free_slot
 from esftctl.runtime.serve_config import VLLM_API_KEY_ENV, ServeConfig, rank_status_file
 
 STATUS_PATH = "/esftctl/status"
@@ -87,26 +88,22 @@ def _inside(path: str, root: str) -> bool:
         return False
 
 
-RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "adapter_physical_bytes",
-               "expert_device_bytes", "reserved_bytes", "updated")
-
-
-def _read_status(path: Path) -> dict | None:
+def _read_status(path: Path) -> EngineStatus | None:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return EngineStatus.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
         return None
 
 
-def _engine_status() -> dict | None:
+def _engine_status() -> EngineStatus | None:
     """Rank 0's status; under tensor parallelism with `per_rank`, every rank's memory (None for a rank whose
     file is not there yet)."""
     config = ServeConfig.from_env()
     status = _read_status(Path(config.status_file)) if config else None
-    if status is None or status.get("ranks", 1) == 1:
+    if status is None or status.ranks == 1:
         return status
-    ranks = [status] + [_read_status(rank_status_file(config.status_file, r)) for r in range(1, status["ranks"])]
-    status["per_rank"] = [None if r is None else {k: r.get(k) for k in RANK_FIELDS} for r in ranks]
+    ranks = [status] + [_read_status(rank_status_file(config.status_file, r)) for r in range(1, status.ranks)]
+    status.per_rank = [None if r is None else r.rank_memory() for r in ranks]
     return status
 
 
@@ -119,7 +116,8 @@ def _status() -> JSONResponse:
     if status is None:
         return JSONResponse({"error": {"message": "the engine has not reported its adapters yet",
                                        "type": "ServiceUnavailable", "code": 503}}, status_code=503)
-    return JSONResponse(status | {"server_pid": os.getpid()})  # the launcher checks it started this server
+    status.server_pid = os.getpid()  # the launcher checks it started this server
+    return JSONResponse(status.to_json())
 
 
 async def _unload(request, call_next):
@@ -148,8 +146,9 @@ async def _load(request, call_next):
         body = None
     name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
     config = ServeConfig.from_env()
-    if config is not None and config.adapter_root and isinstance(path, str) and not _inside(path, config.adapter_root):
-        return _error(f"adapter {name!r}: this server loads adapters only from under {config.adapter_root} "
+    root = config.settings.adapter_root if config is not None else None
+    if root is not None and isinstance(path, str) and not _inside(path, str(root)):
+        return _error(f"adapter {name!r}: this server loads adapters only from under {root} "
                       "(--adapter-root)", 403, "Forbidden")
     status = _engine_status()
     if not isinstance(body, dict) or status is None:
@@ -157,35 +156,26 @@ async def _load(request, call_next):
     known = getattr(request.app.state, "openai_serving_models", None)
     if not isinstance(name, str) or not isinstance(path, str) or (known and name in known.lora_requests):
         return await call_next(request)  # vLLM's own answers (missing fields, a name in use)
-    variants = {str(Path(p).resolve()) for p in status.get("variant_paths", [])}
+    variants = {str(Path(p).resolve()) for p in status.variant_paths}
     if str(Path(path).resolve()) in variants:
         return await call_next(request)
     try:
         await asyncio.to_thread(_check_load, name, path, status)
-    except _NoFreeSlot as e:
-        return _error(str(e), 507, "InsufficientStorage")
+    except NoFreeSlot as e:
+        return _error(f"adapter {name!r}: {e}", 507, "InsufficientStorage")
     except EsftError as e:
         return _error(f"adapter {name!r}: {e}", 400, "BadRequestError")
     return await call_next(request)
 
 
-class _NoFreeSlot(Exception):
-    pass
-
-
-def _check_load(name: str, path: str, status: dict) -> None:
+def _check_load(name: str, path: str, status: EngineStatus) -> None:
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
     from esftctl.runtime.serve_config import open_servable_bundle
 
     check_name(name)
-    open_servable_bundle(path, MoECheckpoint(status["base"]))
-    held = [a["name"] for a in status["adapters"] if not a["retiring"]]
-    variants = [v for v in status.get("variants", []) if not v["home"]]
-    if len(held) + len(variants) >= status["slots"]:
-        raise _NoFreeSlot(f"adapter {name!r}: no free adapter slot: all {status['slots']} are taken "
-                          f"({', '.join(sorted(held + [v['name'] for v in variants]))}); unload one, or serve with "
-                          "more --slots")
+    open_servable_bundle(path, MoECheckpoint(status.base))
+    check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
 
 
 async def _unknown_model(request, response):

@@ -52,7 +52,7 @@ class VariantTurnsMixin:
     def _init_turns(self) -> None:
         config = ServeConfig.from_env()
         self.variant_of_lora = {name: i for i, name in enumerate(config.variant_names) if i != HOME}
-        self.turns = Turns(len(config.variant_names), config.quantum)
+        self.turns = Turns(len(config.variant_names), config.settings.quantum)
         self.turn = HOME
 
     def variant_of(self, request) -> int:

@@ -34,6 +34,7 @@ from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.store import ExpertStore
 from esftctl.jsonfile import write_json
 from esftctl.names import check_name
+from esftctl.runtime.engine_status import AdapterStatus, EngineStatus, PagingStatus, VariantStatus, check_free_slot
 from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file
 from esftctl.runtime.vllm.model import EsftModel
@@ -59,7 +60,7 @@ class EsftWorkerManager:
         self.last_used: dict[int, float] = {}
         self.active: set[int] = set()  # LoRA ids of the last step's batch
         self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
-        self.host_cache = HostAdapterCache(config.host_cache_bytes)
+        self.host_cache = HostAdapterCache(config.settings.host_cache)
         self._status_written = 0.0
         self.variants: VariantSet | None = None
         self.variant_weights: VariantWeights | None = None
@@ -73,15 +74,15 @@ class EsftWorkerManager:
 
     def create_lora_manager(self, model, vllm_config=None):
         check_engine(self.vllm_config)
-        config, scheduler = self.config, self.vllm_config.scheduler_config
-        if self.rank[1] > 1 and (config.paging_store or config.variant_map):
-            raise EsftError(f"{'--paging-store' if config.paging_store else '--variants'} is not supported under "
+        config, settings, scheduler = self.config, self.config.settings, self.vllm_config.scheduler_config
+        if self.rank[1] > 1 and (settings.paging_store or settings.variants):
+            raise EsftError(f"{'--paging-store' if settings.paging_store else '--variants'} is not supported under "
                             "tensor or expert parallelism yet (the store decodes whole experts; variants' non-expert "
                             "weights are not split per rank); serve on one GPU, or page from host memory only")
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
-        store = ExpertStore(config.paging_store) if config.paging_store else None
-        if config.variant_map:
-            self.variants = VariantSet.open(config.variant_map, config.variant_names)
+        store = ExpertStore(settings.paging_store) if settings.paging_store else None
+        if settings.variants:
+            self.variants = VariantSet.open(settings.variants, config.variant_names)
             self.variant_weights = collect(model, self.vllm_config, dict(enumerate(self.variants.paths)))
             closures = self.variant_weights.swapped_closures
             if closures and not self.vllm_config.model_config.enforce_eager:
@@ -89,8 +90,8 @@ class EsftWorkerManager:
                                 "code captures: serve variants with --enforce-eager")
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
-                                 paging_window=config.paging_window, paging_store=store,
-                                 store_experts=config.store_experts, adaptive=config.paging_adaptive,
+                                 paging_window=settings.paging_window, paging_store=store,
+                                 store_experts=settings.store_experts, adaptive=settings.paging_adaptive,
                                  base_rows=self.variants.base_rows() if self.variants else None)
         if self.variants:
             for v in range(1, len(self.variants.names)):
@@ -133,14 +134,14 @@ class EsftWorkerManager:
         try:  # vLLM hides paths in the messages it returns, so the message names the adapter
             check_name(name)
             if not slots.free_slots() and not self.retiring:  # refused at once, before reading anything
-                raise self._no_free_slot()
+                check_free_slot(slots.num_slots, self.status().taken_by())
             key, staged = self.host_cache.lookup(lora_request.lora_path)
             bundle = open_servable_bundle(lora_request.lora_path, self.base) if staged is None else None
             count = staged.num_experts if staged is not None else bundle.num_experts
             while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
                 self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
             if not slots.free_slots():
-                raise self._no_free_slot()
+                check_free_slot(slots.num_slots, self.status().taken_by())
             if staged is None:
                 staged = stage(self.runtime.layers, bundle.read_experts())
                 self.host_cache.put(key, staged)
@@ -153,10 +154,6 @@ class EsftWorkerManager:
         self.last_used[lora_id] = time.monotonic()
         self.write_status()
         return True
-
-    def _no_free_slot(self) -> EsftError:
-        return EsftError(f"no free adapter slot: all {self.runtime.slots.num_slots} are taken "
-                         f"({', '.join(sorted(self.names.values()))}); unload one, or serve with more --slots")
 
     def _fits(self, experts: int) -> bool:
         slots = self.runtime.slots
@@ -266,68 +263,65 @@ class EsftWorkerManager:
             self._evict(min(idle, key=lambda i: (i not in self.retiring, self.last_used.get(i, 0.0))))
 
     # ---- the status table ------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> EngineStatus:
         runtime = self.runtime
         slots = runtime.slots
         expert_bytes = runtime.expert_bytes()  # one expert in every MoE layer
         base_experts = sum(l.base_rows * l.expert_bytes for l in runtime.layers.values())
-        adapters = []
-        for lora_id, name in sorted(self.names.items()):
-            info = slots.adapters[_key(lora_id)]
-            adapters.append({"name": name, "lora_id": lora_id, "slot": info.slot, "bytes": info.nbytes,
-                             "retiring": lora_id in self.retiring,
-                             "experts_per_layer": [info.experts_per_layer.get(l, 0) for l in runtime.layers]})
-        widest = max((max(a["experts_per_layer"], default=0) for a in adapters), default=0)
-        variants = [] if self.variants is None else [
-            {"name": name, "slot": slots.adapters[_variant_key(v)].slot if v != HOME else None,
-             "bytes": slots.adapters[_variant_key(v)].nbytes if v != HOME else 0, "home": v == HOME,
-             "experts_per_layer": [slots.adapters[_variant_key(v)].experts_per_layer.get(l, 0) if v != HOME else 0
-                                   for l in runtime.layers]}
-            for v, name in enumerate(self.variants.names)]
+        adapters = [self._adapter_status(lora_id, name) for lora_id, name in sorted(self.names.items())]
+        widest = max((max(a.experts_per_layer, default=0) for a in adapters), default=0)
         # Boundary pages shared with the base count here. Paged, only the layers in the window hold any memory.
         physical_adapter = None if runtime.pager else slots.physical_bytes() - base_experts
         cache = self.vllm_config.cache_config
         blocks = getattr(cache, "num_gpu_blocks", None)
         rank, ranks = self.rank
-        return {
-            "updated": time.time(),
-            "base": str(self.base.path), "device": str(runtime.device), "rank": rank, "ranks": ranks,
-            "slots": slots.num_slots, "experts_per_slot": self.config.experts_per_slot,
-            "moe_layers": list(runtime.layers),
-            "adapters": adapters,
-            "variants": variants,
-            "variant_map": self.config.variant_map,
-            "variant_paths": [str(p) for p in self.variants.paths] if self.variants else [],
-            "variant_switch_bytes": self.variant_weights.nbytes() if self.variant_weights else 0,
-            "base_expert_bytes": base_experts,
-            "model_bytes": self.base.total_nbytes,
-            "adapter_expert_bytes": slots.adapter_bytes(),
-            "adapter_budget_bytes": slots.budget * slots.expert_bytes if slots.budget is not None else None,
-            "reserved_bytes": runtime.reserved_bytes,
-            "page_bytes": runtime.page_bytes,
-            "adapter_physical_bytes": physical_adapter,
-            "expert_device_bytes": slots.physical_bytes(),
-            "padded_bytes": len(adapters) * widest * expert_bytes,
-            "merged_bytes": len(adapters) * self.base.total_nbytes,
-            "kv_cache_tokens": blocks * cache.block_size if blocks else None,
-            "host_cache_used_bytes": self.host_cache.nbytes, "host_cache_hits": self.host_cache.hits,
-            "host_cache_misses": self.host_cache.misses,
-            "paging_window": self.config.paging_window,
-            "paging_loads": runtime.pager.stats.loads if runtime.pager else 0,
-            **(self._paging_status() if runtime.pager else {}),
-        }
+        settings = self.config.settings
+        return EngineStatus(
+            updated=time.time(), base=str(self.base.path), device=str(runtime.device), rank=rank, ranks=ranks,
+            slots=slots.num_slots, experts_per_slot=self.config.experts_per_slot, moe_layers=list(runtime.layers),
+            adapters=adapters, variants=self._variant_statuses(),
+            variant_map=str(settings.variants) if settings.variants else None,
+            variant_paths=[str(p) for p in self.variants.paths] if self.variants else [],
+            variant_switch_bytes=self.variant_weights.nbytes() if self.variant_weights else 0,
+            base_expert_bytes=base_experts, model_bytes=self.base.total_nbytes,
+            adapter_expert_bytes=slots.adapter_bytes(),
+            adapter_budget_bytes=slots.budget * slots.expert_bytes if slots.budget is not None else None,
+            reserved_bytes=runtime.reserved_bytes, page_bytes=runtime.page_bytes,
+            adapter_physical_bytes=physical_adapter, expert_device_bytes=slots.physical_bytes(),
+            padded_bytes=len(adapters) * widest * expert_bytes, merged_bytes=len(adapters) * self.base.total_nbytes,
+            kv_cache_tokens=blocks * cache.block_size if blocks else None,
+            host_cache_used_bytes=self.host_cache.nbytes, host_cache_hits=self.host_cache.hits,
+            host_cache_misses=self.host_cache.misses, paging_window=settings.paging_window,
+            paging_loads=runtime.pager.stats.loads if runtime.pager else 0,
+            paging=self._paging_status() if runtime.pager else None)
 
-    def _paging_status(self) -> dict:
+    def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
+        info = self.runtime.slots.adapters[_key(lora_id)]
+        return AdapterStatus(name=name, lora_id=lora_id, slot=info.slot, bytes=info.nbytes,
+                             retiring=lora_id in self.retiring,
+                             experts_per_layer=[info.experts_per_layer.get(l, 0) for l in self.runtime.layers])
+
+    def _variant_statuses(self) -> list[VariantStatus]:
+        if self.variants is None:
+            return []
+        out = []
+        for v, name in enumerate(self.variants.names):
+            info = self.runtime.slots.adapters[_variant_key(v)] if v != HOME else None
+            out.append(VariantStatus(name=name, slot=info.slot if info else None, bytes=info.nbytes if info else 0,
+                                     home=v == HOME, experts_per_layer=[info.experts_per_layer.get(l, 0) if info else 0
+                                                                        for l in self.runtime.layers]))
+        return out
+
+    def _paging_status(self) -> PagingStatus:
         pager, residency = self.runtime.pager, self.runtime.residency
-        return {"paging_store_experts": next(iter(pager.sources.values())).store_experts,
-                "paging_decoded_experts": pager.stats.decoded_experts,
-                "paging_resident_layers": sorted(pager.resident),
-                "paging_decisions": residency.decisions[-5:] if residency else []}
+        return PagingStatus(store_experts=next(iter(pager.sources.values())).store_experts,
+                            decoded_experts=pager.stats.decoded_experts, resident_layers=sorted(pager.resident),
+                            decisions=residency.decisions[-5:] if residency else [])
 
     def write_status(self) -> None:
         self._status_written = time.monotonic()
         if self.config.status_file:
-            write_json(rank_status_file(self.config.status_file, self.rank[0]), self.status())
+            write_json(rank_status_file(self.config.status_file, self.rank[0]), self.status().to_json())
 
 
 def _variant_key(variant: int) -> str:

@@ -1,0 +1,128 @@
+"""What the engine reports about its adapters and memory: one typed record, filled by the worker
+(esftctl.runtime.vllm.worker), served by the API server's middleware (esftctl.runtime.vllm.status) and read by the
+client's table (esftctl.serve_client) and the benchmarks.
+
+On the wire (the status file, GET /esftctl/status) it is the flat JSON object clients and scripts have read all
+along: `to_json` writes exactly those keys (the paging keys only while paging, `per_rank` only under tensor
+parallelism, `server_pid` as the API server adds it) and `from_json` reads them back. The rule for a load when the
+slots are full is here too, once (`check_free_slot`), for the engine and the middleware alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from esftctl.errors import EsftError
+
+# The fields of each rank's own memory, collected by the API server under tensor parallelism (`per_rank`).
+RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "adapter_physical_bytes",
+               "expert_device_bytes", "reserved_bytes", "updated")
+
+
+@dataclass(kw_only=True)
+class AdapterStatus:
+    name: str
+    lora_id: int
+    slot: int
+    bytes: int
+    retiring: bool  # unloaded, kept until its running requests finish
+    experts_per_layer: list[int]
+
+
+@dataclass(kw_only=True)
+class VariantStatus:
+    name: str
+    slot: int | None  # None: the home variant, in the base rows
+    bytes: int
+    home: bool
+    experts_per_layer: list[int]
+
+
+@dataclass(kw_only=True)
+class PagingStatus:
+    store_experts: int  # base experts per layer from the Huffman store
+    decoded_experts: int
+    resident_layers: list[int]
+    decisions: list[dict]  # the residency planner's last decisions
+
+
+@dataclass(kw_only=True)
+class EngineStatus:
+    updated: float  # time.time() of the report
+    base: str
+    device: str
+    rank: int
+    ranks: int
+    slots: int
+    experts_per_slot: int
+    moe_layers: list[int]
+    adapters: list[AdapterStatus]
+    variants: list[VariantStatus]
+    variant_map: str | None
+    variant_paths: list[str]
+    variant_switch_bytes: int
+    base_expert_bytes: int
+    model_bytes: int
+    adapter_expert_bytes: int
+    adapter_budget_bytes: int | None
+    reserved_bytes: int
+    page_bytes: int
+    adapter_physical_bytes: int | None  # None while paging: only the window's layers hold memory
+    expert_device_bytes: int
+    padded_bytes: int
+    merged_bytes: int
+    kv_cache_tokens: int | None
+    host_cache_used_bytes: int
+    host_cache_hits: int
+    host_cache_misses: int
+    paging_window: int
+    paging_loads: int
+    paging: PagingStatus | None = None
+    per_rank: list[dict | None] | None = None  # the API server's, under tensor parallelism (RANK_FIELDS)
+    server_pid: int | None = None  # the API server's process, so the launcher knows the server is its own
+    extra: dict = field(default_factory=dict)  # keys of a newer engine, passed through unread
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("paging", "extra")}
+        data["adapters"] = [asdict(a) for a in self.adapters]
+        data["variants"] = [asdict(v) for v in self.variants]
+        if self.paging is not None:
+            data.update({f"paging_{k}": v for k, v in asdict(self.paging).items()})
+        for optional in ("per_rank", "server_pid"):
+            if data[optional] is None:
+                del data[optional]
+        return data | self.extra
+
+    @classmethod
+    def from_json(cls, data: dict) -> "EngineStatus":
+        data = dict(data)
+        paging_keys = [f"paging_{f.name}" for f in fields(PagingStatus)]
+        paging = PagingStatus(**{k[len("paging_"):]: data.pop(k) for k in paging_keys}) \
+            if paging_keys[0] in data else None
+        known = {f.name for f in fields(cls)} - {"paging", "extra"}
+        return cls(**{k: v for k, v in data.items() if k in known and k not in ("adapters", "variants")},
+                   adapters=[AdapterStatus(**a) for a in data.get("adapters", [])],
+                   variants=[VariantStatus(**v) for v in data.get("variants", [])], paging=paging,
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    def rank_memory(self) -> dict:
+        """This rank's own memory, as the API server collects it into `per_rank`."""
+        data = self.to_json()
+        return {k: data.get(k) for k in RANK_FIELDS}
+
+    def taken_by(self) -> list[str]:
+        """Who holds a slot a load cannot take: every adapter that is not retiring (retiring ones make room) and
+        every variant but the home one."""
+        return [a.name for a in self.adapters if not a.retiring] + [v.name for v in self.variants if not v.home]
+
+
+class NoFreeSlot(EsftError):
+    """A load found every adapter slot taken (HTTP 507 from the middleware)."""
+
+
+def check_free_slot(slots: int, taken_by: list[str]) -> None:
+    """The one rule for a load when slots run out: refuse it when `taken_by` (adapters not retiring, variants
+    besides the home one) fills every slot. The caller names the adapter."""
+    if len(taken_by) >= slots:
+        raise NoFreeSlot(f"no free adapter slot: all {slots} are taken ({', '.join(sorted(taken_by))}); unload one, "
+                         "or serve with more --slots")
