@@ -165,7 +165,7 @@ def _place(tmp: Path, target: Path, *, overwrite: bool, created: list[Path]) -> 
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(target: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder that becomes `target` when the block finishes without error.
 
     An existing `target` is refused unless `overwrite` is set; on error (Ctrl-C, and SIGTERM, which the CLI turns
@@ -184,7 +184,7 @@ def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(target: str | Path, overwrite: bool = True) -> Iterator[Path]:
+def atomic_file(target: str | Path, *, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `target` that replaces it when the block finishes without error."""
     target = check_output(target, overwrite=overwrite)
     with _parents(target) as created:

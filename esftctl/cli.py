@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -23,6 +24,12 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+# Options many commands share, declared once.
+AsJson = Annotated[bool, typer.Option("--json", metavar="", help="Print the result as JSON (for scripts).")]
+OVERWRITE_HELP = "Replace an existing output (checked, with the rest of the output path, before any work)."
+Overwrite = Annotated[bool, typer.Option("--overwrite", metavar="", help=OVERWRITE_HELP)]
 
 
 def _version(value: bool) -> None:
@@ -45,7 +52,7 @@ app.add_typer(bench_app, name="bench")
 @app.command()
 def inspect(
     paths: list[Path] = typer.Argument(..., help="A model folder, an adapter bundle, or several bundles of one base."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of a table.", metavar=""),
+    as_json: AsJson = False,
 ) -> None:
     """Describe a MoE model folder or adapter bundles (experts per layer, sparsity, padding's fragmentation)."""
     from esftctl.describe import describe_bundle_set, describe_path, render
@@ -76,8 +83,8 @@ def relevance(
     metric: str = typer.Option("gate", metavar="[gate|token]",
                                help="Metric shown in the table: gate (average gate score) or token (token selection "
                                     "ratio). The file holds both."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output file.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Score every routed expert of every MoE layer on task data with both ESFT metrics."""
     from rich.progress import Progress
@@ -111,8 +118,8 @@ def select(
                                                                       "scores sum to at least p (0 < p <= 1)."),
     metric: str = typer.Option("gate", metavar="[gate|token]",
                                help="gate (average gate score) or token (token selection ratio)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output file.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Choose the experts to fine-tune per layer: the smallest set reaching score mass p."""
     from esftctl.relevance import METRICS, Relevance
@@ -146,8 +153,8 @@ def pack(
     include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights (and an adapter "
                                                         "folder's changed shared experts) too instead of "
                                                         "refusing the fine-tune.", metavar=""),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", help="Print the packed bundle's description as JSON.", metavar=""),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Pack a fine-tuned checkpoint's fine-tuned experts into an adapter bundle, verified against the base; or
     import a DeepSeek ESFT adapter folder (expert_cfg.json + the trained tensors) the same way."""
@@ -161,7 +168,7 @@ def pack(
     check_output(out, overwrite=overwrite, folder=True)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("comparing experts", total=len(MoECheckpoint(base).moe_layers))
-        report = do_pack(base, finetuned, out, name, config, include_non_expert, overwrite,
+        report = do_pack(base, finetuned, out, name, config, include_non_expert=include_non_expert, overwrite=overwrite,
                          on_layer=lambda layer: progress.advance(task))
     description = Bundle.open(out).describe()
     if as_json:
@@ -181,8 +188,8 @@ def merge(
     base: Path = typer.Argument(..., help="The base model folder."),
     bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base."),
     out: Path = typer.Option(..., "--out", "-o", help="Merged model folder to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Write base + adapter as one full checkpoint (the merged model that serving is checked against)."""
     from esftctl.formats.checkpoint import MoECheckpoint
@@ -190,7 +197,7 @@ def merge(
 
     check_output(out, overwrite=overwrite, folder=True)
     with _tensor_progress("merging", len(MoECheckpoint(base).tensors)) as advance:
-        do_merge(base, bundle, out, overwrite, on_tensor=advance)
+        do_merge(base, bundle, out, overwrite=overwrite, on_tensor=advance)
     _wrote(out, as_json)
 
 
@@ -204,8 +211,8 @@ def export(
     base: Path = typer.Option(None, help="The bundle's base model folder; needed only for a bundle with non-expert "
                                          "tensors (DeepSeek's loader takes every tensor of the modules an adapter "
                                          "trains: the unchanged ones come from the base)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Write an adapter bundle in another tool's adapter format (esft: DeepSeek's ESFT code)."""
     from esftctl.formats.esft_adapter import export_adapter
@@ -232,8 +239,8 @@ def compress(
     chunk: int = typer.Option(1024, min=16, help="Values per independently decodable chunk, a multiple of 16 "
                                                  "(the GPU decoder gives each chunk a lane; 32 chunks share a "
                                                  "block of values, taking turns by 16)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", help="Print the store's description as JSON.", metavar=""),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Write a Huffman-coded expert store: bf16 exponents entropy-coded, sign+mantissa raw; lossless."""
     import time
@@ -248,7 +255,8 @@ def compress(
     origin, tensors = source_tensors(source)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("compressing", total=len(tensors))
-        write_store(origin, tensors, out, chunk, table_scope, overwrite, on_tensor=lambda name: progress.advance(task))
+        write_store(origin, tensors, out, chunk, table_scope, overwrite=overwrite,
+                    on_tensor=lambda name: progress.advance(task))
     description = {**ExpertStore(out).describe(), "seconds": time.time() - start}
     if as_json:
         print(json.dumps(description, indent=2))
@@ -261,8 +269,8 @@ def compress(
 def decompress(
     store: Path = typer.Argument(..., help="An expert store from `esftctl compress`."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to create: the bundle again, or experts.safetensors."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
     from esftctl.formats.store import ExpertStore
@@ -270,7 +278,7 @@ def decompress(
 
     check_output(out, overwrite=overwrite, folder=True)
     with _tensor_progress("decoding", len(list(ExpertStore(store, verify=False)))) as advance:
-        do_decompress(store, out, overwrite, on_tensor=advance)
+        do_decompress(store, out, overwrite=overwrite, on_tensor=advance)
     _wrote(out, as_json)
 
 
@@ -282,8 +290,8 @@ def consolidate(
                                                    "--budget, exactly one."),
     budget: str = typer.Option(None, help="Or a memory budget for the loaded experts, e.g. 12GiB or 500MB (exactly one "
                                           "of --capacity and --budget)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Rank expert positions by summed pairwise L2 distance and assign them round-robin under a capacity (give
     exactly one of --capacity and --budget)."""
@@ -307,7 +315,7 @@ def consolidate(
         capacity, budget_bytes = positions, None
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("distances", total=len(first.moe_layers))
-        emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite,
+        emap, distances = do_consolidate(models, out, capacity, budget_bytes, overwrite=overwrite,
                                          on_layer=lambda layer: progress.advance(task))
     if as_json:
         print(json.dumps({"out": str(out), **emap.to_json(), "distances": distances.tolist()}, indent=1))
@@ -332,8 +340,8 @@ def materialize(
     map_dir: Path = typer.Argument(..., help="A folder written by `esftctl consolidate`."),
     variant: int = typer.Option(..., help="Index of the variant (order given to consolidate)."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Write the checkpoint a variant runs under a consolidated map (plain vLLM can serve it)."""
     from esftctl.consolidate import MAP_FILE, ExpertMap
@@ -344,7 +352,7 @@ def materialize(
     models = ExpertMap.load(map_dir / MAP_FILE).models
     total = len(MoECheckpoint(models[variant]).tensors) if 0 <= variant < len(models) else 0
     with _tensor_progress("materializing", total) as advance:
-        do_materialize(map_dir, variant, out, overwrite, on_tensor=advance)
+        do_materialize(map_dir, variant, out, overwrite=overwrite, on_tensor=advance)
     _wrote(out, as_json)
 
 
@@ -352,8 +360,8 @@ def materialize(
 def average(
     models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder.", metavar=""),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
 ) -> None:
     """Write the weight-averaging baseline of several variants."""
     from esftctl.consolidate import average as do_average
@@ -361,7 +369,7 @@ def average(
 
     check_output(out, overwrite=overwrite, folder=True)
     with _tensor_progress("averaging", 2 * len(MoECheckpoint(models[0]).tensors)) as advance:
-        do_average(models, out, overwrite, on_tensor=advance)
+        do_average(models, out, overwrite=overwrite, on_tensor=advance)
     _wrote(out, as_json)
 
 
@@ -479,7 +487,7 @@ def _api_key_option():
 def adapters_list(
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
     api_key: str = _api_key_option(),
-    as_json: bool = typer.Option(False, "--json", help="Print the status as JSON instead of a table.", metavar=""),
+    as_json: AsJson = False,
 ) -> None:
     """The served models and the adapter table (slots, experts per layer, memory, KV-cache room)."""
     from esftctl import serve_client
@@ -497,7 +505,7 @@ def adapters_load(
     bundle: Path = typer.Argument(..., help="The adapter bundle folder (a path the server can read)."),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
     api_key: str = _api_key_option(),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    as_json: AsJson = False,
 ) -> None:
     """Load an adapter bundle into a running server."""
     from esftctl import serve_client
@@ -516,7 +524,7 @@ def adapters_unload(
     name: str = typer.Argument(..., help="The adapter's name."),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
     api_key: str = _api_key_option(),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the result as JSON (for scripts)."),
+    as_json: AsJson = False,
 ) -> None:
     """Unload an adapter from a running server (its slot and expert memory are freed)."""
     from esftctl import serve_client

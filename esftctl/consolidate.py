@@ -121,7 +121,7 @@ class ExpertMap:
         return cls(d["models"], d["moe_layers"], d["num_experts"], d["capacity"], owner)
 
 
-def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = None, budget_bytes: int | None = None,
+def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = None, budget_bytes: int | None = None, *,
                 overwrite: bool = False, on_layer: Callable[[int], None] = lambda l: None
                 ) -> tuple[ExpertMap, np.ndarray]:
     """Write DIR/expert_map.json, DIR/ranking.json and DIR/distances.png; return the map and distances."""
@@ -171,7 +171,7 @@ def heat_map(distances: np.ndarray, layers: Sequence[int], path: Path) -> None:
     plt.close(fig)
 
 
-def materialize(map_dir: Path, variant: int, out: Path, overwrite: bool = False,
+def materialize(map_dir: Path, variant: int, out: Path, *, overwrite: bool = False,
                 on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """The checkpoint variant `variant` runs under the map: mapped experts where loaded, its own elsewhere."""
     emap = ExpertMap.load(map_dir / MAP_FILE)
@@ -189,7 +189,7 @@ def materialize(map_dir: Path, variant: int, out: Path, overwrite: bool = False,
     return write_checkpoint(own, out, expert_replacements(own, replacements), overwrite=overwrite, on_tensor=on_tensor)
 
 
-def average(model_dirs: Sequence[Path], out: Path, overwrite: bool = False,
+def average(model_dirs: Sequence[Path], out: Path, *, overwrite: bool = False,
             on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """The weight-averaging baseline: every tensor the mean of the variants' (float32, cast back).
 

@@ -9,7 +9,7 @@ from esftctl.formats.bundle import Bundle
 from esftctl.formats.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
 
 
-def merge(base_dir: Path, bundle_dir: Path, out: Path, overwrite: bool = False,
+def merge(base_dir: Path, bundle_dir: Path, out: Path, *, overwrite: bool = False,
           on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """Write `out`: the base with the bundle's tensors in place; `on_tensor` after each tensor written."""
     base = MoECheckpoint(base_dir)

@@ -111,7 +111,7 @@ def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
                             f"here, {info.dtype} {list(info.shape)} in the base", tuned.tensors[name].file)
 
 
-def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None,
+def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None, *,
          include_non_expert: bool = False, overwrite: bool = False,
          on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
 

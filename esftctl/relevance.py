@@ -54,7 +54,7 @@ class Relevance:
                 "moe_layers": self.moe_layers,
                 "scores": {m: {str(l): s for l, s in per.items()} for m, per in self.scores.items()}}
 
-    def save(self, path: Path, overwrite: bool = True) -> None:
+    def save(self, path: Path, *, overwrite: bool = True) -> None:
         write_json(path, self.to_json(), overwrite=overwrite)
 
     @classmethod

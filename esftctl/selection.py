@@ -51,7 +51,7 @@ class ExpertConfig:
         return {**self.extra, "experts": {str(l): ids for l, ids in sorted(self.experts.items())},
                 "shared_experts": self.shared_experts, "non_expert_modules": self.non_expert_modules}
 
-    def save(self, path: Path, overwrite: bool = True) -> None:
+    def save(self, path: Path, *, overwrite: bool = True) -> None:
         write_json(path, self.to_json(), indent=2, overwrite=overwrite)
 
     @classmethod

@@ -24,7 +24,7 @@ from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.names import check_name
 
-HOME = 0
+HOME = 0  # the variant vLLM loads (the server's --model), in the base rows: the one definition
 
 
 @dataclass

@@ -73,7 +73,7 @@ except ImportError:
 
 
 def topk_softmax_reroute(logits: torch.Tensor, top_k: int, adapter_ids: torch.Tensor | None = None,
-                         table: torch.Tensor | None = None, renormalize: bool = False,
+                         table: torch.Tensor | None = None, *, renormalize: bool = False,
                          out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """(weights float32 [T, k], ids int32 [T, k]); rerouted through `table` when one is given."""
     if logits.device.type != "cuda" or triton is None:

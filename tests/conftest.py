@@ -99,7 +99,7 @@ def plain_vllm(models: dict[str, Path], prompts: list[str], tmp: Path, max_token
 
 def trained_like_bits(rows: int, cols: int, seed: int):
     """The bit patterns (uint16 numpy) of trained-like bf16 weights, the benches' (esftctl.bench.compress)."""
-    from esftctl.bench.compress import trained_like
+    from esftctl.bench.synthetic_model import trained_like
 
     return trained_like((rows, cols), torch.Generator().manual_seed(seed)).view(torch.int16).numpy().view("uint16")
 

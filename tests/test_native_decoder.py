@@ -53,7 +53,7 @@ def test_native_decoder_gives_the_reference_bits(name, bits, chunk, threads):
     want = join_bf16(decode(data, offsets, len(bits), code, chunk), sign_mantissa)
     assert np.array_equal(want, bits)  # the reference round-trips
     out = np.full(len(bits), 0xDEAD, dtype=np.uint16)
-    decode_bf16(np.frombuffer(data, dtype=np.uint8), offsets, code, chunk, sign_mantissa, out, threads=threads)
+    decode_bf16(np.frombuffer(data, dtype=np.uint8), offsets, code, chunk, sign_mantissa, out=out, threads=threads)
     assert np.array_equal(out, want)
 
 
@@ -62,11 +62,11 @@ def test_native_decoder_refuses_a_corrupt_stream():
     data, offsets, code, sign_mantissa = _encoded(bits, 64)
     out = np.empty(len(bits), dtype=np.uint16)
     with pytest.raises(ValueError, match="corrupt Huffman stream"):  # chunks start past the stream's end
-        decode_bf16(data, offsets + np.uint64(8 * len(data)), code, 64, sign_mantissa, out)
+        decode_bf16(data, offsets + np.uint64(8 * len(data)), code, 64, sign_mantissa, out=out)
     with pytest.raises(ValueError, match="chunk offsets for"):
-        decode_bf16(data, offsets[:-1], code, 64, sign_mantissa, out)
+        decode_bf16(data, offsets[:-1], code, 64, sign_mantissa, out=out)
     with pytest.raises(ValueError, match="one uint16 of output per value"):
-        decode_bf16(data, offsets, code, 64, sign_mantissa, out[:-1])
+        decode_bf16(data, offsets, code, 64, sign_mantissa, out=out[:-1])
 
 
 @pytest.mark.parametrize("corrupt", ["starts past the end", "runs into its successor", "no such code"])
@@ -84,6 +84,6 @@ def test_reference_decoder_refuses_what_the_native_one_does(corrupt):
         code = build_code(np.eye(256, dtype=np.int64)[0])  # one symbol, code "0": a 1 bit is no code
     out = np.empty(len(bits), dtype=np.uint16)
     for decoder in (lambda: decode(data, offsets, len(bits), code, 64),
-                    lambda: decode_bf16(data, offsets, code, 64, sign_mantissa, out)):
+                    lambda: decode_bf16(data, offsets, code, 64, sign_mantissa, out=out)):
         with pytest.raises(ValueError, match="corrupt Huffman stream"):
             decoder()

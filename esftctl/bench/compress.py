@@ -1,7 +1,7 @@
 """`esftctl bench compress`: Huffman expert stores against the entropy bound, general-purpose compressors,
 and (on a GPU) the memory-bandwidth bound of decoding, from one DeepSeek-V2-Lite expert to a whole layer.
 
-Weights are synthetic but trained-like: normal values with a log-normal scale per output row, bf16.
+Weights are synthetic but trained-like (esftctl.bench.synthetic_model.trained_like), bf16.
 GPU decode: one launch for all tensors of the size (esftctl.kernels.huffman_decode), median of repeats;
 its bound is (stored bytes read + 2 bytes written per value) over the measured copy bandwidth.
 """
@@ -17,24 +17,10 @@ from typing import Callable
 import torch
 
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape
+from esftctl.bench.synthetic_model import trained_like_expert
 from esftctl.formats.store import ExpertStore, SourceTensor, write_store
 
 EXPERT_COUNTS = (1, 8, 64)
-
-
-def trained_like(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """bf16 weights like trained ones: normal values, a log-normal scale per output row (std 0.02 x e^N(0, 0.25)),
-    on the generator's device."""
-    device = generator.device
-    scale = torch.exp(torch.randn(*shape[:-1], 1, generator=generator, device=device) * 0.5) * 0.02
-    return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16)
-
-
-def trained_like_expert(shape: MoEShape, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {w: trained_like(rows_cols, g) for w, rows_cols in (
-        ("gate", (shape.intermediate, shape.hidden)), ("up", (shape.intermediate, shape.hidden)),
-        ("down", (shape.hidden, shape.intermediate)))}
 
 
 def _general_purpose(raw: bytes) -> dict[str, int]:

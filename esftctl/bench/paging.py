@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from esftctl.bench.compress import trained_like
 from esftctl.bench.moe_layer import experts as moe_experts
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape
+from esftctl.bench.synthetic_model import trained_like
 from esftctl.errors import EsftError
 from esftctl.runtime.paging.blocks import OwnBlocks
 from esftctl.runtime.paging.pager import PagedExperts, run_stack
@@ -83,7 +83,7 @@ def _both_tiers(host13, host2, dev13, dev2, decode, split) -> Callable[[], None]
     return fn
 
 
-def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, batches=(1, 4, 16, 64, 256), prompt_len: int = 512,
+def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, *, batches=(1, 4, 16, 64, 256), prompt_len: int = 512,
         window: int = 2, on_step: Callable[[str], None] = lambda msg: None) -> dict:
     if not torch.cuda.is_available():
         raise EsftError("bench paging needs a CUDA GPU")

@@ -1,4 +1,5 @@
-"""DeepSeek-V2-Lite-shaped checkpoints with trained-like random weights, generated on demand, never downloaded.
+"""DeepSeek-V2-Lite-shaped checkpoints with trained-like random weights, generated on demand, never downloaded;
+the one module that makes the benchmarks' synthetic weights (`trained_like`: compress, paging and these models).
 
 Serving and offline benches need the real model's shapes, not its knowledge: 27 layers (the first dense),
 26 MoE layers x 64 routed experts of 2048 x 1408, 2 shared experts, top-6, MLA (16 heads, kv_lora_rank
@@ -24,14 +25,28 @@ import torch
 from safetensors.torch import save_file
 
 from esftctl.atomic import atomic_dir
-from esftctl.bench.compress import trained_like
-from esftctl.bench.shapes import per_layer_counts
+from esftctl.bench.shapes import MoEShape, per_layer_counts
 from esftctl.formats.architectures import EXPERT_WEIGHTS, architecture_for
 from esftctl.formats.bundle import write_bundle
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
 BOS, EOS, PAD = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>"
+
+
+def trained_like(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """bf16 weights like trained ones: normal values, a log-normal scale per output row (std 0.02 x e^N(0, 0.25)),
+    on the generator's device."""
+    device = generator.device
+    scale = torch.exp(torch.randn(*shape[:-1], 1, generator=generator, device=device) * 0.5) * 0.02
+    return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16)
+
+
+def trained_like_expert(shape: MoEShape, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {w: trained_like(rows_cols, g) for w, rows_cols in (
+        ("gate", (shape.intermediate, shape.hidden)), ("up", (shape.intermediate, shape.hidden)),
+        ("down", (shape.hidden, shape.intermediate)))}
 
 
 def deepseek_v2_lite_config(**overrides):

@@ -90,7 +90,7 @@ def base_identity(ckpt: MoECheckpoint) -> dict:
 
 
 def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, dict[int, ExpertWeights]],
-                 non_expert: dict[str, torch.Tensor] | None = None, overwrite: bool = False) -> Path:
+                 non_expert: dict[str, torch.Tensor] | None = None, *, overwrite: bool = False) -> Path:
     """Write a bundle folder atomically; experts: {layer: {expert id: weights}}."""
     check_name(name)
     tensors: dict[str, torch.Tensor] = {}

@@ -380,6 +380,7 @@ def write_checkpoint(
     src: MoECheckpoint,
     dst: str | Path,
     replacements: Mapping[str, torch.Tensor] | None = None,
+    *,
     overwrite: bool = False,
     on_tensor: Callable[[str], None] = lambda name: None,
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,

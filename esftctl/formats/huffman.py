@@ -261,7 +261,7 @@ def _or_into(words: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
     words[index[starts]] |= np.bitwise_or.reduceat(values, starts)
 
 
-def decode_bf16(data: bytes | np.ndarray, offsets: np.ndarray, code: Code, chunk: int, sign_mantissa: np.ndarray,
+def decode_bf16(data: bytes | np.ndarray, offsets: np.ndarray, code: Code, chunk: int, sign_mantissa: np.ndarray, *,
                 out: np.ndarray, threads: int | None = None) -> np.ndarray:
     """Decode a tensor's exponents and join them with its sign-and-mantissa bytes into `out` (uint16 bf16 bits, one
     per value), with the native decoder (native/huffman_decode.c, `threads` threads: default every core) where the

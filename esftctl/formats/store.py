@@ -184,15 +184,15 @@ class _DataWriter:
         self.close()
 
 
-def compress(src: Path, out: Path, chunk: int = DEFAULT_CHUNK, table_scope: str = "layer",
+def compress(src: Path, out: Path, chunk: int = DEFAULT_CHUNK, table_scope: str = "layer", *,
              overwrite: bool = False, on_tensor: Callable[[str], None] = lambda name: None) -> dict:
     """Write a store for the experts of `src` (a model folder or a bundle); returns its header."""
     source, tensors = source_tensors(src)
-    return write_store(source, tensors, out, chunk, table_scope, overwrite, on_tensor)
+    return write_store(source, tensors, out, chunk, table_scope, overwrite=overwrite, on_tensor=on_tensor)
 
 
 def write_store(source: dict, tensors: list[SourceTensor], out: Path, chunk: int = DEFAULT_CHUNK,
-                table_scope: str = "layer", overwrite: bool = False,
+                table_scope: str = "layer", *, overwrite: bool = False,
                 on_tensor: Callable[[str], None] = lambda name: None) -> dict:
     if table_scope not in ("tensor", "layer"):
         raise EsftError(f"table scope must be 'tensor' or 'layer', not {table_scope!r}")
@@ -310,7 +310,7 @@ class _Fields:
     def fail(self, what: str) -> None:
         raise EsftError(what, self.path)
 
-    def integer(self, obj: dict, key: str, where: str = "", lo: int = 0, hi: int = MAX_FIELD,
+    def integer(self, obj: dict, key: str, where: str = "", *, lo: int = 0, hi: int = MAX_FIELD,
             none: bool = False) -> int | None:
         v = obj.get(key)
         if not (none and v is None) and (type(v) is not int or not lo <= v <= hi):
@@ -532,7 +532,7 @@ class ExpertStore:
         stream, offsets, sign_mantissa = self._sections(e)
         bits = out.view(torch.int16).reshape(-1).numpy().view(np.uint16)
         try:
-            decode_bf16(stream, offsets.astype(np.uint64), self.codes[e["table"]], self.chunk, sign_mantissa, bits)
+            decode_bf16(stream, offsets.astype(np.uint64), self.codes[e["table"]], self.chunk, sign_mantissa, out=bits)
         except ValueError as err:  # a corrupt stream
             raise EsftError(f"tensor {name!r}: {one_line(err)}", self.data_file) from None
         return out
@@ -601,7 +601,7 @@ def _header_hash_of(h: dict, header_file: Path) -> str:
         raise EsftError("header checksum mismatch: store.json cannot be hashed", header_file) from None
 
 
-def decompress(store_dir: Path, out: Path, overwrite: bool = False,
+def decompress(store_dir: Path, out: Path, *, overwrite: bool = False,
                on_tensor: Callable[[str], None] = lambda name: None) -> Path:
     """Write the stored tensors back as safetensors: a bundle store becomes its bundle again, byte for byte;
     a model store becomes a folder with experts.safetensors (the experts under their checkpoint names)."""

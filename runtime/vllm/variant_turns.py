@@ -23,8 +23,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from esftctl.runtime.serve_config import ServeConfig
-
-HOME = 0
+from esftctl.variants import HOME
 
 
 class Turns:

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from esftctl.errors import EsftError
+from esftctl.variants import HOME
 
-HOME = 0  # the variant vLLM loaded (the server's --model)
 ENGINE_STATE = frozenset({"kv_cache"})  # bound by the engine to the live layers, not weights
 
 
