@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from esftctl.atomic import check_output
 from esftctl.bench.cli import app as bench_app
@@ -578,7 +579,7 @@ def main() -> None:
     try:
         code = app(prog_name="esftctl", standalone_mode=False)
     except EsftError as e:
-        err_console.print(f"[bold red]error:[/] {e}", markup=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True)  # a message's [...] is text
         raise SystemExit(1)
     except usage_error as e:  # a bad flag or argument: one line too, with where to look
         if not e.format_message().strip():  # no arguments at all: the help was printed

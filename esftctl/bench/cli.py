@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -12,9 +13,21 @@ import typer
 from rich.console import Console
 
 from esftctl.atomic import atomic_file
+from esftctl.errors import EsftError
 
 app = typer.Typer(help="Measure esftctl against its baselines (tables, JSON and plots).", no_args_is_help=True)
 console = Console(width=None if sys.stdout.isatty() else 220)  # logs keep whole table rows
+EXTRA = ("peft", "zstandard")  # what only the benchmarks use: the [bench] extra (pyproject.toml)
+
+
+@app.callback()
+def _needs_the_extra() -> None:
+    """Every `esftctl bench` command needs the [bench] extra: without it, one line saying what to install."""
+    missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EsftError(f"esftctl bench needs {', '.join(missing)}, which a plain install leaves out: "
+                        "pip install 'esftctl[bench]'")
+
 
 OUT_HELP = "Folder for the JSON results and the PNG plot (created if missing)."
 
