@@ -7,6 +7,8 @@ is in, and this says what each layer may import.
   generator against a server).
 - The engine-free runtime (runtime/ outside the door) and the kernels import no vLLM, not even through the
   door, and nothing of the CLI, the launcher or the benches.
+- The formats (esftctl/formats/) import each other, the package's utilities, selection's expert config and the
+  GPU decoder of the kernels, nothing else of the package.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ DOOR = "esftctl.runtime.vllm"
 CLIENT_SIDE = {"esftctl.vllm_generate", "esftctl.bench.load"}
 ENGINE = ("vllm", "starlette", "fastapi")  # vLLM and its server's framework
 ABOVE_THE_RUNTIME = ("esftctl.cli", "esftctl.serve", "esftctl.serve_client", "esftctl.bench", "esftctl.world")
+FORMATS_MAY_IMPORT = ("esftctl.formats", "esftctl.__version__", "esftctl._native", "esftctl.atomic", "esftctl.errors",
+                      "esftctl.jsonfile", "esftctl.names", "esftctl.units", "esftctl.selection", "esftctl.kernels")
 
 
 def _modules() -> dict[str, Path]:
@@ -78,6 +82,12 @@ def test_the_engine_free_runtime_and_the_kernels_import_no_engine_and_nothing_ab
 
     assert _violations(lambda name, imported: below_the_door(name)
                        and _under(imported, [DOOR, *ENGINE, *ABOVE_THE_RUNTIME])) == []
+
+
+
+def test_the_formats_import_only_each_other_and_the_utilities():
+    assert _violations(lambda name, imported: _under(name, ["esftctl.formats"]) and _under(imported, ["esftctl"])
+                       and imported != "esftctl" and not _under(imported, FORMATS_MAY_IMPORT)) == []
 
 
 @pytest.mark.vllm
