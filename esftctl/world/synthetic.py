@@ -15,7 +15,7 @@ from esftctl.formats.bundle import write_bundle
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 
 
-def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | list[int],
+def synthetic_experts(base: MoECheckpoint, *, seed: int, experts_per_layer: int | list[int],
                       scale: float = 1.0, prefer: dict[int, list[int]] | None = None
                       ) -> dict[int, dict[int, ExpertWeights]]:
     """`experts_per_layer` perturbed experts per MoE layer: random ones, or the first of `prefer[layer]` (for
@@ -36,11 +36,12 @@ def synthetic_experts(base: MoECheckpoint, seed: int, experts_per_layer: int | l
     return experts
 
 
-def write_synthetic_adapter(base_dir: str | Path, out: str | Path, name: str, seed: int,
+def write_synthetic_adapter(base_dir: str | Path, out: str | Path, name: str, *, seed: int,
                             experts_per_layer: int | list[int] = 4, scale: float = 1.0,
                             prefer: dict[int, list[int]] | None = None) -> Path:
     base = MoECheckpoint(base_dir)
-    return write_bundle(Path(out), name, base, synthetic_experts(base, seed, experts_per_layer, scale, prefer))
+    experts = synthetic_experts(base, seed=seed, experts_per_layer=experts_per_layer, scale=scale, prefer=prefer)
+    return write_bundle(Path(out), name, base, experts)
 
 
 def experts_used_by(base_dir: str | Path, texts: list[str]) -> dict[int, list[int]]:
@@ -51,7 +52,7 @@ def experts_used_by(base_dir: str | Path, texts: list[str]) -> dict[int, list[in
     return {layer: sorted(range(len(s)), key=lambda e: -s[e]) for layer, s in scores.items()}
 
 
-def write_synthetic_variant(base_dir: str | Path, out: str | Path, seed: int, experts_per_layer: int = 4,
+def write_synthetic_variant(base_dir: str | Path, out: str | Path, *, seed: int, experts_per_layer: int = 4,
                             scale: float = 1.0, non_expert_scale: float = 0.1,
                             prefer: dict[int, list[int]] | None = None) -> Path:
     """A stand-in for a full fine-tune of `base_dir`: every non-expert tensor (attention, norms, embeddings,
@@ -59,7 +60,7 @@ def write_synthetic_variant(base_dir: str | Path, out: str | Path, seed: int, ex
     per layer by `scale`, as `synthetic_experts` does. What `consolidate` and `serve --variants` take."""
     base = MoECheckpoint(base_dir)
     g = torch.Generator().manual_seed(seed + 1_000_003)
-    experts = synthetic_experts(base, seed, experts_per_layer, scale, prefer)
+    experts = synthetic_experts(base, seed=seed, experts_per_layer=experts_per_layer, scale=scale, prefer=prefer)
     replacements = expert_replacements(base, {(l, e): w for l, ws in experts.items() for e, w in ws.items()})
     for name, info in base.tensors.items():
         if base.is_routed_expert_tensor(name):
