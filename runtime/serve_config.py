@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from itertools import takewhile
 from pathlib import Path
 
@@ -20,7 +20,6 @@ from esftctl.errors import EsftError
 ENV = "ESFTCTL_SERVE"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
 API_KEY_ENV = "ESFTCTL_API_KEY"  # esftctl's: `serve --api-key` and the client read it (it keeps the key out of `ps`)
-PATH_FIELDS = ("base", "state_dir", "paging_store", "variants", "adapter_root")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +87,10 @@ class ServeSettings:
         names = data.get("variant_names")
         return cls(**data | {"adapters": tuple(data.get("adapters", ())), "vllm_args": tuple(data.get("vllm_args", ())),
                              "variant_names": tuple(names) if names is not None else None})
+
+
+# The settings that are paths (text on the wire), read from the fields' types, so a new path setting needs no list.
+PATH_FIELDS = tuple(f.name for f in fields(ServeSettings) if "Path" in str(f.type))
 
 
 def vllm_api_keys(args) -> list[str]:
