@@ -399,9 +399,14 @@ def serve(
                                               "temporary folder, removed when the server stops, kept after a "
                                               "failure for its log)."),
     ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
-    paging_window: int = typer.Option(0, help="Page the experts, base and adapters': only this many MoE layers hold "
-                                              "theirs at a time, the others are loaded from host memory just before "
-                                              "their layer runs (0: off; implies vLLM's --enforce-eager)."),
+    paging_window: int = typer.Option(0, help="Page the experts, base and adapters': the MoE layers share this many "
+                                              "layers' worth of GPU memory, and each layer's experts come in from "
+                                              "host memory (or --paging-store) just before it runs; CUDA graphs "
+                                              "stay on (0: off)."),
+    paging_fetch: str = typer.Option("auto", help="With --paging-window: `routed` brings in only the experts a step's "
+                                                  "tokens route to, just before the layer; `layer` brings in the next "
+                                                  "layer whole while the current one computes; `auto` routes while "
+                                                  "tokens x top-k are at most the experts per layer."),
     paging_store: Path = typer.Option(None, help="With --paging-window: a Huffman store of the base (`esftctl "
                                                  "compress BASE`); its GPU decoder delivers some base experts "
                                                  "of each layer beside the host copies (needs an engine that "
@@ -446,7 +451,8 @@ def serve(
         adapter_memory=_parse_bytes(adapter_memory, "--adapter-memory") if adapter_memory is not None else None,
         host=host, port=port, state_dir=state_dir, vllm_args=tuple(ctx.args), cpu_kv_cache_gib=cpu_kv_cache_gib,
         paging_window=paging_window, paging_store=paging_store, store_experts=store_experts,
-        paging_adaptive=paging_adaptive, host_cache=_parse_bytes(host_cache, "--host-cache"), variants=variants,
+        paging_adaptive=paging_adaptive, paging_fetch=paging_fetch, host_cache=_parse_bytes(host_cache, "--host-cache"),
+        variants=variants,
         variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
         api_key=api_key or None, adapter_root=adapter_root)
     serve_plan = plan_serving(settings)

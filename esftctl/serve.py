@@ -132,12 +132,14 @@ class ServePlan:
 
     @property
     def eager(self) -> bool:
-        """Paging runs host code between layers; variants on the CPU build swap the closures its linear layers
-        compute with, which compiled code would have captured: no graphs, no compilation."""
+        """vLLM's CPU build compiles the model with the MoE layer inside (no custom op walls it off there), so
+        paging's host-side fetch would be traced, and variants swap the closures its linear layers compute
+        with, which compiled code would have captured: no compilation on the CPU build for either. On CUDA the
+        MoE layer is an opaque op of the compiled graph and paging captures as CUDA graphs."""
         import torch
 
         settings = self.settings
-        return bool(settings.paging_window) or (settings.variants is not None and not torch.cuda.is_available())
+        return not torch.cuda.is_available() and (bool(settings.paging_window) or settings.variants is not None)
 
     def env(self) -> dict[str, str]:
         # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization);

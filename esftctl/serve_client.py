@@ -129,12 +129,20 @@ def _memory_table(s: EngineStatus) -> Table:
         memory.add_row("adapter experts, physical (virtual tensors)", format_bytes(physical))
         memory.add_row("saved vs padding to the widest adapter", format_bytes(max(s.padded_bytes - physical, 0)))
         memory.add_row("saved vs a merged copy per adapter", format_bytes(max(s.merged_bytes - physical, 0)))
-    else:  # paged: what the device holds now, base and adapters together
-        memory.add_row(f"experts on the device now (paging window {s.paging_window})",
+    else:  # paged: what each tier holds now, base and adapters together
+        p = s.paging
+        memory.add_row(f"experts on the device now (paging window {s.paging_window}, fetch {p.fetch})",
                        format_bytes(s.expert_device_bytes))
-        memory.add_row("layers kept resident by the planner", str(len(s.paging.resident_layers)))
-        memory.add_row("base experts per layer from the store", str(s.paging.store_experts))
-        memory.add_row("layer loads so far", f"{s.paging_loads:,}")
+        memory.add_row("  the window's blocks", format_bytes(p.window_bytes))
+        memory.add_row(f"  {len(p.resident_layers)} layers kept resident", format_bytes(p.resident_bytes))
+        memory.add_row(f"  compressed tier on the GPU ({p.store_experts} base experts per layer)",
+                       format_bytes(p.store_bytes))
+        memory.add_row("host tier (pinned copies of every layer's experts)", format_bytes(p.host_bytes))
+        bought = f" = {p.freed_kv_tokens:,} KV tokens" if p.freed_kv_tokens is not None else ""
+        memory.add_row("expert memory paging leaves to the KV cache", format_bytes(p.freed_bytes) + bought)
+        per_fetch = p.fetched_rows / p.fetches if p.fetches else 0.0
+        memory.add_row("experts fetched per layer and step", f"{per_fetch:.1f} of {p.held_rows} ({p.fetches:,} "
+                                                             "fetches so far)")
     if s.variants:
         memory.add_row("variants' non-expert weights, kept for switching", format_bytes(s.variant_switch_bytes))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")

@@ -57,14 +57,18 @@ try:
 
     @triton.jit
     def _decode_chunks_kernel(words_ptr, n_words, data_ptr, multi_ptr, bit_ptr, sm_ptr, dst_ptr, remaining_ptr,
-                              table_ptr, n_chunks, CHUNK: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr):
+                              table_ptr, n_chunks, row_ptr, needed_ptr, first_host_ptr, CHUNK: tl.constexpr,
+                              WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                              STEPS: tl.constexpr, MASKED: tl.constexpr):
         tl.static_assert(GROUP == 16, "the queue holds a group of 16 values and the up to 3 decoded past it")
         tl.static_assert(STEPS * WIDTH <= 32, "one 32-bit refill must cover STEPS lookups in a 64-bit buffer")
         tl.static_assert(BLOCK == 32, "a program is one block of formats.huffman.chunk_layout: LANES = 32 chunks")
         STRIDE: tl.constexpr = BLOCK * GROUP  # a block's lanes take turns by GROUP values
         lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < n_chunks
+        if MASKED:  # paging: only the rows this step needs, below the host tier's first row
+            row = tl.load(row_ptr + lanes, mask=ok, other=0)
+            ok = ok & (tl.load(needed_ptr + row, mask=ok, other=0) != 0) & (row < tl.load(first_host_ptr))
         bit = tl.load(bit_ptr + lanes, mask=ok, other=0)
         sm_at = tl.load(sm_ptr + lanes, mask=ok, other=0)
         out = tl.load(dst_ptr + lanes, mask=ok, other=0).to(tl.pointer_type(tl.int16))
@@ -149,6 +153,7 @@ class Segment:
     count: int
     table: int
     out: torch.Tensor
+    row: int = 0  # the expert row the destination belongs to (a masked run decodes only the rows it is told)
 
 
 def check_segment(s: Segment, *, chunk: int, data_bytes: int, tables: int, device: torch.device) -> None:
@@ -199,7 +204,7 @@ class DecodePlan:
             raise ValueError("the data buffer must be uint8 bytes in whole 32-bit words")
         if tables.dim() != 2 or tables.shape[1] != 1 << MAX_LENGTH:
             raise ValueError(f"decode tables must be [n, {1 << MAX_LENGTH}]")
-        bits, sm, dst, remaining, table = [], [], [], [], []
+        bits, sm, dst, remaining, table, row = [], [], [], [], [], []
         for s in segments:
             check_segment(s, chunk=chunk, data_bytes=data.numel(), tables=tables.shape[0], device=data.device)
             firsts = chunk_firsts(s.count, chunk)
@@ -211,18 +216,23 @@ class DecodePlan:
             dst.append(np.pad(s.out.data_ptr() + 2 * firsts, (0, pad)))
             remaining.append(np.pad((s.count - firsts).astype(np.int32), (0, pad)))
             table.append(np.full(len(firsts) + pad, s.table, dtype=np.int32))
+            row.append(np.full(len(firsts) + pad, s.row, dtype=np.int32))
         descriptors = {k: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).to(data.device)
                        for k, v in (("bits", bits), ("sm", sm), ("dst", dst), ("remaining", remaining),
-                                    ("table", table))}
+                                    ("table", table), ("row", row))}
         aligned = all(s.out.data_ptr() % (2 * GROUP) == 0 and s.sm_offset % GROUP == 0 for s in segments)
         return cls(data, tables, chunk, descriptors, [s.out for s in segments], aligned)
 
-    def run(self) -> None:
+    def run(self, needed: torch.Tensor | None = None, first_host: torch.Tensor | None = None) -> None:
+        """Decode every segment, or (paging) only those whose row is needed (`needed` [rows] int32, nonzero) and
+        below `first_host` (int32 [1]): both read on the device, so a captured run follows their later values."""
         if triton is None:
             raise RuntimeError("GPU decoding needs Triton")
         if self.n_chunks == 0:
             return
+        masked = needed is not None
         _decode_chunks_kernel[(triton.cdiv(self.n_chunks, self.BLOCK),)](
             self.words, self.words.numel(), self.data, self.tables, self.d["bits"], self.d["sm"], self.d["dst"],
-            self.d["remaining"], self.d["table"], self.n_chunks, CHUNK=self.chunk, WIDTH=MAX_LENGTH, GROUP=GROUP,
-            BLOCK=self.BLOCK, ALIGNED=self.aligned, STEPS=self.STEPS, num_warps=self.BLOCK // 32)
+            self.d["remaining"], self.d["table"], self.n_chunks, self.d["row"], needed if masked else self.d["row"],
+            first_host if masked else self.d["row"], CHUNK=self.chunk, WIDTH=MAX_LENGTH, GROUP=GROUP,
+            BLOCK=self.BLOCK, ALIGNED=self.aligned, STEPS=self.STEPS, MASKED=masked, num_warps=self.BLOCK // 32)

@@ -7,12 +7,17 @@ range without copying.
 Touching an unmapped page faults (SIGSEGV on the host, an illegal-address error on CUDA), so a bug that
 reads an expert that is not there cannot pass silently.
 
-- Host: mmap(PROT_NONE, MAP_NORESERVE) reserves; mprotect(READ|WRITE) commits a run of pages (the kernel
-  backs them on first touch); madvise(DONTNEED) + mprotect(NONE) gives them back. `resident_pages()` asks
-  mincore.
+- Host: mmap(PROT_NONE, MAP_NORESERVE) reserves; the pages' memory is a memfd of the range's size (the kernel
+  backs it on first touch), mapped MAP_SHARED over a run of pages to commit it; a hole punched in the file and
+  PROT_NONE mapped back give them back. `resident_pages()` asks mincore.
 - CUDA: the driver's virtual memory API through cuda-bindings: cuMemAddressReserve, cuMemCreate (from a
   PhysicalPagePool), cuMemMap of a few large handles per run of pages, one cuMemSetAccess per run,
   cuMemUnmap, cuMemRelease. Granularity from the driver.
+
+Aliasing (`alias(source)`, `unalias()`): a range can map the very memory another range of the same kind has
+mapped, page for page at the same offsets, so that two addresses read and write the same bytes. Expert paging
+(esftctl.runtime.paging) uses it so that a layer keeps its own addresses, which kernels and captured CUDA graphs
+hold, while its memory is one of a few shared blocks; making it resident again swaps the memory, not the address.
 """
 
 from __future__ import annotations
@@ -76,15 +81,15 @@ class AccountingAddressSpace:
 # ---- host ------------------------------------------------------------------------------------------
 
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
-_MADV_DONTNEED = 4
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-for _fn in (_libc.mprotect, _libc.madvise):
-    _fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_FAILED = ctypes.c_void_p(-1).value
 
 
 def _check(ret: int, what: str) -> None:
@@ -93,8 +98,16 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+    got = _libc.mmap(addr, size, prot, flags, fd, offset)
+    if got in (None, _FAILED) or (addr is not None and got != addr):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+    return got
+
+
 class HostAddressSpace:
-    """A reserved range of host virtual memory, committed page by page."""
+    """A reserved range of host virtual memory, committed page by page from a memory file of its own."""
 
     DEFAULT_PAGE = 2 << 20  # the CUDA granularity, so host and GPU account memory alike
 
@@ -105,21 +118,57 @@ class HostAddressSpace:
         self.num_pages = max(1, -(-nbytes // page_size))
         self.nbytes = self.num_pages * page_size
         self.device = torch.device("cpu")
-        addr = _libc.mmap(None, self.nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise MemoryError(f"cannot reserve {self.nbytes} bytes of address space")
-        self.base = addr
-        self._buffer = (ctypes.c_uint8 * self.nbytes).from_address(addr)
+        self.fd = os.memfd_create("esftctl-experts", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.nbytes)  # sparse: memory only where pages are written
+        try:
+            self.base = _mmap(None, self.nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError:
+            os.close(self.fd)
+            raise MemoryError(f"cannot reserve {self.nbytes} bytes of address space") from None
+        self._buffer = (ctypes.c_uint8 * self.nbytes).from_address(self.base)
+        self._live: set[int] = set()  # pages mapped from this range's own file
+        self._aliased: set[int] = set()  # pages mapped from another range's file
+
+    def _reserve_again(self, first: int, count: int) -> None:
+        _mmap(self.base + first * self.page_size, count * self.page_size, _PROT_NONE,
+              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED)
 
     def map_pages(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        if any(p in self._live or p in self._aliased for p in pages):
+            raise ValueError(f"a page of {sorted(pages)} is already mapped")
         for first, count in page_runs(pages):
-            _check(_libc.mprotect(self.base + first * self.page_size, count * self.page_size, _PROT_RW), "mprotect")
+            off, size = first * self.page_size, count * self.page_size
+            _mmap(self.base + off, size, _PROT_RW, _MAP_SHARED | _MAP_FIXED, self.fd, off)
+        self._live.update(pages)
 
     def unmap_pages(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        if any(p not in self._live for p in pages):
+            raise ValueError(f"a page of {sorted(pages)} is not mapped")
         for first, count in page_runs(pages):
-            addr, size = self.base + first * self.page_size, count * self.page_size
-            _check(_libc.madvise(addr, size, _MADV_DONTNEED), "madvise")
-            _check(_libc.mprotect(addr, size, _PROT_NONE), "mprotect")
+            off, size = first * self.page_size, count * self.page_size
+            _check(_libc.fallocate(self.fd, _FALLOC_PUNCH_HOLE, off, size), "fallocate")  # the memory goes back
+            self._reserve_again(first, count)
+        self._live.difference_update(pages)
+
+    def alias(self, source: "HostAddressSpace") -> None:
+        """Map the memory of every page `source` has mapped (and this range has not aliased yet) here, at the
+        same offsets; this range's own pages must not be mapped there."""
+        if (source.page_size, source.num_pages) != (self.page_size, self.num_pages):
+            raise ValueError("an alias needs a range of the same pages")
+        new = source._live - self._aliased
+        if new & self._live:
+            raise ValueError(f"pages {sorted(new & self._live)} are this range's own")
+        for first, count in page_runs(new):
+            off, size = first * self.page_size, count * self.page_size
+            _mmap(self.base + off, size, _PROT_RW, _MAP_SHARED | _MAP_FIXED, source.fd, off)
+        self._aliased |= new
+
+    def unalias(self) -> None:
+        for first, count in page_runs(self._aliased):
+            self._reserve_again(first, count)
+        self._aliased.clear()
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
@@ -138,6 +187,7 @@ class HostAddressSpace:
     def close(self) -> None:
         if self.base is not None:
             _libc.munmap(self.base, self.nbytes)
+            os.close(self.fd)
             self.base = None
 
 
@@ -286,6 +336,7 @@ class CudaAddressSpace:
         self.base = int(_cu(driver.cuMemAddressReserve(self.nbytes, pool.granularity, 0, 0)))
         self._backing: dict[int, _Mapping] = {}  # page -> the mapping that backs it
         self._live: set[int] = set()
+        self._aliased: dict[int, int] = {}  # first page -> pages of another range's handles mapped here
 
     def _ptr(self, page: int):
         return _driver().CUdeviceptr(self.base + page * self.page_size)
@@ -294,7 +345,7 @@ class CudaAddressSpace:
         driver = _driver()
         new = []
         for page in pages:
-            if page in self._live:
+            if page in self._live or self._aliased_page(page):
                 raise ValueError(f"page {page} is already mapped")
             self._live.add(page)
             if page in self._backing:  # still backed: an unmapped page of a handle that other pages hold
@@ -327,6 +378,30 @@ class CudaAddressSpace:
         for p in range(mapping.first, mapping.first + mapping.pages):
             del self._backing[p]
 
+    def _aliased_page(self, page: int) -> bool:
+        return any(first <= page < first + count for first, count in self._aliased.items())
+
+    def alias(self, source: "CudaAddressSpace") -> None:
+        """Map every handle `source` has mapped (and this range has not aliased yet) here, at the same offsets
+        (the driver maps whole handles); this range's own pages must not be mapped there."""
+        driver = _driver()
+        if (source.page_size, source.num_pages) != (self.page_size, self.num_pages):
+            raise ValueError("an alias needs a range of the same pages")
+        for mapping in source._mappings():
+            if mapping.first in self._aliased:
+                continue
+            if any(p in self._backing for p in range(mapping.first, mapping.first + mapping.pages)):
+                raise ValueError(f"pages {mapping.first}..{mapping.first + mapping.pages - 1} are this range's own")
+            size = mapping.pages * self.page_size
+            _cu(driver.cuMemMap(self._ptr(mapping.first), size, 0, mapping.handle, 0))
+            _cu(driver.cuMemSetAccess(self._ptr(mapping.first), size, [self.pool._access], 1))
+            self._aliased[mapping.first] = mapping.pages
+
+    def unalias(self) -> None:
+        for first, count in self._aliased.items():
+            _cu(_driver().cuMemUnmap(self._ptr(first), count * self.page_size))
+        self._aliased.clear()
+
     def _mappings(self) -> list[_Mapping]:
         return list({id(m): m for m in self._backing.values()}.values())
 
@@ -345,6 +420,7 @@ class CudaAddressSpace:
     def close(self) -> None:
         if self.base is None:
             return
+        self.unalias()
         for mapping in self._mappings():
             self._release(mapping)
         self._live.clear()

@@ -40,8 +40,17 @@ class VariantStatus:
 
 @dataclass(kw_only=True)
 class PagingStatus:
-    store_experts: int  # base experts per layer from the Huffman store
-    decoded_experts: int
+    fetch: str  # how paged layers fetch: auto, routed (the rows a step routes to), layer (the next layer whole)
+    store_experts: int  # base experts per paged layer from the Huffman store on the GPU (the compressed tier)
+    window_bytes: int  # device memory of the window's blocks
+    resident_bytes: int  # device memory of the layers kept resident
+    store_bytes: int  # device memory of the compressed tier (0 while no base expert comes from it)
+    host_bytes: int  # pinned host memory of the host tier (every layer's held rows)
+    freed_bytes: int  # expert memory that paging leaves to the KV cache: all held rows less the three above
+    freed_kv_tokens: int | None  # those bytes in KV-cache tokens of this model (None: unknown)
+    held_rows: int  # rows a paged layer holds now (base and adapters): what a whole-layer fetch brings
+    fetched_rows: int  # rows fetched, summed over every fetch since the start
+    fetches: int  # fetches of paged layers since the start (one per layer and step)
     resident_layers: list[int]
     decisions: list[dict]  # the residency planner's last decisions
 
@@ -76,7 +85,6 @@ class EngineStatus:
     host_cache_hits: int
     host_cache_misses: int
     paging_window: int
-    paging_loads: int
     paging: PagingStatus | None = None
     per_rank: list[dict | None] | None = None  # the API server's, under tensor parallelism (RANK_FIELDS)
     server_pid: int | None = None  # the API server's process, so the launcher knows the server is its own

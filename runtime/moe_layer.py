@@ -108,6 +108,7 @@ class VirtualMoELayer:
         self.host: tuple[torch.Tensor, torch.Tensor] | None = None
         self.host_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.paged_out = False
+        self.rows_changed: Callable[[], None] | None = None  # the pager's, told when adapter rows come or go
 
     @property
     def expert_bytes(self) -> int:
@@ -172,9 +173,13 @@ class VirtualMoELayer:
     def _host_copy(self, row: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         if row >= self.num_experts:  # adapter rows: only those in use take host memory, not the whole reservation
             self.host_rows[row] = (self._host_empty(*self.layout.w13_row), self._host_empty(*self.layout.w2_row))
-        host13, host2 = (self.host[0][row], self.host[1][row]) if row < self.num_experts else self.host_rows[row]
+        host13, host2 = self.host_row(row)
         host13.copy_(w13)
         host2.copy_(w2)
+
+    def host_row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host copies of a held row (w13, w2)."""
+        return (self.host[0][row], self.host[1][row]) if row < self.num_experts else self.host_rows[row]
 
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
@@ -286,6 +291,8 @@ class VirtualMoELayer:
         # Ordered after the weight copies on the same stream: no token sees the row before its weights.
         self.table[slot].copy_(new_map, non_blocking=True)
         self.slot_rows[slot] = rows
+        if self.rows_changed is not None:
+            self.rows_changed()
         return rows
 
     def detach(self, slot: int) -> list[int]:
@@ -309,6 +316,8 @@ class VirtualMoELayer:
             if row in self._adapter_local:
                 heapq.heappush(self._free_local, self._adapter_local.pop(row))
             heapq.heappush(self._free_rows, row)
+        if self.rows_changed is not None:
+            self.rows_changed()
 
     def _set_expert_map(self, rows: list[int], local: list[int]) -> None:
         """Under expert parallelism, point the extended expert map's entries for global `rows` at `local`."""

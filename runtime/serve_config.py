@@ -44,6 +44,7 @@ class ServeSettings:
     paging_store: Path | None = None  # a Huffman store of the base: the GPU tier of paging
     store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
     paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
+    paging_fetch: str = "auto"  # auto, routed (the rows a step routes to), layer (the next layer whole, ahead)
     host_cache: int = 8 << 30  # bytes of adapters kept staged in (pinned) host memory for fast reloads
     variants: Path | None = None  # `serve --variants`: a consolidated map's folder (esftctl.variants)
     variant_names: tuple[str, ...] | None = None  # their served names, the home one first (None: folder names)
@@ -75,6 +76,10 @@ class ServeSettings:
             raise EsftError("--paging-store, --store-experts and --paging-adaptive need --paging-window")
         if self.store_experts is not None and self.paging_store is None:
             raise EsftError("--store-experts needs --paging-store")
+        if self.paging_fetch not in ("auto", "routed", "layer"):
+            raise EsftError(f"--paging-fetch {self.paging_fetch}: choose auto, routed or layer")
+        if self.paging_fetch != "auto" and not self.paging_window:
+            raise EsftError("--paging-fetch needs --paging-window")
 
     def to_json(self) -> dict:
         """As the engine gets it: paths as text, and no API key (vLLM gets that in its own variable)."""

@@ -1,12 +1,16 @@
-"""Expert paging on the CPU (host address spaces) and CUDA (driver remapping, load stream, events).
+"""Expert paging on the CPU (memfd-backed host ranges, the fetch's PyTorch references) and CUDA (aliased driver
+mappings, the row-fetch and decode kernels, the load stream, CUDA graphs).
 
-A stack of small MoE layers whose experts come from host memory and, for some experts, from a Huffman
-store; the outputs with paging must equal, bit for bit, the outputs with every layer resident, for any
-window, any residency and random layer orders, while the window never holds more blocks than it has.
+A stack of small MoE layers (esftctl's VirtualMoELayer, as serving builds them) whose experts come from host
+memory and, for some base experts, from a Huffman store; the outputs with paging must equal, bit for bit, the
+outputs with every layer resident, in every fetch mode, for any window, residency and tier split, with adapters
+loaded while layers are paged out, and (on CUDA) when the whole paged forward is replayed from a CUDA graph whose
+residency and split changed after capture.
 """
 
 from __future__ import annotations
 
+import mmap
 import random
 
 import pytest
@@ -14,125 +18,252 @@ import torch
 from test_store import _store_of
 
 from esftctl.errors import EsftError
-from esftctl.runtime.paging.blocks import OwnBlocks
-from esftctl.runtime.paging.pager import PagedExperts, run_stack
+from esftctl.formats.checkpoint import ExpertWeights
+from esftctl.kernels.reroute import reroute
+from esftctl.runtime.address_space import HostAddressSpace
+from esftctl.runtime.moe_layer import VirtualMoELayer
+from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency, ResidencyPlanner
-from esftctl.runtime.paging.tiers import LayerSource, store_decoder
+from esftctl.runtime.paging.tiers import StoreTier
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, H, I, TOP_K, LAYERS = 8, 64, 32, 2, 6
 
 
-def make_layers(seed: int) -> list[dict[str, torch.Tensor]]:
+def make_weights(seed: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [{"router": torch.randn(E, H, generator=g) * 0.5,
              "w13": (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(torch.bfloat16),
              "w2": (torch.randn(E, H, I, generator=g) * 0.1).to(torch.bfloat16)} for _ in range(LAYERS)]
 
 
-def moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def route(x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weights, ids = torch.topk(torch.softmax(x.float() @ router.T, -1), TOP_K)
-    gate, up = (w13[ids].float() @ x.float()[:, None, :, None]).squeeze(-1).chunk(2, -1)
-    out = (w2[ids].float() @ (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
+    return weights, ids.to(torch.int32)
+
+
+def experts(x, weights, ids, w13, w2) -> torch.Tensor:
+    """The MoE product reading only the rows `ids` names (as the fused kernels do)."""
+    gate, up = (w13[ids.long()].float() @ x.float()[:, None, :, None]).squeeze(-1).chunk(2, -1)
+    out = (w2[ids.long()].float() @ (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
     return x + (weights[..., None] * out).sum(1).to(x.dtype)
 
 
-def resident_outputs(layers, x, order, device):
-    """Every layer's experts in ordinary tensors on `device` (the same kernels, so bits can be compared)."""
-    on_device = [{k: t.to(device) for k, t in layer.items()} for layer in layers]
+def resident_forward(weights, x, device, adapter=None, adapter_tokens=None):
+    """Every layer's experts in ordinary tensors; `adapter` {layer: {expert: (w13, w2)}} for `adapter_tokens`."""
     x = x.to(device)
-    for l in order:
-        x = moe(x, on_device[l]["router"], on_device[l]["w13"], on_device[l]["w2"])
+    for l, w in enumerate(weights):
+        gw, ids = route(x, w["router"].to(device))
+        w13, w2 = w["w13"].to(device), w["w2"].to(device)
+        out = experts(x, gw, ids, w13, w2)
+        if adapter and l in adapter and adapter_tokens is not None:
+            a13, a2 = w13.clone(), w2.clone()
+            for e, (e13, e2) in adapter[l].items():
+                a13[e], a2[e] = e13.to(device), e2.to(device)
+            out = torch.where(adapter_tokens[:, None].to(device), experts(x, gw, ids, a13, a2), out)
+        x = out
     return x.cpu()
 
 
-def sources(layers, device, store=None, store_experts=0) -> list[LayerSource]:
-    out = []
-    for l, layer in enumerate(layers):
-        w13, w2 = layer["w13"], layer["w2"]
-        if device == "cuda":
-            w13, w2 = w13.pin_memory(), w2.pin_memory()
-        names = [{w: f"{l}.{e}.{w}" for w in ("gate", "up", "down")} for e in range(E)]
-        out.append(LayerSource(w13, w2, store_experts, store_decoder(store, names) if store else None))
-    return out
+class Stack:
+    """The layers as serving holds them, paged: each layer's forward routes, reroutes, lets the pager fetch, and
+    computes from the layer's own rows."""
+
+    def __init__(self, weights, device, *, window, slots=0, per_slot=0, store=None, **options):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
+
+            self.pool = PhysicalPagePool(self.device)
+            self.make_space = lambda n: CudaAddressSpace(n, self.pool)
+        else:
+            self.pool = None
+            self.make_space = lambda n: HostAddressSpace(n, page_size=4 * mmap.PAGESIZE)
+        self.routers = [w["router"].to(device) for w in weights]
+        self.layers = {}
+        for l, w in enumerate(weights):
+            layer = VirtualMoELayer(E, H, I, slots, per_slot, torch.bfloat16, self.make_space)
+            layer.load_base_rows(w["w13"].to(device), w["w2"].to(device))
+            layer.keep_host_copy()
+            self.layers[l] = layer
+        tier = None
+        if store is not None:
+            tier = StoreTier(store, {l: [{k: f"{l}.{e}.{k}" for k in ("gate", "up", "down")} for e in range(E)]
+                                     for l in self.layers})
+        self.pager = PagedExperts(self.layers, window=window, make_space=self.make_space, top_k=TOP_K, store=tier,
+                                  **options)
+        self.token_slots = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One forward pass; x on the stack's device."""
+        for l, layer in self.layers.items():
+            gw, ids = route(x, self.routers[l])
+            if self.token_slots is not None:
+                ids = reroute(ids, self.token_slots, layer.table)
+            self.pager.before_kernel(l, ids, x.shape[0])
+            x = experts(x, gw, ids, layer.w13.tensor, layer.w2.tensor)
+            self.pager.after_kernel(l)
+        return x
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        self.pager.step()
+        return self.forward(x.to(self.device)).cpu()
+
+    def close(self):
+        self.pager.close()
+        for layer in self.layers.values():
+            layer.close()
+        if self.pool is not None:
+            self.pool.trim()
 
 
-def own_pager(layer_sources, *, device, **options) -> PagedExperts:
-    """A pager over bare layers, each with a block of its own (OwnBlocks, as the paging benchmark's stack)."""
-    blocks = OwnBlocks(dict(enumerate(layer_sources)), torch.device(device))
-    return PagedExperts(layer_sources, blocks=blocks, device=device, **options)
-
-
-def expert_store(layers, path):
+def expert_store(weights, path):
     tensors = {}
-    for l, layer in enumerate(layers):
+    for l, w in enumerate(weights):
         for e in range(E):
-            tensors[f"{l}.{e}.gate"] = layer["w13"][e, :I]
-            tensors[f"{l}.{e}.up"] = layer["w13"][e, I:]
-            tensors[f"{l}.{e}.down"] = layer["w2"][e]
+            tensors[f"{l}.{e}.gate"] = w["w13"][e, :I]
+            tensors[f"{l}.{e}.up"] = w["w13"][e, I:]
+            tensors[f"{l}.{e}.down"] = w["w2"][e]
     return _store_of(tensors, path, chunk=256, table_scope="layer")
 
 
-def paged_outputs(pager, layers, x, order, device):
-    state = {"x": x.to(device)}
-    routers = [l["router"].to(device) for l in layers]
-
-    def layer_fn(l, w13, w2):
-        state["x"] = moe(state["x"], routers[l], w13, w2)
-
-    run_stack(pager, order, layer_fn, then=order[0])
-    return state["x"].cpu()
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("window,resident,store_experts", [(2, (), 0), (3, (0, 4), 3), (1, (), 0), (2, (5,), 8)])
-def test_paging_equals_resident(device, window, resident, store_experts, tmp_path):
-    layers = make_layers(window * 10 + store_experts)
-    store = expert_store(layers, tmp_path / "store") if store_experts else None
-    x = torch.randn(24, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    order = list(range(LAYERS)) * 2  # two forward passes: blocks are reused across passes
-    want = resident_outputs(layers, x, order, device)
-    pager = own_pager(sources(layers, device, store, store_experts), window=window, resident=resident,
-                         device=device)
-    got = paged_outputs(pager, layers, x, order, device)
-    assert torch.equal(got, want)
-    assert 1 <= pager.stats.max_blocks_in_use <= window
-    paged_layers = LAYERS - len(resident)
-    assert pager.stats.loads >= paged_layers
-    assert pager.stats.decoded_experts == store_experts * (pager.stats.loads + len(resident))
+@pytest.mark.parametrize("fetch", ["routed", "layer", "auto"])
+@pytest.mark.parametrize("window,resident,store_rows", [(2, (), 0), (3, (0, 4), 3), (1, (), 0), (2, (5,), E)])
+def test_paging_equals_resident(device, fetch, window, resident, store_rows, tmp_path):
+    weights = make_weights(window * 10 + store_rows)
+    store = expert_store(weights, tmp_path / "store") if store_rows else None
+    stack = Stack(weights, device, window=window, store=store, fetch=fetch, resident=resident)
+    stack.pager.set_store_rows(store_rows)
+    for n, seed in ((1, 1), (24, 2), (1, 3)):  # decode-sized and prefill-sized steps: auto takes both ways
+        x = tokens(n, seed)
+        assert torch.equal(stack.run(x), resident_forward(weights, x, device)), (n, seed)
+    counters = stack.pager.counters()
+    paged = LAYERS - len(resident)
+    assert counters["fetches"] >= 3 * paged  # every paged layer fetched in every step (layer mode: ahead)
+    assert counters["fetched_rows"] <= counters["fetches"] * E
+    if fetch == "routed":  # the rows tokens route to, never more
+        assert counters["fetched_rows"] < counters["fetches"] * E
+    stack.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_routed_fetch_brings_exactly_the_routed_rows(device):
+    weights = make_weights(3)
+    stack = Stack(weights, device, window=1, fetch="routed")
+    x = tokens(1, 4).to(stack.device)
+    gw, ids = route(x, stack.routers[0])
+    w13 = stack.layers[0].w13.tensor
+    w13.fill_(7)  # poison the shared block: only what the fetch brings may change
+    before = stack.pager.counters()["fetched_rows"]
+    stack.pager.before_kernel(0, ids, 1)
     if device == "cuda":
-        assert pager.blocks.pool.in_use <= window + len(resident)
-    pager.close()
+        torch.cuda.synchronize()
+    routed = set(ids.flatten().tolist())
+    assert stack.pager.counters()["fetched_rows"] - before == len(routed) == TOP_K
+    for e in range(E):
+        row = w13[e].cpu()
+        assert torch.equal(row, weights[0]["w13"][e]) if e in routed else bool((row == 7).all()), e
+    stack.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_random_layer_orders_stress(device):
-    layers = make_layers(99)
-    x = torch.randn(16, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+def test_window_aliases_one_block_per_position(device):
+    """Paged layers p and p + window read one memory at their own addresses; a resident layer has its own."""
+    stack = Stack(make_weights(5), device, window=2, resident=(3,))
+    l0, l2, l3 = (stack.layers[i].w13.tensor for i in (0, 2, 3))
+    assert l0.data_ptr() != l2.data_ptr()
+    l0[1].fill_(5)
+    assert bool((l2[1] == 5).all()) and not bool((stack.layers[1].w13.tensor[1] == 5).all())
+    l3[1].fill_(6)  # resident: nobody else sees it
+    assert not bool((stack.layers[1].w13.tensor[1] == 6).all()) and bool((l0[1] == 5).all())
+    per_layer, page = stack.layers[0].held_bytes(), stack.layers[0].w13.space.page_size
+    assert per_layer * 2 <= stack.pager.device_bytes()["window"] <= per_layer * 2 + 4 * page
+    assert stack.pager.device_bytes()["resident"] == stack.layers[3].physical_bytes() >= per_layer
+    stack.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fetch", ["routed", "layer"])
+def test_adapters_loaded_while_paged_out_are_served_and_unloaded(device, fetch):
+    weights = make_weights(8)
+    stack = Stack(weights, device, window=2, slots=2, per_slot=3, fetch=fetch)
+    g = torch.Generator().manual_seed(9)
+    adapter = {l: {e: ((torch.randn(2 * I, H, generator=g) * 0.1).to(torch.bfloat16),
+                       (torch.randn(H, I, generator=g) * 0.1).to(torch.bfloat16)) for e in (1, 4, 6)}
+               for l in (0, 3, 4)}
+    for l, chosen in adapter.items():
+        stack.layers[l].load(1, {e: ExpertWeights(w13[:I], w13[I:], w2) for e, (w13, w2) in chosen.items()})
+    x = tokens(12, 10)
+    use = torch.tensor([k % 2 == 0 for k in range(12)])
+    stack.token_slots = torch.where(use, 1, -1).to(torch.int32).to(stack.device)
+    want = resident_forward(weights, x, device, adapter, use)
+    assert torch.equal(stack.run(x), want)
+    assert not torch.equal(want, resident_forward(weights, x, device))  # the adapter changes answers
+    for l in adapter:
+        rows = stack.layers[l].detach(1)
+        stack.layers[l].release_rows(rows)
+    assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    stack.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_residency_and_tier_changes_between_steps_keep_outputs(device, tmp_path):
+    weights = make_weights(11)
+    stack = Stack(weights, device, window=2, store=expert_store(weights, tmp_path / "store"))
     rng = random.Random(0)
-    pager = own_pager(sources(layers, device), window=2, device=device)
-    for trial in range(6):
-        order = [rng.randrange(LAYERS) for _ in range(rng.randint(1, 12))]  # repeats and jumps included
-        paged = paged_outputs(pager, layers, x, order, device)
-        assert torch.equal(paged, resident_outputs(layers, x, order, device)), order
-        assert pager.stats.max_blocks_in_use <= 2
-    pager.set_resident([1, 3])
-    order = [3, 1, 0, 5, 1, 2]
-    assert torch.equal(paged_outputs(pager, layers, x, order, device), resident_outputs(layers, x, order, device))
-    pager.set_resident([])
-    assert torch.equal(paged_outputs(pager, layers, x, order, device), resident_outputs(layers, x, order, device))
-    pager.close()
+    for step in range(8):
+        stack.pager.set_resident(rng.sample(range(LAYERS), rng.randint(0, LAYERS - 2)))
+        stack.pager.set_store_rows(rng.choice([0, 3, E]))
+        x = tokens(rng.choice([1, 2, 16]), 20 + step)
+        assert torch.equal(stack.run(x), resident_forward(weights, x, device)), step
+    stack.close()
+
+
+def test_bad_settings_are_refused():
+    weights = make_weights(1)
+    with pytest.raises(EsftError, match="at least one block"):
+        Stack(weights, "cpu", window=0)
+    with pytest.raises(EsftError, match="fetch 'ahead'"):
+        Stack(weights, "cpu", window=1, fetch="ahead")
+    stack = Stack(weights, "cpu", window=1)
+    with pytest.raises(EsftError, match="no store tier"):
+        stack.pager.set_store_rows(2)
+    stack.close()
 
 
 @pytest.mark.gpu
-def test_paging_refuses_cuda_graph_capture():
-    layers = make_layers(5)
-    pager = own_pager(sources(layers, "cuda"), window=2, device="cuda")
+@pytest.mark.parametrize("fetch", ["routed", "layer"])
+def test_paged_forward_replays_from_a_cuda_graph(fetch, tmp_path):
+    """A whole paged forward captured once; replays with new inputs, residency and tier split changed after
+    capture, give the resident outputs."""
+    weights = make_weights(13)
+    stack = Stack(weights, "cuda", window=2, store=expert_store(weights, tmp_path / "store"), fetch=fetch,
+                  resident=(2,))
+    static = tokens(4, 30).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: compile the kernels outside the capture
+            stack.forward(static)
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(EsftError, match="CUDA-graph capture"):
-        with torch.cuda.graph(graph):
-            pager.ensure(0)
-    pager.close()
+    with torch.cuda.graph(graph):
+        out = stack.forward(static)
+    for step, (resident, store_rows) in enumerate([((2,), 0), ((), E), ((0, 1, 4), 3), ((5,), 0)]):
+        stack.pager.set_resident(resident)
+        stack.pager.set_store_rows(store_rows)
+        x = tokens(4, 40 + step)
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), resident_forward(weights, x, "cuda")), step
+    assert stack.pager.counters()["fetches"] > 0
+    stack.close()
 
 
 def test_planner_shrinks_grows_and_holds_in_the_dead_zone():
@@ -152,62 +283,48 @@ def test_planner_uses_the_store_only_while_host_copies_would_show():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_changing_the_tier_split_keeps_outputs(device, tmp_path):
-    layers = make_layers(7)
-    store = expert_store(layers, tmp_path / "store")
-    x = torch.randn(8, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    pager = own_pager(sources(layers, device, store, 0), window=2, device=device)
-    order = list(range(LAYERS))
-    want = resident_outputs(layers, x, order, device)
-    for count in (0, 3, E, 1):
-        pager.set_store_experts(count)
-        assert torch.equal(paged_outputs(pager, layers, x, order, device), want), count
-    pager.close()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_pager_times_loads_and_computes(device):
-    """What the serving planner reads: one load span per load, one compute span per paged layer run."""
-    layers = make_layers(9)
-    pager = own_pager(sources(layers, device), window=2, resident=(2,), device=device)
-    pager.times.enabled = True  # a planner turns it on
-    x = torch.randn(8, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    paged_outputs(pager, layers, x, list(range(LAYERS)), device)
+def test_pager_times_fetches_and_kernels_in_eager_steps(device):
+    """What the serving planner reads: one load and one compute span per paged layer and eager step."""
+    stack = Stack(make_weights(9), device, window=2, resident=(2,), fetch="routed")
+    stack.pager.times.enabled = True  # a planner turns it on
+    stack.run(tokens(8, 4))
     if device == "cuda":
         torch.cuda.synchronize()
-    compute, load = pager.times.take()
-    assert len(compute) == LAYERS - 1 and len(load) == pager.stats.loads  # resident layer 2: neither
-    assert all(ms >= 0 for ms in compute + load) and sum(load) > 0
-    assert pager.times.take() == ([], [])  # each span is handed out once
-    pager.close()
+    compute, load = stack.pager.times.take()
+    assert len(compute) == len(load) == LAYERS  # every layer runs its (no-op when resident) fetch
+    assert all(ms >= 0 for ms in compute + load)
+    assert stack.pager.times.take() == ([], [])  # each span is handed out once
+    stack.close()
 
 
 def test_adaptive_residency_follows_rho_within_spare_memory():
     """Fed timings: loads that show make layers resident (spread over the stack, never more than the spare
-    memory or the layers outside the window allow); compute that hides the loads gives them back."""
-    layers = make_layers(11)
-    pager = own_pager(sources(layers, "cpu"), window=1, device="cpu")
+    memory or the layers outside the window allow); compute that hides the loads gives them back; steps with no
+    timings (replayed graphs) count as loads that show."""
+    weights = make_weights(11)
+    stack = Stack(weights, "cpu", window=1)
     timings, spare = [], {"layers": 3}
-    residency = AdaptiveResidency(pager, list(range(LAYERS)), layer_bytes=lambda: 1, every=2,
-                                  measure=lambda: timings.pop(0), spare=lambda: spare["layers"])
-    x = torch.randn(4, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    want = resident_outputs(layers, x, list(range(LAYERS)), "cpu")
+    residency = AdaptiveResidency(stack.pager, layer_bytes=lambda: 1, every=2, measure=lambda: timings.pop(0),
+                                  spare=lambda: spare["layers"])
+    x = tokens(4, 5)
+    want = resident_forward(weights, x, "cpu")
 
-    def passes(compute_ms, load_ms, count=2):
+    def steps(compute_ms, load_ms, count=2):
         for _ in range(count):
-            timings.append(([compute_ms], [load_ms]))
-        for _ in range(count):  # the planner runs on every second pass, at the first layer's ensure
-            assert torch.equal(paged_outputs(pager, layers, x, list(range(LAYERS)), "cpu"), want)
+            timings.append(([compute_ms], [load_ms]) if compute_ms is not None else ([], []))
+        for _ in range(count):  # the planner runs on every second step, between steps
+            assert torch.equal(stack.run(x), want)
         timings.clear()
-        return sorted(pager.resident)
+        return sorted(stack.pager.resident)
 
-    assert passes(1.0, 4.0) == [0]  # rho 0.25: one layer more
-    assert passes(1.0, 4.0) == [0, 3]
+    assert steps(1.0, 4.0) == [0]  # rho 0.25: one layer more
+    assert steps(1.0, 4.0) == [0, 3]
     spare["layers"] = 0  # memory taken meanwhile: no further growth
-    assert passes(1.0, 4.0) == [0, 3]
+    assert steps(1.0, 4.0) == [0, 3]
     spare["layers"] = 10
-    assert passes(1.0, 4.0, count=8) == [0, 1, 2, 3, 4]  # at most the 5 layers outside the window of 1
-    assert passes(0.95, 1.0) == [0, 1, 2, 3, 4]  # rho 0.95: the dead zone, nothing changes
-    assert passes(8.0, 1.0) == [0, 1, 3, 4]  # rho 8: compute hides loads, one layer fewer
+    assert steps(1.0, 4.0, count=4) == [0, 1, 3, 4]
+    assert steps(None, None, count=4) == [0, 1, 2, 3, 4]  # untimed (graph) steps: grow within memory
+    assert steps(0.95, 1.0) == [0, 1, 2, 3, 4]  # rho 0.95: the dead zone, nothing changes
+    assert steps(8.0, 1.0) == [0, 1, 3, 4]  # rho 8: compute hides loads, one layer fewer
     assert [d["resident"] for d in residency.decisions] == [1, 2, 2, 3, 4, 5, 5, 5, 4]
-    pager.close()
+    stack.close()

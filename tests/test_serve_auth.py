@@ -121,7 +121,7 @@ def engine_status(**fields) -> EngineStatus:
                  base_expert_bytes=0, model_bytes=0, adapter_expert_bytes=0, adapter_budget_bytes=None,
                  reserved_bytes=0, page_bytes=0, adapter_physical_bytes=0, expert_device_bytes=0, padded_bytes=0,
                  merged_bytes=0, kv_cache_tokens=None, host_cache_used_bytes=0, host_cache_hits=0,
-                 host_cache_misses=0, paging_window=0, paging_loads=0)
+                 host_cache_misses=0, paging_window=0)
     return EngineStatus(**empty | fields)
 
 
@@ -132,7 +132,10 @@ def test_the_status_record_reads_and_writes_the_servers_json():
 
     paged = engine_status(adapters=[AdapterStatus(name="a", lora_id=1, slot=0, bytes=8, retiring=False,
                                                   experts_per_layer=[1, 2])],
-                          paging=PagingStatus(store_experts=2, decoded_experts=5, resident_layers=[1], decisions=[]))
+                          paging=PagingStatus(fetch="auto", store_experts=2, window_bytes=4, resident_bytes=2,
+                                              store_bytes=1, host_bytes=9, freed_bytes=2, freed_kv_tokens=None,
+                                              held_rows=6, fetched_rows=5, fetches=3, resident_layers=[1],
+                                              decisions=[]))
     data = paged.to_json()
     assert data["adapters"][0] == {"name": "a", "lora_id": 1, "slot": 0, "bytes": 8, "retiring": False,
                                    "experts_per_layer": [1, 2]}

@@ -256,18 +256,22 @@ def paging(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
     layers: int = typer.Option(8, min=3, help="MoE layers in the stack."),
     window: int = typer.Option(2, min=1, help="Physical blocks (layers of experts) the paged stack holds."),
-    batches: str = typer.Option("1,4,16,64,256", help="Comma-separated batch sizes (sequences)."),
+    batches: str = typer.Option("1,4,32,256", help="Comma-separated batch sizes (sequences)."),
     prompt_len: int = typer.Option(512, min=1, help="Tokens per sequence in prefill."),
+    eager: bool = typer.Option(False, "--eager", help="Time decode steps eagerly instead of replaying CUDA graphs "
+                                                      "(on both sides).", metavar=""),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
 ) -> None:
-    """(GPU) DeepSeek-V2-Lite-sized MoE stack: resident vs paged from host, host + Huffman store, and planned."""
+    """(GPU) DeepSeek-V2-Lite-sized MoE stack: resident vs the pager alone, paged from host, from a compressed tier
+    on the GPU, both, and planned; decode from CUDA graphs."""
     from esftctl.bench import paging as bench
     from esftctl.errors import EsftError
 
     sizes = _counts("--batches", batches)
     if window >= layers:
         raise EsftError(f"--window {window} must be smaller than --layers {layers}, or nothing is paged")
-    _measure(bench, "paging", out, as_json, layers=layers, batches=sizes, prompt_len=prompt_len, window=window)
+    _measure(bench, "paging", out, as_json, layers=layers, batches=sizes, prompt_len=prompt_len, window=window,
+             eager=eager)
 
 
 @app.command()

@@ -1,23 +1,29 @@
 """`esftctl bench paging` (GPU): a stack of DeepSeek-V2-Lite-sized MoE layers, resident against paged.
 
-Per batch size, decode (one token per sequence) and prefill (`prompt_len` tokens per sequence) throughput
-of `layers` MoE layers (router, top-6 routing, grouped expert products; esftctl.bench.moe_layer) run
-- resident: every layer's experts in GPU memory;
-- paged from host: a window of 2 blocks, experts copied from pinned host memory (esftctl.runtime.paging);
-- paged from host + store: the first experts of each layer decoded from a Huffman store in GPU memory,
-  the rest copied, split by the two tiers' measured bandwidths;
-- paged with the planner: both tiers, residency set by ResidencyPlanner from rho = compute / load (both
-  tiers at once), measured per batch, within a memory budget of half the layers outside the window.
-The expert memory each case holds is reported, and the memory paging frees for the whole model (26 MoE
-layers) as KV-cache tokens (MLA: 576 values per token and layer, 27 layers, bf16).
-All layers share one host copy and one store of the same trained-like experts (the copies and decodes
-still run per layer; only the source bytes repeat), so the bench fits any machine with an H100.
+The layers are esftctl's own (VirtualMoELayer, as serving builds them) and the pager is serving's
+(esftctl.runtime.paging); each layer routes (top-6 of 64), lets the pager fetch, and computes grouped expert
+products (esftctl.bench.moe_layer). Per batch, decode steps (one token per sequence, replayed from CUDA graphs
+on both sides unless --eager) and prefill (`prompt_len` tokens per sequence, eager) are timed for:
+- resident: every layer's experts in GPU memory, no pager in the path;
+- machinery: every layer resident with the pager in the path (its launches find nothing to do): its cost alone;
+- host: every layer paged from pinned host memory (a window of `window` blocks);
+- compressed: every base expert decoded from a Huffman store kept in GPU memory (68% of bf16): no bus traffic;
+- split: the store for the first experts of a layer, host copies for the rest, in proportion to the two tiers'
+  measured speeds;
+- planned: the residency planner's choice (rho = compute / load) within a budget of half the layers outside the
+  window, with the tiers it picks.
+One CUDA graph per batch serves every paged case: residency and tier split change between replays, which the
+pager's design allows (esftctl.runtime.paging.pager). Reported per case: throughput relative to resident, the
+expert memory each holds, and the rows fetched per layer and step against all (batch 1 touches 6 of 64). The
+memory paging frees for a whole model (26 MoE layers) is given as KV-cache tokens (MLA: 576 values per token
+and layer, 27 layers, bf16). All layers hold the same trained-like experts (their host copies and the store's
+streams repeat), so the bench fits any H100.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -27,12 +33,14 @@ from esftctl.bench.moe_layer import experts as moe_experts
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE, MoEShape
 from esftctl.bench.synthetic_model import trained_like
 from esftctl.errors import EsftError
-from esftctl.runtime.paging.blocks import OwnBlocks
-from esftctl.runtime.paging.pager import PagedExperts, run_stack
-from esftctl.runtime.paging.planner import ResidencyPlanner
-from esftctl.runtime.paging.tiers import LayerSource, store_decoder, tier_split
+from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
+from esftctl.runtime.moe_layer import VirtualMoELayer
+from esftctl.runtime.paging.pager import PagedExperts
+from esftctl.runtime.paging.planner import ResidencyPlanner, spread
+from esftctl.runtime.paging.tiers import StoreTier, tier_split
 
 KV_BYTES_PER_TOKEN = 27 * 576 * 2  # DeepSeek-V2-Lite MLA cache, bf16
+CASES = ("machinery", "host", "compressed", "split", "planned")
 
 
 def _layer_weights(shape: MoEShape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,127 +63,137 @@ def _store(w13: torch.Tensor, w2: torch.Tensor, folder: Path):
     return ExpertStore(folder)
 
 
-def _timed(fn: Callable[[], None], reps: int = 3) -> float:
-    """Median wall seconds of fn, synchronized (paging waits on the host, so wall time is the measure)."""
+def _timed(fn: Callable[[], None], reps: int = 5) -> float:
+    """Median seconds of fn over `reps` runs, each between two device events, after a warm-up."""
     fn()
-    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+class _Stack:
+    """`layers` MoE layers of one shape, paged by serving's pager; `forward(x, paged)` runs them all."""
+
+    def __init__(self, shape: MoEShape, layers: int, window: int, w13, w2, store):
+        self.pool = PhysicalPagePool(torch.device("cuda"))
+        make_space = lambda n: CudaAddressSpace(n, self.pool)  # noqa: E731
+        self.layers = {}
+        for l in range(layers):
+            layer = VirtualMoELayer(shape.experts, shape.hidden, shape.intermediate, 0, 0, torch.bfloat16, make_space)
+            layer.load_base_rows(w13, w2)
+            layer.keep_host_copy()
+            self.layers[l] = layer
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        names = [{w: f"{e}.{w}" for w in ("gate", "up", "down")} for e in range(shape.experts)]
+        self.tier = StoreTier(store, {l: names for l in self.layers})
+        self.pager = PagedExperts(self.layers, window=window, make_space=make_space, top_k=shape.top_k,
+                                  store=self.tier)
+        self.router = torch.randn(shape.experts, shape.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        self.top_k = shape.top_k
+
+    def forward(self, x: torch.Tensor, paged: bool) -> torch.Tensor:
+        for l, layer in self.layers.items():
+            weights, ids = torch.topk(torch.softmax((x @ self.router.T).float(), -1), self.top_k)
+            ids = ids.to(torch.int32)
+            if paged:
+                self.pager.before_kernel(l, ids, x.shape[0])
+            x = x + moe_experts(x, layer.w13.tensor, layer.w2.tensor, ids, weights)
+            if paged:
+                self.pager.after_kernel(l)
+        return x
+
+    def close(self) -> None:
+        self.pager.close()
+        for layer in self.layers.values():
+            layer.close()
+        self.pool.trim()
 
 
-def _both_tiers(host13, host2, dev13, dev2, decode, split) -> Callable[[], None]:
-    """One layer's load from both tiers at once: decoder on a side stream, host copies on this one."""
+def _runner(stack: _Stack, x: torch.Tensor, paged: bool, graph: bool) -> Callable[[], None]:
+    """A forward on x: captured once into a CUDA graph and replayed, or run eagerly."""
+    if not graph:
+        return lambda: stack.forward(x, paged)
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the capture: kernels compile, the allocator settles
+            stack.forward(x, paged)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        stack.forward(x, paged)
+    return g.replay
 
-    def fn() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            decode()
-        dev13[split:].copy_(host13[split:], non_blocking=True)
-        dev2[split:].copy_(host2[split:], non_blocking=True)
-        torch.cuda.current_stream().wait_stream(side)
 
-    return fn
-
-
-def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, *, batches=(1, 4, 16, 64, 256), prompt_len: int = 512,
-        window: int = 2, on_step: Callable[[str], None] = lambda msg: None) -> dict:
+def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, *, batches=(1, 4, 32, 256), prompt_len: int = 512,
+        window: int = 2, eager: bool = False, on_step: Callable[[str], None] = lambda msg: None) -> dict:
     if not torch.cuda.is_available():
         raise EsftError("bench paging needs a CUDA GPU")
     torch.manual_seed(0)
     on_step("generating experts")
     w13, w2 = _layer_weights(shape, 0)
-    resident_w = [(w13.clone(), w2.clone()) for _ in range(layers)]
-    host13, host2 = w13.cpu().pin_memory(), w2.cpu().pin_memory()
-    router = torch.randn(shape.experts, shape.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-    block_bytes = (w13.numel() + w2.numel()) * 2
-
-    def routing(logits):
-        weights, ids = torch.topk(torch.softmax(logits.float(), -1), shape.top_k)
-        return weights, ids.to(torch.int32)
-
-    def layer(x, a, b):
-        weights, ids = routing(x @ router.T)
-        return x + moe_experts(x, a, b, ids, weights)
-
-    on_step("measuring tier bandwidths")
-    dev13, dev2 = torch.empty_like(w13), torch.empty_like(w2)
-    host_s = _timed(lambda: (dev13.copy_(host13, non_blocking=True), dev2.copy_(host2, non_blocking=True)))
     with tempfile.TemporaryDirectory() as tmp:
         on_step("encoding a Huffman store of one layer")
         store = _store(w13, w2, Path(tmp) / "store")
-        names = [{w: f"{e}.{w}" for w in ("gate", "up", "down")} for e in range(shape.experts)]
-        plan = store_decoder(store, names)(dev13, dev2)
-        store_s = _timed(plan)
-        exact = torch.equal(dev13, w13) and torch.equal(dev2, w2)
-        split = tier_split(shape.experts, block_bytes / host_s, block_bytes / store_s)
-        store_bytes = store.header["data_bytes"]
-        decode = store_decoder(store, names)(dev13[:split], dev2[:split])
-        both_s = _timed(_both_tiers(host13, host2, dev13, dev2, decode, split))
-
-        def pager(store_experts: int) -> PagedExperts:
-            make = store_decoder(store, names) if store_experts else None
-            sources = [LayerSource(host13, host2, store_experts, make) for _ in range(layers)]
-            return PagedExperts(sources, blocks=OwnBlocks(dict(enumerate(sources)), torch.device("cuda")),
-                                window=window, device="cuda")
-
-        paged_host, paged_both, planned = pager(0), pager(split), pager(split)
+        on_step(f"building {layers} layers with host copies")
+        stack = _Stack(shape, layers, window, w13, w2, store)
+        del w13, w2
+        pager, e = stack.pager, shape.experts
+        layer_bytes = stack.layers[0].held_bytes()
+        first = next(iter(stack.layers))
+        host_s, store_s = pager.timed_fetch(first, 0), pager.timed_fetch(first, e)
+        host_s, store_s = pager.timed_fetch(first, 0), pager.timed_fetch(first, e)  # after the warm-up
+        split = tier_split(e, layer_bytes / host_s, layer_bytes / store_s)
+        budget = (layers - window) // 2  # half the layers outside the window may stay resident
         rows = []
         for mode, per_seq in (("decode", 1), ("prefill", prompt_len)):
             for batch in batches:
                 tokens = batch * per_seq
-                on_step(f"{mode}, batch {batch} ({tokens} tokens)")
+                graph = mode == "decode" and not eager
+                on_step(f"{mode}, batch {batch} ({tokens} tokens{', CUDA graphs' if graph else ''})")
                 x = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
-
-                def resident() -> None:
-                    h = x
-                    for a, b in resident_w:
-                        h = layer(h, a, b)
-
-                def paged(p: PagedExperts) -> Callable[[], None]:
-                    def fn() -> None:
-                        state = {"h": x}
-                        run_stack(p, list(range(layers)), lambda l, a, b: state.update(h=layer(state["h"], a, b)),
-                                  then=0)  # forwards follow each other: the next one's first layer loads now
-                    return fn
-
-                t_res = _timed(resident)
-                compute_ms = 1e3 * t_res / layers
-                store_experts = ResidencyPlanner.store_experts(compute_ms, 1e3 * host_s, split)
-                load_ms = 1e3 * (both_s if store_experts else host_s)
-                # Memory budget: half of the layers outside the window may stay resident (the rest is the KV
-                # cache's), so the planner has a real choice to make.
-                planner = ResidencyPlanner(layers, max_resident=(layers - window) // 2)
-                for _ in range(layers):  # settle: one step per measurement, as a server would between batches
+                pager.set_resident(list(stack.layers))
+                resident_s = _timed(_runner(stack, x, False, graph))
+                paged = _runner(stack, x, True, graph)
+                compute_ms = 1e3 * resident_s / layers
+                store_rows = ResidencyPlanner.store_experts(compute_ms, 1e3 * host_s, split)
+                planner = ResidencyPlanner(layers, max_resident=budget)
+                load_ms = 1e3 * max(store_s * store_rows, host_s * (e - store_rows)) / e  # the tiers run at once
+                for _ in range(layers):  # settle, as a server would over its first steps
                     planner.update(compute_ms, load_ms)
-                planned.set_resident(range(planner.resident))
-                planned.set_store_experts(store_experts)
-                row = {"mode": mode, "batch": batch, "tokens": tokens, "resident_s": t_res,
-                       "paged_host_s": _timed(paged(paged_host)), "paged_host_store_s": _timed(paged(paged_both)),
-                       "planned_s": _timed(paged(planned)), "planned_resident_layers": planner.resident,
-                       "planned_store_experts": store_experts, "rho": compute_ms / load_ms,
-                       "rho_host": compute_ms / (1e3 * host_s), "planner_decisions": planner.decisions}
-                for key in ("resident", "paged_host", "paged_host_store", "planned"):
-                    row[f"{key}_tokens_per_s"] = tokens / row[f"{key}_s"]
-                    row[f"{key}_over_resident"] = row["resident_s"] / row[f"{key}_s"]
-                row["planned_expert_bytes"] = (planner.resident + window) * block_bytes
+                row = {"mode": mode, "batch": batch, "tokens": tokens, "graphs": graph, "resident_s": resident_s,
+                       "planned_resident_layers": planner.resident, "planned_store_experts": store_rows}
+                for case, resident, rows_from_store in (
+                        ("machinery", list(stack.layers), 0), ("host", [], 0), ("compressed", [], e),
+                        ("split", [], split), ("planned", spread(list(stack.layers), planner.resident), store_rows)):
+                    pager.set_resident(resident)
+                    pager.set_store_rows(rows_from_store)
+                    before = pager.counters()
+                    row[f"{case}_s"] = _timed(paged)
+                    after = pager.counters()
+                    fetches = after["fetches"] - before["fetches"]
+                    row[f"{case}_rows_per_fetch"] = (after["fetched_rows"] - before["fetched_rows"]) / max(1, fetches)
+                    row[f"{case}_over_resident"] = resident_s / row[f"{case}_s"]
+                    row[f"{case}_device_bytes"] = sum(pager.device_bytes().values())
+                row["resident_tokens_per_s"] = tokens / resident_s
                 rows.append(row)
-        for p in (paged_host, paged_both, planned):
-            p.close()
-    freed = (shape.moe_layers - window) * block_bytes
+        stack.close()
+    freed = (shape.moe_layers - window) * layer_bytes
+    store_bytes = stack.tier.nbytes * shape.moe_layers
     return {"benchmark": "paging", "model": shape.name, "device": torch.cuda.get_device_name(0), "layers": layers,
-            "window": window, "block_bytes": block_bytes, "host_copy_ms_per_layer": 1e3 * host_s,
-            "store_decode_ms_per_layer": 1e3 * store_s, "store_decode_bit_exact": exact,
-            "both_tiers_ms_per_layer": 1e3 * both_s,
-            "store_experts_per_layer": split, "store_bytes_per_layer": store_bytes,
-            "expert_bytes_held": {"resident": layers * block_bytes, "paged_host": window * block_bytes,
-                                  "paged_host_store": window * block_bytes + layers * store_bytes},
-            "whole_model_freed_bytes": freed, "whole_model_freed_kv_tokens": freed // KV_BYTES_PER_TOKEN,
+            "window": window, "layer_bytes": layer_bytes, "host_fetch_ms_per_layer": 1e3 * host_s,
+            "store_decode_ms_per_layer": 1e3 * store_s, "store_experts_split": split,
+            "store_bytes_per_layer": stack.tier.nbytes, "experts_per_layer": e,
+            "whole_model_freed_bytes": {"host": freed, "compressed": freed + layer_bytes * window - store_bytes},
+            "whole_model_freed_kv_tokens": {"host": freed // KV_BYTES_PER_TOKEN,
+                                            "compressed": (freed + layer_bytes * window - store_bytes)
+                                            // KV_BYTES_PER_TOKEN},
             "rows": rows}
 
 
@@ -185,16 +203,17 @@ def table(result: dict):
     from esftctl.units import format_bytes
 
     t = Table(title=f"{result['layers']} {result['model']} MoE layers on {result['device']}: throughput relative to "
-                    f"resident (window {result['window']}; a layer: {format_bytes(result['block_bytes'])}, host copy "
-                    f"{result['host_copy_ms_per_layer']:.1f} ms, store decode {result['store_decode_ms_per_layer']:.1f}"
-                    f" ms; store tier {result['store_experts_per_layer']} experts/layer)", title_justify="left")
-    for col in ("mode", "batch", "tokens", "resident tok/s", "rho host", "paged host", "host+store", "planner",
-                "planner: resident layers, store experts"):
+                    f"resident (window {result['window']}; a layer: {format_bytes(result['layer_bytes'])}, host fetch "
+                    f"{result['host_fetch_ms_per_layer']:.1f} ms, store decode "
+                    f"{result['store_decode_ms_per_layer']:.1f} ms; split {result['store_experts_split']} experts from "
+                    "the store)", title_justify="left")
+    for col in ("mode", "batch", "tokens", "resident tok/s", "machinery", "host", "compressed", "split", "planned",
+                "rows fetched / layer", "planned: resident, store"):
         t.add_column(col, justify="right")
     for r in result["rows"]:
-        t.add_row(r["mode"], str(r["batch"]), str(r["tokens"]), f"{r['resident_tokens_per_s']:,.0f}",
-                  f"{r['rho_host']:.2f}", f"{r['paged_host_over_resident']:.3f}",
-                  f"{r['paged_host_store_over_resident']:.3f}", f"{r['planned_over_resident']:.3f}",
+        t.add_row(r["mode"] + (" (graphs)" if r["graphs"] else ""), str(r["batch"]), str(r["tokens"]),
+                  f"{r['resident_tokens_per_s']:,.0f}", *(f"{r[f'{c}_over_resident']:.3f}" for c in CASES),
+                  f"{r['host_rows_per_fetch']:.1f} of {result['experts_per_layer']}",
                   f"{r['planned_resident_layers']}, {r['planned_store_experts']}")
     return t
 
@@ -208,14 +227,14 @@ def plot(result: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for mode, style in (("decode", "-"), ("prefill", "--")):
         rows = [r for r in result["rows"] if r["mode"] == mode]
-        for key in ("paged_host", "paged_host_store", "planned"):
-            ax.plot([r["tokens"] for r in rows], [r[f"{key}_over_resident"] for r in rows], style, marker="o",
-                    label=f"{mode}: {key.replace('_', ' ')}")
+        for case in CASES:
+            ax.plot([r["tokens"] for r in rows], [r[f"{case}_over_resident"] for r in rows], style, marker="o",
+                    label=f"{mode}: {case}")
     ax.axhline(0.97, color="k", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("throughput / resident")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)

@@ -558,20 +558,21 @@ class ExpertStore:
             self._device_cache[key] = (torch.from_numpy(data).to(device), torch.from_numpy(tables).to(device))
         return self._device_cache[key]
 
-    def plan(self, targets: list[tuple[str, torch.Tensor]]):
+    def plan(self, targets: list[tuple[str, torch.Tensor]], *, rows: list[int] | None = None):
         """A DecodePlan writing each named tensor into its CUDA destination in one launch; every bound checked on
-        the host before anything is launched (DecodePlan.build)."""
+        the host before anything is launched (DecodePlan.build). `rows`: each target's expert row, for runs
+        masked by the rows a step needs (paging)."""
         from esftctl.kernels.huffman_decode import DecodePlan, Segment
 
         device = targets[0][1].device
         data, tables = self.to_device(device)
         segments = []
-        for name, out in targets:
+        for k, (name, out) in enumerate(targets):
             e = self._entry(name)
             self._check_destination(e, out)
             _, offsets, _ = self._sections(e, self.data)
             segments.append(Segment(8 * e["exp_offset"] + offsets.astype(np.int64), e["sm_offset"], e["count"],
-                                    e["table"], out))
+                                    e["table"], out, row=rows[k] if rows else 0))
         try:
             return DecodePlan.build(data, tables, self.chunk, segments)
         except ValueError as err:

@@ -1,232 +1,195 @@
-"""The paging window (esftctl.runtime.paging says the whole idea): PagedExperts loads a layer's experts into one
-of `window` blocks just before its kernels run, and prefetches the next layer while the current one computes.
+"""The pager: which rows of a paged layer come in before its kernel, when, and on which stream.
 
-Ordering (CUDA): loads run on their own stream. `ensure(i)` makes the compute stream wait for layer i's
-load; `done(i)` records, on the compute stream, that layer i's kernels are queued; a block is taken from a
-layer only after the host has waited for that layer's done event, so no queued kernel reads a block that
-is being unmapped or overwritten, and no layer starts before its load finished. The host waits on the
-layer before the current one, whose work precedes the current layer's in the stream, so the GPU never
-idles for it. Remapping is a host-side driver call: CUDA-graph capture is refused (`ensure` raises).
+Each MoE layer's experts layer calls `before_kernel(layer, ids, num_tokens)` once the router's ids (after the
+reroute) are on the device, and `after_kernel(layer)` once its kernel is queued. Two ways to fetch:
 
-Where the experts live is the `blocks` backing's business (esftctl.runtime.paging.blocks), where they come
-from the sources' (esftctl.runtime.paging.tiers); `times` measures loads and kernels for the residency planner
-(esftctl.runtime.paging.planner). `resident` layers are mapped once and never paged.
+- routed: the rows this step's ids name, just before the kernel, on the compute stream. A decode step of a
+  DeepSeek-V2-Lite-sized model at batch 1 touches 6 of a layer's 64 experts: 104 MB instead of 1.1 GB.
+- layer: every held row of the next layer, fetched while this layer's kernel runs, on the load stream with a
+  bounded number of programs (the rest of the SMs stay the kernel's); the forward's first layer fetches itself.
+  Needs a window of two blocks or more (with one, each layer fetches itself whole, before its kernel).
+
+`auto` (the default) fetches routed while a step's tokens x top-k are at most the layer's expert count (past
+that, nearly every expert is touched anyway, and fetching ahead hides the copies under the kernel), else layer.
+
+Nothing here waits on the host or maps memory while a step runs: every fetch is two or three launches that read
+their settings on the device (esftctl.runtime.paging.tiers), and each layer's fork to the load stream is joined
+after its own kernel, inside the same experts call, so the whole step can be captured as CUDA graphs, in one
+piece or split at attention (vLLM's piecewise graphs: a fork may not cross a piece). Between steps the host may
+change what is resident (`set_resident`: the window swaps the memory under a layer's addresses, its fetches turn
+off through its active flag) or the tiers' split (`set_store_rows`): captured graphs stay valid, since they hold
+addresses and launches, not decisions.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from esftctl.errors import EsftError
-from esftctl.runtime.paging.tiers import LayerSource
+from esftctl.runtime.address_space import AddressSpace
+from esftctl.runtime.paging.tiers import LayerTiers, StoreTier
 from esftctl.runtime.paging.timing import LayerTimes
+from esftctl.runtime.paging.window import Window
+
+FETCH_MODES = ("auto", "routed", "layer")
+OVERLAP_PROGRAMS = 16  # programs of a fetch beside another layer's kernel (an H100 has 132 SMs)
 
 
-class Blocks(Protocol):
-    """Where the layers' experts live while loaded (esftctl.runtime.paging.blocks)."""
-
-    def map(self, layer: int) -> None: ...
-    def unmap(self, layer: int) -> None: ...
-    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def copy_in(self, layer: int, source: LayerSource, skip: int) -> int: ...
-    def close(self) -> None: ...
-
-
-@dataclass
-class PagingStats:
-    loads: int = 0
-    host_bytes: int = 0
-    decoded_experts: int = 0
-    waits: int = 0  # times the host waited for a layer's kernels before taking its block
-    max_blocks_in_use: int = 0
-
+def full_programs(device: torch.device) -> int:
+    """Programs of a fetch that runs alone: four per SM."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 class PagedExperts:
-    def __init__(self, sources: Sequence[LayerSource] | Mapping[int, LayerSource], *, blocks: Blocks,
-                 window: int = 2, resident: Sequence[int] = (), device: torch.device | str = "cuda"):
-        """`sources` by layer (a sequence: layers 0..n-1); `blocks` where the layers' experts live (a backing of
-        esftctl.runtime.paging.blocks); `resident` layers stay mapped."""
+    def __init__(self, layers: Mapping[int, object], *, window: int, make_space: Callable[[int], AddressSpace],
+                 top_k: int, order: Sequence[int] | None = None, store: StoreTier | None = None, fetch: str = "auto",
+                 resident: Sequence[int] = ()):
+        """`layers`: index -> VirtualMoELayer with host copies (keep_host_copy); `order`: the forward's order of
+        the layers (default: by index); `make_space` reserves ranges for the window's blocks; `top_k`: experts
+        per token (for `auto`); `resident` layers keep memory of their own."""
         if window < 1:
             raise EsftError("the paging window needs at least one block")
-        self.device = torch.device(device)
-        self.sources = dict(sources) if isinstance(sources, Mapping) else dict(enumerate(sources))
-        self.window = window
-        self.resident = set(resident)
-        self.blocks = blocks
-        if self.device.type == "cuda":
-            self.load_stream = torch.cuda.Stream(self.device)
-            self.decode_stream = torch.cuda.Stream(self.device)  # the store tier, beside the host copies
+        if fetch not in FETCH_MODES:
+            raise EsftError(f"fetch {fetch!r}: choose one of {', '.join(FETCH_MODES)}")
+        self.layers, self.order = dict(layers), list(order or sorted(layers))
+        self.position = {layer: p for p, layer in enumerate(self.order)}
+        first = self.layers[self.order[0]]
+        self.device, self.num_experts, self.top_k, self.fetch_mode = first.device, first.num_experts, top_k, fetch
+        self.cuda = self.device.type == "cuda"
+        self.window = Window(self.layers, self.order, window, make_space)
+        decode_stream = torch.cuda.Stream(self.device) if self.cuda and store is not None else None
+        self.tiers = {i: LayerTiers(i, layer, store=store, decode_stream=decode_stream)
+                      for i, layer in self.layers.items()}
+        self.store = store
+        self.resident: set[int] = set()
+        for i in self.order:
+            self.window.page_out(i)
+            self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
+        self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.programs = full_programs(self.device)
+        self._joins: set[int] = set()  # layers whose experts call forked to the load stream
+        self.times = LayerTimes(self.cuda)
+        self.between_steps: Callable[[], None] | None = None  # the planner's hook (esftctl.runtime.paging.planner)
+        self.set_resident(resident)
+
+    # ---- what the experts layer calls ------------------------------------------------------------
+    def routed(self, num_tokens: int) -> bool:
+        if self.fetch_mode == "auto":
+            return num_tokens * self.top_k <= self.num_experts
+        return self.fetch_mode == "routed"
+
+    def before_kernel(self, layer: int, ids: torch.Tensor, num_tokens: int) -> None:
+        """Bring in what layer's kernel will read: its routed rows now, or (fetching ahead) the next layer's."""
+        p = self.position[layer]
+        timed = not self.cuda or not torch.cuda.is_current_stream_capturing()
+        if self.routed(num_tokens) or self.window.size == 1:
+            self._timed_fetch(layer, ids if self.routed(num_tokens) else None, timed)
         else:
-            self.load_stream = None
-        self._decoders: dict[tuple[int, int], Callable[[], None]] = {}  # (layer, store experts) -> decode
-        self.loaded: dict[int, object] = {}  # paged layer -> its load event (None on the CPU)
-        self.last_use: dict[int, int] = {}
-        self._done: dict[int, object] = {}
-        self._clock = 0
-        self.stats = PagingStats()
-        self.times = LayerTimes(self.device.type == "cuda")
-        self.before_pass: tuple[int, Callable[[], None]] | None = None  # (first layer, call) at each pass start
-        for layer in sorted(self.resident):
-            self.blocks.map(layer)
-            self._fill(layer)
-        if self.device.type == "cuda":
+            if p == 0:
+                self._timed_fetch(layer, None, timed)
+            if p + 1 < len(self.order):
+                self._fetch_ahead(layer, self.order[p + 1])
+        if timed:
+            self.times.start("compute", layer)
+
+    def after_kernel(self, layer: int) -> None:
+        if not self.cuda or not torch.cuda.is_current_stream_capturing():
+            self.times.stop("compute", layer)
+        if layer in self._joins:
+            self._joins.discard(layer)
             torch.cuda.current_stream(self.device).wait_stream(self.load_stream)
 
-    # ---- what the model calls --------------------------------------------------------------------
-    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's (w13, w2) at their stable addresses; valid between `ensure(layer)` and `done(layer)`."""
-        return self.blocks.weights(layer)
+    def _timed_fetch(self, layer: int, ids: torch.Tensor | None, timed: bool) -> None:
+        if timed:
+            self.times.start("load", layer)
+        self.tiers[layer].fetch(ids, programs=self.programs)
+        if timed:
+            self.times.stop("load", layer)
 
-    def ensure(self, layer: int) -> None:
-        """Before layer's kernels: load it if it is not, and order the compute stream after the load."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise EsftError("expert paging remaps memory from the host between layers and cannot run inside "
-                            "CUDA-graph capture; serve with --enforce-eager or without paging")
-        if self.before_pass is not None and layer == self.before_pass[0]:
-            self.before_pass[1]()  # between passes: where the planner may change what stays resident
-        self._clock += 1
-        self.last_use[layer] = self._clock
-        if layer in self.resident:
+    def _fetch_ahead(self, layer: int, following: int) -> None:
+        if not self.cuda:
+            self.tiers[following].fetch(None, programs=1)
             return
-        if layer not in self.loaded:
-            self._load(layer, keep=layer)
-        event = self.loaded[layer]
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        self.times.start("compute", layer)
+        self.load_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the block's last reader
+        with torch.cuda.stream(self.load_stream):
+            self.tiers[following].fetch(None, programs=OVERLAP_PROGRAMS)
+        self._joins.add(layer)
 
-    def done(self, layer: int) -> None:
-        """After layer's kernels are queued on the compute stream."""
-        if layer in self.resident:
-            return
-        self.times.stop("compute", layer)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._done[layer] = event
-
-    def prefetch(self, layer: int, current: int) -> None:
-        """Start loading `layer` (the next to run) while `current` computes."""
-        if layer in self.resident or layer in self.loaded or self.window == 1:
-            return  # a window of one block has no room to load ahead
-        self._load(layer, keep=current)
+    # ---- between steps ---------------------------------------------------------------------------
+    def step(self) -> None:
+        """Called by the engine between steps (outside any graph): where the planner may act."""
+        if self.between_steps is not None:
+            self.between_steps()
 
     def set_resident(self, layers: Sequence[int]) -> None:
-        """Change which layers stay mapped for good (the planner's decision); waits for queued work."""
+        """Which layers keep memory of their own (the planner's decision); waits for queued work."""
         layers = set(layers)
-        if self.device.type == "cuda":
+        if layers == self.resident:
+            return
+        if self.cuda:
             torch.cuda.synchronize(self.device)
-        for layer in self.resident - layers:
-            self.blocks.unmap(layer)
-        for layer in layers - self.resident:
-            if layer in self.loaded:  # already in a block: it keeps it
-                self.loaded.pop(layer)
-                self._done.pop(layer, None)
-            else:
-                self.blocks.map(layer)
-                self._fill(layer)
-        if self.device.type == "cuda":
+        for i in self.resident - layers:
+            self.tiers[i].set_active(True)
+            self.window.page_out(i)
+        for i in layers - self.resident:
+            self.window.page_in(i)
+            self.layers[i].copy_in()
+            self.tiers[i].set_active(False)
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         self.resident = layers
 
-    def set_store_experts(self, count: int) -> None:
-        """How many experts of each paged layer the store tier delivers from now on (the planner's choice)."""
-        for source in self.sources.values():
-            if count and source.make_decoder is None:
-                raise EsftError("these layers have no store tier")
-            source.store_experts = min(count, source.w13.shape[0])
+    def set_store_rows(self, rows: int) -> None:
+        """How many base rows of each paged layer the store tier delivers from now on."""
+        if rows and self.store is None:
+            raise EsftError("these layers have no store tier")
+        for tiers in self.tiers.values():
+            tiers.set_store_rows(rows)
 
-    def timed_load(self, layer: int, store_experts: int) -> float:
-        """Seconds to load a paged-out layer with `store_experts` from the store, the rest from the host; the
-        layer is paged out again after (a calibration outside serving; its load counts nowhere)."""
-        source, keep = self.sources[layer], self.sources[layer].store_experts
-        source.store_experts = store_experts
-        self.blocks.map(layer)
+    @property
+    def store_rows(self) -> int:
+        return next(iter(self.tiers.values())).store_rows
+
+    def _rows_changed(self, layer: int) -> None:
+        """An adapter's rows came to or left a layer: its block covers them, its fetch finds their host copies."""
+        if layer in self.window.paged:
+            self.window.cover(layer)
+        self.tiers[layer].refresh()
+
+    # ---- measurement -----------------------------------------------------------------------------
+    def timed_fetch(self, layer: int, store_rows: int) -> float:
+        """Seconds to fetch a whole paged layer with `store_rows` base rows from the store and the rest from host
+        (a calibration between steps: the layer's rows hold nothing anyone reads meanwhile)."""
+        keep = self.tiers[layer].store_rows
+        self.tiers[layer].set_store_rows(store_rows)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        stats, self.stats = self.stats, PagingStats()
-        self._fill(layer)
-        if self.device.type == "cuda":
+        self.tiers[layer].fetch(None, programs=self.programs)
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         took = time.perf_counter() - start
-        self.stats, source.store_experts = stats, keep
-        self.blocks.unmap(layer)
+        self.tiers[layer].set_store_rows(keep)
         return took
 
-    # ---- loading ---------------------------------------------------------------------------------
-    def _load(self, layer: int, keep: int) -> None:
-        if len(self.loaded) >= self.window:
-            victims = [l for l in self.loaded if l != keep]
-            if not victims:
-                raise EsftError(f"paging window of {self.window} block(s) cannot hold layer {layer} beside {keep}")
-            self._release(min(victims, key=lambda l: self.last_use.get(l, 0)))
-        self.blocks.map(layer)
-        if self.device.type == "cuda":
-            with torch.cuda.stream(self.load_stream):
-                self.times.start("load", layer)
-                self._fill(layer)
-                self.times.stop("load", layer)
-                event = torch.cuda.Event()
-                event.record(self.load_stream)
-        else:
-            self.times.start("load", layer)
-            self._fill(layer)
-            self.times.stop("load", layer)
-            event = None
-        self.loaded[layer] = event
-        self.stats.max_blocks_in_use = max(self.stats.max_blocks_in_use, len(self.loaded))
-        self.stats.loads += 1
+    def counters(self) -> dict[str, int]:
+        """Rows fetched and fetches of active layers since the start, over all layers (a host sync on CUDA)."""
+        fetched = marks = 0
+        for tiers in self.tiers.values():
+            f, m = tiers.counters()
+            fetched, marks = fetched + f, marks + m
+        return {"fetched_rows": fetched, "fetches": marks}
 
-    def _release(self, layer: int) -> None:
-        done = self._done.pop(layer, None)
-        if done is not None:  # the layer's queued kernels must finish before its block is unmapped
-            self.stats.waits += 1
-            done.synchronize()
-        load = self.loaded.pop(layer)
-        if load is not None:  # and so must its own load, if it never ran
-            load.synchronize()
-        self.blocks.unmap(layer)
-
-    def _fill(self, layer: int) -> None:
-        """Both tiers into the layer's block: on CUDA the decoder runs on its own stream, concurrently with
-        the host copies on the load stream, which then waits for it (the load event covers both)."""
-        source, (w13, w2) = self.sources[layer], self.blocks.weights(layer)
-        k = source.store_experts
-        if k:
-            if (layer, k) not in self._decoders:
-                self._decoders[layer, k] = source.make_decoder(w13[:k], w2[:k])
-            if self.device.type == "cuda":
-                load_stream = torch.cuda.current_stream(self.device)
-                self.decode_stream.wait_stream(load_stream)
-                with torch.cuda.stream(self.decode_stream):
-                    self._decoders[layer, k]()
-            else:
-                self._decoders[layer, k]()
-            self.stats.decoded_experts += k
-        self.stats.host_bytes += self.blocks.copy_in(layer, source, skip=k)  # the rest from host memory
-        if k and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory per tier: the window's blocks, the resident layers' own rows, the store."""
+        resident = sum(self.layers[i].physical_bytes() for i in self.resident)
+        return {"window": self.window.nbytes(), "resident": resident,
+                "store": self.store.nbytes if self.store is not None and self.store_rows else 0}
 
     def close(self) -> None:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.synchronize(self.device)
-        self.blocks.close()
-
-
-
-def run_stack(pager: PagedExperts, order: Sequence[int], layer_fn: Callable[[int, torch.Tensor, torch.Tensor], None],
-              then: int | None = None) -> None:
-    """Run layers in `order` with a sliding window: each layer computes while the next one loads. `then`:
-    the layer the next pass starts with (a model's forwards follow each other), loaded during the last."""
-    for n, layer in enumerate(order):
-        pager.ensure(layer)
-        layer_fn(layer, *pager.weights(layer))
-        pager.done(layer)
-        following = order[n + 1] if n + 1 < len(order) else then
-        if following is not None:
-            pager.prefetch(following, current=layer)
-
+        self.window.close()

@@ -1,5 +1,5 @@
 """How many paged layers stay resident: the policy (ResidencyPlanner) and its driver while a model serves
-(AdaptiveResidency), which between forward passes reads how long paged layers took to compute and to load.
+(AdaptiveResidency), which between engine steps reads how long paged layers took to compute and to load.
 
 rho = compute / load of a paged layer. Above 1 the load hides under the compute, so a resident layer can
 give its memory back; below 0.9 loads show, so one more layer stays resident, up to what the device can
@@ -73,38 +73,43 @@ class ResidencyPlanner:
 
 
 class AdaptiveResidency:
-    """Runs the planner every `every` passes on the timings the pager measured meanwhile."""
+    """Runs the planner every `every` engine steps (between steps, outside any CUDA graph) on the timings the
+    pager measured meanwhile. Steps replayed from CUDA graphs run no host code, so they time nothing: with no
+    timings the planner takes loads to show and keeps more layers resident as far as memory allows (a captured
+    step cannot hide a load it does not see)."""
 
-    def __init__(self, pager: PagedExperts, order: Sequence[int], layer_bytes: Callable[[], int], every: int = 16,
+    def __init__(self, pager: PagedExperts, layer_bytes: Callable[[], int], every: int = 16,
                  measure: Callable[[], tuple[list[float], list[float]]] | None = None,
                  spare: Callable[[], int] | None = None):
         """`layer_bytes`: what one more resident layer would take now (adapters change it)."""
-        self.pager, self.order, self.every = pager, list(order), every
+        self.pager, self.order, self.every = pager, list(pager.order), every
         self.measure = measure or pager.times.take
         pager.times.enabled = True
         self.spare = spare or (lambda: spare_layers(pager.device, layer_bytes()))
         self.planner = ResidencyPlanner(len(self.order), self._cap(), resident=len(pager.resident))
-        self.passes = 0
-        pager.before_pass = (self.order[0], self.on_pass)
+        self.steps = 0
+        pager.between_steps = self.on_step
 
     def _cap(self) -> int:
         """What may stay resident: the layers outside the window, as far as those resident now plus what fits
         in free memory now allow (memory can have been taken meanwhile)."""
-        return max(0, min(len(self.order) - self.pager.window, len(self.pager.resident) + self.spare()))
+        return max(0, min(len(self.order) - self.pager.window.size, len(self.pager.resident) + self.spare()))
 
-    def on_pass(self) -> None:
-        self.passes += 1
-        if self.passes % self.every:
+    def on_step(self) -> None:
+        self.steps += 1
+        if self.steps % self.every:
             return
         compute, load = self.measure()
-        if not compute or not load:
-            return  # nothing was paged in these passes
         self.planner.max_resident = self._cap()
         before = len(self.pager.resident)
-        after = self.planner.update(statistics.median(compute), statistics.median(load))
+        timed = bool(compute and load)
+        after = self.planner.update(statistics.median(compute) if timed else 0.0,
+                                    statistics.median(load) if timed else 1.0)
         decision = self.planner.decisions[-1]
-        log.info("paging planner: rho %.2f (compute %.3f ms, load %.3f ms): %d -> %d resident layers",
-                 decision["rho"], decision["compute_ms"], decision["load_ms"], before, after)
+        decision["timed"] = timed
+        log.info("paging planner: rho %.2f (compute %.3f ms, load %.3f ms%s): %d -> %d resident layers",
+                 decision["rho"], decision["compute_ms"], decision["load_ms"], "" if timed else ", untimed",
+                 before, after)
         if after != before:
             self.pager.set_resident(spread(self.order, after))
 

@@ -1,50 +1,23 @@
-"""Where a paged layer's experts come from: pinned host memory (asynchronous copies) or, for the first
-`store_experts` experts of a layer, a Huffman-coded store already in GPU memory (esftctl.kernels.huffman_decode,
-decoding straight into the mapped block; its plan is built once per layer, since the addresses never change);
-and how many experts each tier delivers so that both finish together.
+"""Where a paged layer's rows come from, and the fetch that brings a step's rows in.
+
+Two tiers: pinned host copies of every held row (base and adapter rows alike; the GPU reads them over the bus,
+esftctl.kernels.row_fetch), and for the base rows below `store_rows` a Huffman store kept in GPU memory
+(esftctl.kernels.huffman_decode: about 68% of bf16, so a compressed GPU tier holds every base expert of a paged
+layer in two thirds of their memory and moves nothing over the bus). Both decide on the GPU which rows to bring,
+from the step's routed ids or every row, and read their settings there (`active`, `store_rows`), so the launches
+are the same every step and CUDA graphs captured once stay right when the planner changes either.
+
+On the CPU (vLLM's CPU build, and the tests) the same decisions run in plain PyTorch on the host
+(esftctl.kernels.row_fetch's references, the store's CPU decoder).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-
-@dataclass
-class LayerSource:
-    """Where one layer's experts come from: pinned host tensors, and optionally a decode plan that writes
-    experts [0, store_experts) into given destinations (built with the layer's stable w13/w2)."""
-
-    w13: torch.Tensor  # [E, 2I, H], pinned host memory on CUDA
-    w2: torch.Tensor  # [E, H, I]
-    store_experts: int = 0
-    make_decoder: Callable[[torch.Tensor, torch.Tensor], Callable[[], None]] | None = None
-
-
-
-def store_decoder(store, names: Sequence[dict[str, str]]):
-    """A LayerSource.make_decoder over an ExpertStore: expert e of the layer is names[e]["gate"|"up"|"down"].
-
-    On CUDA one DecodePlan (one launch) writes every expert; on the CPU the vectorized decoder does."""
-    def make(w13: torch.Tensor, w2: torch.Tensor) -> Callable[[], None]:
-        inter = w2.shape[-1]
-        targets = []
-        for e in range(w13.shape[0]):
-            targets += [(names[e]["gate"], w13[e, :inter]), (names[e]["up"], w13[e, inter:]),
-                        (names[e]["down"], w2[e])]
-        if w13.is_cuda:
-            return store.plan(targets).run
-
-        def decode_on_cpu() -> None:
-            for name, out in targets:
-                store.decode_tensor(name, out)
-
-        return decode_on_cpu
-
-    return make
-
+from esftctl.kernels.row_fetch import RowFetch, fetch_rows_reference, mark_rows_reference
 
 
 def tier_split(num_experts: int, host_bytes_per_s: float, store_bytes_per_s: float) -> int:
@@ -52,3 +25,105 @@ def tier_split(num_experts: int, host_bytes_per_s: float, store_bytes_per_s: flo
     share in proportion to its measured bandwidth (bytes of experts delivered per second)."""
     share = store_bytes_per_s / (store_bytes_per_s + host_bytes_per_s)
     return min(num_experts, max(0, round(num_experts * share)))
+
+
+class StoreTier:
+    """A Huffman store of the base (esftctl compress): base expert e of a layer is names[layer][e]["gate"|"up"|
+    "down"]; decoded straight into the layer's rows (w13 = gate over up, w2 = down: the checkpoint's layout)."""
+
+    def __init__(self, store, names: dict[int, Sequence[dict[str, str]]]):
+        self.store, self.names = store, names
+
+    def targets(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> list[tuple[int, str, torch.Tensor]]:
+        inter = w2.shape[-1]
+        out = []
+        for e, n in enumerate(self.names[layer]):
+            out += [(e, n["gate"], w13[e, :inter]), (e, n["up"], w13[e, inter:]), (e, n["down"], w2[e])]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.store.header["data_bytes"])
+
+
+class LayerTiers:
+    """One paged layer's tiers and its fetch. `layer` gives its rows (w13, w2 virtual tensors at fixed addresses),
+    `held_rows()` and `host_row(row)` (pinned host copies)."""
+
+    def __init__(self, index: int, layer, *, store: StoreTier | None = None, decode_stream=None):
+        """`decode_stream` (CUDA, with a store): where the decoder runs beside the host tier's copies."""
+        self.index, self.layer, self.decode_stream = index, layer, decode_stream
+        self.num_experts = layer.num_experts
+        w13, w2 = layer.w13.tensor, layer.w2.tensor
+        self.cuda = w13.device.type == "cuda"
+        self.store_rows = 0  # base rows [0, store_rows) from the store, the rest from host copies
+        self.active = True  # False: the layer is resident and fetches nothing
+        targets = store.targets(index, w13, w2) if store is not None else []
+        self.has_store = store is not None
+        if self.cuda:
+            self.fetcher = RowFetch(w13, w2)
+            self.plan = store.store.plan([(n, t) for _, n, t in targets], rows=[e for e, _, _ in targets]) \
+                if store is not None else None
+        else:
+            self.needed = torch.zeros(w13.shape[0], dtype=torch.int32)
+            self.segments: dict[int, list] = {}
+            self.store_targets: dict[int, list[tuple[str, torch.Tensor]]] = {}
+            for e, name, t in targets:
+                self.store_targets.setdefault(e, []).append((name, t))
+            self.decode = store.store.decode_tensor if store is not None else None
+            self.fetched_rows, self.marks = 0, 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Point every held row at its host copy, and the others at nothing (after adapters came or went)."""
+        held = set(self.layer.held_rows())
+        w13, w2 = self.layer.w13.tensor, self.layer.w2.tensor
+        if self.cuda:
+            self.fetcher.set_sources([self.layer.host_row(r) if r in held else (None, None)
+                                      for r in range(w13.shape[0])])
+        else:
+            self.segments = {r: list(zip(self.layer.host_row(r), (w13[r], w2[r]))) for r in held}
+
+    def set_active(self, active: bool) -> None:
+        self.active = active
+        if self.cuda:
+            self.fetcher.active.fill_(int(active))
+
+    def set_store_rows(self, rows: int) -> None:
+        if rows and not self.has_store:
+            raise ValueError("this layer has no store tier")
+        self.store_rows = min(rows, self.num_experts)
+        if self.cuda:
+            self.fetcher.first_host.fill_(self.store_rows)
+
+    def fetch(self, ids: torch.Tensor | None, *, programs: int) -> None:
+        """Bring in the rows `ids` names (every held row with None), from both tiers, on the current stream."""
+        if self.cuda:
+            self.fetcher.mark(ids)
+            if self.plan is None:
+                self.fetcher.fetch(programs)
+                return
+            # Both tiers at once: the decoder on its own stream (launched whatever store_rows is now: a captured
+            # graph follows its later values), joined before this call returns.
+            here = torch.cuda.current_stream()
+            self.decode_stream.wait_stream(here)
+            with torch.cuda.stream(self.decode_stream):
+                self.plan.run(self.fetcher.needed, self.fetcher.first_host)
+            self.fetcher.fetch(programs)
+            here.wait_stream(self.decode_stream)
+            return
+        rows = mark_rows_reference(ids, self.needed, self.active)
+        fetch_rows_reference(rows, self.store_rows, self.segments)
+        for row in rows:
+            if row < self.store_rows:
+                for name, out in self.store_targets[row]:
+                    self.decode(name, out)
+        self.fetched_rows += len(rows)
+        self.marks += int(self.active)
+
+    def counters(self) -> tuple[int, int]:
+        """(rows fetched, fetches of this layer while active), summed since the start (a host sync on CUDA)."""
+        if self.cuda:
+            fetched, marks = self.fetcher.stats.tolist()
+            return fetched, marks
+        return self.fetched_rows, self.marks

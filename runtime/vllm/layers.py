@@ -5,8 +5,8 @@ no layer is ever wrapped with LoRA. But a MoE layer built while LoRA is enabled 
 expert kernel (the Triton one, which the CPU build cannot run). This out-of-tree RoutedExperts builds the
 layer with the kernel vLLM would pick without LoRA, which is also the one the merged model runs on.
 It runs its kernel with the tile config vLLM would pick for the base's expert count (esftctl.runtime.vllm.moe:
-the widened row count matches no tuned config file). When experts are paged, it also brackets its kernel
-with the pager's ensure / done / prefetch.
+the widened row count matches no tuned config file). When experts are paged, it also brackets its kernel with
+the pager's before_kernel (with the step's rerouted ids) and after_kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
 
 class EsftRoutedExperts(RoutedExperts):
-    # (pager, this layer, the layer after it), set by EsftModel when experts are paged.
+    # (pager, this layer), set by EsftModel when experts are paged.
     esft_paging = None
     # num_tokens -> the kernel's tile config for the base's expert count (moe.kernel_config), or None.
     esft_kernel_config = None
@@ -28,20 +28,19 @@ class EsftRoutedExperts(RoutedExperts):
         super().__init__(layer_name, params_dtype, dataclasses.replace(moe_config, is_lora_enabled=False),
                          *args, **kwargs)
 
-    def forward_modular(self, x, *args, **kwargs):
+    def forward_modular(self, x, topk_weights, topk_ids, *args, **kwargs):
         if self.esft_kernel_config is None:
-            return self._forward_paged(x, *args, **kwargs)
+            return self._forward_paged(x, topk_weights, topk_ids, *args, **kwargs)
         with override_config(self.esft_kernel_config(x.shape[0])):
-            return self._forward_paged(x, *args, **kwargs)
+            return self._forward_paged(x, topk_weights, topk_ids, *args, **kwargs)
 
-    def _forward_paged(self, *args, **kwargs):
+    def _forward_paged(self, x, topk_weights, topk_ids, *args, **kwargs):
         if self.esft_paging is None:
-            return super().forward_modular(*args, **kwargs)
-        pager, layer, following = self.esft_paging
-        pager.ensure(layer)  # this layer's experts are in place before its kernel reads them
-        out = super().forward_modular(*args, **kwargs)
-        pager.done(layer)
-        pager.prefetch(following, current=layer)  # loads while this layer computes
+            return super().forward_modular(x, topk_weights, topk_ids, *args, **kwargs)
+        pager, layer = self.esft_paging
+        pager.before_kernel(layer, topk_ids, x.shape[0])  # the rows the kernel reads (ids already rerouted)
+        out = super().forward_modular(x, topk_weights, topk_ids, *args, **kwargs)
+        pager.after_kernel(layer)
         return out
 
 

@@ -10,10 +10,11 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   must equal its row bit for bit) and refuses a backend whose layout it cannot reproduce;
 - under expert parallelism keeps only the rank's experts and the adapter rows that replace them, and hands
   the kernel vLLM's expert map extended to those rows (esftctl.runtime.moe_layer);
-- optionally pages the experts (esftctl.runtime.paging with HeldRowBlocks): only `paging_window` layers hold
-  their rows, base and adapter alike; the others are loaded from the layer's host copy just before their
-  layer runs (the experts layer calls the pager around its kernel: esftctl.runtime.vllm.layers), and an
-  adapter loaded meanwhile is written to the host copies of the layers that are out;
+- optionally pages the experts (esftctl.runtime.paging): the layers share `paging_window` blocks of device
+  memory under their own addresses, and each layer's rows, base and adapter alike, come in from host copies (or
+  the base's Huffman store on the GPU) just before its kernel, the rows its tokens route to or the next layer
+  whole (the experts layer calls the pager around its kernel: esftctl.runtime.vllm.layers); an adapter loaded
+  meanwhile is written to the host copies;
 - makes the kernel compute every row (its expert count becomes the row count) and refuses set-ups in which
   some adapter row would be dropped or mis-mapped (esftctl.runtime.vllm.moe);
 - sets device memory aside for the adapter budget (or the paging window) before vLLM sizes its KV cache
@@ -39,10 +40,9 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
-from esftctl.runtime.paging.blocks import HeldRowBlocks
 from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency
-from esftctl.runtime.paging.tiers import LayerSource, store_decoder, tier_split
+from esftctl.runtime.paging.tiers import StoreTier, tier_split
 from esftctl.runtime.vllm.moe import (
     EngineMoELayer,
     check_rows,
@@ -113,12 +113,13 @@ class EsftModel:
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, *, num_slots: int, experts_per_slot: int,
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
                  paging_store: ExpertStore | None = None, store_experts: int | None = None, adaptive: bool = False,
-                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
+                 paging_fetch: str = "auto", base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
         """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
         reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
         layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
         `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `adaptive`
-        lets the residency planner keep layers resident while loads show; `base_rows` ({layer: {expert:
+        lets the residency planner keep layers resident while loads show; `paging_fetch` how paged layers fetch
+        (esftctl.runtime.paging.pager: auto, routed, layer); `base_rows` ({layer: {expert:
         weights}}) replaces base experts (consolidated variants: esftctl.variants) before anything is paged."""
         engine_layers = find_moe_layers(model)
         if sorted(engine_layers) != base.moe_layers:
@@ -135,10 +136,11 @@ class EsftModel:
         self.slots = AdapterSlots(self.layers, budget=adapter_budget)
         self.pager, self.residency = None, None
         if paging_window:
-            self.pager = self._page_experts(engine_layers, paging_window, base, paging_store, store_experts)
+            self.pager = self._page_experts(engine_layers, paging_window, base, paging_store, store_experts,
+                                            paging_fetch)
             if adaptive:
-                self.residency = AdaptiveResidency(self.pager, list(self.layers), lambda: max(
-                    l.held_bytes() for l in self.layers.values()))
+                self.residency = AdaptiveResidency(self.pager,
+                                                   lambda: max(l.held_bytes() for l in self.layers.values()))
         self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
 
     @property
@@ -154,8 +156,9 @@ class EsftModel:
     def _reserve_device_memory(self, budget: int | None, window: int, rows_per_layer: int) -> int:
         """Set device memory aside now for what serving maps later, since vLLM sizes its KV cache from the
         memory left free once the model is loaded (adapters, `--lora-modules` ones too, load after that): the
-        adapter budget's experts, or with paging the window's layers; layers paged out give theirs back, so
-        the KV cache gets it. Returns the bytes set aside."""
+        adapter budget's experts, or with paging the adapter rows the window's blocks may gain (the blocks hold
+        the base rows already; layers paged out gave theirs back, so the KV cache gets it). Returns the bytes set
+        aside."""
         if self.pool is None:
             return 0
         torch.cuda.empty_cache()  # vLLM's own tensors of the base experts, replaced by the virtual ones
@@ -164,8 +167,7 @@ class EsftModel:
         adapter_experts = budget or 0
         if window:
             self.pool.trim()
-            per_layer = layer.num_experts + min(adapter_experts, rows_per_layer)
-            nbytes = window * (per_layer * layer.expert_bytes + 4 * page)
+            nbytes = window * (min(adapter_experts, rows_per_layer) * layer.expert_bytes + 4 * page)
         else:  # an adapter's rows in a layer start and end inside a page: two more pages per tensor and layer
             nbytes = adapter_experts * layer.expert_bytes + (4 * n * page if adapter_experts else 0)
         free = torch.cuda.mem_get_info(self.device)[0]
@@ -179,8 +181,8 @@ class EsftModel:
         return pages * page
 
     def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int, base: MoECheckpoint,
-                      store: ExpertStore | None, store_experts: int | None) -> PagedExperts:
-        """Keep every layer's rows in host memory and let only `window` layers hold them on the device."""
+                      store: ExpertStore | None, store_experts: int | None, fetch: str) -> PagedExperts:
+        """Keep every layer's rows in host memory and let the layers share `window` blocks of device memory."""
         if any(layer.expert_map is not None for layer in self.layers.values()):
             raise EsftError("paging is not supported under expert parallelism yet (a rank's rows are its own "
                             "experts, the pager's blocks assume every expert); serve without --paging-window")
@@ -189,24 +191,21 @@ class EsftModel:
             raise EsftError(f"layer {custom[0]}: this model builds its experts with its own class "
                             f"({type(engine_layers[custom[0]].experts).__name__}), which esftctl's pager cannot "
                             "bracket; serve it without --paging-window")
-        make_decoder = self._store_tier(base, store) if store is not None else None
-        sources = {}
-        for index, layer in self.layers.items():
+        tier = self._store_tier(base, store) if store is not None else None
+        for layer in self.layers.values():
             layer.keep_host_copy()
-            names = [base.expert_tensor_names(index, e) for e in range(layer.num_experts)]
-            sources[index] = LayerSource(*layer.host, make_decoder=make_decoder and make_decoder(names))
-        blocks = HeldRowBlocks(self.layers)
-        for index in self.layers:
-            blocks.unmap(index)
-        pager = PagedExperts(sources, window=window, device=self.device, blocks=blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the host copies are complete before the rows are given back
+        first = next(iter(engine_layers.values())).experts
+        pager = PagedExperts(self.layers, window=window, make_space=self._make_space, top_k=first.top_k,
+                             store=tier, fetch=fetch)
         if store is not None:
-            pager.set_store_experts(store_experts if store_experts is not None else self._measured_split(pager))
-        order = list(self.layers)
-        for n, index in enumerate(order):  # forwards follow each other: after the last layer comes the first
-            engine_layers[index].experts.esft_paging = (pager, index, order[(n + 1) % len(order)])
+            pager.set_store_rows(store_experts if store_experts is not None else self._measured_split(pager))
+        for index, engine in engine_layers.items():
+            engine.experts.esft_paging = (pager, index)
         return pager
 
-    def _store_tier(self, base: MoECheckpoint, store: ExpertStore):
+    def _store_tier(self, base: MoECheckpoint, store: ExpertStore) -> StoreTier:
         """The store's decoder for base experts, if the engine keeps experts in the checkpoint's layout (the
         decoder writes that layout straight into the rows; an engine that repacks experts cannot use it)."""
         index, layer = next(iter(self.layers.items()))
@@ -220,15 +219,16 @@ class EsftModel:
         if missing:
             raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make "
                             "it with `esftctl compress BASE`", store.path)
-        return lambda names: store_decoder(store, names)
+        return StoreTier(store, {i: [base.expert_tensor_names(i, e) for e in range(l.num_experts)]
+                                 for i, l in self.layers.items()})
 
     def _measured_split(self, pager: PagedExperts) -> int:
         """How many base experts a layer takes from the store: both tiers timed once on the first layer."""
         index, layer = next(iter(self.layers.items()))
         e = layer.num_experts
-        pager.timed_load(index, store_experts=e)  # warm-up: the decoder's plan and kernel
+        pager.timed_fetch(index, store_rows=e)  # warm-up: the kernels' compilation
         nbytes = e * layer.expert_bytes
-        return tier_split(e, nbytes / pager.timed_load(index, 0), nbytes / pager.timed_load(index, e))
+        return tier_split(e, nbytes / pager.timed_fetch(index, 0), nbytes / pager.timed_fetch(index, e))
 
     def _install(self, engine: EngineMoELayer, base: MoECheckpoint, num_slots: int,
                  experts_per_slot: int) -> VirtualMoELayer:

@@ -92,6 +92,7 @@ class EsftWorkerManager:
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=settings.paging_window, paging_store=store,
                                  store_experts=settings.store_experts, adaptive=settings.paging_adaptive,
+                                 paging_fetch=settings.paging_fetch,
                                  base_rows=self.variants.base_rows() if self.variants else None)
         if self.variants:
             for v in range(1, len(self.variants.names)):
@@ -227,7 +228,9 @@ class EsftWorkerManager:
                 self.retiring.add(lora_id)
             self.last_used[lora_id] = now
         self.active = set(wanted)
-        if now - self._status_written > STATUS_EVERY_S:  # counters (paging loads, KV cache) stay current
+        if self.runtime.pager is not None:
+            self.runtime.pager.step()  # between steps: where the residency planner acts
+        if now - self._status_written > STATUS_EVERY_S:  # counters (paging fetches, KV cache) stay current
             self.write_status()
         if mapping is None:
             return
@@ -287,12 +290,12 @@ class EsftWorkerManager:
             adapter_expert_bytes=slots.adapter_bytes(),
             adapter_budget_bytes=slots.budget * slots.expert_bytes if slots.budget is not None else None,
             reserved_bytes=runtime.reserved_bytes, page_bytes=runtime.page_bytes,
-            adapter_physical_bytes=physical_adapter, expert_device_bytes=slots.physical_bytes(),
+            adapter_physical_bytes=physical_adapter,
+            expert_device_bytes=sum(runtime.pager.device_bytes().values()) if runtime.pager else slots.physical_bytes(),
             padded_bytes=len(adapters) * widest * expert_bytes, merged_bytes=len(adapters) * self.base.total_nbytes,
             kv_cache_tokens=blocks * cache.block_size if blocks else None,
             host_cache_used_bytes=self.host_cache.nbytes, host_cache_hits=self.host_cache.hits,
             host_cache_misses=self.host_cache.misses, paging_window=settings.paging_window,
-            paging_loads=runtime.pager.stats.loads if runtime.pager else 0,
             paging=self._paging_status() if runtime.pager else None)
 
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
@@ -314,14 +317,40 @@ class EsftWorkerManager:
 
     def _paging_status(self) -> PagingStatus:
         pager, residency = self.runtime.pager, self.runtime.residency
-        return PagingStatus(store_experts=next(iter(pager.sources.values())).store_experts,
-                            decoded_experts=pager.stats.decoded_experts, resident_layers=sorted(pager.resident),
+        device, counters = pager.device_bytes(), pager.counters()
+        held = sum(l.held_bytes() for l in self.runtime.layers.values())
+        freed = max(0, held - sum(device.values()))
+        per_token = kv_bytes_per_token(self.vllm_config)
+        return PagingStatus(fetch=pager.fetch_mode, store_experts=pager.store_rows, window_bytes=device["window"],
+                            resident_bytes=device["resident"], store_bytes=device["store"], host_bytes=held,
+                            freed_bytes=freed, freed_kv_tokens=freed // per_token if per_token else None,
+                            held_rows=max(len(l.held_rows()) for l in self.runtime.layers.values()),
+                            fetched_rows=counters["fetched_rows"], fetches=counters["fetches"],
+                            resident_layers=sorted(pager.resident),
                             decisions=residency.decisions[-5:] if residency else [])
 
     def write_status(self) -> None:
         self._status_written = time.monotonic()
         if self.config.status_file:
             write_json(rank_status_file(self.config.status_file, self.rank[0]), self.status().to_json())
+
+
+def kv_bytes_per_token(vllm_config) -> int | None:
+    """The KV cache's bytes per token on this rank (MLA: one latent vector per layer; else keys and values of
+    the rank's KV heads), from vLLM's model config; None where it cannot tell."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        layers = model.get_num_layers(parallel)
+        text = model.hf_text_config
+        if getattr(model, "use_mla", False):
+            per_layer = text.kv_lora_rank + text.qk_rope_head_dim
+        else:
+            per_layer = 2 * model.get_num_kv_heads(parallel) * model.get_head_size()
+        dtype = vllm_config.cache_config.cache_dtype
+        size = 1 if "fp8" in str(dtype) else model.dtype.itemsize
+    except (AttributeError, TypeError):
+        return None
+    return layers * per_layer * size
 
 
 def _variant_key(variant: int) -> str:
