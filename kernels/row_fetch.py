@@ -31,14 +31,17 @@ CHUNK = 1 << 18  # bytes of a segment one program copies at a time: a 11.5 MB w1
 VECTOR = 16  # segments start and end on 16-byte boundaries: the copies are 128-bit loads and stores
 
 
-def mark_rows_reference(ids: torch.Tensor | None, needed: torch.Tensor, active: bool) -> list[int]:
-    """needed[r] = 1 where r is among `ids` (every r where `ids` is None) while `active`, else 0; the marked rows."""
+def mark_rows_reference(ids: torch.Tensor | None, needed: torch.Tensor, active: bool,
+                        held: list[int] | None = None) -> list[int]:
+    """While `active`: needed[r] = 1 where r is among `ids` and those rows listed, or with `ids` None every row
+    needed and the `held` rows listed; else nothing."""
     needed.zero_()
-    if active:
-        if ids is None:
-            needed.fill_(1)
-        else:
-            needed[ids.flatten().long()] = 1
+    if not active:
+        return []
+    if ids is None:
+        needed.fill_(1)
+        return sorted(held if held is not None else range(len(needed)))
+    needed[ids.flatten().long()] = 1
     return needed.nonzero().flatten().tolist()
 
 
@@ -60,9 +63,9 @@ try:
 
     @triton.jit
     def _mark_kernel(ids_ptr, n_ids, needed_ptr, listing_ptr, count_ptr, n_rows, active_ptr, stats_ptr,
-                     ALL: tl.constexpr, BLOCK: tl.constexpr):
-        """ALL: every row listed. Else (needed and count cleared before) each id's first marking lists it.
-        stats[1] counts the marks of an active layer."""
+                     held_count_ptr, ALL: tl.constexpr, BLOCK: tl.constexpr):
+        """ALL: the held rows (ids = their list, held_count long) listed, every row needed. Else (needed and count
+        cleared before) each id's first marking lists it. stats[1] counts the marks of an active layer."""
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         active = tl.load(active_ptr) != 0
         if tl.program_id(0) == 0:
@@ -70,11 +73,11 @@ try:
         if ALL:
             ok = offsets < n_rows
             tl.store(needed_ptr + offsets, tl.where(active, 1, 0), mask=ok)
-            tl.store(listing_ptr + offsets, offsets, mask=ok)
+            tl.store(listing_ptr + offsets, tl.load(ids_ptr + offsets, mask=ok, other=0), mask=ok)
             if tl.program_id(0) == 0:
-                tl.store(count_ptr, tl.where(active, n_rows, 0))
+                tl.store(count_ptr, tl.where(active, tl.load(held_count_ptr), 0))
         else:
-            ok = (offsets < n_ids) & active
+            ok = offsets < tl.where(active, n_ids, 0)
             ids = tl.load(ids_ptr + offsets, mask=ok, other=0).to(tl.int32)
             ok = ok & (ids >= 0) & (ids < n_rows)
             first = tl.atomic_xchg(needed_ptr + ids, 1, mask=ok) == 0
@@ -124,10 +127,12 @@ class RowFetch:
     rows + r), the step's marks, the tier boundary, the active flag, and `stats` = (rows fetched, marks while
     active), summed since the start."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
-        """`w13` [rows, ...], `w2` [rows, ...]: the layer's rows at their fixed addresses (mapped or not)."""
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, address=None):
+        """`w13` [rows, ...], `w2` [rows, ...]: the layer's rows at their fixed addresses (mapped or not);
+        `address`: a host row -> the address kernels read it at (default: the driver's, for pinned memory;
+        Triton's CPU interpreter reads host addresses as they are)."""
         rows, device = w13.shape[0], w13.device
-        self.rows = rows
+        self.rows, self.address = rows, address or host_device_pointer
         row_bytes = [w13[0].numel() * w13.element_size(), w2[0].numel() * w2.element_size()]
         if any(b % VECTOR for b in row_bytes) or w13.data_ptr() % VECTOR or w2.data_ptr() % VECTOR:
             raise ValueError(f"expert rows must start and end on {VECTOR}-byte boundaries")
@@ -143,6 +148,8 @@ class RowFetch:
         self.active = torch.ones(1, dtype=torch.int32, device=device)
         self.first_host = torch.zeros(1, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)
+        self.held = torch.zeros(rows, dtype=torch.int32, device=device)  # the rows with a source, listed first
+        self.held_count = torch.zeros(1, dtype=torch.int32, device=device)
 
     def set_sources(self, sources: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
         """Every row's pinned host copies (w13, w2), or None where the row is not held; in one copy to the
@@ -152,24 +159,28 @@ class RowFetch:
             for k, (t, nbytes) in enumerate(zip(pair, self.row_bytes)):
                 if t is None:
                     continue
-                if t.data_ptr() % VECTOR or not t.is_pinned() or t.numel() * t.element_size() != nbytes:
-                    raise ValueError(f"row {row}: host rows must be pinned, {VECTOR}-byte aligned and a row's size")
-                values[k * self.rows + row] = host_device_pointer(t)
+                if t.data_ptr() % VECTOR or t.numel() * t.element_size() != nbytes:
+                    raise ValueError(f"row {row}: host rows must be {VECTOR}-byte aligned and a row's size")
+                values[k * self.rows + row] = self.address(t)
+        held = [r for r in range(self.rows) if values[r] or values[self.rows + r]]
         self.src.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=False)
+        self.held.copy_(torch.tensor(held + [0] * (self.rows - len(held)), dtype=torch.int32), non_blocking=False)
+        self.held_count.fill_(len(held))
 
     def mark(self, ids: torch.Tensor | None) -> None:
-        """List the rows `ids` names (every row with None), unless the layer is inactive."""
+        """List the rows `ids` names (every held row with None), unless the layer is inactive."""
         block = 1024
         if ids is None:
-            _mark_kernel[(triton.cdiv(self.rows, block),)](self.listing, 0, self.needed, self.listing, self.count,
-                                                           self.rows, self.active, self.stats, ALL=True, BLOCK=block)
+            _mark_kernel[(triton.cdiv(self.rows, block),)](self.held, 0, self.needed, self.listing, self.count,
+                                                           self.rows, self.active, self.stats, self.held_count,
+                                                           ALL=True, BLOCK=block)
         else:
             self.needed.zero_()
             self.count.zero_()
             flat = ids.reshape(-1)
             _mark_kernel[(triton.cdiv(max(flat.numel(), 1), block),)](
                 flat, flat.numel(), self.needed, self.listing, self.count, self.rows, self.active, self.stats,
-                ALL=False, BLOCK=block)
+                self.held_count, ALL=False, BLOCK=block)
         self.stats[:1].add_(self.count)
 
     def fetch(self, programs: int) -> None:

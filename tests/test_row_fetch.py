@@ -29,6 +29,48 @@ def test_reference_fetch_skips_the_store_tier_and_rows_without_a_source():
     assert [float(src[r][0][1][0]) for r in range(6)] == [0, 0, 2, 0, 0, 5]
 
 
+INTERPRETED = """
+import torch
+from esftctl.kernels.row_fetch import RowFetch, fetch_rows_reference, mark_rows_reference
+g = torch.Generator().manual_seed(0)
+h13, h2 = torch.randn({rows}, *{a}, generator=g).bfloat16(), torch.randn({rows}, *{b}, generator=g).bfloat16()
+d13, d2 = torch.full(({rows}, *{a}), 7.0).bfloat16(), torch.full(({rows}, *{b}), 7.0).bfloat16()
+want13, want2 = d13.clone(), d2.clone()
+fetch = RowFetch(d13, d2, address=lambda t: t.data_ptr())  # the interpreter reads host addresses as they are
+held = [r for r in range({rows}) if r != 9]
+fetch.set_sources([(h13[r], h2[r]) if r in held else (None, None) for r in range({rows})])
+fetch.first_host.fill_(2)
+ids = torch.tensor([[3, 5], [5, 11], [3, 0], [9, 1]], dtype=torch.int32)
+needed = torch.zeros({rows}, dtype=torch.int32)
+rows = mark_rows_reference(ids, needed, True)
+fetch_rows_reference(rows, 2, {{r: [(h13[r], want13[r]), (h2[r], want2[r])] for r in held}})
+fetch.mark(ids)
+fetch.fetch(3)
+assert torch.equal(fetch.needed, needed) and sorted(fetch.listing[:int(fetch.count)].tolist()) == rows
+assert torch.equal(d13, want13) and torch.equal(d2, want2) and fetch.stats.tolist() == [len(rows), 1]
+fetch.mark(None)
+assert sorted(fetch.listing[:int(fetch.count)].tolist()) == held and bool(fetch.needed.all())
+fetch.active.zero_()
+fetch.mark(ids)
+assert int(fetch.count) == 0 and not fetch.needed.any() and fetch.stats.tolist() == [len(rows) + len(held), 2]
+print("ok")
+"""
+
+
+def test_kernels_in_the_interpreter():
+    """The kernels' logic run by Triton's CPU interpreter (host addresses stand in for the bus), so machines
+    without a GPU check it too: marks, listing, the persistent fetch's striding, the tier boundary, inactivity."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = INTERPRETED.format(rows=ROWS, a=A, b=B)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def _rows(device="cpu", pin=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(ROWS, *A, generator=g).to(torch.bfloat16)
@@ -61,6 +103,9 @@ def test_kernels_equal_the_reference(programs):
     assert sorted(fetch.listing[: int(fetch.count)].tolist()) == rows
     assert torch.equal(dev13.cpu(), want13) and torch.equal(dev2.cpu(), want2)
     assert fetch.stats.tolist() == [len(rows), 1]
+    fetch.mark(None)  # a whole layer: every held row listed (not row 9), every row needed
+    torch.cuda.synchronize()
+    assert sorted(fetch.listing[: int(fetch.count)].tolist()) == held and bool(fetch.needed.all())
 
 
 @pytest.mark.gpu

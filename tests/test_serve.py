@@ -352,6 +352,24 @@ def test_cuda_graphs_served_exactly(architecture, world, tmp_path):
     serve_exactly(base, prompts_of(world)[:4], tmp_path, engine_settings(graphs=True), seed=30)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen2_moe"])
+def test_paging_with_cuda_graphs_served_exactly(architecture, world, tmp_path):
+    """Issue 28: every paged mode at once with CUDA graphs on the server and the reference alike: two shared
+    blocks, half of every layer's base experts decoded from a compressed tier on the GPU and the rest (and the
+    adapters') read from host memory, the routed rows fetched in decode steps and whole layers ahead in
+    prefills (--paging-fetch auto), and the residency planner moving layers between steps while graphs replay."""
+    base = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    store = tmp_path / "store"
+    run_cli("compress", base, "--out", store, check=True)
+    half = MoECheckpoint(base).num_experts // 2
+    s = serve_exactly(base, prompts_of(world)[:4], tmp_path, engine_settings(graphs=True), seed=50, paging_window=2,
+                      paging_store=store, store_experts=half, paging_adaptive=True)
+    assert s["paging_store_experts"] == half and s["paging_store_bytes"] > 0 and s["paging_window_bytes"] > 0
+    assert 0 < s["paging_fetched_rows"] < s["paging_fetches"] * s["paging_held_rows"]  # decode steps: routed rows
+    assert s["paging_decisions"], "the planner never ran between steps"
+
+
 def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_path):
     other = write_synthetic_adapter(tiny_models["deepseek_v2"], tmp_path / "other", "other", seed=1)
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}")

@@ -212,6 +212,13 @@ for chunk, scope in ((16, "layer"), (64, "tensor"), (48, "layer")):  # "tensor":
     store.plan(outs).run()
     for n, out in outs:
         assert torch.equal(out.view(torch.int16), tensors[n].view(torch.int16)), (chunk, n)
+    # Paging's masked run: tensor k is row k; only rows needed and below the first host row are decoded.
+    outs = [(n, torch.full(t.shape, float("nan"), dtype=torch.bfloat16)) for n, t in tensors.items()]
+    needed, first_host = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    store.plan(outs, rows=list(range(len(outs)))).run(needed, first_host)
+    for k, (n, out) in enumerate(outs):
+        decoded = k in (0, 2)
+        assert torch.equal(out.view(torch.int16), tensors[n].view(torch.int16)) if decoded else out.isnan().all()
 print("ok")
 """
 

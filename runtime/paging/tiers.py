@@ -112,7 +112,7 @@ class LayerTiers:
             self.fetcher.fetch(programs)
             here.wait_stream(self.decode_stream)
             return
-        rows = mark_rows_reference(ids, self.needed, self.active)
+        rows = mark_rows_reference(ids, self.needed, self.active, held=list(self.segments))
         fetch_rows_reference(rows, self.store_rows, self.segments)
         for row in rows:
             if row < self.store_rows:
