@@ -35,12 +35,11 @@ from esftctl.runtime.paging.timing import LayerTimes
 from esftctl.runtime.paging.window import Window
 
 FETCH_MODES = ("auto", "routed", "layer")
-OVERLAP_PROGRAMS = 16  # programs of a fetch beside another layer's kernel (an H100 has 132 SMs)
-
-
-def full_programs(device: torch.device) -> int:
-    """Programs of a fetch that runs alone: four per SM."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+# Programs of a fetch, measured on an H100 (benchmarks/RESULTS.md, 2026-11-25): 16 read a whole layer at 47 GB/s
+# (the copy engine: 54) and let a matrix product beside them run as fast as alone; 64 reach 49 GB/s; 528 (four per
+# SM) no faster, but they stall the product beside them to a third of its speed.
+OVERLAP_PROGRAMS = 16  # beside another layer's kernel
+ALONE_PROGRAMS = 64  # before this layer's kernel, nothing to share the SMs with
 
 
 class PagedExperts:
@@ -69,7 +68,7 @@ class PagedExperts:
             self.window.page_out(i)
             self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.programs = full_programs(self.device)
+        self.programs = ALONE_PROGRAMS
         self._joins: set[int] = set()  # layers whose experts call forked to the load stream
         self.times = LayerTimes(self.cuda)
         self.between_steps: Callable[[], None] | None = None  # the planner's hook (esftctl.runtime.paging.planner)
