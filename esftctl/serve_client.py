@@ -99,13 +99,14 @@ def status_table(status: EngineStatus | dict, served: list[str] | None = None) -
     title = (f"{len(adapters)} adapter(s) in {s.slots} slots over {s.base} ({s.device}, {len(s.moe_layers)} MoE "
              "layers)")
     table = Table(title=title, title_justify="left")
-    for col in ("adapter", "slot", "experts per layer", "total", "bytes"):
+    for col in ("adapter", "slot", "experts per layer", "total", "bytes", "applied"):
         table.add_column(col, justify="left" if col in ("adapter", "experts per layer") else "right")
     if served:
         table.add_row(served[0], "base", "-", "-", format_bytes(s.model_bytes))
     for a in adapters:
         counts = a.experts_per_layer
-        table.add_row(a.name, str(a.slot), _counts(counts), str(sum(counts)), format_bytes(a.bytes))
+        applied = f"{a.checked_rows} rows checked" if a.checked_rows else "not checked"
+        table.add_row(a.name, str(a.slot), _counts(counts), str(sum(counts)), format_bytes(a.bytes), applied)
     if s.variants:
         table.add_section()
         for v in s.variants:

@@ -46,6 +46,7 @@ class AdapterInfo:
     slot: int
     experts_per_layer: dict[int, int] = field(default_factory=dict)
     nbytes: int = 0
+    checked_rows: int = 0  # rows found, after loading, to hold the adapter's weights where the kernel reads them
 
 
 class AdapterSlots:
@@ -78,9 +79,12 @@ class AdapterSlots:
 
     # ---- load / evict ----------------------------------------------------------------------------
     def load(self, name: str, experts: AdapterExperts,
-             staged: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+             staged: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             checksums: Mapping[int, torch.Tensor] | None = None) -> int:
         """Load `experts` ({layer: {id: weights}}) into a free slot; `staged` ({layer: rows from the layer's
-        `stage`}) gives their contents already in the layout, with None as every weight in `experts`."""
+        `stage`}) gives their contents already in the layout, with None as every weight in `experts`; with
+        `checksums` (the staged rows', from `stage`), every row is checked to hold them where the kernel reads
+        it (VirtualMoELayer.check_rows) once the copies have run, and a load that fails the check is undone."""
         if name in self.adapters:
             raise EsftError(f"an adapter named {name!r} is already loaded")
         unknown = sorted(set(experts) - set(self.layers))
@@ -108,6 +112,15 @@ class AdapterSlots:
                     loaded.append(layer)
                 info.experts_per_layer[layer] = len(layer_experts)
                 info.nbytes += len(layer_experts) * self.layers[layer].expert_bytes
+            if checksums is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # the copies have landed
+                for layer in loaded:
+                    try:
+                        info.checked_rows += self.layers[layer].check_rows(slot, checksums[layer])
+                    except EsftError as e:
+                        raise EsftError(f"adapter {name!r} did not reach the kernel in layer {layer}: {e}; the load "
+                                        "is undone") from None
         except BaseException:
             for layer in loaded:  # nothing has run with this slot yet: release at once
                 self.layers[layer].release_rows(self.layers[layer].detach(slot))

@@ -27,6 +27,7 @@ class AdapterStatus:
     bytes: int
     retiring: bool  # unloaded, kept until its running requests finish
     experts_per_layer: list[int]
+    checked_rows: int = 0  # rows checked after loading to hold its weights where the kernel reads them
 
 
 @dataclass(kw_only=True)

@@ -31,24 +31,28 @@ from esftctl.runtime.moe_layer import VirtualMoELayer
 
 @dataclass
 class StagedAdapter:
-    """A bundle's experts as rows of the engine's layout: {layer: (sorted ids, w13, w2)}."""
+    """A bundle's experts as rows of the engine's layout, with their row checksums: {layer: (sorted ids, w13, w2,
+    checksums)}."""
 
-    layers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]]
+    layers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]
 
     @property
     def num_experts(self) -> int:
-        return sum(len(ids) for ids, _, _ in self.layers.values())
+        return sum(len(ids) for ids, *_ in self.layers.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(w13.nbytes + w2.nbytes for _, w13, w2 in self.layers.values())
+        return sum(w13.nbytes + w2.nbytes for _, w13, w2, _ in self.layers.values())
 
     def experts(self) -> dict[int, dict[int, None]]:
-        """The {layer: {id: None}} that AdapterSlots.load takes beside `rows()`."""
-        return {layer: dict.fromkeys(ids) for layer, (ids, _, _) in self.layers.items()}
+        """The {layer: {id: None}} that AdapterSlots.load takes beside `rows()` and `checksums()`."""
+        return {layer: dict.fromkeys(ids) for layer, (ids, *_) in self.layers.items()}
 
     def rows(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {layer: (w13, w2) for layer, (_, w13, w2) in self.layers.items()}
+        return {layer: (w13, w2) for layer, (_, w13, w2, _) in self.layers.items()}
+
+    def checksums(self) -> dict[int, torch.Tensor]:
+        return {layer: sums for layer, (_, _, _, sums) in self.layers.items()}
 
 
 def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[int, ExpertWeights]]) -> StagedAdapter:

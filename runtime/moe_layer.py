@@ -35,6 +35,26 @@ from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.address_space import AddressSpace
 from esftctl.runtime.virtual_tensor import VirtualExpertTensor
 
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def row_checksums(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """A checksum per row of experts in any layout (w13 [n, ...], w2 [n, ...], 2-byte values), the same on any
+    device: each row's 16-bit words weighted by their position (1 + i mod 251) and summed in int64, so a changed,
+    missing or moved value, or another row, changes it. Rows one at a time: the weighted copy of a row is its only
+    temporary."""
+    out = torch.empty(w13.shape[0], dtype=torch.int64, device=w13.device)
+    for k in range(w13.shape[0]):
+        total = torch.zeros((), dtype=torch.int64, device=w13.device)
+        for t in (w13[k], w2[k]):
+            words = t.contiguous().view(torch.int16).reshape(-1)
+            key = (words.numel(), words.device)
+            if key not in _WEIGHTS:
+                _WEIGHTS[key] = (torch.arange(words.numel(), device=words.device) % 251 + 1).to(torch.int32)
+            total += (words.to(torch.int64) * _WEIGHTS[key]).sum()
+        out[k] = total
+    return out
+
 
 def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint experts as fused host tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], each weight
@@ -242,18 +262,45 @@ class VirtualMoELayer:
         """Write other experts into some base rows (the base rows must be loaded)."""
         self._write(sorted(experts), [experts[e] for e in sorted(experts)])
 
-    def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies.
-        An engine's conversion may run on its device (vLLM's processing of the kernel layout): its rows come
+    def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies,
+        and their row checksums (`row_checksums`, on the CPU) for `check_rows`. An engine's conversion may run on
+        its device (vLLM's processing of the kernel layout): the checksums are taken there, and the rows come
         back to host memory, so that staged adapters never hold device memory outside the budget."""
         pin = self.device.type == "cuda"
         rows = self.layout.convert(*stack_experts(experts, pin=pin))
+        sums = row_checksums(*rows).cpu()
         if all(t.device.type == "cpu" for t in rows):
-            return rows
+            return (*rows, sums)
         host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in rows)
         for dst, src in zip(host, rows):
             dst.copy_(src)
-        return host
+        return (*host, sums)
+
+    def check_rows(self, slot: int, checksums: torch.Tensor) -> int:
+        """That slot's experts reach the kernel as staged: the map sends each of its expert ids to the row it was
+        given, and the rows the engine reads for it (the device rows, or the host copies a paged layer is fetched
+        from) have the staged rows' checksums (in expert id order). Returns the rows checked; EsftError if one
+        differs."""
+        rows = self.slot_rows[slot]
+        ids = sorted(rows)
+        mapped = self.table[slot].cpu()
+        wrong = [e for e in ids if int(mapped[e]) != rows[e]]
+        if wrong:
+            raise EsftError(f"the expert map sends experts {wrong} elsewhere than their rows")
+        held = [k for k, e in enumerate(ids) if self.holds_row(rows[e])]
+        got = []
+        for k in held:
+            row = rows[ids[k]]
+            if self.paged_out:  # the host copies it is fetched from (checked on the device, one row at a time)
+                w13, w2 = (t.to(self.device, non_blocking=True) for t in self.host_row(row))
+            else:
+                w13, w2 = self.w13.tensor[self.local_row(row)], self.w2.tensor[self.local_row(row)]
+            got.append(row_checksums(w13[None], w2[None]))
+        differ = [ids[k] for k, c in zip(held, got) if int(c) != int(checksums[k])]
+        if differ:
+            raise EsftError(f"the rows of experts {differ} do not hold the adapter's weights")
+        return len(held)
 
     def load(self, slot: int, experts: Mapping[int, ExpertWeights | None],
              staged: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, int]:

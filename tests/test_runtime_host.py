@@ -302,6 +302,56 @@ def test_failed_load_rolls_back_every_layer():
     second.close()
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["resident", "paged"])
+def test_an_adapter_that_does_not_reach_the_kernel_is_refused_and_undone(paged, monkeypatch):
+    """Issue 31, item 4: every row a load writes is checked, where the kernel reads it (the device rows, or the
+    host copies a paged layer is fetched from), against the staged rows' checksums; rows corrupted on their way
+    in, or a map that sends an expert to another row, refuse the load with one line and leave no trace."""
+    from esftctl.runtime.host_cache import stage
+    from esftctl.runtime.moe_layer import row_checksums
+
+    first, second = _layer(), _layer()
+    for layer in (first, second):
+        if paged:
+            layer.keep_host_copy()
+            layer.page_out()
+    slots = AdapterSlots({1: first, 2: second})
+    experts = {1: {4: _expert(7), 0: _expert(8)}, 2: {5: _expert(9)}}
+    staged = stage({1: first, 2: second}, experts)
+    assert torch.equal(staged.checksums()[1], row_checksums(*staged.rows()[1]))
+    slots.load("good", staged.experts(), staged.rows(), staged.checksums())
+    assert slots.adapters["good"].checked_rows == 3
+
+    write = VirtualMoELayer.write_rows
+
+    def corrupting(self, rows, w13, w2):  # one value of the last row, after staging: a copy gone wrong
+        w13 = w13.clone()
+        w13[-1].view(-1)[w13[-1].numel() // 2] += 1
+        write(self, rows, w13, w2)
+
+    monkeypatch.setattr(VirtualMoELayer, "write_rows", corrupting)
+    with pytest.raises(EsftError, match=r"adapter 'bad' did not reach the kernel in layer 1: the rows of experts "
+                                        r"\[4\] do not hold"):
+        slots.load("bad", staged.experts(), staged.rows(), staged.checksums())
+    monkeypatch.undo()
+    assert set(slots.adapters) == {"good"} and first.free_rows == 12 - 2 and len(first.slot_rows) == 1
+
+    load = VirtualMoELayer.load
+
+    def misrouting(self, slot, experts, staged=None):  # the map sends expert 0 to another row
+        rows = load(self, slot, experts, staged)
+        self.table[slot][min(rows)] = max(rows.values()) + 1
+        return rows
+
+    monkeypatch.setattr(VirtualMoELayer, "load", misrouting)
+    with pytest.raises(EsftError, match=r"the expert map sends experts \[0\] elsewhere"):
+        slots.load("lost", staged.experts(), staged.rows(), staged.checksums())
+    monkeypatch.undo()
+    assert set(slots.adapters) == {"good"} and first.table[1].tolist() == list(range(E))
+    first.close()
+    second.close()
+
+
 def test_router_reference_on_cpu():
     from esftctl.kernels.router import topk_softmax_reroute
 

@@ -154,6 +154,8 @@ def test_status_table_accounts_adapter_memory(deepseek):
     assert set(adapters) == {"task0", "task1", "task2"}
     layers = len(s["moe_layers"])
     assert [adapters[f"task{k}"]["experts_per_layer"] for k in range(3)] == [[2] * layers, [4] * layers, [6] * layers]
+    # Issue 31, item 4: every row of every adapter was checked to hold its weights where the kernel reads them.
+    assert [adapters[f"task{k}"]["checked_rows"] for k in range(3)] == [2 * layers, 4 * layers, 6 * layers]
     assert s["adapter_expert_bytes"] == sum(a["bytes"] for a in adapters.values())
     # Physical memory within one page per layer and tensor of the experts' own bytes; padding costs more.
     page = s["page_bytes"]  # 64 KiB on the host, 2 MiB on CUDA
@@ -164,6 +166,7 @@ def test_status_table_accounts_adapter_memory(deepseek):
     proc = run_cli("adapters", "list", "--url", deepseek["url"])
     assert proc.returncode == 0, proc.stderr
     assert "task2" in proc.stdout and "saved vs padding" in proc.stdout and "KV cache" in proc.stdout
+    assert f"{6 * layers} rows checked" in proc.stdout
 
 
 def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp_path):

@@ -138,7 +138,7 @@ def test_the_status_record_reads_and_writes_the_servers_json():
                                               decisions=[]))
     data = paged.to_json()
     assert data["adapters"][0] == {"name": "a", "lora_id": 1, "slot": 0, "bytes": 8, "retiring": False,
-                                   "experts_per_layer": [1, 2]}
+                                   "experts_per_layer": [1, 2], "checked_rows": 0}
     assert data["paging_store_experts"] == 2 and data["paging_resident_layers"] == [1] and "paging" not in data
     assert "per_rank" not in data and "server_pid" not in data and "paging_store_experts" not in \
         engine_status().to_json()

@@ -219,6 +219,12 @@ class EsftModel:
         if missing:
             raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make "
                             "it with `esftctl compress BASE`", store.path)
+        if self.device.type == "cuda":  # the compressed tier lives on the GPU, taken before vLLM sizes its KV cache
+            need, free = int(store.header["data_bytes"]), torch.cuda.mem_get_info(self.device)[0]
+            if need > free:
+                raise EsftError(f"the compressed tier needs {format_bytes(need)} of GPU memory and "
+                                f"{format_bytes(free)} are free after loading the model; page from host memory only "
+                                "(no --paging-store)", store.path)
         return StoreTier(store, {i: [base.expert_tensor_names(i, e) for e in range(l.num_experts)]
                                  for i, l in self.layers.items()})
 

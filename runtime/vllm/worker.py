@@ -97,7 +97,7 @@ class EsftWorkerManager:
         if self.variants:
             for v in range(1, len(self.variants.names)):
                 staged = stage(self.runtime.layers, self.variants.own_experts(v))
-                self.runtime.slots.load(_variant_key(v), staged.experts(), staged.rows())
+                self.runtime.slots.load(_variant_key(v), staged.experts(), staged.rows(), staged.checksums())
         self.write_status()
         return model
 
@@ -146,7 +146,7 @@ class EsftWorkerManager:
             if staged is None:
                 staged = stage(self.runtime.layers, bundle.read_experts())
                 self.host_cache.put(key, staged)
-            slots.load(_key(lora_id), staged.experts(), staged.rows())
+            slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums())
             if slots.device.type == "cuda":  # loaded means on the device: the pinned rows' copies have run
                 torch.cuda.current_stream(slots.device).synchronize()
         except EsftError as e:
@@ -301,7 +301,7 @@ class EsftWorkerManager:
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
         info = self.runtime.slots.adapters[_key(lora_id)]
         return AdapterStatus(name=name, lora_id=lora_id, slot=info.slot, bytes=info.nbytes,
-                             retiring=lora_id in self.retiring,
+                             retiring=lora_id in self.retiring, checked_rows=info.checked_rows,
                              experts_per_layer=[info.experts_per_layer.get(l, 0) for l in self.runtime.layers])
 
     def _variant_statuses(self) -> list[VariantStatus]:
