@@ -269,6 +269,7 @@ class PackReport:
     experts: dict[int, list[int]]
     unchanged_listed: list[tuple[int, int]] = field(default_factory=list)  # in the config, identical to base
     non_expert_changed: list[str] = field(default_factory=list)
+    layer_base: int | None = None  # how the expert config numbered layers (0 or 1); None without one
 
 
 @dataclass

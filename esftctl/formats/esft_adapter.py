@@ -105,12 +105,13 @@ def _read_tensors(entries: dict[str, tuple[str, TensorInfo]], base: MoECheckpoin
 
 
 def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, include_non_expert: bool = False,
-                   overwrite: bool = False, on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
-    """A DeepSeek ESFT adapter folder of `base_dir` -> an adapter bundle at `out`, verified (module docstring)."""
+                   overwrite: bool = False, layer_base: int | None = None,
+                   on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
+    """A DeepSeek ESFT adapter folder of `base_dir` -> an adapter bundle at `out`, verified (module docstring);
+    `layer_base`: how its expert_cfg.json numbers layers (0 or 1; None: as only one fits the base)."""
     base, adapter_dir = MoECheckpoint(base_dir), Path(adapter_dir)
     config_file = adapter_dir / CONFIG_FILE
-    config = ExpertConfig.load(config_file)
-    config.validate(base.moe_layers, base.num_experts, config_file)
+    config, used_base = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts, layer_base=layer_base)
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
     files = sorted(adapter_dir.glob("*.safetensors"))
@@ -202,7 +203,7 @@ def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, i
     return PackReport(name, out, {l: ids for l, ids in sorted(config.experts.items()) if ids},
                       unchanged_listed=[(l, e) for l, per in experts.items() for e, w in per.items()
                                         if w.equal(base.read_expert(l, e))],
-                      non_expert_changed=sorted(changed))
+                      non_expert_changed=sorted(changed), layer_base=used_base)
 
 
 def export_adapter(bundle_dir: Path, out: Path, *, base_dir: Path | None = None,
