@@ -59,6 +59,10 @@ class Architecture:
         suffix = self.expert_suffixes[EXPERT_WEIGHTS.index(weight)]
         return f"{self.expert_prefix.format(layer=layer, expert=expert)}.{suffix}.weight"
 
+    def experts_prefix(self, layer: int) -> str:
+        """The name prefix of every tensor of a MoE layer's routed experts, whatever their layout or quantization."""
+        return self.expert_prefix.split("{expert}")[0].format(layer=layer)
+
     def router_tensor(self, layer: int) -> str:
         return self.router.format(layer=layer)
 

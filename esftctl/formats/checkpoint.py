@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
 from esftctl.formats.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
+from esftctl.formats.quantization import find_quantization, label
 from esftctl.jsonfile import open_regular, read_json
 from esftctl.units import format_ranges
 
@@ -170,9 +171,11 @@ def read_stored(info: TensorInfo, *, name: str) -> torch.Tensor:
 
 
 class MoECheckpoint:
-    """A Hugging Face MoE checkpoint folder, opened without loading its tensors."""
+    """A Hugging Face MoE checkpoint folder, opened without loading its tensors. A checkpoint with quantized
+    experts is refused in one line naming the method, unless `quantized` (only to describe it: its experts are
+    not checked and must not be read; esftctl/formats/quantization.py)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, quantized: bool = False):
         self.path = Path(path)
         if not self.path.is_dir():
             raise EsftError("not a model folder (expected a directory with config.json)", self.path)
@@ -190,7 +193,15 @@ class MoECheckpoint:
             if not isinstance(self.config.get(key), int):
                 raise EsftError(f"config has no integer {key!r}", self.path / "config.json")
         self.tensors: dict[str, TensorInfo] = self._read_tensor_infos()
-        self._check_experts()
+        self.quantization: dict | None = find_quantization(self.config, self._routed_dtypes())
+        if self.quantization is None:
+            self._check_experts()
+        elif quantized:
+            self._check_routers()
+        else:
+            raise EsftError(f"experts quantized with {label(self.quantization)} are not supported yet: esftctl reads "
+                            "bf16, fp16 or fp32 experts (`esftctl inspect` describes this checkpoint)",
+                            self.path / "config.json")
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -227,8 +238,13 @@ class MoECheckpoint:
 
     @cached_property
     def expert_dtype(self) -> str:
-        layer = self.moe_layers[0]
-        return self.tensors[self.arch.expert_tensor(layer, 0, "gate")].dtype
+        gate = self.tensors.get(self.arch.expert_tensor(self.moe_layers[0], 0, "gate"))
+        return gate.dtype if gate is not None else ",".join(self.quantization["expert_dtypes"])
+
+    def _routed_dtypes(self) -> dict[str, str]:
+        """{tensor name: dtype} of every tensor under the MoE layers' routed-expert prefixes."""
+        prefixes = tuple(self.arch.experts_prefix(layer) for layer in self.moe_layers)
+        return {n: info.dtype for n, info in self.tensors.items() if n.startswith(prefixes)}
 
     @property
     def expert_nbytes(self) -> int:
@@ -298,6 +314,7 @@ class MoECheckpoint:
 
     # ---- describing ------------------------------------------------------------------------------
     def describe(self) -> dict:
+        routed = sum(self.tensors[n].nbytes for n in self._routed_dtypes())
         return {
             "kind": "model",
             "path": str(self.path),
@@ -312,8 +329,9 @@ class MoECheckpoint:
             "hidden_size": self.hidden_size,
             "moe_intermediate_size": self.moe_intermediate_size,
             "expert_dtype": self.expert_dtype,
-            "expert_bytes": self.expert_nbytes,
-            "routed_expert_bytes": self.expert_nbytes * self.num_experts * len(self.moe_layers),
+            "quantization": self.quantization,
+            "expert_bytes": routed // (self.num_experts * len(self.moe_layers)),
+            "routed_expert_bytes": routed,
             "total_bytes": self.total_nbytes,
             "num_tensors": len(self.tensors),
             "num_files": len(self.files),
@@ -339,10 +357,9 @@ class MoECheckpoint:
             raise EsftError(f"no {SINGLE_FILE} and no {INDEX_FILE}", self.path)
         return _read_header(single)
 
-    def _check_experts(self) -> None:
+    def _check_routers(self) -> None:
         if not self.moe_layers:
             raise EsftError("config describes no MoE layer", self.path / "config.json")
-        shapes = self.expert_shapes()
         for layer in self.moe_layers:
             router = self.arch.router_tensor(layer)
             if router not in self.tensors:
@@ -351,6 +368,11 @@ class MoECheckpoint:
                 raise EsftError(
                     f"router {router!r} has shape {list(self.tensors[router].shape)}, "
                     f"expected {[self.num_experts, self.hidden_size]}", self.tensors[router].file)
+
+    def _check_experts(self) -> None:
+        self._check_routers()
+        shapes = self.expert_shapes()
+        for layer in self.moe_layers:
             for e in range(self.num_experts):
                 for w, name in self.expert_tensor_names(layer, e).items():
                     info = self.tensors.get(name)

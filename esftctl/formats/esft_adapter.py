@@ -71,7 +71,7 @@ def is_esft_adapter(path: str | Path) -> bool:
     if not (path / "config.json").is_file():
         return True
     try:
-        MoECheckpoint(path)
+        MoECheckpoint(path, quantized=True)
     except EsftError:
         return True
     return False
