@@ -8,8 +8,9 @@ A bundle is a folder:
     experts.safetensors one tensor per expert weight, named layers.{L}.experts.{E}.{gate|up|down};
                         with --include-non-expert also non_expert.{checkpoint tensor name}
 
-The base's identity is a fingerprint: SHA-256 over its structural config and every router weight, so a
-bundle is refused by any other base, even one of the same shape.
+The base's identity is a fingerprint: SHA-256 over its structural config and every router weight (and router
+correction bias, where the routing uses one), so a bundle is refused by any other base, even one of the same
+shape.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def base_identity(ckpt: MoECheckpoint) -> dict:
     }
     h = hashlib.sha256(json.dumps(structure, sort_keys=True).encode())
     for layer in ckpt.moe_layers:
-        h.update(ckpt.read_router(layer).contiguous().view(torch.uint8).numpy().tobytes())
+        for name in ckpt.routing_tensors(layer):
+            h.update(ckpt.read_tensor(name).contiguous().view(torch.uint8).numpy().tobytes())
     return {**structure, "fingerprint": "sha256:" + h.hexdigest()}
 
 

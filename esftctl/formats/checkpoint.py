@@ -21,7 +21,13 @@ from safetensors.torch import save_file
 
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
-from esftctl.formats.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
+from esftctl.formats.architectures import (
+    EXPERT_WEIGHTS,
+    Architecture,
+    Routing,
+    architecture_for,
+    supported_model_types,
+)
 from esftctl.formats.quantization import find_quantization, label
 from esftctl.jsonfile import open_regular, read_json
 from esftctl.units import format_ranges
@@ -232,6 +238,15 @@ class MoECheckpoint:
     def num_shared_experts(self) -> int:
         return self.arch.num_shared_experts(self.config)
 
+    @cached_property
+    def routing(self) -> Routing:
+        return self.arch.routing(self.config)
+
+    def routing_tensors(self, layer: int) -> list[str]:
+        """The tensors that decide a MoE layer's routing: the router's weight, and its correction bias if used."""
+        bias = [self.arch.correction_bias.format(layer=layer)] if self.routing.correction_bias else []
+        return [self.arch.router_tensor(layer), *bias]
+
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         h, i = self.hidden_size, self.moe_intermediate_size
         return {"gate": (i, h), "up": (i, h), "down": (h, i)}
@@ -305,6 +320,11 @@ class MoECheckpoint:
     def read_router(self, layer: int) -> torch.Tensor:
         return self.read_tensor(self.arch.router_tensor(layer))
 
+    def read_correction_bias(self, layer: int) -> torch.Tensor | None:
+        """The router's e_score_correction_bias [E] where the routing adds one (Routing.correction_bias), else None."""
+        names = self.routing_tensors(layer)
+        return self.read_tensor(names[1]) if len(names) > 1 else None
+
     def check_expert_id(self, layer: int, expert: int) -> None:
         if layer not in self.moe_layers:
             raise EsftError(f"layer {layer} is not a MoE layer (MoE layers: {format_ranges(self.moe_layers)})",
@@ -360,14 +380,27 @@ class MoECheckpoint:
     def _check_routers(self) -> None:
         if not self.moe_layers:
             raise EsftError("config describes no MoE layer", self.path / "config.json")
+        self._check_routing()
         for layer in self.moe_layers:
-            router = self.arch.router_tensor(layer)
-            if router not in self.tensors:
-                raise EsftError(f"missing router tensor {router!r}", self.path)
-            if self.tensors[router].shape != (self.num_experts, self.hidden_size):
-                raise EsftError(
-                    f"router {router!r} has shape {list(self.tensors[router].shape)}, "
-                    f"expected {[self.num_experts, self.hidden_size]}", self.tensors[router].file)
+            for router, shape in zip(self.routing_tensors(layer), ((self.num_experts, self.hidden_size),
+                                                                   (self.num_experts,))):
+                if router not in self.tensors:
+                    raise EsftError(f"missing router tensor {router!r}", self.path)
+                if self.tensors[router].shape != shape:
+                    raise EsftError(f"router tensor {router!r} has shape {list(self.tensors[router].shape)}, "
+                                    f"expected {list(shape)}", self.tensors[router].file)
+
+    def _check_routing(self) -> None:
+        r = self.routing
+        if r.scoring not in ("softmax", "sigmoid"):
+            raise EsftError(f"unsupported scoring function {r.scoring!r} (supported: softmax, sigmoid)",
+                            self.path / "config.json")
+        per_group = self.num_experts // r.groups
+        if self.num_experts % r.groups or not 1 <= r.top_groups <= r.groups or self.top_k > per_group * r.top_groups \
+                or (r.correction_bias and r.groups > 1 and per_group < 2):  # a group's score is its 2 best then
+            raise EsftError(f"group-limited routing of {self.num_experts} experts in n_group {r.groups} groups, "
+                            f"topk_group {r.top_groups} of them, cannot choose top-k {self.top_k}",
+                            self.path / "config.json")
 
     def _check_experts(self) -> None:
         self._check_routers()
