@@ -42,10 +42,11 @@ class StoredBytes:
     def __exit__(self, *exc) -> None:
         self.reader.shutdown()
 
-    def same(self, name: str) -> bool:
-        nbytes = self.a.tensors[name].nbytes
-        for start in range(0, nbytes, self.CHUNK):
-            n = min(self.CHUNK, nbytes - start)
+    def same(self, name: str, first: int = 0, nbytes: int | None = None) -> bool:
+        """Whether bytes [first, first + nbytes) of tensor `name` (default: all of it) are alike in both."""
+        end = first + (self.a.tensors[name].nbytes - first if nbytes is None else nbytes)
+        for start in range(first, end, self.CHUNK):
+            n = min(self.CHUNK, end - start)
             x, y = (memoryview(buffer)[:n] for buffer in self.buffers)
             other = self.reader.submit(self.b.read_bytes, name, y, start)
             self.a.read_bytes(name, x, start)
@@ -60,19 +61,16 @@ def changed_experts(base: MoECheckpoint, tuned: MoECheckpoint,
                     on_layer: Callable[[int], None] = lambda l: None) -> dict[int, list[int]]:
     """{layer: expert ids whose stored weights differ from the base's}, every MoE layer present (the two have
     the same tensors, shapes and dtypes: _check_same_model)."""
-    def names(layer: int) -> list[str]:
-        return [n for e in range(base.num_experts) for n in base.expert_tensor_names(layer, e).values()]
-
     changed = {}
     layers = base.moe_layers
     for ckpt in (base, tuned):
-        ckpt.prefetch(names(layers[0]))
+        ckpt.prefetch(base.routed_tensor_names(layers[0]))
     with StoredBytes(base, tuned) as compare:
         for k, layer in enumerate(layers):
             for ckpt in (base, tuned):  # the disk reads the next layer while this one is compared
-                ckpt.prefetch(names(layers[k + 1]) if k + 1 < len(layers) else [])
+                ckpt.prefetch(base.routed_tensor_names(layers[k + 1]) if k + 1 < len(layers) else [])
             changed[layer] = [e for e in range(base.num_experts)
-                              if not all(map(compare.same, base.expert_tensor_names(layer, e).values()))]
+                              if not all(compare.same(*r) for r in base.expert_ranges(layer, e))]
             on_layer(layer)
     return changed
 

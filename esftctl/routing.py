@@ -7,7 +7,8 @@ architectures.py: what vLLM does, since adapters are served there), not whatever
 transformers' DeepSeek-V3 always scores with sigmoid and a correction bias, where vLLM reads `scoring_func` and
 `topk_method` from the config.
 
-- Affinity: softmax(W h) (ESFT's "gate score"); with sigmoid scoring sigmoid(W h) divided by its sum over the
+- Affinity: softmax(W h) (ESFT's "gate score"; W h + b for GPT-OSS's router, whose top-k vLLM takes the
+  same way); with sigmoid scoring sigmoid(W h) divided by its sum over the
   layer's experts, so that it too sums to 1 per token (the correction bias, which only balances the load, is not
   part of it, as it is not part of vLLM's routing weights).
 - Chosen experts: the top-k of the scores plus the correction bias where there is one, among the experts of
@@ -78,6 +79,9 @@ def routing_scores(model, ckpt: MoECheckpoint, input_ids: torch.Tensor, attentio
     for layer in ckpt.moe_layers:
         hidden = captured[layer][0][valid.to(captured[layer][0].device)].float()
         logits = hidden @ ckpt.read_router(layer).float().to(hidden.device).T
+        router_bias = ckpt.read_router_bias(layer)
+        if router_bias is not None:  # GPT-OSS: logits W h + b
+            logits = logits + router_bias.float().to(hidden.device)
         bias = ckpt.read_correction_bias(layer)
         out[layer] = route(logits, ckpt.routing, ckpt.top_k, None if bias is None else bias.to(hidden.device))
     return out

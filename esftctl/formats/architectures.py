@@ -12,7 +12,12 @@ deepseek_v2.py) score with `scoring_func` from the config (softmax when absent: 
 says sigmoid) and always route group-limited over `n_group` / `topk_group` groups, adding the per-expert
 `e_score_correction_bias` to the scores that choose (not to the routing weights) when `topk_method` is
 "noaux_tc"; GLM-4.5 (glm4_moe.py) always scores with sigmoid, routes group-limited and adds the bias.
-A group's score is its best expert's, or with the bias its two best experts' sum.
+A group's score is its best expert's, or with the bias its two best experts' sum. GPT-OSS's router has a bias
+of its own (logits W h + b), and vLLM takes the top-k of their softmax.
+
+Experts are stored one tensor per expert and projection, except GPT-OSS's (FusedExperts): one tensor per MoE
+layer and projection, expert first, gate and up interleaved by column, with biases. esftctl reads an expert out
+of them as three weights in the usual orientation plus three biases (EXPERT_BIASES), and writes it back in place.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# The three weights of one routed expert, in the order every bundle and store uses.
+# The three weights of one routed expert, in the order every bundle and store uses: gate [I, H], up [I, H],
+# down [H, I]; and the biases of experts that have them (GPT-OSS): gate [I], up [I], down [H].
 EXPERT_WEIGHTS = ("gate", "up", "down")
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")
 
 
 def _every_layer_from(first_key: str, step_key: str) -> Callable[[dict], list[int]]:
@@ -59,6 +66,21 @@ class Routing:
 SOFTMAX = Routing()
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """A MoE layer's routed experts as GPT-OSS stores them ({layer} filled in): gate_up [E, H, 2I], which
+    multiplies from the right (x @ gate_up[e]) and interleaves gate and up by column (gate the even columns, up
+    the odd ones), its bias [E, 2I] interleaved alike, down [E, I, H] (x @ down[e]) and its bias [E, H]."""
+
+    gate_up: str
+    gate_up_bias: str
+    down: str
+    down_bias: str
+
+    def tensors(self, layer: int) -> tuple[str, str, str, str]:
+        return tuple(t.format(layer=layer) for t in (self.gate_up, self.gate_up_bias, self.down, self.down_bias))
+
+
 def _deepseek_routing(config: dict) -> Routing:
     return Routing(config.get("scoring_func") or "softmax", config.get("n_group") or 1, config.get("topk_group") or 1,
                    config.get("topk_method") == "noaux_tc")
@@ -91,8 +113,19 @@ class Architecture:
     correction_bias: str | None = None
     # The router's module in transformers' model, under a decoder layer (relevance captures its input).
     router_module: str = "mlp.gate"
+    # The router's own bias ({layer} filled in), added to its logits (GPT-OSS).
+    router_bias: str | None = None
+    # Experts stored fused per layer (GPT-OSS), instead of one tensor per expert and weight.
+    fused: FusedExperts | None = None
+
+    @property
+    def expert_weights(self) -> tuple[str, ...]:
+        """What one routed expert consists of: EXPERT_WEIGHTS, and EXPERT_BIASES where it has biases."""
+        return EXPERT_WEIGHTS + (EXPERT_BIASES if self.fused else ())
 
     def expert_tensor(self, layer: int, expert: int, weight: str) -> str:
+        if self.fused is not None:
+            raise ValueError(f"{self.name} stores experts fused: no tensor holds one expert's {weight}")
         suffix = self.expert_suffixes[EXPERT_WEIGHTS.index(weight)]
         return f"{self.expert_prefix.format(layer=layer, expert=expert)}.{suffix}.weight"
 
@@ -164,6 +197,23 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         num_shared=lambda config: config.get("n_shared_experts") or 0,
         routing=_glm4_moe_routing,
         correction_bias=MLP_GATE_BIAS,
+    ),
+    Architecture(
+        name="gpt_oss",
+        model_types=("gpt_oss",),
+        num_experts_keys=("num_local_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="intermediate_size",
+        moe_layers=_all_layers,
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router="model.layers.{layer}.mlp.router.weight",
+        router_module="mlp.router",
+        router_bias="model.layers.{layer}.mlp.router.bias",
+        fused=FusedExperts("model.layers.{layer}.mlp.experts.gate_up_proj",
+                           "model.layers.{layer}.mlp.experts.gate_up_proj_bias",
+                           "model.layers.{layer}.mlp.experts.down_proj",
+                           "model.layers.{layer}.mlp.experts.down_proj_bias"),
     ),
     Architecture(
         name="olmoe",

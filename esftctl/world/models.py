@@ -19,7 +19,7 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
-ARCHITECTURES = ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+ARCHITECTURES = ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss")
 
 
 def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
@@ -28,6 +28,7 @@ def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
         DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
+        GptOssConfig,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -71,6 +72,9 @@ def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=64, num_key_value_heads=4, n_group=4,
             topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
             topk_method="noaux_tc")
+    elif architecture == "gpt_oss":  # expert intermediate 192: 2I differs from H, so no transposition goes unseen
+        config = GptOssConfig(**common, num_key_value_heads=2, head_dim=64, intermediate_size=192, num_local_experts=8,
+                              num_experts_per_tok=2, sliding_window=128)
     else:
         raise ValueError(f"no tiny config for {architecture!r}")
     for key, value in overrides.items():
@@ -80,7 +84,8 @@ def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
 
 def build_model(config, seed: int):
     """A freshly initialised causal LM for `config`, float32, seeded. Router correction biases (DeepSeek-V3,
-    GLM-4.5), which transformers initialises to zero, are drawn too, so that routing depends on them."""
+    GLM-4.5) and GPT-OSS's biases and attention sinks, which transformers initialises to zero, are drawn too, so
+    that what reads them is seen to read them right."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -89,6 +94,10 @@ def build_model(config, seed: int):
         for name, buffer in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape) * 0.05)
+        if config.model_type == "gpt_oss":
+            for name, param in sorted(model.named_parameters()):
+                if name.endswith(("bias", "sinks")):
+                    param.copy_(torch.randn(param.shape) * 0.02)
     return model
 
 
