@@ -1,5 +1,5 @@
-"""The offline pipeline on the architectures of issue 31 (OLMoE, GLM-4.5 MoE, DeepSeek-V3, GPT-OSS), as a user
-runs it: inspect, relevance, select, pack from a full fine-tune and from an ESFT adapter folder, merge, compress
+"""The offline pipeline on the architectures of issue 31 (OLMoE, GLM-4.5 MoE, DeepSeek-V3, GPT-OSS, Qwen3-Next), as
+a user runs it: inspect, relevance, select, pack from a full fine-tune and from an ESFT adapter folder, merge, compress
 and decompress, consolidate and materialize; each output checked against what it must equal. GPT-OSS stores a
 layer's experts fused (gate and up interleaved, with biases): read against transformers' own parameters, its
 adapter folders hold whole fused tensors, and layouts esftctl does not know are refused in one line."""
@@ -21,7 +21,7 @@ from esftctl.jsonl import read_jsonl
 from esftctl.world.synthetic import write_synthetic_variant
 from esftctl.world.tasks import TASKS
 
-NEW = ["olmoe", "glm4_moe", "deepseek_v3", "gpt_oss"]
+NEW = ["olmoe", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
 
 
 def assert_same_checkpoint(a, b) -> None:

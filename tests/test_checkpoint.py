@@ -25,6 +25,7 @@ EXPECTED = {
     "olmoe": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=0, inter=128),
     "glm4_moe": dict(moe_layers=[1, 2, 3], experts=16, top_k=4, shared=1, inter=128),
     "deepseek_v3": dict(moe_layers=[1, 2, 3], experts=16, top_k=4, shared=1, inter=64),
+    "qwen3_next": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=1, inter=128),
 }
 
 

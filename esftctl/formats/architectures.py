@@ -7,7 +7,7 @@ entry to ARCHITECTURES.
 
 Routing is declared as vLLM computes it for the model type (the engine adapters are served in), since
 relevance scoring recomputes it (esftctl/routing.py) and must pick the experts serving picks. In vLLM 0.25 and
-0.32: Qwen2/3-MoE, Mixtral and OLMoE take the top-k of softmax(W h); DeepSeek-V2 and -V3 (one class,
+0.32: Qwen2/3-MoE, Qwen3-Next, Mixtral and OLMoE take the top-k of softmax(W h); DeepSeek-V2 and -V3 (one class,
 deepseek_v2.py) score with `scoring_func` from the config (softmax when absent: DeepSeek-V3's published config
 says sigmoid) and always route group-limited over `n_group` / `topk_group` groups, adding the per-expert
 `e_score_correction_bias` to the scores that choose (not to the routing weights) when `topk_method` is
@@ -236,6 +236,19 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         expert_prefix="model.layers.{layer}.mlp.experts.{expert}",
         expert_suffixes=("gate_proj", "up_proj", "down_proj"),
         router="model.layers.{layer}.mlp.gate.weight",
+        shared_prefixes=("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate"),
+        num_shared=lambda config: 1 if config.get("shared_expert_intermediate_size") else 0,
+    ),
+    Architecture(
+        name="qwen3_next",  # Qwen2-MoE's expert and shared-expert layout, beside linear-attention layers
+        model_types=("qwen3_next",),
+        num_experts_keys=("num_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="moe_intermediate_size",
+        moe_layers=_sparse_step_layers,
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
         shared_prefixes=("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate"),
         num_shared=lambda config: 1 if config.get("shared_expert_intermediate_size") else 0,
     ),

@@ -19,7 +19,8 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
-ARCHITECTURES = ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss")
+ARCHITECTURES = ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss",
+                 "qwen3_next")
 
 
 def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
@@ -33,6 +34,7 @@ def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
         OlmoeConfig,
         Qwen2MoeConfig,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
     )
 
     common = dict(vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -72,6 +74,11 @@ def tiny_config(architecture: str, vocab_size: int = 512, **overrides):
             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=64, num_key_value_heads=4, n_group=4,
             topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
             topk_method="noaux_tc")
+    elif architecture == "qwen3_next":  # layers 0-2 linear attention (Gated DeltaNet), layer 3 full attention
+        config = Qwen3NextConfig(
+            **common, num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+            num_experts=16, num_experts_per_tok=4, shared_expert_intermediate_size=256, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64)
     elif architecture == "gpt_oss":  # expert intermediate 192: 2I differs from H, so no transposition goes unseen
         config = GptOssConfig(**common, num_key_value_heads=2, head_dim=64, intermediate_size=192, num_local_experts=8,
                               num_experts_per_tok=2, sliding_window=128)
