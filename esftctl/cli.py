@@ -154,6 +154,11 @@ def pack(
     include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights (and an adapter "
                                                         "folder's changed shared experts) too instead of "
                                                         "refusing the fine-tune.", metavar=""),
+    layer_base: int = typer.Option(None, "--layer-base", metavar="[0|1]",
+                                   help="How the expert config (--config, or an adapter folder's expert_cfg.json) "
+                                        "numbers layers: 0 (DeepSeek's ESFT code) or 1 (some other tools). Default: "
+                                        "the one numbering under which its keys are MoE layers of the base; a config "
+                                        "that fits both is refused."),
     overwrite: Overwrite = False,
     as_json: AsJson = False,
 ) -> None:
@@ -170,12 +175,15 @@ def pack(
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("comparing experts", total=len(MoECheckpoint(base).moe_layers))
         report = do_pack(base, finetuned, out, name, config, include_non_expert=include_non_expert, overwrite=overwrite,
-                         on_layer=lambda layer: progress.advance(task))
+                         layer_base=layer_base, on_layer=lambda layer: progress.advance(task))
     description = Bundle.open(out).describe()
     if as_json:
-        print(json.dumps(description, indent=2))
+        print(json.dumps({**description, "config_layer_base": report.layer_base}, indent=2))
         return
     console.print(render(description))
+    if layer_base is None and report.layer_base == 1:
+        console.print("[yellow]note:[/] the expert config's layer keys were read 1-based (only that way are they "
+                      "MoE layers of the base)")
     if report.unchanged_listed:
         console.print(f"[yellow]note:[/] {len(report.unchanged_listed)} expert(s) listed in the config are identical "
                       f"to the base, e.g. (layer, expert) {report.unchanged_listed[0]}")

@@ -25,13 +25,7 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats import native
-from esftctl.formats.checkpoint import (
-    EXPERT_WEIGHTS,
-    ExpertWeights,
-    MoECheckpoint,
-    expert_replacements,
-    write_checkpoint,
-)
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
 from esftctl.jsonfile import read_json, write_json
 
 MAP_FILE, RANKING_FILE = "expert_map.json", "ranking.json"
@@ -66,7 +60,7 @@ def pair_distances(experts: Sequence[ExpertWeights]) -> float:
     if lib is None or any(t.dtype != torch.bfloat16 for x in experts for _, t in x.items()):
         return pair_distances_reference(experts)
     squared = 0.0
-    for weight in EXPERT_WEIGHTS:
+    for weight, _ in experts[0].items():  # gate, up, down, and biases where experts have them
         bits = [getattr(x, weight).contiguous().view(torch.int16).numpy() for x in experts]
         squared = squared + np.frombuffer(lib.pair_squared_distances(bits, native.threads()), dtype=np.float64)
     return float(np.sqrt(squared).sum())
@@ -186,7 +180,7 @@ def materialize(map_dir: Path, variant: int, out: Path, *, overwrite: bool = Fal
             source = int(emap.owner[li, e])
             if source >= 0 and source != variant:
                 replacements[(layer, e)] = models[source].read_expert(layer, e)
-    return write_checkpoint(own, out, expert_replacements(own, replacements), overwrite=overwrite, on_tensor=on_tensor)
+    return write_checkpoint(own, out, experts=replacements, overwrite=overwrite, on_tensor=on_tensor)
 
 
 def average(model_dirs: Sequence[Path], out: Path, *, overwrite: bool = False,

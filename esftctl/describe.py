@@ -9,6 +9,7 @@ from rich.table import Table
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.formats.quantization import label
 from esftctl.units import format_bytes, format_ranges
 
 
@@ -23,7 +24,7 @@ def describe_path(path: Path) -> dict:
     if (path / MANIFEST).exists():
         return Bundle.open(path).describe()
     if (path / "config.json").exists():
-        return MoECheckpoint(path).describe()
+        return MoECheckpoint(path, quantized=True).describe()
     raise EsftError("not a model folder (config.json), adapter bundle (manifest.json) or expert store "
                     "(store.json)", path)
 
@@ -53,6 +54,8 @@ def model_table(d: dict) -> Table:
     table.add_column("property")
     table.add_column("value", justify="right")
     rows = [
+        ("architecture", f"{d['architecture']} (model_type {d['model_type']})"),
+        ("quantization", label(d.get("quantization"))),
         ("layers", str(d["num_layers"])),
         ("MoE layers", f"{d['num_moe_layers']}  ({format_ranges(d['moe_layers'])})"),
         ("routed experts per layer", str(d["routed_experts_per_layer"])),

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from esftctl.formats.bundle import Bundle
-from esftctl.formats.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.formats.checkpoint import MoECheckpoint, write_checkpoint
 
 
 def merge(base_dir: Path, bundle_dir: Path, out: Path, *, overwrite: bool = False,
@@ -15,7 +15,6 @@ def merge(base_dir: Path, bundle_dir: Path, out: Path, *, overwrite: bool = Fals
     base = MoECheckpoint(base_dir)
     bundle = Bundle.open(bundle_dir)
     bundle.check_base(base)
-    replacements = expert_replacements(base, {(l, e): w for l, per in bundle.read_experts().items()
-                                              for e, w in per.items()})
-    replacements.update(bundle.read_non_expert())
-    return write_checkpoint(base, out, replacements, overwrite=overwrite, on_tensor=on_tensor)
+    experts = {(l, e): w for l, per in bundle.read_experts().items() for e, w in per.items()}
+    return write_checkpoint(base, out, bundle.read_non_expert(), experts=experts, overwrite=overwrite,
+                            on_tensor=on_tensor)

@@ -19,7 +19,7 @@ from esftctl.formats.bundle import PackReport, base_identity, write_bundle
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter
 from esftctl.names import check_name
-from esftctl.selection import ExpertConfig
+from esftctl.selection import LAYER_BASES, ExpertConfig
 
 
 class StoredBytes:
@@ -42,10 +42,11 @@ class StoredBytes:
     def __exit__(self, *exc) -> None:
         self.reader.shutdown()
 
-    def same(self, name: str) -> bool:
-        nbytes = self.a.tensors[name].nbytes
-        for start in range(0, nbytes, self.CHUNK):
-            n = min(self.CHUNK, nbytes - start)
+    def same(self, name: str, first: int = 0, nbytes: int | None = None) -> bool:
+        """Whether bytes [first, first + nbytes) of tensor `name` (default: all of it) are alike in both."""
+        end = first + (self.a.tensors[name].nbytes - first if nbytes is None else nbytes)
+        for start in range(first, end, self.CHUNK):
+            n = min(self.CHUNK, end - start)
             x, y = (memoryview(buffer)[:n] for buffer in self.buffers)
             other = self.reader.submit(self.b.read_bytes, name, y, start)
             self.a.read_bytes(name, x, start)
@@ -60,19 +61,16 @@ def changed_experts(base: MoECheckpoint, tuned: MoECheckpoint,
                     on_layer: Callable[[int], None] = lambda l: None) -> dict[int, list[int]]:
     """{layer: expert ids whose stored weights differ from the base's}, every MoE layer present (the two have
     the same tensors, shapes and dtypes: _check_same_model)."""
-    def names(layer: int) -> list[str]:
-        return [n for e in range(base.num_experts) for n in base.expert_tensor_names(layer, e).values()]
-
     changed = {}
     layers = base.moe_layers
     for ckpt in (base, tuned):
-        ckpt.prefetch(names(layers[0]))
+        ckpt.prefetch(base.routed_tensor_names(layers[0]))
     with StoredBytes(base, tuned) as compare:
         for k, layer in enumerate(layers):
             for ckpt in (base, tuned):  # the disk reads the next layer while this one is compared
-                ckpt.prefetch(names(layers[k + 1]) if k + 1 < len(layers) else [])
+                ckpt.prefetch(base.routed_tensor_names(layers[k + 1]) if k + 1 < len(layers) else [])
             changed[layer] = [e for e in range(base.num_experts)
-                              if not all(map(compare.same, base.expert_tensor_names(layer, e).values()))]
+                              if not all(compare.same(*r) for r in base.expert_ranges(layer, e))]
             on_layer(layer)
     return changed
 
@@ -112,21 +110,25 @@ def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
 
 
 def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None, *,
-         include_non_expert: bool = False, overwrite: bool = False,
+         include_non_expert: bool = False, overwrite: bool = False, layer_base: int | None = None,
          on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
-
-    check_name(name)  # before any reading: a bad name costs nothing
+    """`layer_base`: how the expert config numbers layers (0 or 1; None: as only one fits the base)."""
+    check_name(name)  # before any reading: a bad name or option costs nothing
+    if layer_base not in (None, *LAYER_BASES):
+        raise EsftError(f"--layer-base must be 0 or 1, not {layer_base}")
     if is_esft_adapter(tuned_dir):
         if config_file is not None:
             raise EsftError(f"an ESFT adapter folder brings its own {CONFIG_FILE}: drop --config", config_file)
         return import_adapter(base_dir, tuned_dir, out, name=name, include_non_expert=include_non_expert,
-                              overwrite=overwrite, on_layer=on_layer)
+                              overwrite=overwrite, layer_base=layer_base, on_layer=on_layer)
+    if layer_base is not None and config_file is None:
+        raise EsftError("--layer-base says how an expert config numbers layers: give the config too (--config)")
     base, tuned = MoECheckpoint(base_dir), MoECheckpoint(tuned_dir)
     _check_same_model(base, tuned)
-    config = None
+    config = used_base = None
     if config_file is not None:
-        config = ExpertConfig.load(config_file)
-        config.validate(base.moe_layers, base.num_experts, config_file)
+        config, used_base = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts,
+                                                  layer_base=layer_base)
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
 
@@ -144,7 +146,7 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
                     + (f"; {len(changed_routers)} of them routers)" if changed_routers else ")"))
         raise EsftError(f"the fine-tune changed {what}; ESFT adapters change routed experts only: pass "
                         "--include-non-expert to pack them anyway", tuned.path)
-    report = PackReport(name, out, {}, non_expert_changed=non_expert)
+    report = PackReport(name, out, {}, non_expert_changed=non_expert, layer_base=used_base)
     if config is None:
         report.experts = {l: ids for l, ids in changed.items() if ids}
     else:

@@ -1,8 +1,10 @@
 """ESFT expert relevance: run a base model over task data and score every routed expert of every MoE layer.
 
 For MoE layer l and routed expert i over the sample's scored tokens (padding excluded):
-- average gate score ("gate"): the mean over tokens of the router's softmax affinity for i;
-- token selection ratio ("token"): the share of (token, top-k slot) pairs that chose i.
+- average gate score ("gate"): the mean over tokens of the router's affinity for i (its softmax; for sigmoid
+  routers, DeepSeek-V3 and GLM-4.5, the sigmoid scores normalized to sum 1);
+- token selection ratio ("token"): the share of (token, top-k slot) pairs that chose i, chosen as vLLM routes
+  (correction bias and group-limited top-k included: esftctl/routing.py).
 Both sum to 1 over the experts of a layer.
 
 The scored tokens are every token of prompt and completion ("all"), or the positions that predict a
@@ -103,13 +105,11 @@ def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: s
             for row, e in enumerate(batch):  # nothing here (right padding: a row's tokens come first)
                 mask[row, :max(0, len(tokenizer(e["prompt"])["input_ids"]) - 1)] = 0
                 mask[row, int(enc["attention_mask"][row].sum()) - 1] = 0
-        scores = routing_scores(model, enc["input_ids"], enc["attention_mask"], ckpt.moe_layers)
+        routed = routing_scores(model, ckpt, enc["input_ids"], enc["attention_mask"])
         keep = mask[enc["attention_mask"].bool()].bool()
-        for layer, s in scores.items():
-            s = s[keep]
-            gate_sum[layer] += s.sum(dim=0).double().cpu()
-            picks[layer] += torch.bincount(s.topk(ckpt.top_k, dim=-1).indices.reshape(-1),
-                                           minlength=experts).double().cpu()
+        for layer, (affinity, chosen) in routed.items():
+            gate_sum[layer] += affinity[keep].sum(dim=0).double().cpu()
+            picks[layer] += torch.bincount(chosen[keep].reshape(-1), minlength=experts).double().cpu()
         tokens += int(mask.sum())
         on_batch(len(batch))
     result = {"gate": {l: (gate_sum[l] / tokens).tolist() for l in ckpt.moe_layers},

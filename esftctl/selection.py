@@ -6,7 +6,14 @@ ESFT code reads and writes:
 
     {"experts": {"1": [8, 26, 55], "2": [...]}, "shared_experts": false, "non_expert_modules": false}
 
-keys are model layer indices (MoE layers only), values expert ids in order of relevance.
+keys are model layer indices (MoE layers only), values expert ids in order of relevance. DeepSeek's code numbers
+decoder layers from 0 (`enumerate(model.model.layers)`; DeepSeek-V2-Lite's keys are 1-26, its layer 0 dense).
+Other tools number them from 1: a public AWS sample trains ESFT on Qwen3-MoE, whose layer 0 is already MoE, with
+1-based keys (for a 48-layer Qwen3-MoE, 1-48). Read 0-based, such a config names every expert one layer off. So a
+config read from a file is checked against the model (`ExpertConfig.numbered_from_zero`): keys that fit its MoE
+layers only one way (key 48 of 48 layers; key 0, or a dense layer's key under the other numbering) are read that
+way, and a config that fits both ways (keys 1-47 of an all-MoE model) is refused until `--layer-base 0|1` says
+which. Whatever esftctl writes is 0-based.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from typing import Mapping, Sequence
 
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json, write_json
+from esftctl.units import format_ranges
+
+# How other tools number the layers of an expert config: from 0 (DeepSeek's ESFT code) or from 1.
+LAYER_BASES = (0, 1)
 
 # Sums of float scores can fall short of p = 1 by rounding; a prefix this close counts as reaching p.
 _EPS = 1e-9
@@ -69,6 +80,41 @@ class ExpertConfig:
         extra = {k: v for k, v in d.items() if k not in ("experts", "shared_experts", "non_expert_modules")}
         return cls(experts, bool(d.get("shared_experts", False)), bool(d.get("non_expert_modules", False)), extra)
 
+    @classmethod
+    def read_for(cls, path: Path, moe_layers: Sequence[int], num_experts: int, *,
+                 layer_base: int | None = None) -> tuple["ExpertConfig", int]:
+        """The expert config in `path` for a model with these MoE layers and experts, its layer keys read 0- or
+        1-based (numbered_from_zero) and its expert ids checked: (the config, 0-based; the base its keys had)."""
+        config, used = cls.load(path).numbered_from_zero(moe_layers, layer_base=layer_base, path=path)
+        config.validate(moe_layers, num_experts, path)
+        return config, used
+
+    def numbered_from_zero(self, moe_layers: Sequence[int], *, layer_base: int | None = None,
+                           path: Path | None = None) -> tuple["ExpertConfig", int]:
+        """(this config with 0-based layer keys, the base its keys were read with): `layer_base` if given (refused
+        if the keys do not fit the model's MoE layers that way), else the one base under which they fit; keys that
+        fit both ways are refused, asking for --layer-base (module docstring)."""
+        if layer_base is not None and layer_base not in LAYER_BASES:
+            raise EsftError(f"--layer-base must be 0 or 1, not {layer_base}", path)
+        misfits = {b: _misfit(self.experts, b, moe_layers) for b in LAYER_BASES}
+        where = f"MoE layers counted from 0: {format_ranges(moe_layers)}"
+        if layer_base is not None:
+            if misfits[layer_base]:
+                raise EsftError(f"with --layer-base {layer_base} the expert config does not fit the model: "
+                                f"{misfits[layer_base]} ({where})", path)
+            chosen = layer_base
+        else:
+            fitting = [b for b in LAYER_BASES if misfits[b] is None]
+            if not fitting:
+                raise EsftError(f"the expert config's layer keys fit the model neither 0-based ({misfits[0]}) nor "
+                                f"1-based ({misfits[1]}); {where}", path)
+            if len(fitting) > 1 and self.experts:
+                raise EsftError(f"the expert config's layer keys {format_ranges(self.experts)} fit the model both "
+                                f"0-based and 1-based ({where}): pass --layer-base 0 or --layer-base 1", path)
+            chosen = fitting[0]
+        experts = {layer - chosen: ids for layer, ids in self.experts.items()}
+        return ExpertConfig(experts, self.shared_experts, self.non_expert_modules, dict(self.extra)), chosen
+
     def validate(self, moe_layers: Sequence[int], num_experts: int, path: Path | None = None) -> None:
         for layer, ids in self.experts.items():
             if layer not in moe_layers:
@@ -76,3 +122,13 @@ class ExpertConfig:
             bad = [i for i in ids if not 0 <= i < num_experts]
             if bad:
                 raise EsftError(f"layer {layer}: expert ids {bad} out of range (the model has {num_experts})", path)
+
+
+def _misfit(experts: Mapping[int, Sequence[int]], base: int, moe_layers: Sequence[int]) -> str | None:
+    """Why layer keys counted from `base` do not all name MoE layers (the first key that does not), or None."""
+    for key in sorted(experts):
+        layer = key - base
+        if layer not in moe_layers:
+            named = f"layer {layer} is" if base == 0 else f"key {key} would be layer {layer},"
+            return f"{named} not a MoE layer"
+    return None

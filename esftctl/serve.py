@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from esftctl.errors import EsftError
+from esftctl.formats.architectures import EXPERT_BIASES
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.names import check_name
 from esftctl.runtime.launcher import LAUNCHER_ENV
@@ -202,6 +203,10 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
             raise EsftError("--adapter-root: not a folder", settings.adapter_root)
     vset = VariantSet.open(settings.variants, settings.variant_names) if settings.variants is not None else None
     base = vset.home if vset is not None else MoECheckpoint(settings.base)
+    if EXPERT_BIASES[0] in base.arch.expert_weights:
+        raise EsftError(f"serving {base.arch.name} with adapters is not supported yet: vLLM keeps its experts with "
+                        "bias rows and gate/up interleaved, which esftctl's adapter rows do not extend; serve a "
+                        "merged model (`esftctl merge`) with plain vLLM", base.path)
     adapters = parse_adapters(settings.adapters)
     name = vset.names[0] if vset is not None else check_name(settings.name or base.path.resolve().name,
                                                              "served model")

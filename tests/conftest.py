@@ -47,11 +47,10 @@ def world():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """One small random model per architecture: {architecture: folder}."""
-    from esftctl.world.models import make_random_model
+    from esftctl.world.models import ARCHITECTURES, make_random_model
 
     root = tmp_path_factory.mktemp("models")
-    return {arch: make_random_model(arch, root / arch, seed=7)
-            for arch in ("deepseek_v2", "qwen2_moe", "qwen3_moe", "mixtral")}
+    return {arch: make_random_model(arch, root / arch, seed=7) for arch in ARCHITECTURES}
 
 
 def engine_settings(*, graphs: bool = False) -> dict:

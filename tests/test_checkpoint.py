@@ -22,6 +22,10 @@ EXPECTED = {
     "qwen2_moe": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=1, inter=128),
     "qwen3_moe": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=0, inter=128),
     "mixtral": dict(moe_layers=[0, 1, 2, 3], experts=8, top_k=2, shared=0, inter=128),
+    "olmoe": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=0, inter=128),
+    "glm4_moe": dict(moe_layers=[1, 2, 3], experts=16, top_k=4, shared=1, inter=128),
+    "deepseek_v3": dict(moe_layers=[1, 2, 3], experts=16, top_k=4, shared=1, inter=64),
+    "qwen3_next": dict(moe_layers=[0, 1, 2, 3], experts=16, top_k=4, shared=1, inter=128),
 }
 
 

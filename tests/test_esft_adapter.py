@@ -167,7 +167,8 @@ def _bad_adapters(base: MoECheckpoint, experts, root: Path) -> list[tuple[str, P
                              "tensors are missing",
         "non-expert-changed": f"model.safetensors: the adapter changes 1 tensor outside the routed experts (e.g. "
                               f"{attn!r}); ESFT adapters change routed experts only: pass --include-non-expert",
-        "not-moe-layer": "expert_cfg.json: layer 0 is not a MoE layer of the model",
+        "not-moe-layer": "expert_cfg.json: the expert config's layer keys fit the model neither 0-based (layer 0 is "
+                         "not a MoE layer) nor 1-based (key 0 would be layer -1, not a MoE layer)",
         "config-too": "expert_cfg.json: an ESFT adapter folder brings its own expert_cfg.json: drop --config",
         "twice": f"more.safetensors: tensor 'model.layers.{l1}.mlp.experts.{e1}.gate_proj.weight' is also in "
                  "model.safetensors",

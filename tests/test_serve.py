@@ -341,7 +341,8 @@ AMX_SIGILL = pytest.mark.skipif(not has_gpu() and _cpu_has_amx(),
                                 reason="vLLM 0.32 CPU build: esftctl's Qwen2-MoE engine dies of SIGILL on AMX CPUs")
 
 
-@pytest.mark.parametrize("architecture", [pytest.param("qwen2_moe", marks=AMX_SIGILL)])
+@pytest.mark.parametrize("architecture", [pytest.param("qwen2_moe", marks=AMX_SIGILL), "olmoe", "glm4_moe",
+                                          "deepseek_v3", "qwen3_next"])
 def test_other_architecture_served_exactly(architecture, world, tmp_path):
     serve_exactly(random_base(architecture, world, tmp_path), prompts_of(world)[:4], tmp_path, engine_settings(),
                   seed=20)

@@ -2,7 +2,22 @@
 
 Each architecture is data: which config keys hold the expert counts and sizes, how its tensors are named
 in the Hugging Face hub layout (the one `save_pretrained` writes: one tensor per expert and projection),
-and which decoder layers are MoE layers. Adding an architecture means adding one entry to ARCHITECTURES.
+which decoder layers are MoE layers, and how its router picks experts. Adding an architecture means adding one
+entry to ARCHITECTURES.
+
+Routing is declared as vLLM computes it for the model type (the engine adapters are served in), since
+relevance scoring recomputes it (esftctl/routing.py) and must pick the experts serving picks. In vLLM 0.25 and
+0.32: Qwen2/3-MoE, Qwen3-Next, Mixtral and OLMoE take the top-k of softmax(W h); DeepSeek-V2 and -V3 (one class,
+deepseek_v2.py) score with `scoring_func` from the config (softmax when absent: DeepSeek-V3's published config
+says sigmoid) and always route group-limited over `n_group` / `topk_group` groups, adding the per-expert
+`e_score_correction_bias` to the scores that choose (not to the routing weights) when `topk_method` is
+"noaux_tc"; GLM-4.5 (glm4_moe.py) always scores with sigmoid, routes group-limited and adds the bias.
+A group's score is its best expert's, or with the bias its two best experts' sum. GPT-OSS's router has a bias
+of its own (logits W h + b), and vLLM takes the top-k of their softmax.
+
+Experts are stored one tensor per expert and projection, except GPT-OSS's (FusedExperts): one tensor per MoE
+layer and projection, expert first, gate and up interleaved by column, with biases. esftctl reads an expert out
+of them as three weights in the usual orientation plus three biases (EXPERT_BIASES), and writes it back in place.
 """
 
 from __future__ import annotations
@@ -10,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# The three weights of one routed expert, in the order every bundle and store uses.
+# The three weights of one routed expert, in the order every bundle and store uses: gate [I, H], up [I, H],
+# down [H, I]; and the biases of experts that have them (GPT-OSS): gate [I], up [I], down [H].
 EXPERT_WEIGHTS = ("gate", "up", "down")
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")
 
 
 def _every_layer_from(first_key: str, step_key: str) -> Callable[[dict], list[int]]:
@@ -37,6 +54,43 @@ def _all_layers(config: dict) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How a MoE layer's router turns logits into a token's experts (module docstring)."""
+
+    scoring: str = "softmax"  # softmax or sigmoid of the router logits
+    groups: int = 1  # group-limited top-k: experts in `groups` equal groups, the best `top_groups` kept
+    top_groups: int = 1
+    correction_bias: bool = False  # e_score_correction_bias added to the scores that choose
+
+
+SOFTMAX = Routing()
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A MoE layer's routed experts as GPT-OSS stores them ({layer} filled in): gate_up [E, H, 2I], which
+    multiplies from the right (x @ gate_up[e]) and interleaves gate and up by column (gate the even columns, up
+    the odd ones), its bias [E, 2I] interleaved alike, down [E, I, H] (x @ down[e]) and its bias [E, H]."""
+
+    gate_up: str
+    gate_up_bias: str
+    down: str
+    down_bias: str
+
+    def tensors(self, layer: int) -> tuple[str, str, str, str]:
+        return tuple(t.format(layer=layer) for t in (self.gate_up, self.gate_up_bias, self.down, self.down_bias))
+
+
+def _deepseek_routing(config: dict) -> Routing:
+    return Routing(config.get("scoring_func") or "softmax", config.get("n_group") or 1, config.get("topk_group") or 1,
+                   config.get("topk_method") == "noaux_tc")
+
+
+def _glm4_moe_routing(config: dict) -> Routing:
+    return Routing("sigmoid", config.get("n_group") or 1, config.get("topk_group") or 1, True)
+
+
+@dataclass(frozen=True)
 class Architecture:
     """How one MoE architecture names its experts, router and shared experts."""
 
@@ -54,10 +108,30 @@ class Architecture:
     # Tensor-name prefixes of the always-active shared experts of a MoE layer ({layer} filled in).
     shared_prefixes: tuple[str, ...] = ()
     num_shared: Callable[[dict], int] = lambda config: 0
+    routing: Callable[[dict], Routing] = lambda config: SOFTMAX
+    # Tensor of the router's per-expert correction bias ({layer} filled in), where `routing` uses one.
+    correction_bias: str | None = None
+    # The router's module in transformers' model, under a decoder layer (relevance captures its input).
+    router_module: str = "mlp.gate"
+    # The router's own bias ({layer} filled in), added to its logits (GPT-OSS).
+    router_bias: str | None = None
+    # Experts stored fused per layer (GPT-OSS), instead of one tensor per expert and weight.
+    fused: FusedExperts | None = None
+
+    @property
+    def expert_weights(self) -> tuple[str, ...]:
+        """What one routed expert consists of: EXPERT_WEIGHTS, and EXPERT_BIASES where it has biases."""
+        return EXPERT_WEIGHTS + (EXPERT_BIASES if self.fused else ())
 
     def expert_tensor(self, layer: int, expert: int, weight: str) -> str:
+        if self.fused is not None:
+            raise ValueError(f"{self.name} stores experts fused: no tensor holds one expert's {weight}")
         suffix = self.expert_suffixes[EXPERT_WEIGHTS.index(weight)]
         return f"{self.expert_prefix.format(layer=layer, expert=expert)}.{suffix}.weight"
+
+    def experts_prefix(self, layer: int) -> str:
+        """The name prefix of every tensor of a MoE layer's routed experts, whatever their layout or quantization."""
+        return self.expert_prefix.split("{expert}")[0].format(layer=layer)
 
     def router_tensor(self, layer: int) -> str:
         return self.router.format(layer=layer)
@@ -72,19 +146,85 @@ class Architecture:
         return any(name.startswith(p.format(layer=layer) + ".") for p in self.shared_prefixes)
 
 
+PROJ = ("gate_proj", "up_proj", "down_proj")
+MLP_EXPERT = "model.layers.{layer}.mlp.experts.{expert}"
+MLP_GATE = "model.layers.{layer}.mlp.gate.weight"
+MLP_GATE_BIAS = "model.layers.{layer}.mlp.gate.e_score_correction_bias"
+SHARED_EXPERTS = ("model.layers.{layer}.mlp.shared_experts",)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         name="deepseek_v2",
-        model_types=("deepseek_v2", "deepseek_v3"),
+        model_types=("deepseek_v2",),
         num_experts_keys=("n_routed_experts",),
         top_k_key="num_experts_per_tok",
         intermediate_key="moe_intermediate_size",
         moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
-        expert_prefix="model.layers.{layer}.mlp.experts.{expert}",
-        expert_suffixes=("gate_proj", "up_proj", "down_proj"),
-        router="model.layers.{layer}.mlp.gate.weight",
-        shared_prefixes=("model.layers.{layer}.mlp.shared_experts",),
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
+        shared_prefixes=SHARED_EXPERTS,
         num_shared=lambda config: config.get("n_shared_experts") or 0,
+        routing=_deepseek_routing,
+        correction_bias=MLP_GATE_BIAS,
+    ),
+    Architecture(
+        name="deepseek_v3",
+        model_types=("deepseek_v3",),
+        num_experts_keys=("n_routed_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="moe_intermediate_size",
+        moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
+        shared_prefixes=SHARED_EXPERTS,
+        num_shared=lambda config: config.get("n_shared_experts") or 0,
+        routing=_deepseek_routing,
+        correction_bias=MLP_GATE_BIAS,
+    ),
+    Architecture(
+        name="glm4_moe",
+        model_types=("glm4_moe",),
+        num_experts_keys=("n_routed_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="moe_intermediate_size",
+        moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
+        shared_prefixes=SHARED_EXPERTS,
+        num_shared=lambda config: config.get("n_shared_experts") or 0,
+        routing=_glm4_moe_routing,
+        correction_bias=MLP_GATE_BIAS,
+    ),
+    Architecture(
+        name="gpt_oss",
+        model_types=("gpt_oss",),
+        num_experts_keys=("num_local_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="intermediate_size",
+        moe_layers=_all_layers,
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router="model.layers.{layer}.mlp.router.weight",
+        router_module="mlp.router",
+        router_bias="model.layers.{layer}.mlp.router.bias",
+        fused=FusedExperts("model.layers.{layer}.mlp.experts.gate_up_proj",
+                           "model.layers.{layer}.mlp.experts.gate_up_proj_bias",
+                           "model.layers.{layer}.mlp.experts.down_proj",
+                           "model.layers.{layer}.mlp.experts.down_proj_bias"),
+    ),
+    Architecture(
+        name="olmoe",
+        model_types=("olmoe",),
+        num_experts_keys=("num_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="intermediate_size",
+        moe_layers=_all_layers,
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
     ),
     Architecture(
         name="qwen2_moe",
@@ -96,6 +236,19 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         expert_prefix="model.layers.{layer}.mlp.experts.{expert}",
         expert_suffixes=("gate_proj", "up_proj", "down_proj"),
         router="model.layers.{layer}.mlp.gate.weight",
+        shared_prefixes=("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate"),
+        num_shared=lambda config: 1 if config.get("shared_expert_intermediate_size") else 0,
+    ),
+    Architecture(
+        name="qwen3_next",  # Qwen2-MoE's expert and shared-expert layout, beside linear-attention layers
+        model_types=("qwen3_next",),
+        num_experts_keys=("num_experts",),
+        top_k_key="num_experts_per_tok",
+        intermediate_key="moe_intermediate_size",
+        moe_layers=_sparse_step_layers,
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
         shared_prefixes=("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate"),
         num_shared=lambda config: 1 if config.get("shared_expert_intermediate_size") else 0,
     ),

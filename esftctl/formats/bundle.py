@@ -5,11 +5,14 @@ A bundle is a folder:
     manifest.json       format, version, name, the base's identity, expert ids per layer, dtype, shapes,
                         and a SHA-256 of the tensors (names, dtypes, shapes and bytes, in name order: the
                         safetensors header's own key order is not stable, so the file's bytes are not hashed)
-    experts.safetensors one tensor per expert weight, named layers.{L}.experts.{E}.{gate|up|down};
+    experts.safetensors one tensor per expert weight, named layers.{L}.experts.{E}.{gate|up|down} (and
+                        {gate|up|down}_bias for experts with biases: GPT-OSS; every architecture's experts in
+                        the same orientation, whatever its checkpoint's layout);
                         with --include-non-expert also non_expert.{checkpoint tensor name}
 
-The base's identity is a fingerprint: SHA-256 over its structural config and every router weight, so a
-bundle is refused by any other base, even one of the same shape.
+The base's identity is a fingerprint: SHA-256 over its structural config and every router weight (and router
+correction bias, where the routing uses one), so a bundle is refused by any other base, even one of the same
+shape.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from safetensors.torch import save_file
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
-from esftctl.formats.architectures import EXPERT_WEIGHTS
+from esftctl.formats.architectures import EXPERT_BIASES, EXPERT_WEIGHTS, architecture_for
 from esftctl.formats.checkpoint import (
     TORCH_DTYPES,
     ExpertWeights,
@@ -85,7 +88,8 @@ def base_identity(ckpt: MoECheckpoint) -> dict:
     }
     h = hashlib.sha256(json.dumps(structure, sort_keys=True).encode())
     for layer in ckpt.moe_layers:
-        h.update(ckpt.read_router(layer).contiguous().view(torch.uint8).numpy().tobytes())
+        for name in ckpt.routing_tensors(layer):
+            h.update(ckpt.read_tensor(name).contiguous().view(torch.uint8).numpy().tobytes())
     return {**structure, "fingerprint": "sha256:" + h.hexdigest()}
 
 
@@ -205,6 +209,9 @@ def _check_manifest(m: object, fields: _Fields) -> dict:
         raise fields.fail("dtype", m["dtype"], f"the base's expert dtype {base['expert_dtype']!r}")
     h, i = base["hidden_size"], base["moe_intermediate_size"]
     want = {"gate": [i, h], "up": [i, h], "down": [h, i]}
+    arch = architecture_for(base["model_type"])
+    if arch is not None and EXPERT_BIASES[0] in arch.expert_weights:
+        want.update(gate_bias=[i], up_bias=[i], down_bias=[h])
     if fields.get(m, "shapes") != want:
         raise fields.fail("shapes", m["shapes"], f"the base's expert shapes {want}")
     experts = fields.dict(fields.get(m, "experts"), "experts")
@@ -269,6 +276,7 @@ class PackReport:
     experts: dict[int, list[int]]
     unchanged_listed: list[tuple[int, int]] = field(default_factory=list)  # in the config, identical to base
     non_expert_changed: list[str] = field(default_factory=list)
+    layer_base: int | None = None  # how the expert config numbered layers (0 or 1); None without one
 
 
 @dataclass
@@ -295,7 +303,7 @@ class Bundle:
         header = {n: (info.shape, info.dtype) for n, info in self.tensors.items()}
         shapes = {w: tuple(s) for w, s in self.manifest["shapes"].items()}
         expected = {expert_tensor_name(l, e, w): (shapes[w], self.manifest["dtype"])
-                    for l, ids in self.experts.items() for e in ids for w in EXPERT_WEIGHTS}
+                    for l, ids in self.experts.items() for e in ids for w in self.weights}
         for name, want in expected.items():
             if header.get(name) != want:
                 got = header.get(name)
@@ -311,6 +319,11 @@ class Bundle:
     @property
     def name(self) -> str:
         return self.manifest["name"]
+
+    @property
+    def weights(self) -> list[str]:
+        """What one expert consists of here: gate, up, down, and their biases where the base's experts have them."""
+        return [w for w in EXPERT_WEIGHTS + EXPERT_BIASES if w in self.manifest["shapes"]]
 
     @property
     def data_file(self) -> Path:
@@ -348,7 +361,7 @@ class Bundle:
         return read_stored(self.tensors[name], name=name)
 
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
-        return ExpertWeights(**{w: self.read_tensor(expert_tensor_name(layer, expert, w)) for w in EXPERT_WEIGHTS})
+        return ExpertWeights(**{w: self.read_tensor(expert_tensor_name(layer, expert, w)) for w in self.weights})
 
     def read_experts(self) -> dict[int, dict[int, ExpertWeights]]:
         return {l: {e: self.read_expert(l, e) for e in ids} for l, ids in self.experts.items()}

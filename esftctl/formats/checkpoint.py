@@ -21,7 +21,15 @@ from safetensors.torch import save_file
 
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
-from esftctl.formats.architectures import EXPERT_WEIGHTS, Architecture, architecture_for, supported_model_types
+from esftctl.formats.architectures import (
+    EXPERT_BIASES,
+    EXPERT_WEIGHTS,
+    Architecture,
+    Routing,
+    architecture_for,
+    supported_model_types,
+)
+from esftctl.formats.quantization import find_quantization, label
 from esftctl.jsonfile import open_regular, read_json
 from esftctl.units import format_ranges
 
@@ -61,21 +69,26 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One routed expert: gate [I, H], up [I, H], down [H, I]."""
+    """One routed expert: gate [I, H], up [I, H], down [H, I]; and, for experts with biases (GPT-OSS), gate_bias
+    [I], up_bias [I], down_bias [H]."""
 
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(((w, getattr(self, w)) for w in EXPERT_WEIGHTS))
+        return iter(((w, getattr(self, w)) for w in EXPERT_WEIGHTS + EXPERT_BIASES if getattr(self, w) is not None))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.items())
 
     def equal(self, other: "ExpertWeights") -> bool:
-        return all(torch.equal(a, getattr(other, w)) for w, a in self.items())
+        return [w for w, _ in self.items()] == [w for w, _ in other.items()] and all(
+            torch.equal(a, getattr(other, w)) for w, a in self.items())
 
 
 HEADER_LIMIT = 100 << 20  # bytes of a safetensors JSON header (safetensors' own limit)
@@ -170,9 +183,11 @@ def read_stored(info: TensorInfo, *, name: str) -> torch.Tensor:
 
 
 class MoECheckpoint:
-    """A Hugging Face MoE checkpoint folder, opened without loading its tensors."""
+    """A Hugging Face MoE checkpoint folder, opened without loading its tensors. A checkpoint with quantized
+    experts is refused in one line naming the method, unless `quantized` (only to describe it: its experts are
+    not checked and must not be read; esftctl/formats/quantization.py)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, quantized: bool = False):
         self.path = Path(path)
         if not self.path.is_dir():
             raise EsftError("not a model folder (expected a directory with config.json)", self.path)
@@ -190,7 +205,15 @@ class MoECheckpoint:
             if not isinstance(self.config.get(key), int):
                 raise EsftError(f"config has no integer {key!r}", self.path / "config.json")
         self.tensors: dict[str, TensorInfo] = self._read_tensor_infos()
-        self._check_experts()
+        self.quantization: dict | None = find_quantization(self.config, self._routed_dtypes())
+        if self.quantization is None:
+            self._check_experts()
+        elif quantized:
+            self._check_routers()
+        else:
+            raise EsftError(f"experts quantized with {label(self.quantization)} are not supported yet: esftctl reads "
+                            "bf16, fp16 or fp32 experts (`esftctl inspect` describes this checkpoint)",
+                            self.path / "config.json")
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -221,19 +244,50 @@ class MoECheckpoint:
     def num_shared_experts(self) -> int:
         return self.arch.num_shared_experts(self.config)
 
-    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+    @cached_property
+    def routing(self) -> Routing:
+        return self.arch.routing(self.config)
+
+    def router_bias_tensor(self, layer: int) -> str | None:
+        """The router's own bias (added to its logits: GPT-OSS), or None."""
+        return self.arch.router_bias.format(layer=layer) if self.arch.router_bias else None
+
+    def correction_bias_tensor(self, layer: int) -> str | None:
+        """The router's e_score_correction_bias where the routing adds one (Routing.correction_bias), or None."""
+        return self.arch.correction_bias.format(layer=layer) if self.routing.correction_bias else None
+
+    def routing_tensors(self, layer: int) -> list[str]:
+        """The tensors that decide a MoE layer's routing: the router's weight, its bias and its correction bias
+        where it has them."""
+        extra = (self.router_bias_tensor(layer), self.correction_bias_tensor(layer))
+        return [self.arch.router_tensor(layer), *(n for n in extra if n)]
+
+    def expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of each part of one routed expert (Architecture.expert_weights)."""
         h, i = self.hidden_size, self.moe_intermediate_size
-        return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        shapes = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_bias": (i,), "up_bias": (i,), "down_bias": (h,)}
+        return {w: shapes[w] for w in self.arch.expert_weights}
+
+    def fused_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of a fused layer's tensors, in FusedExperts.tensors' order."""
+        e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
+        return (e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h)
 
     @cached_property
     def expert_dtype(self) -> str:
-        layer = self.moe_layers[0]
-        return self.tensors[self.arch.expert_tensor(layer, 0, "gate")].dtype
+        first = self.expert_ranges(self.moe_layers[0], 0)[0][0]
+        info = self.tensors.get(first)
+        return info.dtype if info is not None else ",".join(self.quantization["expert_dtypes"])
+
+    def _routed_dtypes(self) -> dict[str, str]:
+        """{tensor name: dtype} of every tensor under the MoE layers' routed-expert prefixes."""
+        prefixes = tuple(self.arch.experts_prefix(layer) for layer in self.moe_layers)
+        return {n: info.dtype for n, info in self.tensors.items() if n.startswith(prefixes)}
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes of one routed expert (gate + up + down)."""
-        return sum(self.tensors[self.arch.expert_tensor(self.moe_layers[0], 0, w)].nbytes for w in EXPERT_WEIGHTS)
+        """Bytes of one routed expert (gate + up + down, and its biases where it has them)."""
+        return sum(n for _, _, n in self.expert_ranges(self.moe_layers[0], 0))
 
     @property
     def total_nbytes(self) -> int:
@@ -244,17 +298,33 @@ class MoECheckpoint:
         return sorted({t.file for t in self.tensors.values()})
 
     def expert_tensor_names(self, layer: int, expert: int) -> dict[str, str]:
+        """{weight: tensor name} of one expert, for architectures that store one tensor per expert and weight."""
         return {w: self.arch.expert_tensor(layer, expert, w) for w in EXPERT_WEIGHTS}
+
+    def routed_tensor_names(self, layer: int) -> list[str]:
+        """The tensors that hold a MoE layer's routed experts: one per expert and weight, or the fused ones."""
+        if self.arch.fused is not None:
+            return list(self.arch.fused.tensors(layer))
+        return [n for e in range(self.num_experts) for n in self.expert_tensor_names(layer, e).values()]
+
+    def expert_ranges(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
+        """(tensor name, first byte, byte count) of every stored byte of one expert: whole tensors, or its slice
+        of each fused tensor (expert first, so one contiguous range each)."""
+        if self.arch.fused is None:
+            return [(n, 0, self.tensors[n].nbytes if n in self.tensors else 0)
+                    for n in self.expert_tensor_names(layer, expert).values()]
+        ranges = []
+        for name in self.arch.fused.tensors(layer):
+            size = self.tensors[name].nbytes // self.num_experts if name in self.tensors else 0
+            ranges.append((name, expert * size, size))
+        return ranges
 
     def is_routed_expert_tensor(self, name: str) -> bool:
         return name in self._routed_expert_names
 
     @cached_property
     def _routed_expert_names(self) -> frozenset[str]:
-        return frozenset(
-            n for layer in self.moe_layers for e in range(self.num_experts)
-            for n in self.expert_tensor_names(layer, e).values()
-        )
+        return frozenset(n for layer in self.moe_layers for n in self.routed_tensor_names(layer))
 
     # ---- reading ---------------------------------------------------------------------------------
     def read_tensor(self, name: str) -> torch.Tensor:
@@ -284,10 +354,28 @@ class MoECheckpoint:
 
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
         self.check_expert_id(layer, expert)
-        return ExpertWeights(**{w: self.read_tensor(n) for w, n in self.expert_tensor_names(layer, expert).items()})
+        if self.arch.fused is None:
+            return ExpertWeights(**{w: self.read_tensor(n) for w, n in self.expert_tensor_names(layer, expert).items()})
+        parts = []
+        for (name, start, size), shape in zip(self.expert_ranges(layer, expert), self.fused_shapes()):
+            t = torch.empty(shape[1:], dtype=self.tensors[name].torch_dtype)
+            read_stored_bytes(self.tensors[name], memoryview(t.reshape(-1).view(torch.uint8).numpy()), start,
+                              name=name)
+            parts.append(t)
+        return unfuse(*parts)
 
     def read_router(self, layer: int) -> torch.Tensor:
         return self.read_tensor(self.arch.router_tensor(layer))
+
+    def read_correction_bias(self, layer: int) -> torch.Tensor | None:
+        """The router's e_score_correction_bias [E] where the routing adds one (Routing.correction_bias), else None."""
+        name = self.correction_bias_tensor(layer)
+        return self.read_tensor(name) if name else None
+
+    def read_router_bias(self, layer: int) -> torch.Tensor | None:
+        """The router's own bias [E] (GPT-OSS), else None."""
+        name = self.router_bias_tensor(layer)
+        return self.read_tensor(name) if name else None
 
     def check_expert_id(self, layer: int, expert: int) -> None:
         if layer not in self.moe_layers:
@@ -298,6 +386,7 @@ class MoECheckpoint:
 
     # ---- describing ------------------------------------------------------------------------------
     def describe(self) -> dict:
+        routed = sum(self.tensors[n].nbytes for n in self._routed_dtypes())
         return {
             "kind": "model",
             "path": str(self.path),
@@ -312,8 +401,9 @@ class MoECheckpoint:
             "hidden_size": self.hidden_size,
             "moe_intermediate_size": self.moe_intermediate_size,
             "expert_dtype": self.expert_dtype,
-            "expert_bytes": self.expert_nbytes,
-            "routed_expert_bytes": self.expert_nbytes * self.num_experts * len(self.moe_layers),
+            "quantization": self.quantization,
+            "expert_bytes": routed // (self.num_experts * len(self.moe_layers)),
+            "routed_expert_bytes": routed,
             "total_bytes": self.total_nbytes,
             "num_tensors": len(self.tensors),
             "num_files": len(self.files),
@@ -339,41 +429,140 @@ class MoECheckpoint:
             raise EsftError(f"no {SINGLE_FILE} and no {INDEX_FILE}", self.path)
         return _read_header(single)
 
-    def _check_experts(self) -> None:
+    def _check_routers(self) -> None:
         if not self.moe_layers:
             raise EsftError("config describes no MoE layer", self.path / "config.json")
-        shapes = self.expert_shapes()
+        self._check_routing()
+        shapes = ((self.num_experts, self.hidden_size),) + ((self.num_experts,),) * 2
         for layer in self.moe_layers:
-            router = self.arch.router_tensor(layer)
-            if router not in self.tensors:
-                raise EsftError(f"missing router tensor {router!r}", self.path)
-            if self.tensors[router].shape != (self.num_experts, self.hidden_size):
-                raise EsftError(
-                    f"router {router!r} has shape {list(self.tensors[router].shape)}, "
-                    f"expected {[self.num_experts, self.hidden_size]}", self.tensors[router].file)
-            for e in range(self.num_experts):
-                for w, name in self.expert_tensor_names(layer, e).items():
-                    info = self.tensors.get(name)
-                    if info is None:
-                        raise EsftError(f"missing expert tensor {name!r}", self.path)
-                    if info.shape != shapes[w]:
-                        raise EsftError(
-                            f"expert tensor {name!r} has shape {list(info.shape)}, expected {list(shapes[w])}",
+            for router, shape in zip(self.routing_tensors(layer), shapes):
+                if router not in self.tensors:
+                    raise EsftError(f"missing router tensor {router!r}", self.path)
+                if self.tensors[router].shape != shape:
+                    raise EsftError(f"router tensor {router!r} has shape {list(self.tensors[router].shape)}, "
+                                    f"expected {list(shape)}", self.tensors[router].file)
+
+    def _check_routing(self) -> None:
+        r = self.routing
+        if r.scoring not in ("softmax", "sigmoid"):
+            raise EsftError(f"unsupported scoring function {r.scoring!r} (supported: softmax, sigmoid)",
+                            self.path / "config.json")
+        per_group = self.num_experts // r.groups
+        if self.num_experts % r.groups or not 1 <= r.top_groups <= r.groups or self.top_k > per_group * r.top_groups \
+                or (r.correction_bias and r.groups > 1 and per_group < 2):  # a group's score is its 2 best then
+            raise EsftError(f"group-limited routing of {self.num_experts} experts in n_group {r.groups} groups, "
+                            f"topk_group {r.top_groups} of them, cannot choose top-k {self.top_k}",
+                            self.path / "config.json")
+
+    def _check_experts(self) -> None:
+        self._check_routers()
+        for layer in self.moe_layers:
+            self._check_layout(layer)
+            if self.arch.fused is not None:
+                fused = self.arch.fused.tensors(layer)
+                self._check_shapes(zip(fused, self.fused_shapes()))
+                if len({self.tensors[n].dtype for n in fused}) > 1:
+                    raise EsftError(f"the fused expert tensors of layer {layer} differ in dtype "
+                                    f"({', '.join(f'{n}: {self.tensors[n].dtype}' for n in fused)})", self.path)
+            else:
+                shapes = self.expert_shapes()
+                self._check_shapes((n, shapes[w]) for e in range(self.num_experts)
+                                   for w, n in self.expert_tensor_names(layer, e).items())
+
+    def _check_shapes(self, wanted: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        for name, shape in wanted:
+            info = self.tensors.get(name)
+            if info is None:
+                raise EsftError(f"missing expert tensor {name!r}", self.path)
+            if info.shape != tuple(shape):
+                raise EsftError(f"expert tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}",
+                                info.file)
+
+    def _check_layout(self, layer: int) -> None:
+        """Refuse experts stored in a layout this architecture's entry does not describe (fused where esftctl reads
+        one tensor per expert, or the other way round), naming one such tensor, before any is misread."""
+        expected = set(self.routed_tensor_names(layer))
+        prefix = self.arch.experts_prefix(layer)
+        other = sorted(n for n in self.tensors if n.startswith(prefix) and n not in expected)
+        if other:
+            want, info = next(iter(sorted(expected))), self.tensors[other[0]]
+            raise EsftError(f"experts of layer {layer} are stored as {other[0]!r} {list(info.shape)}, a layout esftctl "
+                            f"does not read for {self.config['model_type']} (it reads tensors like {want!r})",
                             info.file)
+
+
+def unfuse(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor
+           ) -> ExpertWeights:
+    """One expert's slices of GPT-OSS's fused tensors (FusedExperts: gate_up [H, 2I] interleaved, its bias [2I],
+    down [I, H], its bias [H]) as ExpertWeights in the usual orientation."""
+    return ExpertWeights(gate_up[:, 0::2].T.contiguous(), gate_up[:, 1::2].T.contiguous(), down.T.contiguous(),
+                         gate_up_bias[0::2].contiguous(), gate_up_bias[1::2].contiguous(), down_bias.contiguous())
+
+
+def _check_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]) -> None:
+    shapes = ckpt.expert_shapes()
+    for (layer, expert), weights in experts.items():
+        ckpt.check_expert_id(layer, expert)
+        parts = [w for w, _ in weights.items()]
+        if parts != list(shapes):
+            raise EsftError(f"expert ({layer}, {expert}) has {', '.join(parts)}; this model's experts have "
+                            f"{', '.join(shapes)}")
+        for w, t in weights.items():
+            if tuple(t.shape) != shapes[w]:
+                raise EsftError(f"expert ({layer}, {expert}) {w} has shape {list(t.shape)}, expected {list(shapes[w])}")
+            if t.dtype != TORCH_DTYPES.get(ckpt.expert_dtype):
+                raise EsftError(f"cannot replace expert ({layer}, {expert}) {w}: {t.dtype} given, the model's "
+                                f"experts are {ckpt.expert_dtype}", ckpt.path)
+
+
+def expert_writer(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]
+                  ) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """A `write_checkpoint` transform that puts the given (layer, expert) weights into `ckpt`'s layout as each
+    tensor streams through: whole tensors, or slices of a fused layer's tensors (a copy; the rest unchanged)."""
+    _check_replacements(ckpt, experts)
+    if ckpt.arch.fused is None:
+        whole = {ckpt.arch.expert_tensor(l, e, w): t for (l, e), ws in experts.items() for w, t in ws.items()}
+        return lambda name, t: whole.get(name, t)
+    by_layer: dict[int, dict[int, ExpertWeights]] = {}
+    for (layer, expert), weights in experts.items():
+        by_layer.setdefault(layer, {})[expert] = weights
+    role = {n: (layer, k) for layer in by_layer for k, n in enumerate(ckpt.arch.fused.tensors(layer))}
+
+    def write(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name not in role:
+            return t
+        layer, k = role[name]
+        out = t.clone()
+        parts = tuple(out if j == k else None for j in range(4))
+        for expert, weights in by_layer[layer].items():
+            fuse_into(parts, expert, weights)
+        return out
+
+    return write
+
+
+def fuse_into(parts: tuple[torch.Tensor | None, ...], expert: int, weights: ExpertWeights) -> None:
+    """Write `weights` as expert `expert` of a layer's fused tensors (unfuse's inverse) in place; those given as
+    None are skipped."""
+    gate_up, gate_up_bias, down, down_bias = parts
+    if gate_up is not None:
+        gate_up[expert, :, 0::2], gate_up[expert, :, 1::2] = weights.gate.T, weights.up.T
+    if gate_up_bias is not None:
+        gate_up_bias[expert, 0::2], gate_up_bias[expert, 1::2] = weights.gate_bias, weights.up_bias
+    if down is not None:
+        down[expert] = weights.down.T
+    if down_bias is not None:
+        down_bias[expert] = weights.down_bias
 
 
 def expert_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]
                         ) -> dict[str, torch.Tensor]:
-    """Tensor-name -> tensor for writing the given (layer, expert) weights into `ckpt`'s layout."""
-    shapes = ckpt.expert_shapes()
-    out: dict[str, torch.Tensor] = {}
-    for (layer, expert), weights in experts.items():
-        ckpt.check_expert_id(layer, expert)
-        for w, t in weights.items():
-            if tuple(t.shape) != shapes[w]:
-                raise EsftError(f"expert ({layer}, {expert}) {w} has shape {list(t.shape)}, expected {list(shapes[w])}")
-            out[ckpt.arch.expert_tensor(layer, expert, w)] = t
-    return out
+    """Tensor-name -> tensor for writing the given (layer, expert) weights into `ckpt`'s layout (for a fused
+    layout, the whole fused tensors of the layers concerned: `write_checkpoint(..., experts=...)` streams them
+    instead)."""
+    write = expert_writer(ckpt, experts)
+    names = {n for (layer, e) in experts for n, _, _ in ckpt.expert_ranges(layer, e)}
+    return {n: write(n, ckpt.read_tensor(n)) for n in sorted(names)}
 
 
 def write_checkpoint(
@@ -384,13 +573,18 @@ def write_checkpoint(
     overwrite: bool = False,
     on_tensor: Callable[[str], None] = lambda name: None,
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    experts: Mapping[tuple[int, int], ExpertWeights] | None = None,
 ) -> Path:
     """Write a copy of `src` to `dst` with some tensors replaced (same shards, same index, same extras).
 
-    Every replacement must name an existing tensor of the same shape and dtype; `transform(name, tensor)`, if
-    given, may change any tensor as it streams through (same shape and dtype), so a whole model is never held:
-    one shard at a time. The copy appears at `dst` only once it is complete.
+    Every replacement must name an existing tensor of the same shape and dtype; `experts` {(layer, expert):
+    weights} go into their tensors or fused slices (expert_writer); `transform(name, tensor)`, if given, may
+    change any tensor as it streams through (same shape and dtype), so a whole model is never held: one shard at
+    a time. The copy appears at `dst` only once it is complete.
     """
+    if experts:
+        write, then = expert_writer(src, experts), transform
+        transform = (lambda n, t: then(n, write(n, t))) if then is not None else write
     replacements = dict(replacements or {})
     for name, t in replacements.items():
         info = src.tensors.get(name)

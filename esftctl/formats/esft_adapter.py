@@ -25,7 +25,10 @@ An adapter folder is therefore
                        with `model.` only, `lm_head.weight`: the inner model has no head).
 
 Other architectures esftctl reads follow the same rule (their own checkpoint names, shared experts as
-architectures.py names them), though DeepSeek's loader itself handles DeepSeek-V2 MoE layers only.
+architectures.py names them), though DeepSeek's loader itself handles DeepSeek-V2 MoE layers only. Where a layer's
+experts are one fused tensor per projection (GPT-OSS), that tensor is the trained parameter: the folder holds the
+fused tensors of every layer with listed experts, whole, and import takes the listed experts from them and
+refuses a change to any other (export writes them so, the other experts from the base).
 
 Import checks what DeepSeek's strict loader would refuse, and what a bundle would otherwise drop or bind
 wrongly, before anything is written: keys must be tensors of the base (one spelling per adapter: a mix means
@@ -54,7 +57,15 @@ from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
 from esftctl.formats.architectures import EXPERT_WEIGHTS, architecture_for
 from esftctl.formats.bundle import Bundle, PackReport, write_bundle
-from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, TensorInfo, _read_header, read_stored
+from esftctl.formats.checkpoint import (
+    ExpertWeights,
+    MoECheckpoint,
+    TensorInfo,
+    _read_header,
+    expert_replacements,
+    read_stored,
+    unfuse,
+)
 from esftctl.selection import ExpertConfig
 
 CONFIG_FILE = "expert_cfg.json"
@@ -71,16 +82,20 @@ def is_esft_adapter(path: str | Path) -> bool:
     if not (path / "config.json").is_file():
         return True
     try:
-        MoECheckpoint(path)
+        MoECheckpoint(path, quantized=True)
     except EsftError:
         return True
     return False
 
 
-def _names(base: MoECheckpoint) -> tuple[dict[str, tuple[int, int, str]], set[str]]:
-    """({routed expert tensor: (layer, expert, weight)}, {shared-expert tensors}) of the base."""
-    routed = {base.arch.expert_tensor(l, e, w): (l, e, w)
-              for l in base.moe_layers for e in range(base.num_experts) for w in EXPERT_WEIGHTS}
+def _names(base: MoECheckpoint) -> tuple[dict[str, tuple[int, int | None, str | None]], set[str]]:
+    """({routed expert tensor: (layer, expert, weight)}, {shared-expert tensors}) of the base (a fused layer's
+    tensors hold every expert: (layer, None, None))."""
+    if base.arch.fused is not None:
+        routed = {n: (l, None, None) for l in base.moe_layers for n in base.routed_tensor_names(l)}
+    else:
+        routed = {base.arch.expert_tensor(l, e, w): (l, e, w)
+                  for l in base.moe_layers for e in range(base.num_experts) for w in EXPERT_WEIGHTS}
     prefixes = tuple(p.format(layer=l) + "." for p in base.arch.shared_prefixes for l in base.moe_layers)
     shared = {n for n in base.tensors if prefixes and n.startswith(prefixes)}
     return routed, shared
@@ -104,13 +119,82 @@ def _read_tensors(entries: dict[str, tuple[str, TensorInfo]], base: MoECheckpoin
     return out
 
 
+Entries = dict[str, tuple[str, TensorInfo]]  # checkpoint name -> (adapter key, its info)
+
+
+def _separate_experts(base: MoECheckpoint, entries: Entries, listed: set[tuple[int, int]], config_file: Path,
+                      key_of: Callable[[str], str], on_layer: Callable[[int], None]
+                      ) -> dict[int, dict[int, ExpertWeights]]:
+    """The listed experts of an adapter of one tensor per expert and weight: each present exactly as listed and
+    whole."""
+    routed, _ = _names(base)
+    present: dict[tuple[int, int], dict[str, str]] = {}
+    for n in entries:
+        if n in routed:
+            l, e, w = routed[n]
+            present.setdefault((l, e), {})[w] = n
+    for (l, e), weights in sorted(present.items()):
+        if len(weights) < len(EXPERT_WEIGHTS):
+            missing = next(base.arch.expert_tensor(l, e, w) for w in EXPERT_WEIGHTS if w not in weights)
+            raise EsftError(f"expert {e} of layer {l} is incomplete: {key_of(missing)!r} is missing",
+                            entries[next(iter(weights.values()))][1].file)
+    unlisted = sorted(set(present) - listed)
+    if unlisted:
+        where = entries[next(iter(present[unlisted[0]].values()))][1].file
+        raise EsftError(f"holds experts that {CONFIG_FILE} does not list (layer, expert): {unlisted[:5]}", where)
+    absent = sorted(listed - set(present))
+    if absent:
+        raise EsftError(f"lists experts that no safetensors file of the folder holds (layer, expert): {absent[:5]}",
+                        config_file)
+    experts: dict[int, dict[int, ExpertWeights]] = {}
+    for layer in base.moe_layers:
+        ids = sorted(e for l, e in listed if l == layer)
+        if ids:
+            tensors = _read_tensors({n: entries[n] for e in ids for n in present[(layer, e)].values()}, base)
+            experts[layer] = {e: ExpertWeights(**{w: tensors[n] for w, n in present[(layer, e)].items()}) for e in ids}
+        on_layer(layer)
+    return experts
+
+
+def _fused_experts(base: MoECheckpoint, entries: Entries, listed: set[tuple[int, int]], config_file: Path,
+                   key_of: Callable[[str], str], on_layer: Callable[[int], None]
+                   ) -> dict[int, dict[int, ExpertWeights]]:
+    """The listed experts of an adapter of a fused architecture (GPT-OSS), whose trained parameters are a layer's
+    fused tensors, every expert in them: all of a layer's fused tensors present where it lists experts, and every
+    expert it does not list equal to the base's."""
+    experts: dict[int, dict[int, ExpertWeights]] = {}
+    for layer in base.moe_layers:
+        names, ids = base.arch.fused.tensors(layer), sorted(e for l, e in listed if l == layer)
+        held = [n for n in names if n in entries]
+        if held and len(held) < len(names):
+            missing = next(n for n in names if n not in entries)
+            raise EsftError(f"the experts of layer {layer} are incomplete: {key_of(missing)!r} is missing",
+                            entries[held[0]][1].file)
+        if ids and not held:
+            raise EsftError(f"lists experts that no safetensors file of the folder holds (layer, expert): "
+                            f"{[(layer, e) for e in ids][:5]}", config_file)
+        if held:
+            tensors = [t for _, t in sorted(_read_tensors({n: entries[n] for n in names}, base).items(),
+                                            key=lambda item: names.index(item[0]))]
+            bases = [base.read_tensor(n) for n in names]
+            unlisted = [(layer, e) for e in range(base.num_experts) if e not in ids
+                        and not all(torch.equal(t[e], b[e]) for t, b in zip(tensors, bases))]
+            if unlisted:
+                raise EsftError(f"changes experts that {CONFIG_FILE} does not list (layer, expert): {unlisted[:5]}",
+                                entries[held[0]][1].file)
+            experts[layer] = {e: unfuse(*(t[e] for t in tensors)) for e in ids}
+        on_layer(layer)
+    return experts
+
+
 def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, include_non_expert: bool = False,
-                   overwrite: bool = False, on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
-    """A DeepSeek ESFT adapter folder of `base_dir` -> an adapter bundle at `out`, verified (module docstring)."""
+                   overwrite: bool = False, layer_base: int | None = None,
+                   on_layer: Callable[[int], None] = lambda l: None) -> PackReport:
+    """A DeepSeek ESFT adapter folder of `base_dir` -> an adapter bundle at `out`, verified (module docstring);
+    `layer_base`: how its expert_cfg.json numbers layers (0 or 1; None: as only one fits the base)."""
     base, adapter_dir = MoECheckpoint(base_dir), Path(adapter_dir)
     config_file = adapter_dir / CONFIG_FILE
-    config = ExpertConfig.load(config_file)
-    config.validate(base.moe_layers, base.num_experts, config_file)
+    config, used_base = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts, layer_base=layer_base)
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
     files = sorted(adapter_dir.glob("*.safetensors"))
@@ -148,25 +232,9 @@ def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, i
 
     # routed experts: present exactly as listed, whole
     routed, shared = _names(base)
-    present: dict[tuple[int, int], dict[str, str]] = {}
-    for n in entries:
-        if n in routed:
-            l, e, w = routed[n]
-            present.setdefault((l, e), {})[w] = n
-    for (l, e), weights in sorted(present.items()):
-        if len(weights) < len(EXPERT_WEIGHTS):
-            missing = next(base.arch.expert_tensor(l, e, w) for w in EXPERT_WEIGHTS if w not in weights)
-            raise EsftError(f"expert {e} of layer {l} is incomplete: {key_of(missing)!r} is missing",
-                            entries[next(iter(weights.values()))][1].file)
     listed = {(l, e) for l, ids in config.experts.items() for e in ids}
-    unlisted = sorted(set(present) - listed)
-    if unlisted:
-        where = entries[next(iter(present[unlisted[0]].values()))][1].file
-        raise EsftError(f"holds experts that {CONFIG_FILE} does not list (layer, expert): {unlisted[:5]}", where)
-    absent = sorted(listed - set(present))
-    if absent:
-        raise EsftError(f"lists experts that no safetensors file of the folder holds (layer, expert): {absent[:5]}",
-                        config_file)
+    read = _fused_experts if base.arch.fused is not None else _separate_experts
+    experts = read(base, entries, listed, config_file, key_of, on_layer)
 
     # shared experts and the rest: present exactly when their flag says so, all of them (DeepSeek's strict load)
     # (keys relative to the inner model cannot hold lm_head.weight: their loader leaves it to the base)
@@ -182,13 +250,6 @@ def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, i
             raise EsftError(f"{CONFIG_FILE} sets {flag}: true but {len(lacking)} {what} tensors are missing "
                             f"(e.g. {key_of(lacking[0])!r})", adapter_dir)
 
-    experts: dict[int, dict[int, ExpertWeights]] = {}
-    for layer in base.moe_layers:
-        ids = sorted(e for l, e in listed if l == layer)
-        if ids:
-            tensors = _read_tensors({n: entries[n] for e in ids for n in present[(layer, e)].values()}, base)
-            experts[layer] = {e: ExpertWeights(**{w: tensors[n] for w, n in present[(layer, e)].items()}) for e in ids}
-        on_layer(layer)
     outside = _read_tensors({n: entries[n] for n in entries if n not in routed}, base)
     changed = {n: t for n, t in outside.items() if not torch.equal(t, base.read_tensor(n))}
     if changed and not include_non_expert:
@@ -202,7 +263,7 @@ def import_adapter(base_dir: Path, adapter_dir: Path, out: Path, *, name: str, i
     return PackReport(name, out, {l: ids for l, ids in sorted(config.experts.items()) if ids},
                       unchanged_listed=[(l, e) for l, per in experts.items() for e, w in per.items()
                                         if w.equal(base.read_expert(l, e))],
-                      non_expert_changed=sorted(changed))
+                      non_expert_changed=sorted(changed), layer_base=used_base)
 
 
 def export_adapter(bundle_dir: Path, out: Path, *, base_dir: Path | None = None,
@@ -218,11 +279,19 @@ def export_adapter(bundle_dir: Path, out: Path, *, base_dir: Path | None = None,
     arch = architecture_for(bundle.base["model_type"])
     if arch is None:
         raise EsftError(f"bundle's base has unsupported architecture {bundle.base['model_type']!r}", bundle.path)
-    tensors = {arch.expert_tensor(l, e, w): t for l, per in bundle.read_experts().items()
-               for e, weights in per.items() for w, t in weights.items()}
     base = MoECheckpoint(base_dir) if base_dir is not None else None
     if base is not None:
         bundle.check_base(base)
+    if arch.fused is not None:
+        if base is None:
+            raise EsftError(f"{arch.name} keeps a layer's experts in one tensor per projection, which the folder holds "
+                            "whole, the untrained experts taken from the base: pass --base BASE (the bundle's base)",
+                            bundle.path)
+        tensors = expert_replacements(base, {(l, e): w for l, per in bundle.read_experts().items()
+                                             for e, w in per.items()})
+    else:
+        tensors = {arch.expert_tensor(l, e, w): t for l, per in bundle.read_experts().items()
+                   for e, weights in per.items() for w, t in weights.items()}
     non_expert = bundle.read_non_expert()
     with_shared = with_others = False
     if non_expert:

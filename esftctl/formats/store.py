@@ -94,12 +94,16 @@ def source_tensors(path: Path) -> tuple[dict, list[SourceTensor]]:
         bundle = Bundle.open(path)
         # read, not mapped (a mapping holds the whole file, and Ctrl-C inside safetensors surfaces as a ValueError)
         tensors = [SourceTensor(name, l, e, w, lambda name=name: bundle.read_tensor(name))
-                   for l, ids in bundle.experts.items() for e in ids for w in ("gate", "up", "down")
+                   for l, ids in bundle.experts.items() for e in ids for w in bundle.weights
                    for name in (expert_tensor_name(l, e, w),)]
         tensors += [SourceTensor("non_expert." + n, None, None, None, lambda n=n: bundle.read_tensor("non_expert." + n))
                     for n in bundle.non_expert_tensors]
         return {"kind": "bundle", "path": str(path), "manifest": bundle.manifest}, tensors
     ckpt = MoECheckpoint(path)
+    if ckpt.arch.fused is not None:  # a layer's experts share its fused tensors: stored whole, as the model has them
+        tensors = [SourceTensor(name, l, None, None, lambda name=name: ckpt.read_tensor(name))
+                   for l in ckpt.moe_layers for name in ckpt.routed_tensor_names(l)]
+        return {"kind": "model", "path": str(path), "architecture": ckpt.arch.name}, tensors
     tensors = [SourceTensor(name, l, e, w, lambda name=name: ckpt.read_tensor(name))
                for l in ckpt.moe_layers for e in range(ckpt.num_experts)
                for w, name in ckpt.expert_tensor_names(l, e).items()]
@@ -432,8 +436,7 @@ def _warn_unprotected(header_file: Path, version: int) -> None:
 def missing_base_experts(base, stored: set[str]) -> list[str]:
     """The routed-expert tensor names of `base` (an MoECheckpoint) that are not among `stored`: a store of the
     base itself (`esftctl compress BASE`) misses none."""
-    return [n for l in base.moe_layers for e in range(base.num_experts)
-            for n in base.expert_tensor_names(l, e).values() if n not in stored]
+    return [n for l in base.moe_layers for n in base.routed_tensor_names(l) if n not in stored]
 
 
 class ExpertStore:

@@ -128,6 +128,9 @@ def check_supported(layer: EngineMoELayer) -> None:
     if getattr(experts.expert_map_manager, "num_fused_shared_experts", 0):
         raise EsftError(f"{where}: shared experts fused into the routed ones take the rows adapters use; turn "
                         "shared-expert fusion off (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+    if getattr(experts, "w13_bias", None) is not None or getattr(experts, "w2_bias", None) is not None:
+        raise EsftError(f"{where}: experts with biases (w13_bias, w2_bias: GPT-OSS) are not supported; the adapter "
+                        "rows extend the weights only")
     if getattr(layer.router, "zero_expert_type", None) is not None:
         raise EsftError(f"{where}: zero-expert routing (ids past the experts mean none) is not supported")
     if getattr(parallel, "is_sequence_parallel", False):
