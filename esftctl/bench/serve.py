@@ -247,12 +247,12 @@ class Bench:
         return plan(model_dir, [], name=name, esft=False, state_dir=self.work / "state" / slug(label),
                     port=free_port(), vllm_args=[*self.profile.engine_args, *args])
 
-    def micro_after(self, model: str, loaded: Callable | None = None) -> Callable[[str], dict]:
+    def micro_after(self, model: str, loaded: Callable | None = None, available: int = 0) -> Callable[[str], dict]:
         from esftctl.bench.serve_micro import microbench
 
         def after(url: str) -> dict:
             return {"micro": microbench(url, model=model, tokenizer=self.served.base, profile=self.profile,
-                                        out=self.out, on_step=self.on_step, loaded=loaded)}
+                                        out=self.out, on_step=self.on_step, loaded=loaded, available=available)}
         return after if self.profile.micro_runs else (lambda url: {})
 
     def base(self) -> None:
@@ -301,7 +301,8 @@ class Bench:
             if kind == "esftctl" and served.grid:
                 after = _chain(lambda url: {"adapter_load": adapter_load_times(
                     url, served, self.options.load_repeats, self.on_step)},
-                    self.micro_after(served.grid[0], loaded=self.unloader(served.grid, served.esft_sized)))
+                    self.micro_after(served.grid[0], loaded=self.unloader(served.grid, served.esft_sized),
+                                     available=len(served.grid)))
             self.attempt(kind, lambda label, par, s=settings: [self.esftctl_plan(label, par, **s)], runs, names=names,
                          after=after)
 
@@ -339,7 +340,7 @@ class Bench:
             self.attempt("vLLM multi-LoRA", lambda label, par: [self.plain(label, served.base, "base",
                                                                            (*lora_args, *par))],
                          scenarios(self.profile, len(names), 0), names={"grid": names},
-                         after=self.micro_after(names[0], loaded=self.unloader(names, [])))
+                         after=self.micro_after(names[0], loaded=self.unloader(names, []), available=len(names)))
 
 
 def _chain(first: Callable[[str], dict], then: Callable[[str], dict]) -> Callable[[str], dict]:

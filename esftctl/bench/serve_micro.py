@@ -23,12 +23,13 @@ ALL = "all"  # the key of a server's numbers when nothing is unloaded (the base,
 
 
 def microbench(url: str, *, model: str, tokenizer: Path, profile, out: Path, on_step: Callable[[str], None],
-               loaded: Callable[[str, int], None] | None = None) -> dict[str, dict]:
-    """{adapters loaded (or "all"): {"ttft_ms": {length: median}, "tpot_ms": {batch: median}}}."""
+               loaded: Callable[[str, int], None] | None = None, available: int = 0) -> dict[str, dict]:
+    """{adapters loaded (or "all"): {"ttft_ms": {length: median}, "tpot_ms": {batch: median}}}; `loaded(url, k)`
+    leaves k of the `available` adapters loaded (a count of `micro_loaded` above `available` is all of them)."""
     if loaded is None:
         return {ALL: _measure(url, model, tokenizer, profile, out, on_step, ALL)}
     results = {}
-    for k in sorted(profile.micro_loaded, reverse=True):
+    for k in sorted({min(k, available) for k in profile.micro_loaded}, reverse=True):
         loaded(url, k)
         results[str(k)] = _measure(url, model, tokenizer, profile, out, on_step, f"{k} loaded")
     return results

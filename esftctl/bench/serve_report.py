@@ -143,7 +143,8 @@ def plot(result: dict, path) -> None:
         ax.set_xlabel(f"adapters the requests are spread over (alpha {first_alpha:g})")
         ax.set_ylabel(f"median {what} / plain vLLM base")
         ax.set_title(f"{what}, {result['config']['device']}")
-    axes[0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)
