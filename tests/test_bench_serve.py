@@ -135,12 +135,26 @@ def test_scenarios_follow_expertweaves_grid():
     assert five.draw(0, 120) == five.draw(0, 120) != five.draw(1, 120) and max(five.draw(0, 120)) == 4
 
 
-def test_merged_copies_share_the_device():
+def test_merged_copies_share_the_device_and_run_the_largest_count(tmp_path, monkeypatch):
+    from dataclasses import replace
+
     from esftctl.bench import serve as bench
 
     args = ("--max-model-len", "4096", "--gpu-memory-utilization", "0.92")
     assert bench._share_memory(args, 2) == ["--max-model-len", "4096", "--gpu-memory-utilization", "0.460"]
     assert bench._share_memory(("--max-model-len", "256"), 2) == ["--max-model-len", "256"]  # CPU: its own KV space
+    profile = replace(bench.PROFILES["deepseek-v2-lite"], rates=(2.0,))
+    b = bench.Bench(profile, bench.Options(servers=("base",)), served=None, work=tmp_path, scratch=tmp_path,
+                    out=tmp_path, gpu=False, on_step=print)
+    assert [s.name for s in b.merged_runs(1)] == ["merged @ 2 rps"]
+    assert [s.name for s in b.merged_runs(2)] == [f"20 adapters, alpha {a} @ 2 rps" for a in ("1", "0.6", "0.3", "0.1")]
+    unloaded = []
+    monkeypatch.setattr(bench.serve_client, "unload", lambda url, name: unloaded.append(name))
+    unload = b.unloader(["a", "b", "c"], ["x"])
+    unload("url", 3)
+    unload("url", 1)
+    unload("url", 1)
+    assert unloaded == ["x", "b", "c"]  # each once, the grid's first k kept
 
 
 @pytest.mark.vllm

@@ -7,7 +7,8 @@ speed):
 - `vLLM base`: plain vLLM serving the base alone, the anchor of every ratio;
 - `vLLM merged`: plain vLLM serving merged models (a fine-tune served today), as many copies side by side on
   the device as fit (each with its share of the memory; counted, and the count recorded), the requests of
-  adapter i going to copy i mod copies; one copy serves the base's traffic;
+  adapter i going to copy i mod copies, at the largest count and every alpha; one copy serves the base's
+  traffic;
 - `esftctl`: `esftctl serve` with every adapter loaded; its runs spread requests over the first N adapters
   (N = 0: all to the base through the ESFT runtime) by S-LoRA's power law (esftctl.bench.traffic: alpha 1
   uniform, 0.6 / 0.3 / 0.1 more and more skewed; the first alpha at every N, the others at the largest N);
@@ -277,10 +278,12 @@ class Bench:
         serve_models.drop(self.scratch, "merged")
 
     def merged_runs(self, copies: int) -> list[Scenario]:
-        if copies == 1:  # one copy takes every request: the base's traffic
+        """One copy takes every request: the base's traffic. Several: the largest count at every alpha (the count
+        only changes how the requests split over the copies; the skew unbalances them, ExpertWeave's Figure 6)."""
+        if copies == 1:
             return [replace(s, name=s.name.replace("base", "merged")) for s in base_runs(self.profile)]
-        return [s for s in scenarios(self.profile, len(self.profile.counts) and max(self.profile.counts), 0)
-                if s.adapters > 1 and s.pool == "grid"]
+        largest = max(self.profile.counts)
+        return [s for s in scenarios(self.profile, largest, 0) if s.adapters == largest > 1]
 
     def merged_plans(self, label: str, model_dir: Path, copies: int, par: tuple[str, ...]) -> list:
         if copies == 1:
@@ -323,11 +326,15 @@ class Bench:
                     vllm_args=[*self.profile.engine_args, *par, *vllm_extra], **settings)
 
     def unloader(self, grid: list[str], others: list[str]) -> Callable[[str, int], None]:
-        """unload(url, k): leave the first k grid adapters loaded (vLLM's /v1/unload_lora_adapter)."""
+        """unload(url, k): leave the first k grid adapters loaded (vLLM's /v1/unload_lora_adapter); a refused unload
+        stops the microbenchmarks (its numbers would be labelled with a count not loaded)."""
+        gone: set[str] = set()
+
         def unload(url: str, k: int) -> None:
             for name in [*grid[k:], *others]:
-                with contextlib.suppress(Exception):  # already unloaded at a larger k
+                if name not in gone:
                     serve_client.unload(url, name)
+                    gone.add(name)
         return unload
 
     def lora(self) -> None:
