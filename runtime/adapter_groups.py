@@ -25,6 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+
+STATS_FILE = "adapter_groups.json"  # the scheduler's statistics, beside the server's status file
+
+
+def stats_file(status_file: str | Path) -> Path:
+    """Where a server's grouping statistics go: beside its status file."""
+    return Path(status_file).with_name(STATS_FILE)
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,8 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     load = servers["esftctl"]["adapter_load"]
     assert len(load["seconds"]["cold"]) == len(load["seconds"]["warm"]) == 3
     assert load["host_cache_hits"] == 3  # every warm load came from the server's host cache, no cold one did
+    groups = servers["esftctl, groups of 1"]["groups"]
+    assert groups["most"] == groups["most_groups_scheduled"] == 1 and groups["grouped_steps"] > 0
     assert set(servers["esftctl"]["micro"]) == {"2", "1"} and set(servers["vLLM base"]["micro"]) == {"all"}
     micro = servers["esftctl"]["micro"]["1"]
     assert set(micro["ttft_ms"]) == {"16", "64"} and set(micro["tpot_ms"]) == {"1", "4"}

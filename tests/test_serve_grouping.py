@@ -13,8 +13,7 @@ import pytest
 from conftest import engine_settings
 from test_serve import prompts_of, serve_exactly
 
-from esftctl.runtime.adapter_groups import AdapterGroups
-from esftctl.runtime.vllm.adapter_groups import STATS_FILE
+from esftctl.runtime.adapter_groups import STATS_FILE, AdapterGroups
 
 pytestmark = pytest.mark.vllm
 

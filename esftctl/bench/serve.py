@@ -300,14 +300,23 @@ class Bench:
         runs = scenarios(profile, len(served.grid), len(served.esft_sized))
         names = {"grid": served.grid, "esft_sized": served.esft_sized}
         for kind, settings in self.esftctl_kinds():
-            after = None  # the plain esftctl server only: the microbenchmarks (batch 1 groups nothing) and loads
-            if kind == "esftctl" and served.grid:
+            after = self.group_stats(kind) if settings.get("group_adapters") else None
+            if kind == "esftctl" and served.grid:  # only here: microbenchmarks (batch 1 groups nothing) and loads
                 after = _chain(lambda url: {"adapter_load": adapter_load_times(
                     url, served, self.options.load_repeats, self.on_step)},
                     self.micro_after(served.grid[0], loaded=self.unloader(served.grid, served.esft_sized),
                                      available=len(served.grid)))
             self.attempt(kind, lambda label, par, s=settings: [self.esftctl_plan(label, par, **s)], runs, names=names,
                          after=after)
+
+    def group_stats(self, kind: str) -> Callable[[str], dict]:
+        """What the grouping scheduler did over the runs (esftctl.runtime.vllm.adapter_groups writes it)."""
+        from esftctl.jsonfile import read_json
+        from esftctl.runtime.adapter_groups import stats_file
+
+        label = kind + parallel_label(self.options.parallel[0], self.options.expert_parallel)  # where `after` runs
+        path = stats_file(self.work / "state" / slug(label) / "status.json")
+        return lambda url: {"groups": read_json(path)}
 
     def esftctl_kinds(self) -> list[tuple[str, dict]]:
         o = self.options

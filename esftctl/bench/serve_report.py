@@ -10,6 +10,9 @@ def tables(result: dict) -> list:
     micro = micro_table(result)
     if micro is not None:
         out.append(micro)
+    groups = groups_table(result)
+    if groups is not None:
+        out.append(groups)
     out.append(kv_table(result))
     load = next((res["adapter_load"] for res in result["servers"] if "adapter_load" in res), None)
     if load:
@@ -79,6 +82,23 @@ def micro_table(result: dict):
 def _cell(m: dict, what: str, key: str, spec: str) -> str:
     value, ratio = m[what].get(key), (m.get(f"{what}_ratio") or {}).get(key)
     return _f(value, spec) + (f" ({ratio:.3f}x)" if ratio is not None else "")
+
+
+def groups_table(result: dict):
+    from rich.table import Table
+
+    grouped = [(res["server"], res["groups"]) for res in result["servers"] if res.get("groups")]
+    if not grouped:
+        return None
+    t = Table(title="adapter groups over the runs (the scheduler's own count): engine steps, steps that held some "
+                    "adapter back, the most adapters vLLM scheduled in one step, the longest a request was held "
+                    "back (steps in a row)", title_justify="left")
+    for col in ("server", "G", "W", "steps", "held-back steps", "most in a step", "longest wait"):
+        t.add_column(col, justify="left" if col == "server" else "right")
+    for server, g in grouped:
+        t.add_row(server, str(g["most"]), str(g["wait"]), f"{g['steps']:,}", f"{g['grouped_steps']:,}",
+                  str(g["most_groups_scheduled"]), str(g["longest_wait"]))
+    return t
 
 
 def kv_table(result: dict):

@@ -17,23 +17,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict
-from pathlib import Path
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from esftctl.jsonfile import write_json
-from esftctl.runtime.adapter_groups import AdapterGroups, Work
+from esftctl.runtime.adapter_groups import AdapterGroups, Work, stats_file
 from esftctl.runtime.serve_config import ServeConfig
 from esftctl.runtime.vllm.variant_turns import QUEUES
 
-STATS_FILE = "adapter_groups.json"
 STATS_EVERY_S = 1.0
-
-
-def stats_file(status_file: str | Path) -> Path:
-    """Where a server's grouping statistics go: beside its status file."""
-    return Path(status_file).with_name(STATS_FILE)
 
 
 def group_of(request) -> int:
