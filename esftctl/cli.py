@@ -446,6 +446,13 @@ def serve(
                                                  "/v1/load_lora_adapter) only from bundles under this folder, "
                                                  "symbolic links resolved; others get HTTP 403 (default: any path "
                                                  "the server can read)."),
+    group_adapters: int = typer.Option(0, help="Group requests by adapter: each engine step runs the requests of at "
+                                               "most this many adapters (the base counts as one), so it reads "
+                                               "fewer expert rows, and the others wait (0: off, the default; "
+                                               "measure it first with `esftctl bench serve --group-adapters`)."),
+    group_wait: int = typer.Option(8, help="With --group-adapters: engine steps a request may be held back in a row "
+                                           "before its adapter must run (more adapters with work than fit a step "
+                                           "add a few steps: esftctl.runtime.adapter_groups)."),
 ) -> None:
     """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;
     a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager
@@ -462,7 +469,7 @@ def serve(
         paging_adaptive=paging_adaptive, paging_fetch=paging_fetch, host_cache=_parse_bytes(host_cache, "--host-cache"),
         variants=variants,
         variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
-        api_key=api_key or None, adapter_root=adapter_root)
+        api_key=api_key or None, adapter_root=adapter_root, group_adapters=group_adapters, group_wait=group_wait)
     serve_plan = plan_serving(settings)
     server, key = Server(serve_plan), serve_plan.request_key
     server.start()

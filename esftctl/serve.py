@@ -127,6 +127,8 @@ class ServePlan:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in modules.items())]
         if self.settings.variants:
             cmd += ["--scheduler-cls", "esftctl.runtime.vllm.variant_turns.variant_scheduler"]
+        elif self.settings.group_adapters:
+            cmd += ["--scheduler-cls", "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"]
         if self.eager and "--enforce-eager" not in vllm_args:
             cmd.append("--enforce-eager")
         return cmd + vllm_args

@@ -51,6 +51,8 @@ class ServeSettings:
     quantum: int = 4  # engine steps per variant turn (esftctl.runtime.vllm.variant_turns)
     api_key: str | None = field(default=None, repr=False)  # handed to vLLM in its environment, never in ENV
     adapter_root: Path | None = None  # adapters load at run time only from under this folder
+    group_adapters: int = 0  # > 0: at most this many adapters per engine step (esftctl.runtime.adapter_groups)
+    group_wait: int = 8  # with group_adapters: engine steps a request may be held back before it must run
 
     def __post_init__(self) -> None:
         if (self.base is None) == (self.variants is None):
@@ -65,10 +67,19 @@ class ServeSettings:
             raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
         if self.quantum < 1:
             raise EsftError(f"--quantum {self.quantum}: give at least one engine step per turn")
+        self._check_groups()
         if self.variants is not None and self.paging_store is not None:
             raise EsftError("--paging-store decodes the base's own experts, but with --variants the base rows hold "
                             "the map's consolidated ones: page variants from host memory (--paging-window alone)")
         self._check_paging()
+
+    def _check_groups(self) -> None:
+        if self.group_adapters < 0 or self.group_wait < 1:
+            raise EsftError(f"--group-adapters {self.group_adapters} / --group-wait {self.group_wait}: give 0 (off) or "
+                            "more adapters per step, and at least one step of waiting")
+        if self.group_adapters and self.variants is not None:
+            raise EsftError("--group-adapters cannot be combined with --variants, whose steps already run one variant "
+                            "each (--quantum)")
 
     def _check_paging(self) -> None:  # the window's range needs the base: the plan checks it
         if not self.paging_window and (self.paging_store is not None or self.store_experts is not None

@@ -1,5 +1,6 @@
 """`esftctl bench serve`'s parts: the generated DeepSeek-V2-Lite-shaped model (at a small size), the peer's LoRA
-adapters, the load generator's arguments and request shares, and the whole bench in CI size on the CPU build."""
+adapters, its scenarios and tables, and the whole bench in CI size on the CPU build (the traffic, the load
+generator's arguments and the per-request numbers: tests/test_bench_traffic.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,12 @@ import io
 import json
 import math
 import random
-from collections import Counter
 
 import pytest
 import torch
 from conftest import run_cli
 from safetensors import safe_open
 
-from esftctl.bench.load import Load, bench_args, shares, weighted_names
 from esftctl.bench.lora_peer import lora_modules, write_lora
 from esftctl.bench.synthetic_model import (
     INDEX_FILE,
@@ -113,53 +112,88 @@ def test_lora_peer_adapts_every_expert_and_attention(small_lite, tmp_path):
     assert len(lora_modules(base)) * 2 == len(keys)
 
 
-def test_request_shares_by_repetition():
-    names = [f"a{i}" for i in range(5)]
-    assert weighted_names(names, None) == names
-    skewed = shares(weighted_names(names, 1.0))
-    assert list(skewed) == names and abs(sum(skewed.values()) - 1) < 1e-9
-    assert 4.5 < skewed["a0"] / skewed["a4"] < 5.5  # 1 : 1/2 : ... : 1/5
-    # vLLM's random.choice over the list follows those shares
-    rng = random.Random(0)
-    drawn = Counter(rng.choice(weighted_names(names, 1.0)) for _ in range(20000))
-    assert abs(drawn["a0"] / 20000 - skewed["a0"]) < 0.02
+def test_scenarios_follow_expertweaves_grid():
+    """Every count at the first alpha, the largest count at every alpha, per rate; DeepSeek-sized adapters beside
+    at the highest rate; the base's runs have every scenario's rates."""
+    from dataclasses import replace
+
+    from esftctl.bench import serve as bench
+    from esftctl.bench.serve_runs import base_runs, scenarios
+
+    profile = replace(bench.PROFILES["deepseek-v2-lite"], rates=(1.0, math.inf))
+    runs = scenarios(profile, 20, 5)
+    names = [s.name for s in runs]
+    assert names[:8] == ["base @ 1 rps", "1 adapter @ 1 rps", "5 adapters, alpha 1 @ 1 rps",
+                         "10 adapters, alpha 1 @ 1 rps", "20 adapters, alpha 1 @ 1 rps",
+                         "20 adapters, alpha 0.6 @ 1 rps", "20 adapters, alpha 0.3 @ 1 rps",
+                         "20 adapters, alpha 0.1 @ 1 rps"]
+    assert names[-1] == "5 DeepSeek-sized adapters, alpha 1 @ inf rps" and runs[-1].pool == "esft_sized"
+    assert len(runs) == 17 and len(scenarios(profile, 10, 0)) == 2 * 7  # 20 not there: 10 takes every alpha
+    assert [s.name for s in base_runs(profile)] == ["base @ 1 rps", "base @ inf rps"]
+    assert profile.requests(2.0) == 120 and profile.requests(math.inf) == 256  # 60 s at 2 rps; inf: --prompts
+    five = next(s for s in runs if s.adapters == 5)
+    assert five.draw(0, 120) == five.draw(0, 120) != five.draw(1, 120) and max(five.draw(0, 120)) == 4
 
 
-def test_load_arguments_parse_in_vllms_benchmark(tmp_path):
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+def test_merged_copies_share_the_device_and_run_the_largest_count(tmp_path, monkeypatch):
+    from dataclasses import replace
 
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    load = Load(rate=math.inf, prompts=7, input_len=24, output_len=8, seed=3)
-    args = parser.parse_args(bench_args("http://127.0.0.1:1", model="base", tokenizer=tmp_path, load=load,
-                                        models=["a", "a", "b"], result_dir=tmp_path, result_file="r.json"))
-    assert args.request_rate == math.inf and args.num_prompts == 7 and args.seed == 3
-    assert (args.random_input_len, args.random_output_len, float(args.random_range_ratio)) == (24, 8, 0.0)
-    assert args.lora_modules == ["a", "a", "b"] and args.temperature == 0 and args.ignore_eos
-    assert set(args.percentile_metrics.split(",")) == {"ttft", "tpot", "itl", "e2el"}
+    from esftctl.bench import serve as bench
+
+    args = ("--max-model-len", "4096", "--gpu-memory-utilization", "0.92")
+    assert bench._share_memory(args, 2) == ["--max-model-len", "4096", "--gpu-memory-utilization", "0.460"]
+    assert bench._share_memory(("--max-model-len", "256"), 2) == ["--max-model-len", "256"]  # CPU: its own KV space
+    profile = replace(bench.PROFILES["deepseek-v2-lite"], rates=(2.0,))
+    b = bench.Bench(profile, bench.Options(servers=("base",)), served=None, work=tmp_path, scratch=tmp_path,
+                    out=tmp_path, gpu=False, on_step=print)
+    assert [s.name for s in b.merged_runs(1)] == ["merged @ 2 rps"]
+    assert [s.name for s in b.merged_runs(2)] == [f"20 adapters, alpha {a} @ 2 rps" for a in ("1", "0.6", "0.3", "0.1")]
+    unloaded = []
+    monkeypatch.setattr(bench.serve_client, "unload", lambda url, name: unloaded.append(name))
+    unload = b.unloader(["a", "b", "c"], ["x"])
+    unload("url", 3)
+    unload("url", 1)
+    unload("url", 1)
+    assert unloaded == ["x", "b", "c"]  # each once, the grid's first k kept
 
 
 @pytest.mark.vllm
 def test_bench_serve_runs_on_the_cpu_build(tmp_path):
-    """CI size: plain vLLM's base, esftctl serve with two adapters over 0, 1 and 2 of them; vLLM's own results."""
+    """CI size: plain vLLM's base, esftctl serve with two adapters over 0, 1 and 2 of them (and grouped, and under
+    vLLM's --max-loras 1), at 8 requests/s and all at once; the microbenchmarks; vLLM's own results."""
     proc = run_cli("bench", "serve", "--out", tmp_path / "out", "--work", tmp_path / "work", "--servers",
-                   "base,esftctl", "--adapters", "0,2", "--rates", "inf", "--prompts", "4", "--repeats", "1", "--json")
+                   "base,esftctl", "--adapters", "0,2", "--rates", "8,inf", "--duration", "0.5", "--prompts", "4",
+                   "--repeats", "1", "--micro-runs", "2", "--group-adapters", "1", "--max-loras", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "out" / "serve.json").read_text())
     assert not result["errors"]
     rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
-    assert set(rows) == {("vLLM base", "base @ inf rps"), ("esftctl", "base @ inf rps"),
-                         ("esftctl", "2 adapters, uniform @ inf rps"), ("esftctl", "2 adapters, skewed @ inf rps")}
+    esftctl = {f"{n} @ {rate} rps" for rate in ("8", "inf")
+               for n in ("base", "2 adapters, alpha 1", "2 adapters, alpha 0.3")}
+    assert set(rows) == {("vLLM base", "base @ 8 rps"), ("vLLM base", "base @ inf rps")} | {
+        (server, name) for server in ("esftctl", "esftctl, groups of 1", "esftctl, --max-loras 1") for name in esftctl}
     for r in rows.values():
-        assert r["completed"] == 4 and r["mean_tpot_ms"] > 0 and r["p99_ttft_ms"] >= r["median_ttft_ms"]
+        assert r["completed"] == 4 and r["median_tpot_ms"] > 0 and r["p99_ttft_ms"] >= r["median_ttft_ms"]
+        assert r["median_prefill_tps"] > 0 and r["median_decode_tps"] > 0 and r["ttft_spread"] == 0  # one repeat
+    skewed = rows[("esftctl", "2 adapters, alpha 0.3 @ 8 rps")]
+    assert skewed["shares"]["expected"] == pytest.approx([0.5 ** 0.3, 1 - 0.5 ** 0.3]) and sum(
+        skewed["shares"]["counts"]) == 4
+    assert rows[("esftctl", "base @ 8 rps")]["arrival_cv"] is not None
     esft_base = rows[("esftctl", "base @ inf rps")]
     assert esft_base["tpot_ratio"] == esft_base["mean_tpot_ms"] / rows[("vLLM base", "base @ inf rps")]["mean_tpot_ms"]
     assert result["kv_cache"]["reported"]["esftctl"] > 0
-    load = next(s["adapter_load"] for s in result["servers"] if s["server"] == "esftctl")
+    servers = {s["server"]: s for s in result["servers"]}
+    load = servers["esftctl"]["adapter_load"]
     assert len(load["seconds"]["cold"]) == len(load["seconds"]["warm"]) == 3
     assert load["host_cache_hits"] == 3  # every warm load came from the server's host cache, no cold one did
-    assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 4  # vLLM's own result files
+    groups = servers["esftctl, groups of 1"]["groups"]
+    assert groups["most"] == groups["most_groups_scheduled"] == 1 and groups["grouped_steps"] > 0
+    assert set(servers["esftctl"]["micro"]) == {"2", "1"} and set(servers["vLLM base"]["micro"]) == {"all"}
+    micro = servers["esftctl"]["micro"]["1"]
+    assert set(micro["ttft_ms"]) == {"16", "64"} and set(micro["tpot_ms"]) == {"1", "4"}
+    base_micro = servers["vLLM base"]["micro"]["all"]
+    assert micro["ttft_ms_ratio"]["16"] == micro["ttft_ms"]["16"] / base_micro["ttft_ms"]["16"]
+    assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 2 + 3 * 6  # vLLM's own result files
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
 
 
@@ -193,16 +227,17 @@ def test_parallel_sizes_have_their_own_anchors_and_a_ratio_to_the_first(world):
     from esftctl.bench.serve_models import Served
 
     def measured(kind: str, ranks: int, throughput: float, tpot: float) -> dict:
-        row = {"scenario": "base @ inf rps", "rate": "inf rps", "mean_ttft_ms": 10.0, "p99_ttft_ms": 12.0,
-               "mean_tpot_ms": tpot, "p99_tpot_ms": tpot, "mean_tpot_ms_range": [tpot, tpot], "p99_itl_ms": 9.0,
-               "mean_e2el_ms": 50.0, "output_throughput": throughput, "adapters": 0}
+        row = {"scenario": "base @ inf rps", "rate": "inf rps", "mean_ttft_ms": 10.0, "median_ttft_ms": 10.0,
+               "p99_ttft_ms": 12.0, "mean_tpot_ms": tpot, "median_tpot_ms": tpot, "p99_tpot_ms": tpot,
+               "p99_itl_ms": 9.0, "mean_e2el_ms": 50.0, "output_throughput": throughput, "adapters": 0,
+               "alpha": None, "ttft_spread": 0.0, "shares": None}
         return {"server": kind + bench.parallel_label(ranks, False), "kind": kind, "ranks": ranks,
                 "kv_cache_tokens": 1000, "rows": [row]}
 
     results = [measured("vLLM base", 1, 100.0, 5.0), measured("vLLM base", 2, 150.0, 4.0),
                measured("esftctl", 1, 90.0, 5.5), measured("esftctl", 2, 120.0, 4.4)]
-    out = bench.finish(bench.PROFILES["tiny"], Served(world.base_dir), results, {}, alpha=1.0, gpu=False,
-                       servers=("base", "esftctl"))
+    out = bench.finish(bench.PROFILES["tiny"], Served(world.base_dir), results, {}, gpu=False,
+                       options=bench.Options(servers=("base", "esftctl")))
     rows = {res["server"]: res["rows"][0] for res in out["servers"]}
     assert out["config"]["parallel"] == [1, 2] and set(rows) == {"vLLM base", "vLLM base TP=2", "esftctl",
                                                                    "esftctl TP=2"}
@@ -224,6 +259,10 @@ def test_bad_bench_serve_options_are_one_line_errors(world):
              (("bench", "serve", "--parallel", "1,4096"), "--parallel '1,4096': 4096 ranks, but this machine has"),
              (("bench", "serve", "--servers", "base,,esftctl"), "--servers: unknown ''"),
              (("bench", "serve", "--model", "huge"), "unknown --model 'huge'"),
+             (("bench", "serve", "--alphas", "1,0"), "--alphas '1,0': every alpha must be above 0"),
+             (("bench", "serve", "--cv", "0"), "--cv 0.0: choose a coefficient of variation above 0"),
+             (("bench", "serve", "--adapters", "0,2", "--max-loras", "2"), "--max-loras 2: choose fewer than"),
+             (("bench", "serve", "--adapter-shape", "wide"), "unknown --adapter-shape 'wide'"),
              (("serve", world.base_dir, "--host-cache", "1.2.3"), "--host-cache: cannot read '1.2.3' as a size")]
     if not torch.cuda.is_available():
         cases.append((("bench", "serve", "--servers", "base,lora"), "need a GPU"))
@@ -256,3 +295,24 @@ def test_streamed_finetunes_of_a_generated_base(small_lite, tmp_path):
     assert (emap.owner >= 0).sum() == 4
     again = write_finetune(small_lite, tmp_path / "again", kind="esft", seed=1, experts_per_layer=2)
     assert changed_experts(MoECheckpoint(esft), MoECheckpoint(again)) == {l: [] for l in base.moe_layers}
+
+
+def test_grid_adapters_of_either_shape(small_lite, tmp_path, monkeypatch):
+    """`--adapter-shape deepseek`: the grid's 20 names over 10 files of DeepSeek's published sizes (83-153 experts,
+    one file per size, shared with the Table 1 grid's DeepSeek-sized extras), none beside; table1: Table 1's, and
+    the DeepSeek-sized extras beside."""
+    from esftctl.bench import serve_models
+    from esftctl.bench.serve_models import Served
+
+    written = []
+    monkeypatch.setattr(serve_models, "_lite", lambda base, path, **kw: written.append((path.name, kw)) or path)
+    served = Served(small_lite)
+    serve_models.write_adapters(served, "deepseek-v2-lite", tmp_path, 20, distinct=10, shape="deepseek")
+    assert served.grid == [f"ds-{i:02d}" for i in range(20)] and served.esft_sized == []
+    assert served.bundles["ds-13"] == served.bundles["ds-03"] == tmp_path / "adapters" / "ds-106e"
+    assert [name for name, _ in written] == [f"ds-{t}e" for t in (83, 90, 98, 106, 114, 121, 129, 137, 145, 153)]
+    assert all(kw["most"] == 9 for _, kw in written)
+    written.clear()
+    serve_models.write_adapters(served, "deepseek-v2-lite", tmp_path, 20, distinct=10, esft_sized=5)
+    assert served.grid == [f"t1-{i:02d}" for i in range(20)] and served.esft_sized == [f"ds-{i}" for i in range(5)]
+    assert [name for name, _ in written][10:] == [f"ds-{t}e" for t in (83, 100, 118, 135, 153)]

@@ -182,20 +182,33 @@ def _rates(text: str) -> tuple[float, ...]:
     try:
         rates = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise EsftError(f"--rates takes comma-separated requests per second (such as 4,inf), not {text!r}") from None
+        raise EsftError(f"--rates takes comma-separated requests per second (such as 1,2,5,inf), not {text!r}"
+                        ) from None
     if not all(r > 0 for r in rates):  # also refuses nan
         raise EsftError(f"--rates {text!r}: every rate must be above 0 (inf: all requests at once)")
     return rates
 
 
+def _alphas(text: str) -> tuple[float, ...]:
+    from esftctl.errors import EsftError
+
+    try:
+        alphas = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise EsftError(f"--alphas takes comma-separated S-LoRA skews (such as 1,0.6,0.3,0.1), not {text!r}") from None
+    if not all(0 < a < 1e6 for a in alphas):  # also refuses nan and inf
+        raise EsftError(f"--alphas {text!r}: every alpha must be above 0 (1: uniform; smaller: more skewed)")
+    return alphas
+
+
 @app.command()
 def serve(
     out: Path = typer.Option(Path("bench-results"), help=OUT_HELP + " vLLM's own result files go beside, in "
-                                                                    "vllm-results/."),
+                                                                    "vllm-results/ (and vllm-micro/)."),
     model: str = typer.Option("tiny", help="tiny (the tiny world, CPU-sized) or deepseek-v2-lite (GPU only: a 31 GB "
                                            "model generated on demand; its default 20 Table 1 adapters plus 5 "
-                                           "DeepSeek-sized ones take 69 GB more: an H200, or --adapters up to 10 "
-                                           "on an 80 GB GPU)."),
+                                           "DeepSeek-sized ones take 69 GB more: an H200, or --adapter-shape "
+                                           "deepseek (20 adapters, 41 GB) or --adapters up to 10 on an 80 GB GPU)."),
     work: Path = typer.Option(None, help="Folder for the generated base and the servers' state (default "
                                          "~/.cache/esftctl/bench-serve-MODEL); a generated base is reused."),
     scratch: Path = typer.Option(None, help="Folder for the merged copy, adapter bundles and LoRA adapters "
@@ -203,16 +216,45 @@ def serve(
     adapters: str = typer.Option(None, help="Comma-separated adapter counts to spread requests over; 0 = the base "
                                             "through the runtime (default per model: tiny 0,1,2; "
                                             "deepseek-v2-lite 0,1,5,10,20)."),
+    adapter_shape: str = typer.Option(None, metavar="[table1|deepseek]",
+                                      help="deepseek-v2-lite: the adapters the counts use: table1 (ExpertWeave's "
+                                           "Table 1, 100-247 experts; 5 DeepSeek-sized ones run beside at the "
+                                           "highest rate) or deepseek (DeepSeek's published sizes, 83-153 experts) "
+                                           "(default table1)."),
     rates: str = typer.Option(None, help="Comma-separated request rates per second, inf = all at once "
-                                         "(default: tiny 8,inf; deepseek-v2-lite 4,inf)."),
-    prompts: int = typer.Option(None, min=2, help="Requests per run (default per model: 12 or 64)."),
-    repeats: int = typer.Option(None, min=1, help="Runs per scenario, interleaved; the median is reported "
-                                                  "(default: tiny 2, deepseek-v2-lite 3)."),
-    alpha: float = typer.Option(1.0, help="Power-law exponent of the skewed request shares."),
+                                         "(default: tiny 8,inf; deepseek-v2-lite 1,2,5,inf)."),
+    duration: float = typer.Option(None, min=0.1, help="Seconds of arrivals per run at a finite rate: rate x "
+                                                       "duration requests (default: tiny 1.5, deepseek-v2-lite 60; "
+                                                       "ExpertWeave ran 100)."),
+    prompts: int = typer.Option(None, min=2, help="Requests per run at rate inf (default per model: 12 or 256)."),
+    repeats: int = typer.Option(None, min=1, help="Runs per scenario, interleaved; the median is reported with "
+                                                  "TTFT's spread over them (default: tiny 2, deepseek-v2-lite 3)."),
+    alphas: str = typer.Option(None, help="Comma-separated S-LoRA skews of the request shares: adapter i of N gets "
+                                          "((i+1)/N)^alpha - (i/N)^alpha, drawn per request (1: uniform, 0.1: the "
+                                          "first of 20 gets 74%); the first at every count, the others at the "
+                                          "largest (default: tiny 1,0.3; deepseek-v2-lite 1,0.6,0.3,0.1)."),
+    cv: float = typer.Option(None, help="Coefficient of variation of the gaps between arrivals, Gamma-distributed "
+                                        "(1: Poisson, the default; above 1 burstier; vLLM's --burstiness 1/cv^2)."),
+    micro_runs: int = typer.Option(None, min=0, help="Requests per prompt length and batch size in the "
+                                                     "microbenchmarks (batch-1 TTFT by prompt length, TPOT after a "
+                                                     "long prompt by batch size; 0 skips them; default: tiny 3, "
+                                                     "deepseek-v2-lite 10)."),
     servers: str = typer.Option(None, help="Comma-separated servers to measure, of base (plain vLLM, the anchor: "
                                            "always), merged, esftctl and lora (vLLM multi-LoRA, GPU only: vLLM's "
                                            "CPU build has no MoE LoRA kernel; --max-loras is the largest "
                                            "--adapters count); default all there are."),
+    merged_copies: int = typer.Option(0, min=0, help="Merged copies served side by side, each with its share of "
+                                                     "the device, adapter i's requests to copy i mod copies (0: as "
+                                                     "many as fit, one fewer after a failed start; 1 on the CPU "
+                                                     "build)."),
+    group_adapters: int = typer.Option(0, min=0, help="Also measure `esftctl serve --group-adapters N`: at most N "
+                                                      "adapters (the base counts as one) per engine step (0: "
+                                                      "not)."),
+    group_wait: int = typer.Option(8, min=1, help="With --group-adapters: `esftctl serve --group-wait`, engine "
+                                                  "steps a request may be held back before it must run."),
+    max_loras: int = typer.Option(0, min=0, help="Also measure esftctl serve with vLLM's --max-loras N, below the "
+                                                 "adapter count: at most N adapters among the running requests, "
+                                                 "the others wait to be admitted (0: not)."),
     parallel: str = typer.Option("1", help="Comma-separated tensor-parallel sizes: every server is measured at "
                                            "each (1,2: what a second GPU buys, as tok/s against the first size). On "
                                            "the CPU build each rank of a larger size gets one core "
@@ -222,19 +264,29 @@ def serve(
                                               "MoE kernel ignores expert maps)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
-    """TTFT, TPOT, ITL and throughput (vLLM bench serve): plain vLLM (base, merged), esftctl serve with 0-20
-    adapters, and vLLM multi-LoRA, on one device or several; KV-cache room; adapter load time."""
+    """ExpertWeave's protocol: TTFT, TPOT, prefill and decode speed (vLLM bench serve; power-law adapter shares,
+    Gamma arrivals) of plain vLLM (base, merged copies), esftctl serve over 0-20 adapters (and grouped, or under
+    --max-loras) and vLLM multi-LoRA; microbenchmarks; KV-cache room; adapter load time."""
     from esftctl.bench import serve as bench
+    from esftctl.bench.serve_models import SHAPES
     from esftctl.errors import EsftError
 
     if model not in bench.PROFILES:
         raise EsftError(f"unknown --model {model!r} (choose {' or '.join(bench.PROFILES)})")
+    if adapter_shape is not None and adapter_shape not in SHAPES:
+        raise EsftError(f"unknown --adapter-shape {adapter_shape!r} (choose {' or '.join(SHAPES)})")
+    if cv is not None and not 0 < cv < 100:
+        raise EsftError(f"--cv {cv}: choose a coefficient of variation above 0 (1: Poisson) and below 100")
     counts = tuple(sorted(set(_counts("--adapters", adapters, minimum=0)))) if adapters else None
     chosen = tuple(servers.split(",")) if servers else None
     unknown = [s for s in chosen or () if s not in bench.SERVERS]
     if unknown:
         raise EsftError(f"--servers: unknown {', '.join(repr(s) for s in unknown)} (choose from "
                         f"{', '.join(bench.SERVERS)})")
+    most = max(counts or bench.PROFILES[model].counts)
+    if max_loras and max_loras >= most:
+        raise EsftError(f"--max-loras {max_loras}: choose fewer than the largest adapter count ({most}), or it "
+                        "bounds nothing")
     import torch
 
     if not torch.cuda.is_available() and (model != "tiny" or "lora" in (chosen or ()) or expert_parallel):
@@ -247,8 +299,10 @@ def serve(
         raise EsftError(f"--parallel {parallel!r}: {max(sizes)} ranks, but this machine has {available} "
                         f"{'GPUs' if torch.cuda.is_available() else 'cores'}")
     _measure(bench, "serve", out, as_json, model=model, work=work, scratch=scratch, counts=counts,
-             rates=_rates(rates) if rates else None, prompts=prompts, repeats=repeats, alpha=alpha, servers=chosen,
-             parallel=sizes, expert_parallel=expert_parallel, results_dir=out)
+             rates=_rates(rates) if rates else None, duration=duration, prompts=prompts, repeats=repeats,
+             alphas=_alphas(alphas) if alphas else None, cv=cv, shape=adapter_shape, micro_runs=micro_runs,
+             servers=chosen, group_adapters=group_adapters, group_wait=group_wait, max_loras=max_loras,
+             merged_copies=merged_copies, parallel=sizes, expert_parallel=expert_parallel, results_dir=out)
 
 
 @app.command()

@@ -2,18 +2,33 @@
 
 Its `main` runs in this process (importing vLLM costs 10-30 s; a subprocess per run would pay it every time)
 with the arguments the console command would parse: the random dataset (token ids drawn from the model's
-tokenizer, re-aligned on the server), `--request-rate` (Poisson arrivals; inf = all at once), greedy,
-ignore_eos, TTFT/TPOT/ITL/E2EL with mean, median and p99. Which model each request names is vLLM's
-`random.choice` over `--lora-modules`, seeded: a name listed k times gets k shares, which is how power-law
-request shares are expressed. Its result JSON is kept beside our own, and its printed summary goes to a log.
+tokenizer, re-aligned on the server), `--request-rate` with `--burstiness` (Gamma arrivals of a given
+coefficient of variation, esftctl.bench.traffic; inf = all at once), greedy, ignore_eos, TTFT/TPOT/ITL/E2EL
+with mean, median and p99, and `--save-detailed` for every request's own times. Which model each request names
+is given request by request (`--lora-modules` as long as the run, `--lora-assignment round-robin`: request k
+gets entry k), drawn by esftctl.bench.traffic, so that every server gets the same requests. `routes` sends
+each model name to its own server (several merged copies side by side) by wrapping vLLM's request function:
+the load generator, its clock and its trace stay one. Its result JSON is kept beside our own, and its printed
+summary goes to a log.
+
+From each run's per-request times we add what vLLM does not print: prefill speed (prompt tokens / TTFT) and
+decode speed (tokens after the first / the time they took) per request, median and worst 1% (the 1st
+percentile: of a speed, the low tail is the bad one), and the coefficient of variation of the gaps between
+requests as sent (the arrivals' check).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+
+from esftctl.bench.traffic import burstiness, gaps_cv
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 99)
@@ -23,41 +38,38 @@ PERCENTILES = (50, 99)
 class Load:
     """One load-generator run's traffic."""
 
-    rate: float  # requests per second (Poisson); math.inf sends them all at once
+    rate: float  # requests per second; math.inf sends them all at once
     prompts: int
     input_len: int
     output_len: int
     seed: int = 0
-
-
-def weighted_names(names: list[str], alpha: float | None) -> list[str]:
-    """`names` repeated by share for vLLM's random.choice: once each (uniform, alpha None), or about
-    proportional to 1 / rank^alpha (power law, ExpertWeave 5.2): rank 1 gets 60 entries."""
-    if alpha is None:
-        return list(names)
-    return [n for rank, n in enumerate(names, 1) for _ in range(max(1, round(60 / rank ** alpha)))]
-
-
-def shares(weighted: list[str]) -> dict[str, float]:
-    return {n: weighted.count(n) / len(weighted) for n in dict.fromkeys(weighted)}
+    cv: float = 1.0  # coefficient of variation of the gaps between arrivals (1: Poisson)
+    concurrency: int | None = None  # at most this many requests in flight (the microbenchmarks' batch)
 
 
 def bench_args(url: str, *, model: str, tokenizer: Path, load: Load, models: list[str], result_dir: Path,
                result_file: str) -> list[str]:
-    """The `vllm bench serve` command line of one run (`models` empty: every request to `model`)."""
+    """The `vllm bench serve` command line of one run: `models` names each request's model in order (as long as
+    the run), or is empty: every request to `model`."""
+    if models and len(models) != load.prompts:
+        raise ValueError(f"{len(models)} model names for {load.prompts} requests: give one per request")
     args = ["--backend", "openai", "--base-url", url, "--model", model, "--tokenizer", str(tokenizer),
             "--dataset-name", "random", "--random-input-len", str(load.input_len),
             "--random-output-len", str(load.output_len), "--random-range-ratio", "0",
             "--num-prompts", str(load.prompts), "--request-rate", "inf" if math.isinf(load.rate) else str(load.rate),
-            "--seed", str(load.seed), "--ignore-eos", "--temperature", "0",
+            "--burstiness", repr(burstiness(load.cv)), "--seed", str(load.seed), "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_file, "--disable-tqdm"]
-    return args + (["--lora-modules", *models] if models else [])
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file,
+            "--disable-tqdm"]
+    if load.concurrency:
+        args += ["--max-concurrency", str(load.concurrency)]
+    return args + (["--lora-modules", *models, "--lora-assignment", "round-robin"] if models else [])
 
 
 def run_load(url: str, *, model: str, tokenizer: Path, load: Load, models: list[str], result_dir: Path,
-             name: str) -> dict:
-    """One run of vLLM's serving benchmark; its result dict (vLLM's keys), its printed output in NAME.log."""
+             name: str, routes: dict[str, str] | None = None) -> dict:
+    """One run of vLLM's serving benchmark; its result dict (vLLM's keys), its printed output in NAME.log.
+    `routes`: model name -> the base URL of the server that serves it (default: `url` serves every model)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -66,7 +78,7 @@ def run_load(url: str, *, model: str, tokenizer: Path, load: Load, models: list[
     args = parser.parse_args(bench_args(url, model=model, tokenizer=tokenizer, load=load, models=models,
                                         result_dir=result_dir, result_file=f"{name}.json"))
     result_dir.mkdir(parents=True, exist_ok=True)
-    with open(result_dir / f"{name}.log", "w") as log, contextlib.redirect_stdout(log):
+    with open(result_dir / f"{name}.log", "w") as log, contextlib.redirect_stdout(log), routed(routes):
         result = main(args)
     if result.get("failed"):
         raise RuntimeError(f"{name}: {result['failed']} of {load.prompts} requests failed "
@@ -74,11 +86,50 @@ def run_load(url: str, *, model: str, tokenizer: Path, load: Load, models: list[
     return result
 
 
+@contextlib.contextmanager
+def routed(routes: dict[str, str] | None):
+    """While it lasts, vLLM's OpenAI request function sends a request for model m to routes[m] (same path)."""
+    if not routes:
+        yield
+        return
+    from vllm.benchmarks.lib import endpoint_request_func as funcs
+
+    plain = funcs.ASYNC_REQUEST_FUNCS["openai"]
+
+    async def to_its_server(request_func_input, *args, **kwargs):
+        path = urllib.parse.urlsplit(request_func_input.api_url).path
+        target = routes[request_func_input.model].rstrip("/") + path
+        return await plain(dataclasses.replace(request_func_input, api_url=target), *args, **kwargs)
+
+    funcs.ASYNC_REQUEST_FUNCS["openai"] = to_its_server
+    try:
+        yield
+    finally:
+        funcs.ASYNC_REQUEST_FUNCS["openai"] = plain
+
+
 def summary(result: dict) -> dict:
-    """The numbers we report from one vLLM result: throughput and each metric's mean, median and p99 (ms)."""
+    """The numbers we report from one vLLM result: throughput, each metric's mean, median and p99 (ms), the
+    per-request prefill and decode speeds (median, worst 1%), and the arrivals' measured cv."""
     out = {"duration_s": result["duration"], "completed": result["completed"],
            "output_throughput": result["output_throughput"], "request_throughput": result["request_throughput"]}
     for m in METRICS:
         for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)):
             out[f"{stat}_{m}_ms"] = result[f"{stat}_{m}_ms"]
+    return out | speeds(result)
+
+
+def speeds(result: dict) -> dict:
+    """From `--save-detailed`'s per-request lists: prefill tokens/s (prompt / TTFT), decode tokens/s (tokens after
+    the first / their inter-token times), median and 1st percentile; the gaps' cv; total tokens."""
+    ttfts, inputs = result.get("ttfts") or [], result.get("input_lens") or []
+    outputs, itls = result.get("output_lens") or [], result.get("itls") or []
+    prefill = [n / t for n, t in zip(inputs, ttfts) if t and t > 0]
+    decode = [(n - 1) / sum(gaps) for n, gaps in zip(outputs, itls) if n > 1 and gaps and sum(gaps) > 0]
+    out = {"total_input_tokens": result.get("total_input_tokens"),
+           "total_output_tokens": result.get("total_output_tokens"),
+           "arrival_cv": gaps_cv(result["start_times"]) if len(result.get("start_times") or []) > 2 else None}
+    for what, values in (("prefill", prefill), ("decode", decode)):
+        out[f"median_{what}_tps"] = float(np.median(values)) if values else None
+        out[f"p1_{what}_tps"] = float(np.percentile(values, 1)) if values else None
     return out

@@ -1,21 +1,42 @@
-"""`esftctl bench serve`: whole-model serving of ESFT adapters against what a user would run instead.
+"""`esftctl bench serve`: whole-model serving of ESFT adapters against what a user would run instead, in
+ExpertWeave's protocol (5.2-5.3).
 
 Servers, one after another on one machine, every load run made by vLLM's own serving benchmark
-(esftctl.bench.load: TTFT, TPOT, ITL, end-to-end latency, throughput; mean, median, p99):
+(esftctl.bench.load: TTFT, TPOT, ITL, end-to-end latency; mean, median, p99; per-request prefill and decode
+speed):
 - `vLLM base`: plain vLLM serving the base alone, the anchor of every ratio;
-- `vLLM merged`: plain vLLM serving one adapter merged into a full model (a fine-tune served today);
+- `vLLM merged`: plain vLLM serving merged models (a fine-tune served today), as many copies side by side on
+  the device as fit (each with its share of the memory; counted, and the count recorded), the requests of
+  adapter i going to copy i mod copies, at the largest count and every alpha; one copy serves the base's
+  traffic;
 - `esftctl`: `esftctl serve` with every adapter loaded; its runs spread requests over the first N adapters
-  (N = 0: all to the base through the ESFT runtime), uniformly or by a power law (share of the i-th adapter
-  ~ 1 / i^alpha, ExpertWeave 5.2), at a low and a high request rate, plus runs over adapters of the size
-  DeepSeek published (83-153 experts each, where ExpertWeave's Table 1 adapters have 100-247);
+  (N = 0: all to the base through the ESFT runtime) by S-LoRA's power law (esftctl.bench.traffic: alpha 1
+  uniform, 0.6 / 0.3 / 0.1 more and more skewed; the first alpha at every N, the others at the largest N);
+  with the Table 1 shapes, also a run over adapters of DeepSeek's published size at the highest rate;
+- `esftctl, groups of G` (`group_adapters`): the same with `esftctl serve --group-adapters G`, at most G
+  adapters per engine step (esftctl.runtime.adapter_groups); `esftctl, --max-loras K` (`max_loras`): the same
+  with vLLM's own bound, at most K adapters among the running requests: the two ways to read fewer rows;
 - `vLLM multi-LoRA`, the peer: rank-16 LoRA on every routed expert and on attention (bench.lora_peer),
   `--max-loras` = the largest adapter count, the same runs. GPU only: vLLM's CPU build sends MoE LoRA to its
   Triton kernel, which needs a GPU.
-The runs of one server are repeated `repeats` times, interleaved (a rotated order each round); the median
-over repeats is reported with the range of the means. Every server also reports its KV-cache room (vLLM's
-/metrics), set against the room N merged copies would leave (computed: each copy is the base's bytes again),
-and the `esftctl` server times `esftctl adapters load` of one adapter, cold (its file evicted from the page
-cache) and warm (in host memory), against bytes / the host-to-device copy bandwidth measured here.
+
+Traffic: at a finite rate, `duration` seconds of Gamma arrivals of coefficient of variation `cv` (1: Poisson;
+ExpertWeave: 1 to 5 requests/s over 100 s), at inf `prompts` requests at once. Every server of a run gets the
+same requests: same prompts and arrival times (vLLM's seed: the repeat), same adapter draw (our seed: the run),
+each request to that server's i-th adapter (or merged copy). The runs of one server are repeated `repeats`
+times, interleaved (a rotated order each round); the median over repeats is reported, with TTFT's spread over
+them ((max - min) / median of the repeats' median TTFT), the drawn shares against alpha (chi-square p-value,
+worst share in standard errors, over all repeats) and the arrivals' measured cv.
+
+Microbenchmarks (ExpertWeave 5.3), on every server after its runs: batch-1 median TTFT over prompt lengths
+(`micro_runs` requests each, one at a time) and median TPOT over `decode_steps` steps after a
+`decode_prompt`-token prompt at each batch size, all to the first adapter; on `esftctl` and multi-LoRA at
+each count of adapters loaded (the others unloaded in turn: 20, then 5, then 1).
+
+Every server also reports its KV-cache room (vLLM's /metrics), set against the room N merged copies would leave
+(computed: each copy is the base's bytes again), and the `esftctl` server times `esftctl adapters load` of one
+adapter, cold (its file evicted from the page cache) and warm (in host memory), against bytes / the
+host-to-device copy bandwidth measured here.
 
 `parallel` (e.g. 1,2) measures every server at each tensor-parallel size in turn (labels "TP=2", or "EP=2"
 with `expert_parallel`), each size's ratios against plain vLLM's base at that size, and the throughput of
@@ -23,9 +44,11 @@ every server and scenario against its own run at the first size ("tok/s vs first
 
 Models: `tiny` (the tiny world's base and synthetic adapters; CI-sized, on the CPU build) or
 `deepseek-v2-lite` (bench.synthetic_model: generated on demand into --work, 31 GB; adapters with ExpertWeave
-Table 1's per-layer counts). Big files go where they fit: the merged copy is written just before its server
-and deleted after it; at most `distinct` bundles (LoRA adapters) are written and served under several names,
-each name its own slot with its own memory, so N names cost what N distinct adapters cost.
+Table 1's per-layer counts, or DeepSeek's published sizes). Big files go where they fit: the merged copy is
+written just before its servers and deleted after them; at most `distinct` bundles (LoRA adapters) are written
+and served under several names, each name its own slot with its own memory, so N names cost what N distinct
+adapters cost. Routing is the generated model's (about uniform): trained adapters' tokens prefer the experts
+their adapter replaced, which this bench does not model (see esftctl.bench.serve_runs).
 """
 
 from __future__ import annotations
@@ -34,10 +57,8 @@ import contextlib
 import functools
 import math
 import os
-import re
 import statistics
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -45,124 +66,60 @@ from typing import Callable
 from esftctl import serve_client
 from esftctl.bench import serve_models
 from esftctl.bench.disk import evict, read_bandwidth
-from esftctl.bench.load import Load, run_load, shares, summary, weighted_names
 from esftctl.bench.serve_models import Served
+from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
+from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, rate_label, scenarios, slug
+from esftctl.bench.traffic import SLORA_ALPHAS
 from esftctl.jsonfile import write_json
-from esftctl.serve import Server, free_port, plan
+from esftctl.serve import free_port, plan
 
 INF = math.inf
 SERVERS = ("base", "merged", "esftctl", "lora")  # plain vLLM base (always), merged, esftctl serve, multi-LoRA
+MERGED_HEADROOM = 5 << 30  # bytes each merged copy needs beside its weights: activations, CUDA graphs, some KV
 
 
 @dataclass(frozen=True)
 class Profile:
-    """What one model's bench runs: servers' engine arguments, traffic, adapter counts."""
+    """What one model's bench runs: servers' engine arguments, traffic, adapter counts, microbenchmarks."""
 
     model: str
     counts: tuple[int, ...]  # adapters requests are spread over (0: the base)
-    rates: tuple[float, ...]  # requests per second: a low one, and inf (all at once)
-    prompts: int
+    rates: tuple[float, ...]  # requests per second (inf: all at once)
+    prompts: int  # requests per run at rate inf
+    duration: float  # seconds of arrivals per run at a finite rate: rate x duration requests
     input_len: int
     output_len: int
     repeats: int
     engine_args: tuple[str, ...]
+    alphas: tuple[float, ...] = (1.0,)  # S-LoRA's; the first at every count, the others at the largest
+    cv: float = 1.0  # of the gaps between arrivals
     esft_sized: int = 0  # adapters of DeepSeek's published size, served beside the Table 1 ones
     distinct: int = 10  # bundles (and LoRA adapters) actually written; more names reuse them
+    shape: str = "table1"  # the grid's adapters: ExpertWeave's Table 1 or "deepseek" (published sizes)
+    micro_lengths: tuple[int, ...] = ()  # prompt lengths of the batch-1 TTFT microbenchmark
+    micro_batches: tuple[int, ...] = (1,)  # batch sizes of the TPOT microbenchmark
+    micro_loaded: tuple[int, ...] = ()  # adapters loaded while esftctl and multi-LoRA run them
+    micro_runs: int = 10  # requests per length or batch (0: no microbenchmarks)
+    decode_prompt: int = 1024
+    decode_steps: int = 128
+
+    def requests(self, rate: float) -> int:
+        """Requests in one run at `rate`."""
+        return self.prompts if math.isinf(rate) else max(2, round(rate * self.duration))
 
 
 PROFILES = {
-    "tiny": Profile("tiny", counts=(0, 1, 2), rates=(8.0, INF), prompts=12, input_len=24, output_len=8, repeats=2,
-                    engine_args=("--max-model-len", "256", "--max-num-seqs", "32")),
+    "tiny": Profile("tiny", counts=(0, 1, 2), rates=(8.0, INF), prompts=12, duration=1.5, input_len=24, output_len=8,
+                    repeats=2, alphas=(1.0, 0.3), engine_args=("--max-model-len", "256", "--max-num-seqs", "32"),
+                    micro_lengths=(16, 64), micro_batches=(1, 4), micro_loaded=(2, 1), micro_runs=3,
+                    decode_prompt=64, decode_steps=16),
     "deepseek-v2-lite": Profile(
-        "deepseek-v2-lite", counts=(0, 1, 5, 10, 20), rates=(4.0, INF), prompts=64, input_len=256, output_len=128,
-        repeats=3, esft_sized=5, distinct=10,
-        engine_args=("--max-model-len", "2048", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92")),
+        "deepseek-v2-lite", counts=(0, 1, 5, 10, 20), rates=(1.0, 2.0, 5.0, INF), prompts=256, duration=60.0,
+        input_len=256, output_len=128, repeats=3, alphas=SLORA_ALPHAS, esft_sized=5, distinct=10,
+        engine_args=("--max-model-len", "4096", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92"),  # 4096:
+        # the microbenchmarks' 2,048-token prompts and their output fit (issue 15's runs had 2048)
+        micro_lengths=(128, 512, 1024, 2048), micro_batches=(1, 8, 32), micro_loaded=(20, 5, 1)),
 }
-
-
-@dataclass
-class Scenario:
-    name: str
-    models: list[str]  # vLLM's --lora-modules list (names repeated by share); empty: every request to the base
-    rate: float
-    adapters: int
-
-
-def scenarios(names: list[str], profile: Profile, alpha: float, extra: list[str] = ()) -> list[Scenario]:
-    """Per rate: 0..N adapters uniform; skewed shares too at the highest rate (at a low rate a batch rarely
-    holds more than a few requests, so shares barely change it); `extra` adapters at the highest rate."""
-    out = []
-    for rate in profile.rates:
-        for n in profile.counts:
-            if n > len(names):
-                continue
-            label = "base" if n == 0 else f"{n} adapter{'s' * (n > 1)}"
-            out.append(Scenario(f"{label}, uniform @ {_rate(rate)}" if n > 1 else f"{label} @ {_rate(rate)}",
-                                weighted_names(names[:n], None), rate, n))
-            if n > 1 and rate == max(profile.rates):
-                out.append(Scenario(f"{label}, skewed @ {_rate(rate)}", weighted_names(names[:n], alpha), rate, n))
-    if extra:
-        rate = max(profile.rates)
-        out.append(Scenario(f"{len(extra)} DeepSeek-sized adapters, uniform @ {_rate(rate)}",
-                            weighted_names(list(extra), None), rate, len(extra)))
-    return out
-
-
-def _rate(rate: float) -> str:
-    return "inf rps" if math.isinf(rate) else f"{rate:g} rps"
-
-
-def kv_cache_tokens(url: str) -> int | None:
-    """The KV-cache room vLLM reports (its cache_config_info gauge), any server: plain or esftctl."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    m = re.search(r'kv_cache_size_tokens="(\d+)"', text)
-    return int(m.group(1)) if m else None
-
-
-def measure_server(label: str, serve_plan, *, served: Served, profile: Profile, runs: list[Scenario], out: Path,
-                   on_step: Callable[[str], None], after: Callable[[str], dict] | None = None) -> dict:
-    """Start one server, warm it up, run every scenario `repeats` times interleaved, stop it."""
-    on_step(f"{label}: starting vLLM")
-    started = time.perf_counter()
-    with Server(serve_plan) as server:
-        server.wait_ready(timeout=1800)
-        ready_s = time.perf_counter() - started
-        kv = kv_cache_tokens(serve_plan.url)
-        names = list(dict.fromkeys(n for s in runs for n in s.models))
-        warm = Load(INF, max(16, 2 * len(names)), profile.input_len, profile.output_len, seed=99)
-        on_step(f"{label}: warm-up")  # every name once: first-use costs (kernels, slots) stay out of the numbers
-        run_load(serve_plan.url, model=serve_plan.name, tokenizer=served.base, load=warm, models=names,
-                 result_dir=out / "warmup", name=_slug(label))
-        measured: dict[str, list[dict]] = {s.name: [] for s in runs}
-        for rep in range(profile.repeats):
-            order = runs[rep % len(runs):] + runs[:rep % len(runs)]
-            for s in order:
-                on_step(f"{label}: {s.name} ({rep + 1}/{profile.repeats})")
-                load = Load(s.rate, profile.prompts, profile.input_len, profile.output_len, seed=rep)
-                result = run_load(serve_plan.url, model=serve_plan.name, tokenizer=served.base, load=load,
-                                  models=s.models, result_dir=out / "vllm-results",
-                                  name=_slug(f"{label} {s.name} r{rep}"))
-                measured[s.name].append(summary(result))
-        try:  # a failure here keeps the runs measured above
-            extra = after(serve_plan.url) if after else {}
-        except Exception as e:
-            extra = {"after_error": " ".join(str(e).split())[:500]}
-            on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
-    rows = [{"server": label, "scenario": s.name, "adapters": s.adapters, "rate": _rate(s.rate),
-             "shares": shares(s.models) if s.models else {}, **_median(measured[s.name]),
-             "repeats": measured[s.name]} for s in runs]
-    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "rows": rows, **extra}
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", text).strip("_")
-
-
-def _median(reps: list[dict]) -> dict:
-    out = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-    for k in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput"):
-        out[f"{k}_range"] = [min(r[k] for r in reps), max(r[k] for r in reps)]
-    return out
 
 
 def parallel_args(ranks: int, expert_parallel: bool) -> tuple[str, ...]:
@@ -185,9 +142,15 @@ def cpu_ranks_bound(ranks: int, gpu: bool):
         yield
         return
     cores = sorted(os.sched_getaffinity(0))
-    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores[:ranks])), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    before = {k: os.environ.get(k) for k in binding}
-    os.environ.update(binding)
+    with environ(VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, cores[:ranks])), VLLM_CPU_NUM_OF_RESERVED_CPU="0"):
+        yield
+
+
+@contextlib.contextmanager
+def environ(**values: str):
+    """These environment variables while it lasts (a server started inside inherits them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -198,70 +161,234 @@ def cpu_ranks_bound(ranks: int, gpu: bool):
                 os.environ[k] = v
 
 
+@dataclass(frozen=True)
+class Options:
+    """The run's choices beyond the profile: which servers, the two row-saving settings, merged copies."""
+
+    servers: tuple[str, ...]
+    parallel: tuple[int, ...] = (1,)
+    expert_parallel: bool = False
+    group_adapters: int = 0  # > 0: also measure esftctl serve --group-adapters this
+    group_wait: int = 8
+    max_loras: int = 0  # > 0: also measure esftctl serve with vLLM's --max-loras this
+    merged_copies: int = 0  # 0: as many as fit
+    load_repeats: int = 3
+
+
 def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None = None,
         counts: tuple[int, ...] | None = None, rates: tuple[float, ...] | None = None, prompts: int | None = None,
-        repeats: int | None = None, alpha: float = 1.0, servers: tuple[str, ...] | None = None, load_repeats: int = 3,
-        parallel: tuple[int, ...] = (1,), expert_parallel: bool = False, results_dir: Path = Path("bench-results"),
+        duration: float | None = None, repeats: int | None = None, alphas: tuple[float, ...] | None = None,
+        cv: float | None = None, shape: str | None = None, micro_runs: int | None = None,
+        servers: tuple[str, ...] | None = None, group_adapters: int = 0, group_wait: int = 8, max_loras: int = 0,
+        merged_copies: int = 0, load_repeats: int = 3, parallel: tuple[int, ...] = (1,),
+        expert_parallel: bool = False, results_dir: Path = Path("bench-results"),
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
     import torch
 
-    profile = PROFILES[model]
-    profile = replace(profile, **{k: v for k, v in dict(counts=counts, rates=rates, prompts=prompts,
-                                                          repeats=repeats).items() if v is not None})
+    given = dict(counts=counts, rates=rates, prompts=prompts, duration=duration, repeats=repeats, alphas=alphas,
+                 cv=cv, shape=shape, micro_runs=micro_runs)
+    profile = replace(PROFILES[model], **{k: v for k, v in given.items() if v is not None})
     gpu = torch.cuda.is_available()
-    servers = servers or (SERVERS if gpu else SERVERS[:-1])
+    options = Options(servers=servers or (SERVERS if gpu else SERVERS[:-1]), parallel=parallel,
+                      expert_parallel=expert_parallel, group_adapters=group_adapters, group_wait=group_wait,
+                      max_loras=max_loras, merged_copies=merged_copies, load_repeats=load_repeats)
     work = Path(work) if work else serve_models.default_work(model)
-    scratch = Path(scratch) if scratch else work
-    out = Path(results_dir)
-    n_max = max(profile.counts)
-    served = serve_models.prepare_base(model, work, on_step)
-    results, errors = [], {}
+    bench = Bench(profile, options, served=serve_models.prepare_base(model, work, on_step), work=work,
+                  scratch=Path(scratch) if scratch else work, out=Path(results_dir), gpu=gpu, on_step=on_step)
+    return bench.run_all()
 
-    def attempt(server: str, make_plan: Callable, runs: list[Scenario], after=None) -> None:
-        """Measure `server` at every parallel size (make_plan(label, vLLM's parallel flags) -> its plan)."""
-        for ranks in parallel:
-            label = server + parallel_label(ranks, expert_parallel)
+
+class Bench:
+    """One `bench serve`: its servers in turn, each at every parallel size, the results kept as they come."""
+
+    def __init__(self, profile: Profile, options: Options, *, served: Served, work: Path, scratch: Path, out: Path,
+                 gpu: bool, on_step: Callable[[str], None]):
+        self.profile, self.options, self.served = profile, options, served
+        self.work, self.scratch, self.out, self.gpu, self.on_step = work, scratch, out, gpu, on_step
+        self.results: list[dict] = []
+        self.errors: dict[str, str] = {}
+
+    def run_all(self) -> dict:
+        servers = self.options.servers
+        self.base()  # the anchor: always
+        if "merged" in servers:
+            self.merged()
+        if "esftctl" in servers or self.options.group_adapters or self.options.max_loras:
+            self.esftctl()
+        if "lora" in servers and max(self.profile.counts):
+            self.lora()
+        return self.finish()
+
+    def finish(self) -> dict:
+        return finish(self.profile, self.served, self.results, self.errors, gpu=self.gpu, options=self.options)
+
+    def attempt(self, server: str, make_plans: Callable, runs: list[Scenario], *, names: dict | None = None,
+                after: Callable | None = None, routes: Callable | None = None, extra: dict | None = None) -> bool:
+        """Measure `server` at every parallel size: make_plans(label, vLLM's parallel flags) -> its plans (one, or
+        several side by side); `names` (pool -> model names), `routes` (plans -> model -> URL) for the runs."""
+        ok = True
+        for ranks in self.options.parallel:
+            label = server + parallel_label(ranks, self.options.expert_parallel)
             try:
-                with cpu_ranks_bound(ranks, gpu):
-                    result = measure_server(label, make_plan(label, parallel_args(ranks, expert_parallel)),
-                                            served=served, profile=profile, runs=runs, out=out, on_step=on_step,
-                                            after=after if ranks == parallel[0] else None)
-                results.append({**result, "kind": server, "ranks": ranks})
+                with cpu_ranks_bound(ranks, self.gpu):
+                    plans = make_plans(label, parallel_args(ranks, self.options.expert_parallel))
+                    result = measure_server(label, plans, served=self.served, profile=self.profile, runs=runs,
+                                            names=names or {}, routes=routes(plans) if routes else None, out=self.out,
+                                            on_step=self.on_step, after=after if ranks == self.options.parallel[0]
+                                            else None)
+                self.results.append({**result, "kind": server, "ranks": ranks, **(extra or {})})
             except Exception as e:  # one failing server does not lose the others' numbers
-                errors[label] = " ".join(str(e).split())[:500]
-                on_step(f"{label}: FAILED: {errors[label]}")
-            write_json(out / "serve.partial.json", finish(profile, served, results, errors, alpha=alpha, gpu=gpu,
-                                                          servers=servers))
+                self.errors[label] = " ".join(str(e).split())[:500]
+                self.on_step(f"{label}: FAILED: {self.errors[label]}")
+                ok = False
+            write_json(self.out / "serve.partial.json", self.finish())
+        return ok
 
-    def plain(label: str, model_dir: Path, name: str, args: tuple[str, ...]):
-        return plan(model_dir, [], name=name, esft=False, state_dir=work / "state" / _slug(label), port=free_port(),
-                    vllm_args=[*profile.engine_args, *args])
+    def plain(self, label: str, model_dir: Path, name: str, args: tuple[str, ...]):
+        return plan(model_dir, [], name=name, esft=False, state_dir=self.work / "state" / slug(label),
+                    port=free_port(), vllm_args=[*self.profile.engine_args, *args])
 
-    base_runs = [Scenario(f"base @ {_rate(r)}", [], r, 0) for r in profile.rates]
-    attempt("vLLM base", lambda label, par: plain(label, served.base, "base", par), base_runs)  # the anchor: always
-    if "merged" in servers:
-        merged = functools.cache(lambda: serve_models.merged_copy(served, model, scratch, on_step))  # at first use
-        attempt("vLLM merged", lambda label, par: plain(label, merged(), "merged", par),
-                [replace(s, name=s.name.replace("base", "merged")) for s in base_runs])
-        serve_models.drop(scratch, "merged")
-    if "esftctl" in servers:
-        serve_models.write_adapters(served, model, scratch, n_max, distinct=profile.distinct,
-                                    esft_sized=profile.esft_sized, on_step=on_step)
-        specs = [f"{n}={p}" for n, p in served.bundles.items()]
-        budget = _bundle_bytes(served)
-        attempt("esftctl", lambda label, par: plan(served.base, specs, name="base", adapter_memory=budget,
-                                                   state_dir=work / "state" / _slug(label), port=free_port(),
-                                                   vllm_args=[*profile.engine_args, *par]),
-                scenarios(served.table1, profile, alpha, served.esft_sized),
-                after=(lambda url: {"adapter_load": adapter_load_times(url, served, load_repeats, on_step)})
-                if served.table1 else None)
-    if "lora" in servers and n_max:
-        serve_models.write_loras(served, scratch, n_max, distinct=profile.distinct, on_step=on_step)
+    def micro_after(self, model: str, loaded: Callable | None = None, available: int = 0) -> Callable[[str], dict]:
+        from esftctl.bench.serve_micro import microbench
+
+        def after(url: str) -> dict:
+            return {"micro": microbench(url, model=model, tokenizer=self.served.base, profile=self.profile,
+                                        out=self.out, on_step=self.on_step, loaded=loaded, available=available)}
+        return after if self.profile.micro_runs else (lambda url: {})
+
+    def base(self) -> None:
+        self.attempt("vLLM base", lambda label, par: [self.plain(label, self.served.base, "base", par)],
+                     base_runs(self.profile), after=self.micro_after("base"))
+
+    def merged(self) -> None:
+        """Merged copies side by side: as many as fit (or as asked), one fewer after a failed start."""
+        merged = functools.cache(lambda: serve_models.merged_copy(self.served, self.profile.model, self.scratch,
+                                                                  self.on_step))  # written at first use
+        copies = self.options.merged_copies or merged_fit(self.served.base, self.profile.engine_args, self.gpu)
+        while copies >= 1:
+            if self.attempt(f"vLLM merged x{copies}" if copies > 1 else "vLLM merged",
+                            lambda label, par, m=copies: self.merged_plans(label, merged(), m, par),
+                            self.merged_runs(copies),
+                            names={"grid": [f"merged-{j % copies}" for j in range(max(self.profile.counts))]},
+                            routes=lambda plans: {p.name: p.url for p in plans} if len(plans) > 1 else None,
+                            after=self.micro_after("merged" if copies == 1 else "merged-0"),
+                            extra={"copies": copies}) or copies == 1:
+                break
+            copies -= 1
+        serve_models.drop(self.scratch, "merged")
+
+    def merged_runs(self, copies: int) -> list[Scenario]:
+        """One copy takes every request: the base's traffic. Several: the largest count at every alpha (the count
+        only changes how the requests split over the copies; the skew unbalances them, ExpertWeave's Figure 6)."""
+        if copies == 1:
+            return [replace(s, name=s.name.replace("base", "merged")) for s in base_runs(self.profile)]
+        largest = max(self.profile.counts)
+        return [s for s in scenarios(self.profile, largest, 0) if s.adapters == largest > 1]
+
+    def merged_plans(self, label: str, model_dir: Path, copies: int, par: tuple[str, ...]) -> list:
+        if copies == 1:
+            return [self.plain(label, model_dir, "merged", par)]
+        share = _share_memory(self.profile.engine_args, copies)
+        return [plan(model_dir, [], name=f"merged-{j}", esft=False, port=free_port(), vllm_args=[*share, *par],
+                     state_dir=self.work / "state" / slug(f"{label}-{j}")) for j in range(copies)]
+
+    def esftctl(self) -> None:
+        served, profile = self.served, self.profile
+        serve_models.write_adapters(served, profile.model, self.scratch, max(profile.counts), distinct=profile.distinct,
+                                    esft_sized=profile.esft_sized if profile.shape == "table1" else 0,
+                                    shape=profile.shape, on_step=self.on_step)
+        runs = scenarios(profile, len(served.grid), len(served.esft_sized))
+        names = {"grid": served.grid, "esft_sized": served.esft_sized}
+        for kind, settings in self.esftctl_kinds():
+            after = self.group_stats(kind) if settings.get("group_adapters") else None
+            if kind == "esftctl" and served.grid:  # only here: microbenchmarks (batch 1 groups nothing) and loads
+                after = _chain(lambda url: {"adapter_load": adapter_load_times(
+                    url, served, self.options.load_repeats, self.on_step)},
+                    self.micro_after(served.grid[0], loaded=self.unloader(served.grid, served.esft_sized),
+                                     available=len(served.grid)))
+            self.attempt(kind, lambda label, par, s=settings: [self.esftctl_plan(label, par, **s)], runs, names=names,
+                         after=after)
+
+    def group_stats(self, kind: str) -> Callable[[str], dict]:
+        """What the grouping scheduler did over the runs (esftctl.runtime.vllm.adapter_groups writes it)."""
+        from esftctl.jsonfile import read_json
+        from esftctl.runtime.adapter_groups import stats_file
+
+        label = kind + parallel_label(self.options.parallel[0], self.options.expert_parallel)  # where `after` runs
+        path = stats_file(self.work / "state" / slug(label) / "status.json")
+        return lambda url: {"groups": read_json(path)}
+
+    def esftctl_kinds(self) -> list[tuple[str, dict]]:
+        o = self.options
+        kinds = [("esftctl", {})] if "esftctl" in o.servers else []
+        if o.group_adapters:
+            kinds.append((f"esftctl, groups of {o.group_adapters}",
+                          {"group_adapters": o.group_adapters, "group_wait": o.group_wait}))
+        if o.max_loras:
+            kinds.append((f"esftctl, --max-loras {o.max_loras}", {"vllm_extra": ("--max-loras", str(o.max_loras))}))
+        return kinds
+
+    def esftctl_plan(self, label: str, par: tuple[str, ...], vllm_extra: tuple[str, ...] = (), **settings):
+        specs = [f"{n}={p}" for n, p in self.served.bundles.items()]
+        return plan(self.served.base, specs, name="base", adapter_memory=_bundle_bytes(self.served),
+                    state_dir=self.work / "state" / slug(label), port=free_port(),
+                    vllm_args=[*self.profile.engine_args, *par, *vllm_extra], **settings)
+
+    def unloader(self, grid: list[str], others: list[str]) -> Callable[[str, int], None]:
+        """unload(url, k): leave the first k grid adapters loaded (vLLM's /v1/unload_lora_adapter); a refused unload
+        stops the microbenchmarks (its numbers would be labelled with a count not loaded)."""
+        gone: set[str] = set()
+
+        def unload(url: str, k: int) -> None:
+            for name in [*grid[k:], *others]:
+                if name not in gone:
+                    serve_client.unload(url, name)
+                    gone.add(name)
+        return unload
+
+    def lora(self) -> None:
+        served, n_max = self.served, max(self.profile.counts)
+        serve_models.write_loras(served, self.scratch, n_max, distinct=self.profile.distinct, on_step=self.on_step)
         lora_args = ("--enable-lora", "--max-loras", str(n_max), "--max-cpu-loras", str(n_max), "--max-lora-rank",
                      "16", "--lora-modules", *(f"{n}={p}" for n, p in served.loras.items()))
-        attempt("vLLM multi-LoRA", lambda label, par: plain(label, served.base, "base", (*lora_args, *par)),
-                scenarios(list(served.loras), profile, alpha))
-    return finish(profile, served, results, errors, alpha=alpha, gpu=gpu, servers=servers)
+        names = list(served.loras)
+        with environ(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"):  # the microbenchmarks unload adapters
+            self.attempt("vLLM multi-LoRA", lambda label, par: [self.plain(label, served.base, "base",
+                                                                           (*lora_args, *par))],
+                         scenarios(self.profile, len(names), 0), names={"grid": names},
+                         after=self.micro_after(names[0], loaded=self.unloader(names, []), available=len(names)))
+
+
+def _chain(first: Callable[[str], dict], then: Callable[[str], dict]) -> Callable[[str], dict]:
+    return lambda url: {**first(url), **then(url)}
+
+
+def merged_fit(base: Path, engine_args: tuple[str, ...], gpu: bool) -> int:
+    """Merged copies that fit the device side by side: its memory at vLLM's utilization over the model's bytes and
+    MERGED_HEADROOM each (an H100: 2, an H200: 3); 1 on the CPU build."""
+    if not gpu:
+        return 1
+    import torch
+
+    from esftctl.formats.checkpoint import MoECheckpoint
+
+    total = torch.cuda.mem_get_info()[1]
+    return max(1, int(_utilization(engine_args) * total // (MoECheckpoint(base).total_nbytes + MERGED_HEADROOM)))
+
+
+def _utilization(engine_args: tuple[str, ...]) -> float:
+    args = list(engine_args)
+    return float(args[args.index("--gpu-memory-utilization") + 1]) if "--gpu-memory-utilization" in args else 0.9
+
+
+def _share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
+    """The engine arguments with each of `copies` servers given its share of the device's memory (the CPU build's
+    KV cache is sized by VLLM_CPU_KVCACHE_SPACE per server instead)."""
+    flag = "--gpu-memory-utilization"
+    if flag not in engine_args:
+        return list(engine_args)
+    args = [a for i, a in enumerate(engine_args) if a != flag and (i == 0 or engine_args[i - 1] != flag)]
+    return [*args, flag, f"{_utilization(engine_args) / copies:.3f}"]
 
 
 def _bundle_bytes(served: Served) -> int:
@@ -280,9 +407,15 @@ def _experts(bundle: Path) -> int:
     return Bundle(bundle, read_json(bundle / MANIFEST)).num_experts
 
 
-def finish(profile: Profile, served: Served, results: list[dict], errors: dict, *, alpha: float, gpu: bool,
-           servers: tuple[str, ...]) -> dict:
-    """Ratios against plain vLLM's base at the same rate, and the KV-cache comparison."""
+RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),
+          ("median_ttft_ratio", "median_ttft_ms"), ("median_tpot_ratio", "median_tpot_ms"),
+          ("p99_ttft_ratio", "p99_ttft_ms"), ("p99_tpot_ratio", "p99_tpot_ms"),
+          ("prefill_ratio", "median_prefill_tps"), ("decode_ratio", "median_decode_tps"))
+
+
+def finish(profile: Profile, served: Served, results: list[dict], errors: dict, *, gpu: bool,
+           options: Options) -> dict:
+    """Ratios against plain vLLM's base at the same rate (and parallel size), and the KV-cache comparison."""
     from esftctl.formats.checkpoint import MoECheckpoint
 
     base = MoECheckpoint(served.base)
@@ -292,17 +425,30 @@ def finish(profile: Profile, served: Served, results: list[dict], errors: dict, 
         for r in res["rows"]:
             first.setdefault((res["kind"], r["scenario"]), r)
             a = anchors.get((res["ranks"], r["rate"]))
-            if a:
-                r["ttft_ratio"] = r["mean_ttft_ms"] / a["mean_ttft_ms"]
-                r["tpot_ratio"] = r["mean_tpot_ms"] / a["mean_tpot_ms"]
-                r["throughput_ratio"] = r["output_throughput"] / a["output_throughput"]
+            for key, metric in RATIOS if a else ():
+                if r.get(metric) is not None and a.get(metric):
+                    r[key] = r[metric] / a[metric]
             r["throughput_vs_first"] = r["output_throughput"] / first[res["kind"], r["scenario"]]["output_throughput"]
-    settings = {**asdict(profile), "rates": [_rate(r) for r in profile.rates], "high_rate": _rate(max(profile.rates))}
+    micro_ratios(results)
+    settings = {**asdict(profile), "rates": [rate_label(r) for r in profile.rates],
+                "high_rate": rate_label(max(profile.rates))}
     parallel = list(dict.fromkeys(res["ranks"] for res in results))  # in the order measured
-    return {"benchmark": "serve", "config": {**settings, "alpha": alpha, "servers": list(servers), "parallel": parallel,
-                                             "base": str(served.base), "model_bytes": base.total_nbytes,
-                                             "device": _device_name(gpu)},
+    return {"benchmark": "serve", "config": {**settings, **asdict(options), "servers": list(options.servers),
+                                             "parallel": parallel, "base": str(served.base),
+                                             "model_bytes": base.total_nbytes, "device": _device_name(gpu)},
             "servers": results, "errors": errors, "kv_cache": kv_room(results, base, served)}
+
+
+def micro_ratios(results: list[dict]) -> None:
+    """Each microbenchmark number against plain vLLM's base's (same size, same length or batch)."""
+    anchors = {res["ranks"]: next(iter(res["micro"].values())) for res in results
+               if res["kind"] == "vLLM base" and res.get("micro")}
+    for res in results:
+        anchor = anchors.get(res["ranks"])
+        for row in (res.get("micro") or {}).values() if anchor else ():
+            for what in ("ttft_ms", "tpot_ms"):
+                row[f"{what}_ratio"] = {k: v / anchor[what][k] for k, v in row[what].items()
+                                        if v and anchor[what].get(k)}
 
 
 def _device_name(gpu: bool) -> str:
@@ -315,7 +461,7 @@ def _device_name(gpu: bool) -> str:
 
 def kv_room(results: list[dict], base, served: Served) -> dict:
     """KV tokens vLLM reported per server, and per adapter count N: the room esftctl leaves with the first N
-    Table 1 adapters (the base's room less their experts' bytes, at the model's KV bytes per token; checked
+    grid adapters (the base's room less their experts' bytes, at the model's KV bytes per token; checked
     against the esftctl server's own report with every adapter loaded) against N merged copies on one GPU
     (each copy after the first takes the base's bytes again; 0: they do not fit)."""
     kv = {r["server"]: r["kv_cache_tokens"] for r in results}
@@ -330,8 +476,8 @@ def kv_room(results: list[dict], base, served: Served) -> dict:
 
     counts = {}
     for n in (1, 2, 4, 5, 10, 20):  # 4: as many merged copies as an H200 holds
-        if n <= len(served.table1):
-            esft, merged = esft_room(served.table1[:n]), max(alone - (n - 1) * base.total_nbytes // per_token, 0)
+        if n <= len(served.grid):
+            esft, merged = esft_room(served.grid[:n]), max(alone - (n - 1) * base.total_nbytes // per_token, 0)
             counts[n] = {"esftctl": esft, "merged_copies": merged, "ratio": esft / merged if merged else None}
     out.update({"kv_bytes_per_token": per_token, "by_adapters": counts,
                 "esftctl_all_loaded_computed": esft_room(list(served.bundles))})
@@ -356,7 +502,7 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
     against its bytes over the host-to-device copy bandwidth (and, cold, over the disk's read bandwidth)."""
     from esftctl.formats.bundle import DATA_FILE
 
-    name = max(served.table1, key=lambda n: _experts(served.bundles[n]))
+    name = max(served.grid, key=lambda n: _experts(served.bundles[n]))
     path = served.bundles[name]
     data = path / DATA_FILE
     nbytes = data.stat().st_size
@@ -379,86 +525,3 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
             "copy_bytes_per_s": copy, "floor_s": nbytes / copy, "cold_floor_s": max(nbytes / copy, nbytes / disk),
             "warm_over_floor": statistics.median(times["warm"]) / (nbytes / copy),
             "cold_over_floor": statistics.median(times["cold"]) / max(nbytes / copy, nbytes / disk)}
-
-
-def tables(result: dict) -> list:
-    from rich.table import Table
-
-    from esftctl.units import format_bytes
-
-    c = result["config"]
-    out = []
-    t = Table(title=f"serving on {c['device']}: {c['model']}, {c['prompts']} requests of {c['input_len']} -> "
-                    f"{c['output_len']} tokens per run, vLLM bench serve; median of {c['repeats']} interleaved runs; "
-                    "ratios against plain vLLM serving the base alone at the same rate", title_justify="left")
-    several = len(c.get("parallel", [1])) > 1
-    for col in ("server", "scenario", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "TPOT range", "ITL p99",
-                "E2EL ms", "tok/s", "TTFT x", "TPOT x", "tok/s x", *(["tok/s vs first"] if several else [])):
-        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
-    for res in result["servers"]:
-        for r in res["rows"]:
-            low, high = r["mean_tpot_ms_range"]
-            ratios = [f"{r[k]:.3f}" if k in r else "-" for k in ("ttft_ratio", "tpot_ratio", "throughput_ratio")]
-            t.add_row(res["server"], r["scenario"], f"{r['mean_ttft_ms']:.1f}", f"{r['p99_ttft_ms']:.1f}",
-                      f"{r['mean_tpot_ms']:.2f}", f"{r['p99_tpot_ms']:.2f}", f"{low:.2f}-{high:.2f}",
-                      f"{r['p99_itl_ms']:.1f}", f"{r['mean_e2el_ms']:.0f}", f"{r['output_throughput']:.0f}", *ratios,
-                      *([f"{r['throughput_vs_first']:.2f}"] if several else []))
-    out.append(t)
-    kv = result["kv_cache"]
-    t = Table(title="KV-cache room: tokens vLLM reports, and per adapter count (esftctl: the base's room less the "
-                    "adapters' bytes; merged copies: bound on one GPU)", title_justify="left")
-    for col in ("what", "KV tokens", "N merged copies", "esftctl / merged"):
-        t.add_column(col, justify="left" if col == "what" else "right")
-    for server, tokens in kv["reported"].items():
-        t.add_row(f"{server} (reported)", f"{tokens:,}" if tokens else "-", "", "")
-    if "esftctl_all_loaded_computed" in kv:
-        t.add_row("esftctl, every adapter loaded (computed: checks the report)",
-                  f"{kv['esftctl_all_loaded_computed']:,}", "", "")
-    for n, row in kv.get("by_adapters", {}).items():
-        merged = f"{row['merged_copies']:,}" if row["merged_copies"] else "do not fit"
-        t.add_row(f"{n} adapter{'s' * (int(n) > 1)}", f"{row['esftctl']:,}", merged,
-                  f"{row['ratio']:.2f}x" if row["ratio"] else "-")
-    out.append(t)
-    load = next((res["adapter_load"] for res in result["servers"] if "adapter_load" in res), None)
-    if load:
-        t = Table(title=f"`esftctl adapters load` of {load['adapter']} ({format_bytes(load['bytes'])})",
-                  title_justify="left")
-        for col in ("from", "median s", "runs", "floor s", "x floor"):
-            t.add_column(col, justify="left" if col == "from" else "right")
-        for kind, floor in (("cold", load["cold_floor_s"]), ("warm", load["floor_s"])):
-            secs = load["seconds"][kind]
-            t.add_row(f"{kind} ({'disk' if kind == 'cold' else 'host memory'})", f"{statistics.median(secs):.3f}",
-                      " ".join(f"{x:.3f}" for x in secs), f"{floor:.3f}", f"{statistics.median(secs) / floor:.1f}")
-        out.append(t)
-    for server, error in result["errors"].items():
-        out.append(f"[red]{server} failed:[/red] {error}")
-    return out
-
-
-def plot(result: dict, path) -> None:
-    """TPOT and TTFT against adapters spread over, per server and share, at the highest rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    high = result["config"]["high_rate"]
-    for res in result["servers"]:
-        for share in ("uniform", "skewed"):
-            rows = [r for r in res["rows"] if r["rate"] == high and "DeepSeek" not in r["scenario"]
-                    and (share in r["scenario"] or (r["adapters"] <= 1 and share == "uniform"))]
-            if not rows or "tpot_ratio" not in rows[0]:
-                continue
-            style = "o-" if share == "uniform" else "s--"
-            for ax, key in zip(axes, ("tpot_ratio", "ttft_ratio")):
-                ax.plot([r["adapters"] for r in rows], [r[key] for r in rows], style, label=f"{res['server']}, {share}")
-    for ax, what in zip(axes, ("TPOT", "TTFT")):
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xlabel("adapters the requests are spread over")
-        ax.set_ylabel(f"mean {what} / plain vLLM base")
-        ax.set_title(f"{what} at {high}, {result['config']['device']}")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=120)
-    plt.close(fig)

@@ -4,7 +4,9 @@
 `deepseek-v2-lite`: a generated base (bench.synthetic_model; on the GPU when there is one: about a minute
 for 31 GB, most of it disk writes), ExpertWeave's Table 1 adapters (per-layer counts matching its max and
 mean; 100-247 experts, 1.7-4.3 GB each) and adapters of DeepSeek's published size (83-153 experts, 2-9 per
-layer). Only `distinct` files of each kind are written; served names beyond them reuse a file (name i takes
+layer, 1.4-2.6 GB each). The grid's adapters (`shape`) are Table 1's, with DeepSeek-sized ones beside them,
+or DeepSeek-sized ones only: 20 of those (41 GB) fit an 80 GB GPU beside the 31 GB base, 20 of Table 1's
+(55 GB) do not. Only `distinct` files of each kind are written; served names beyond them reuse a file (name i takes
 file i mod distinct), which costs the server exactly what a distinct adapter would: one slot and its own
 copy of the experts each. Files are written just before the server that needs them, in `scratch`, and the
 merged copy is deleted after its server, so that a 64 GB disk holds the merged copy (with the one bundle
@@ -23,19 +25,21 @@ from esftctl.bench.shapes import TABLE1_ADAPTERS
 
 ESFT_SIZED_TOTALS = (83, 153)  # experts per adapter, as DeepSeek's published ESFT adapters (theirs: 2-9 per layer)
 ESFT_SIZED_MOST = 9
+SHAPES = ("table1", "deepseek")  # the grid's adapters: ExpertWeave's Table 1, or DeepSeek's published size
 
 
 @dataclass
 class Served:
-    """What the servers serve: the base, bundles and peer LoRAs by served name (Table 1 names first)."""
+    """What the servers serve: the base, bundles and peer LoRAs by served name (the grid's names first)."""
 
     base: Path
     bundles: dict[str, Path] = field(default_factory=dict)
-    esft_sized: list[str] = field(default_factory=list)
+    esft_sized: list[str] = field(default_factory=list)  # DeepSeek-sized adapters served beside the grid's
     loras: dict[str, Path] = field(default_factory=dict)
 
     @property
-    def table1(self) -> list[str]:
+    def grid(self) -> list[str]:
+        """The adapters the runs spread requests over, in order (N adapters: the first N)."""
         return [n for n in self.bundles if n not in self.esft_sized]
 
 
@@ -79,8 +83,9 @@ def prepare_base(model: str, work: Path, on_step: Callable[[str], None]) -> Serv
 
 
 def write_adapters(served: Served, model: str, scratch: Path, n: int, *, distinct: int, esft_sized: int = 0,
-                   on_step: Callable[[str], None] = lambda msg: None) -> None:
-    """Bundles for `n` names (+ `esft_sized` DeepSeek-sized ones), each file written once into scratch/adapters."""
+                   shape: str = "table1", on_step: Callable[[str], None] = lambda msg: None) -> None:
+    """Bundles for `n` grid names (+ `esft_sized` DeepSeek-sized ones beside Table 1's), each file written once
+    into scratch/adapters."""
     from esftctl.formats.checkpoint import MoECheckpoint
 
     base = MoECheckpoint(served.base)
@@ -94,25 +99,40 @@ def write_adapters(served: Served, model: str, scratch: Path, n: int, *, distinc
         files = [make(i) for i in range(min(n, distinct))]
         served.bundles = {f"a{i:02d}": files[i % len(files)] for i in range(n)}
         return
+    if shape == "deepseek":
+        files = _esft_sized(base, folder, min(n, distinct), on_step)
+        served.bundles = {f"ds-{i:02d}": files[i % len(files)] for i in range(n)}
+    else:
+        files = _table1(base, folder, min(n, distinct, len(TABLE1_ADAPTERS)), on_step)
+        served.bundles = {f"t1-{i:02d}": files[i % len(files)] for i in range(n)}
+        extra = _esft_sized(base, folder, esft_sized, on_step)
+        served.bundles.update({f"ds-{i}": path for i, path in enumerate(extra)})
+        served.esft_sized = [f"ds-{i}" for i in range(len(extra))]
+    _release_gpu()
+
+
+def _lite(base, path: Path, *, most: int, mean: float, seed: int, on_step: Callable[[str], None]) -> Path:
+    """One generated adapter of the DeepSeek-V2-Lite-shaped base (kept if written before)."""
     from esftctl.bench.synthetic_model import write_adapter
 
-    def lite(name: str, most: int, mean: float, seed: int) -> Path:
-        path = folder / name
-        if not path.exists():
-            on_step(f"writing adapter bundle {name} ({round(mean * len(base.moe_layers))} experts)")
-            write_adapter(base, path, name, most=most, mean=mean, seed=seed, device=_device())
-        return path
+    if not path.exists():
+        on_step(f"writing adapter bundle {path.name} ({round(mean * len(base.moe_layers))} experts)")
+        write_adapter(base, path, path.name, most=most, mean=mean, seed=seed, device=_device())
+    return path
 
-    distinct = min(n, distinct, len(TABLE1_ADAPTERS))
-    table1 = [lite(f"t1-{row}", most, mean, seed=row) for row, (_, most, mean) in enumerate(TABLE1_ADAPTERS[:distinct])]
-    served.bundles = {f"t1-{i:02d}": table1[i % distinct] for i in range(n)}
+
+def _table1(base, folder: Path, k: int, on_step: Callable[[str], None]) -> list[Path]:
+    return [_lite(base, folder / f"t1-{row}", most=most, mean=mean, seed=row, on_step=on_step)
+            for row, (_, most, mean) in enumerate(TABLE1_ADAPTERS[:k])]
+
+
+def _esft_sized(base, folder: Path, k: int, on_step: Callable[[str], None]) -> list[Path]:
+    """k adapters of DeepSeek's published sizes, 83 to 153 experts in even steps (at most 9 in a layer); each
+    file is named by its expert count, so every k shares the files of the counts it has in common."""
     low, high = ESFT_SIZED_TOTALS
-    k = esft_sized
-    for i in range(k):
-        total = low + (high - low) * i // max(k - 1, 1)
-        served.bundles[f"ds-{i}"] = lite(f"ds-{i}", ESFT_SIZED_MOST, total / len(base.moe_layers), seed=100 + i)
-    served.esft_sized = [f"ds-{i}" for i in range(k)]
-    _release_gpu()
+    totals = [low + (high - low) * i // max(k - 1, 1) for i in range(k)]
+    return [_lite(base, folder / f"ds-{total}e", most=ESFT_SIZED_MOST, mean=total / len(base.moe_layers),
+                  seed=100 + total, on_step=on_step) for total in totals]
 
 
 def write_loras(served: Served, scratch: Path, n: int, *, distinct: int,

@@ -1,0 +1,170 @@
+"""`esftctl bench serve`'s tables and plot, from its result dict (esftctl.bench.serve.finish)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def tables(result: dict) -> list:
+    out = [runs_table(result)]
+    micro = micro_table(result)
+    if micro is not None:
+        out.append(micro)
+    groups = groups_table(result)
+    if groups is not None:
+        out.append(groups)
+    out.append(kv_table(result))
+    load = next((res["adapter_load"] for res in result["servers"] if "adapter_load" in res), None)
+    if load:
+        out.append(load_table(load))
+    for server, error in result["errors"].items():
+        out.append(f"[red]{server} failed:[/red] {error}")
+    return out
+
+
+def _f(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def runs_table(result: dict):
+    from rich.table import Table
+
+    c = result["config"]
+    t = Table(title=f"serving on {c['device']}: {c['model']}, {c['input_len']} -> {c['output_len']} tokens per "
+                    f"request; finite rates: {c['duration']:g} s of Gamma arrivals (cv {c['cv']:g}), inf: "
+                    f"{c['prompts']} at once; vLLM bench serve; median of {c['repeats']} interleaved runs; ratios "
+                    "(medians) against plain vLLM serving the base alone at the same rate; shares: the drawn "
+                    "adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
+              title_justify="left")
+    several = len(c.get("parallel", [1])) > 1
+    for col in ("server", "scenario", "req", "TTFT ms", "TTFT p99", "TTFT spread", "TPOT ms", "TPOT p99",
+                "prefill tok/s", "decode tok/s", "tok/s", "TTFT x", "TPOT x", "tok/s x", "shares p / z", "cv",
+                *(["tok/s vs first"] if several else [])):
+        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
+    for res in result["servers"]:
+        for r in res["rows"]:
+            shares = r.get("shares")
+            t.add_row(res["server"], r["scenario"], str(r.get("requests", "-")), _f(r["median_ttft_ms"], ".1f"),
+                      _f(r["p99_ttft_ms"], ".1f"), _pct(r.get("ttft_spread")),
+                      _f(r["median_tpot_ms"], ".2f"), _f(r["p99_tpot_ms"], ".2f"), _f(r.get("median_prefill_tps"),
+                                                                                       ".0f"),
+                      _f(r.get("median_decode_tps"), ".1f"), _f(r["output_throughput"], ".0f"),
+                      *(_f(r.get(k), ".3f") for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
+                      f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
+                      _f(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
+    return t
+
+
+def micro_table(result: dict):
+    from rich.table import Table
+
+    rows = [(res["server"], k, m) for res in result["servers"] for k, m in (res.get("micro") or {}).items()]
+    if not rows:
+        return None
+    c = result["config"]
+    lengths, batches = [str(x) for x in c["micro_lengths"]], [str(x) for x in c["micro_batches"]]
+    t = Table(title=f"microbenchmarks (ExpertWeave 5.3): median TTFT at batch 1 by prompt length, {c['micro_runs']} "
+                    f"requests each; median TPOT over {c['decode_steps']} steps after a {c['decode_prompt']}-token "
+                    "prompt by batch size; requests to the first adapter (or the base) with the given count "
+                    "loaded; x: against plain vLLM's base", title_justify="left")
+    for col in ("server", "loaded", *(f"TTFT @{n}" for n in lengths), *(f"TPOT @b{b}" for b in batches)):
+        t.add_column(col, justify="left" if col in ("server", "loaded") else "right")
+    for server, loaded, m in rows:
+        cells = [_cell(m, "ttft_ms", n, ".1f") for n in lengths] + [_cell(m, "tpot_ms", b, ".2f") for b in batches]
+        t.add_row(server, loaded, *cells)
+    return t
+
+
+def _cell(m: dict, what: str, key: str, spec: str) -> str:
+    value, ratio = m[what].get(key), (m.get(f"{what}_ratio") or {}).get(key)
+    return _f(value, spec) + (f" ({ratio:.3f}x)" if ratio is not None else "")
+
+
+def groups_table(result: dict):
+    from rich.table import Table
+
+    grouped = [(res["server"], res["groups"]) for res in result["servers"] if res.get("groups")]
+    if not grouped:
+        return None
+    t = Table(title="adapter groups over the runs (the scheduler's own count): engine steps, steps that held some "
+                    "adapter back, the most adapters vLLM scheduled in one step, the longest a request was held "
+                    "back (steps in a row)", title_justify="left")
+    for col in ("server", "G", "W", "steps", "held-back steps", "most in a step", "longest wait"):
+        t.add_column(col, justify="left" if col == "server" else "right")
+    for server, g in grouped:
+        t.add_row(server, str(g["most"]), str(g["wait"]), f"{g['steps']:,}", f"{g['grouped_steps']:,}",
+                  str(g["most_groups_scheduled"]), str(g["longest_wait"]))
+    return t
+
+
+def kv_table(result: dict):
+    from rich.table import Table
+
+    kv = result["kv_cache"]
+    t = Table(title="KV-cache room: tokens vLLM reports, and per adapter count (esftctl: the base's room less the "
+                    "adapters' bytes; merged copies: bound on one GPU)", title_justify="left")
+    for col in ("what", "KV tokens", "N merged copies", "esftctl / merged"):
+        t.add_column(col, justify="left" if col == "what" else "right")
+    for server, tokens in kv["reported"].items():
+        t.add_row(f"{server} (reported)", f"{tokens:,}" if tokens else "-", "", "")
+    if "esftctl_all_loaded_computed" in kv:
+        t.add_row("esftctl, every adapter loaded (computed: checks the report)",
+                  f"{kv['esftctl_all_loaded_computed']:,}", "", "")
+    for n, row in kv.get("by_adapters", {}).items():
+        merged = f"{row['merged_copies']:,}" if row["merged_copies"] else "do not fit"
+        t.add_row(f"{n} adapter{'s' * (int(n) > 1)}", f"{row['esftctl']:,}", merged,
+                  f"{row['ratio']:.2f}x" if row["ratio"] else "-")
+    return t
+
+
+def load_table(load: dict):
+    from rich.table import Table
+
+    from esftctl.units import format_bytes
+
+    t = Table(title=f"`esftctl adapters load` of {load['adapter']} ({format_bytes(load['bytes'])})",
+              title_justify="left")
+    for col in ("from", "median s", "runs", "floor s", "x floor"):
+        t.add_column(col, justify="left" if col == "from" else "right")
+    for kind, floor in (("cold", load["cold_floor_s"]), ("warm", load["floor_s"])):
+        secs = load["seconds"][kind]
+        t.add_row(f"{kind} ({'disk' if kind == 'cold' else 'host memory'})", f"{statistics.median(secs):.3f}",
+                  " ".join(f"{x:.3f}" for x in secs), f"{floor:.3f}", f"{statistics.median(secs) / floor:.1f}")
+    return t
+
+
+def plot(result: dict, path) -> None:
+    """Median TTFT and TPOT against plain vLLM's base, over the adapters requests are spread over (at the first
+    alpha), one line per server and rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    first_alpha = result["config"]["alphas"][0]
+    styles = ("o-", "s--", "^:", "d-.", "v-")
+    for res in result["servers"]:
+        rates = list(dict.fromkeys(r["rate"] for r in res["rows"]))
+        for k, rate in enumerate(rates):
+            rows = [r for r in res["rows"] if r["rate"] == rate and "DeepSeek" not in r["scenario"]
+                    and (r["adapters"] <= 1 or r["alpha"] == first_alpha) and "median_tpot_ratio" in r]
+            if len(rows) < 2:
+                continue
+            for ax, key in zip(axes, ("median_ttft_ratio", "median_tpot_ratio")):
+                ax.plot([r["adapters"] for r in rows], [r[key] for r in rows], styles[k % len(styles)],
+                        label=f"{res['server']} @ {rate}")
+    for ax, what in zip(axes, ("TTFT", "TPOT")):
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel(f"adapters the requests are spread over (alpha {first_alpha:g})")
+        ax.set_ylabel(f"median {what} / plain vLLM base")
+        ax.set_title(f"{what}, {result['config']['device']}")
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,180 @@
+"""The runs of `esftctl bench serve`: its scenarios (who gets which requests at what rate) and one server (or
+several side by side) measured over them.
+
+A scenario is (rate, N adapters, alpha, which adapters). Its requests in repeat r are the same on every server:
+vLLM draws the prompts and the arrival times from seed r, esftctl.bench.traffic draws each request's adapter
+index from the run's own seed, and each server maps index i to its own i-th model name (esftctl's i-th adapter,
+the peer's i-th LoRA, merged copy i mod copies). Rows keep every repeat's numbers, their median, TTFT's spread
+over the repeats, the arrivals' measured cv and the drawn shares checked against alpha over all repeats.
+
+Routing: the generated DeepSeek-V2-Lite-shaped base routes about uniformly, and its adapters replace experts
+chosen at random, so a token of adapter a reaches a's experts only as often as chance has it. Trained ESFT
+adapters replace the experts their task's tokens prefer (selection by relevance), which concentrates their
+tokens on their own rows (ExpertWeave's 4-11% against our 20-30% at 20 adapters may come from there). This bench
+does not imitate that: making a generated router prefer each adapter's experts would need prompts drawn per task
+(vLLM's random dataset draws every request's token ids from one uniform pool) and a router built so that hidden
+states after attention still carry the task, whose concentration would then be whatever we built in: a number
+chosen, not measured. The honest measurements with trained routing are the tiny world's adapters (real ESFT on
+the CPU build) or DeepSeek's published ESFT adapters on ESFT-vanilla-lite where they can be downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import statistics
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from esftctl.bench.load import Load, run_load, summary
+from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_shares
+from esftctl.serve import Server
+
+INF = math.inf
+RANGES = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "output_throughput")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    rate: float
+    adapters: int = 0  # requests drawn over this many adapters (0: every request to the served base name)
+    alpha: float = 1.0  # S-LoRA's skew (1: uniform)
+    pool: str = "grid"  # which of the server's model names: "grid" or "esft_sized"
+
+    def draw(self, repeat: int, count: int) -> list[int]:
+        """Each request's adapter index in this run (empty: all to the base)."""
+        if not self.adapters:
+            return []
+        seed = run_seed(repeat=repeat, adapters=self.adapters, alpha=self.alpha, rate=self.rate)
+        return draw_adapters(self.adapters, self.alpha, count, seed)
+
+
+def rate_label(rate: float) -> str:
+    return "inf rps" if math.isinf(rate) else f"{rate:g} rps"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", text).strip("_")
+
+
+def scenario_name(adapters: int, alpha: float, rate: float) -> str:
+    if adapters == 0:
+        return f"base @ {rate_label(rate)}"
+    if adapters == 1:
+        return f"1 adapter @ {rate_label(rate)}"
+    return f"{adapters} adapters, alpha {alpha:g} @ {rate_label(rate)}"
+
+
+def scenarios(profile, available: int, extra: int) -> list[Scenario]:
+    """Per rate: every count up to `available` at the first alpha, the largest count at every alpha; and at the
+    highest rate `extra` DeepSeek-sized adapters at the first alpha."""
+    counts = [n for n in profile.counts if n <= available]
+    largest = max(counts, default=0)
+    out = []
+    for rate in profile.rates:
+        for n in counts:
+            for alpha in profile.alphas if n == largest and n > 1 else profile.alphas[:1]:
+                out.append(Scenario(scenario_name(n, alpha, rate), rate, n, alpha))
+        if extra and rate == max(profile.rates):
+            alpha = profile.alphas[0]
+            out.append(Scenario(f"{extra} DeepSeek-sized adapters, alpha {alpha:g} @ {rate_label(rate)}", rate, extra,
+                                alpha, "esft_sized"))
+    return out
+
+
+def base_runs(profile) -> list[Scenario]:
+    """Every request to the base, at each rate: the same prompts and arrivals as every scenario at that rate."""
+    return [Scenario(scenario_name(0, 1.0, r), r) for r in profile.rates]
+
+
+def kv_cache_tokens(url: str) -> int | None:
+    """The KV-cache room vLLM reports (its cache_config_info gauge), any server: plain or esftctl."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    m = re.search(r'kv_cache_size_tokens="(\d+)"', text)
+    return int(m.group(1)) if m else None
+
+
+def measure_server(label: str, plans: list, *, served, profile, runs: list[Scenario], names: dict[str, list[str]],
+                   routes: dict[str, str] | None, out: Path, on_step: Callable[[str], None],
+                   after: Callable[[str], dict] | None = None) -> dict:
+    """Start the server(s), warm up, run every scenario `repeats` times interleaved, stop. With several plans
+    (merged copies side by side) `routes` sends each model name to its server; the first takes the rest."""
+    on_step(f"{label}: starting vLLM" + (f" ({len(plans)} servers side by side)" if len(plans) > 1 else ""))
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        for p in plans:  # one after another: each sizes itself by the memory the ones before left
+            stack.enter_context(Server(p)).wait_ready(timeout=1800)
+        ready_s = time.perf_counter() - started
+        url, model = plans[0].url, plans[0].name
+        kv = kv_cache_tokens(url)
+        run = _runner(url, model, served=served, profile=profile, routes=routes, out=out)
+        _warm_up(run, label, runs, names, profile, on_step)
+        measured, draws = _repeat(run, label, runs, names, profile, on_step)
+        try:  # a failure here keeps the runs measured above
+            extra = after(url) if after else {}
+        except Exception as e:
+            extra = {"after_error": " ".join(str(e).split())[:500]}
+            on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
+    rows = [row(label, s, measured[s.name], draws[s.name], profile) for s in runs]
+    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "rows": rows, **extra}
+
+
+def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
+    def run(name: str, load: Load, models: list[str], folder: str = "vllm-results") -> dict:
+        return run_load(url, model=model, tokenizer=served.base, load=load, models=models, result_dir=out / folder,
+                        name=slug(name), routes=routes)
+    return run
+
+
+def _warm_up(run: Callable, label: str, runs: list[Scenario], names: dict, profile, on_step) -> None:
+    """Every model name the runs use, once or more: first-use costs (kernels, slots) stay out of the numbers."""
+    used = list(dict.fromkeys(n for s in runs if s.adapters for n in names[s.pool][:s.adapters]))
+    count = max(16, 2 * len(used))
+    on_step(f"{label}: warm-up")
+    run(label, Load(INF, count, profile.input_len, profile.output_len, seed=99),
+        [used[k % len(used)] for k in range(count)] if used else [], folder="warmup")
+
+
+def _repeat(run: Callable, label: str, runs: list[Scenario], names: dict, profile, on_step
+            ) -> tuple[dict[str, list[dict]], dict[str, list[int]]]:
+    measured: dict[str, list[dict]] = {s.name: [] for s in runs}
+    draws: dict[str, list[int]] = {s.name: [] for s in runs}
+    for rep in range(profile.repeats):
+        for s in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+            on_step(f"{label}: {s.name} ({rep + 1}/{profile.repeats})")
+            count = profile.requests(s.rate)
+            drawn = s.draw(rep, count)
+            load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rep, cv=profile.cv)
+            result = summary(run(f"{label} {s.name} r{rep}", load, [names[s.pool][i] for i in drawn]))
+            if math.isinf(s.rate):  # all at once: no gaps to speak of
+                result["arrival_cv"] = None
+            measured[s.name].append(result)
+            draws[s.name] += drawn
+    return measured, draws
+
+
+def row(label: str, s: Scenario, reps: list[dict], drawn: list[int], profile) -> dict:
+    """One scenario's line: the median of its repeats, TTFT's spread, the drawn shares against alpha."""
+    shares = check_shares(drawn, slora_shares(s.adapters, s.alpha)).to_json() if s.adapters > 1 else None
+    return {"server": label, "scenario": s.name, "adapters": s.adapters, "alpha": s.alpha if s.adapters > 1 else None,
+            "rate": rate_label(s.rate), "requests": profile.requests(s.rate), "cv": profile.cv, **median_of(reps),
+            "shares": shares, "repeats": reps}
+
+
+def median_of(reps: list[dict]) -> dict:
+    """Every number's median over the repeats (None where none has it), the ranges of the main ones, and TTFT's
+    spread: (max - min) / median of the repeats' median TTFT."""
+    out = {}
+    for key in reps[0]:
+        values = [r[key] for r in reps if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    for key in RANGES:
+        out[f"{key}_range"] = [min(r[key] for r in reps), max(r[key] for r in reps)]
+    low, high = out["median_ttft_ms_range"]
+    out["ttft_spread"] = (high - low) / out["median_ttft_ms"] if out["median_ttft_ms"] else None
+    return out

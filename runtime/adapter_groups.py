@@ -1,0 +1,113 @@
+"""Which adapters' requests may run in an engine step when steps group requests by adapter
+(`esftctl serve --group-adapters G --group-wait W`; the scheduler side is esftctl.runtime.vllm.adapter_groups).
+
+Why: a step's MoE layers read every expert row some token routes to, and a token of adapter a routed to an
+expert a replaced reads a's row while the base's is still read for the others. So rows grow with the distinct
+adapters in a step: with 64 sequences over 20 Table 1 adapters, 97.7 rows per layer against the base's 63.9
+(benchmarks/scripts/rows_model.py), and the H200's TPOT excess was half that row excess (benchmarks/RESULTS.md,
+2026-11-23). Holding each step to G adapters caps the rows at about what G adapters add. The price: a request
+whose adapter is not among a step's G waits that step out (its TPOT or TTFT grows), and a step runs fewer
+tokens for the weights it reads. Whether that trade wins is for `esftctl bench serve --group-adapters` to say,
+against vLLM's `--max-loras` (which bounds the adapters among running requests at admission instead).
+
+The rule, per step, over the requests with work (running or waiting), grouped by adapter (the base is a group):
+1. if at most G groups have work, all run: nothing is held back;
+2. else overdue groups first (holding a request that has been held back W steps in a row), the longest held
+   first; then the groups with the most running requests, then the most requests; ties to the longest held, then
+   the lower group key. The first G run.
+Bound: once a request is overdue, only groups held at least as long rank before it, and every step runs G of
+them, so no request is held more than W + floor((k - 1) / G) consecutive steps, k the most groups with work
+meanwhile. vLLM may still leave an eligible request out (token budget, KV cache): that is its own scheduling,
+as without groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATS_FILE = "adapter_groups.json"  # the scheduler's statistics, beside the server's status file
+
+
+def stats_file(status_file: str | Path) -> Path:
+    """Where a server's grouping statistics go: beside its status file."""
+    return Path(status_file).with_name(STATS_FILE)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One request with work this step: its group (adapter; the base is one too) and whether it is running."""
+
+    group: Hashable
+    running: bool = False
+
+
+@dataclass
+class GroupStats:
+    """What the grouping did: steps, steps that held something back, the most groups a step ran (as scheduled),
+    and the longest a request was held back (consecutive steps)."""
+
+    steps: int = 0
+    grouped_steps: int = 0
+    most_groups_scheduled: int = 0
+    longest_wait: int = 0
+    held: dict = field(default_factory=dict)  # group -> steps some of its requests were held back
+
+
+class AdapterGroups:
+    """The policy: `most` groups (G) per step at most, requests held back at most `wait` (W) steps before they are
+    overdue."""
+
+    def __init__(self, *, most: int, wait: int):
+        if most < 1 or wait < 1:
+            raise ValueError(f"need at least one group per step and one step of waiting, not {most} and {wait}")
+        self.most, self.wait = most, wait
+        self.step = 0
+        self.since: dict[str, int] = {}  # request id -> the last step it was eligible (or the one before it came)
+        self.stats = GroupStats()
+
+    def bound(self, groups: int) -> int:
+        """The longest any request is held back while `groups` groups have work."""
+        return 0 if groups <= self.most else self.wait + (groups - 1) // self.most
+
+    def choose(self, work: Mapping[str, Work]) -> set[Hashable]:
+        """The groups whose requests may run this step (every request of them); `work` maps request id -> Work."""
+        self.step += 1
+        since = {rid: self.since.get(rid, self.step - 1) for rid in work}
+        held = {rid: self.step - 1 - s for rid, s in since.items()}  # consecutive steps held back before this one
+        groups: dict[Hashable, list[str]] = {}
+        for rid, w in work.items():
+            groups.setdefault(w.group, []).append(rid)
+        allowed = set(groups) if len(groups) <= self.most else set(self._rank(groups, work, held)[:self.most])
+        for g in allowed:
+            for rid in groups[g]:
+                self.stats.longest_wait = max(self.stats.longest_wait, held[rid])
+                since[rid] = self.step
+        self.since = since
+        self._count(groups, allowed)
+        return allowed
+
+    def _rank(self, groups: dict, work: Mapping[str, Work], held: dict[str, int]) -> list[Hashable]:
+        def key(g):
+            longest = max(held[rid] for rid in groups[g])
+            running = sum(work[rid].running for rid in groups[g])
+            overdue = longest >= self.wait
+            return (not overdue, -longest if overdue else 0, -running, -len(groups[g]), -longest, _order(g))
+        return sorted(groups, key=key)
+
+    def _count(self, groups: dict, allowed: set) -> None:
+        self.stats.steps += 1
+        if len(allowed) < len(groups):
+            self.stats.grouped_steps += 1
+            for g in set(groups) - allowed:
+                self.stats.held[g] = self.stats.held.get(g, 0) + 1
+
+    def scheduled(self, groups: set[Hashable]) -> None:
+        """Record the groups vLLM actually scheduled in the step just chosen."""
+        self.stats.most_groups_scheduled = max(self.stats.most_groups_scheduled, len(groups))
+
+
+def _order(group: Hashable) -> tuple:
+    """A total order over group keys of mixed types (None for the base, ints for LoRA ids)."""
+    return (group is not None, str(type(group)), group if isinstance(group, (int, float, str)) else str(group))

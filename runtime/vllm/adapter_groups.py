@@ -1,0 +1,101 @@
+"""vLLM's scheduler with adapter groups: each engine step runs the requests of at most G adapters
+(`esftctl serve --group-adapters G`), none held back more than about W steps (`--group-wait W`).
+
+The policy (which adapters run this step, and why that can read fewer expert rows) is engine-free:
+esftctl.runtime.adapter_groups. This mixin applies it the way the variants' turns do
+(esftctl.runtime.vllm.variant_turns): vLLM's Scheduler or AsyncScheduler is kept whole (`--scheduler-cls` names
+`grouping_scheduler`), and for one call a running request of a group held back is not eligible
+(`next_decode_eligible_step`, restored afterwards) and a waiting one leaves the queues and comes back in front,
+in its order. Under continuous batching a group's new requests join as soon as the group runs.
+
+What it did is written beside the server's status file (`adapter_groups.json`, at most once a second): steps,
+steps that held something back, the most adapters vLLM scheduled in one step, the longest a request was held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from esftctl.jsonfile import write_json
+from esftctl.runtime.adapter_groups import AdapterGroups, Work, stats_file
+from esftctl.runtime.serve_config import ServeConfig
+from esftctl.runtime.vllm.variant_turns import QUEUES
+
+STATS_EVERY_S = 1.0
+
+
+def group_of(request) -> int:
+    """A request's adapter group: its LoRA id, 0 for the base."""
+    lora = request.lora_request
+    return lora.lora_int_id if lora is not None else 0
+
+
+class AdapterGroupsMixin:
+    def _init_groups(self) -> None:
+        config = ServeConfig.from_env()
+        self.groups = AdapterGroups(most=config.settings.group_adapters, wait=config.settings.group_wait)
+        self.groups_file = stats_file(config.status_file) if config.status_file else None
+        self._groups_written = 0.0
+
+    def schedule(self, *args, **kwargs):
+        queues = [q for q in (getattr(self, name, None) for name in QUEUES) if q is not None]
+        work = {r.request_id: Work(group_of(r), True) for r in self.running}
+        work.update({r.request_id: Work(group_of(r)) for q in queues for r in q})
+        before = self._maxima()
+        allowed = self.groups.choose(work)
+        # Held-back running requests are not eligible in this call (schedule() first advances current_step)...
+        held = [(r, r.next_decode_eligible_step) for r in self.running if group_of(r) not in allowed]
+        for request, step in held:
+            request.next_decode_eligible_step = max(step, self.current_step + 2)
+        # ...and held-back waiting ones sit out of the queues, then go back in front, in their order.
+        hidden = [(q, [r for r in q if group_of(r) not in allowed]) for q in queues]
+        for queue, requests in hidden:
+            if requests:
+                queue.remove_requests(requests)
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            for request, step in held:
+                request.next_decode_eligible_step = step
+            for queue, requests in hidden:
+                if requests:
+                    queue.prepend_requests(deque(requests))
+        self._record(output, before)
+        return output
+
+    def _maxima(self) -> tuple[int, int]:
+        return self.groups.stats.most_groups_scheduled, self.groups.stats.longest_wait
+
+    def _record(self, output, before: tuple[int, int]) -> None:
+        """Count the groups vLLM scheduled; write the statistics when a maximum grew, else at most once a second."""
+        self.groups.scheduled({group_of(self.requests[rid]) for rid in output.num_scheduled_tokens
+                               if rid in self.requests})
+        now = time.monotonic()
+        if self.groups_file is not None and (self._maxima() != before or now - self._groups_written > STATS_EVERY_S):
+            self._groups_written = now
+            stats = asdict(self.groups.stats)
+            stats["held"] = {str(k): v for k, v in stats["held"].items()}
+            write_json(self.groups_file, {"most": self.groups.most, "wait": self.groups.wait, **stats})
+
+
+class GroupingScheduler(AdapterGroupsMixin, Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_groups()
+
+
+class AsyncGroupingScheduler(AdapterGroupsMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_groups()
+
+
+def grouping_scheduler(*, vllm_config, **kwargs):
+    """What `--scheduler-cls` names: vLLM's scheduler of the kind its config chose (async or not), with groups."""
+    cls = AsyncGroupingScheduler if vllm_config.scheduler_config.async_scheduling else GroupingScheduler
+    return cls(vllm_config=vllm_config, **kwargs)

@@ -1,0 +1,164 @@
+"""Adapter groups (issue 29, item 3): each engine step runs at most G adapters' requests, no request is held back
+longer than the bound, and every request runs to its end. The policy alone (esftctl.runtime.adapter_groups),
+then the scheduler mixin over a stand-in for vLLM's scheduler (esftctl.runtime.vllm.adapter_groups)."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from esftctl.runtime.adapter_groups import AdapterGroups, Work
+
+
+def simulate(policy: AdapterGroups, *, groups: int, steps: int, arrive: float, seed: int,
+             skew: float = 1.0) -> dict:
+    """Requests arrive at random (each step with probability `arrive`, adapters skewed by `skew`), each needing
+    1-20 steps of service; a request runs in every step its group is allowed. Checks every step's bounds; returns
+    what happened. After `steps`, arrivals stop and the simulation runs until every request has finished."""
+    rng = random.Random(seed)
+    weights = [1 / (g + 1) ** skew for g in range(groups)]
+    need: dict[str, int] = {}
+    work: dict[str, Work] = {}
+    held = {}
+    done, longest, step = [], 0, 0
+    while step < steps or work:
+        step += 1
+        if step <= steps and rng.random() < arrive:
+            rid = f"r{step}"
+            work[rid], need[rid], held[rid] = Work(rng.choices(range(groups), weights)[0]), rng.randint(1, 20), 0
+        if not work:
+            continue
+        with_work = len({w.group for w in work.values()})
+        allowed = policy.choose(work)
+        assert len(allowed) <= policy.most and allowed <= {w.group for w in work.values()}
+        for rid in list(work):
+            if work[rid].group not in allowed:
+                held[rid] += 1
+                assert held[rid] <= policy.bound(groups), (rid, held[rid], with_work)
+                continue
+            longest, held[rid] = max(longest, held[rid]), 0
+            need[rid] -= 1
+            work[rid] = Work(work[rid].group, running=True)
+            if need[rid] == 0:
+                done.append(rid)
+                del work[rid]
+        assert step < steps + 100 * len(need), "requests starve"
+    return {"done": done, "arrived": len(need), "longest": longest}
+
+
+@pytest.mark.parametrize("most, wait, groups, skew", [(1, 1, 4, 0.0), (1, 4, 4, 1.0), (2, 8, 10, 1.0),
+                                                      (4, 8, 21, 2.0), (4, 2, 21, 0.0)])
+def test_steps_hold_at_most_g_adapters_and_no_request_waits_past_the_bound(most, wait, groups, skew):
+    policy = AdapterGroups(most=most, wait=wait)
+    out = simulate(policy, groups=groups, steps=3000, arrive=0.6, seed=most * 100 + groups, skew=skew)
+    assert len(set(out["done"])) == len(out["done"]) == out["arrived"] > 1000  # every request ran to its end
+    assert out["longest"] == policy.stats.longest_wait <= policy.bound(groups)
+    assert policy.stats.grouped_steps > 0  # the bound was tested: steps did hold requests back
+
+
+def test_the_wait_bound_is_reached_and_kept_under_pressure():
+    """Twenty busy adapters, one step each at a time, held back at most 3 steps before they are overdue: the longest
+    any request waited is at least the wait (grouping held it) and at most the bound."""
+    policy = AdapterGroups(most=1, wait=3)
+    busy = {f"g{g}-{k}": Work(g, running=True) for g in range(20) for k in range(g + 1)}
+    seen = set()
+    for _ in range(400):
+        seen |= policy.choose(busy)
+    assert seen == set(range(20))  # every adapter ran: none starved
+    assert 3 <= policy.stats.longest_wait <= policy.bound(20) == 3 + 19
+
+
+def test_at_most_g_adapters_with_work_run_together_and_big_groups_go_first():
+    policy = AdapterGroups(most=2, wait=5)
+    assert policy.choose({"a": Work(1), "b": Work(2)}) == {1, 2}  # fits: nothing held
+    assert policy.stats.grouped_steps == 0
+    work = {"a": Work(1), "b": Work(2, running=True), "c": Work(3), "d": Work(3), "e": Work(None)}
+    assert policy.choose(work) == {2, 3}  # the running request's group, then the largest
+    for _ in range(4):
+        assert policy.choose(work) == {2, 3}
+    assert policy.choose(work) == {1, None}  # held back 5 steps: overdue, whatever their size
+    assert policy.stats.held == {1: 5, None: 5, 2: 1, 3: 1} and policy.stats.longest_wait == 5
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        AdapterGroups(most=0, wait=1)
+    with pytest.raises(ValueError):
+        AdapterGroups(most=1, wait=0)
+
+
+class Queue(list):
+    """vLLM's request queue, as the mixin uses it."""
+
+    def remove_requests(self, requests):
+        for r in requests:
+            self.remove(r)
+
+    def prepend_requests(self, requests: deque):
+        self[:0] = list(requests)
+
+
+class StandIn:
+    """vLLM's scheduler as the mixin sees it: running and waiting requests, a step counter, and a schedule() that
+    runs every eligible running request and admits every waiting one."""
+
+    def __init__(self, running, waiting):
+        self.running, self.waiting, self.current_step = running, Queue(waiting), 0
+        self.requests = {r.request_id: r for r in (*running, *waiting)}
+
+    def schedule(self):
+        self.current_step += 1
+        ids = [r.request_id for r in self.running if self.current_step >= r.next_decode_eligible_step]
+        admitted = list(self.waiting)
+        self.waiting.remove_requests(admitted)
+        self.running += admitted
+        return SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in ids + [r.request_id for r in admitted]})
+
+
+def request(rid: str, lora: int | None):
+    return SimpleNamespace(request_id=rid, next_decode_eligible_step=0,
+                           lora_request=SimpleNamespace(lora_int_id=lora) if lora else None)
+
+
+@pytest.mark.vllm
+def test_the_mixin_hides_other_adapters_for_one_call_and_puts_everything_back():
+    from esftctl.runtime.vllm.adapter_groups import AdapterGroupsMixin
+
+    class Grouped(AdapterGroupsMixin, StandIn):
+        pass
+
+    running = [request("r1", 1), request("r2", 2), request("r3", 2)]
+    waiting = [request("w1", 3), request("w2", None), request("w3", 2), request("w4", 3)]
+    scheduler = Grouped(running, waiting)
+    scheduler.groups, scheduler.groups_file, scheduler._groups_written = AdapterGroups(most=1, wait=8), None, 0.0
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {"r2", "r3", "w3"}  # adapter 2 only: the most running requests
+    assert [r.next_decode_eligible_step for r in running] == [0, 0, 0, 0]  # restored
+    assert [r.request_id for r in scheduler.waiting] == ["w1", "w2", "w4"]  # back in front, in their order
+    out = scheduler.schedule()  # adapter 2 again (3 running now); the others were held one step
+    assert set(out.num_scheduled_tokens) == {"r2", "r3", "w3"}
+    assert scheduler.groups.stats.most_groups_scheduled == 1 and scheduler.groups.stats.held == {1: 2, 3: 2, 0: 2}
+
+
+def test_serve_option_reaches_the_engine(world):
+    """`serve --group-adapters`: checked once in the settings, carried to the engine, and vLLM is told to build the
+    grouping scheduler (off by default; refused beside --variants, which has its own turns)."""
+    from pathlib import Path
+
+    from esftctl.errors import EsftError
+    from esftctl.runtime.serve_config import ServeSettings
+    from esftctl.serve import free_port, plan
+
+    grouped = plan(world.base_dir, [], port=free_port(), group_adapters=2, group_wait=3)
+    command = grouped.command()
+    assert command[command.index("--scheduler-cls") + 1] == "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"
+    settings = ServeSettings.from_json(grouped.settings.to_json())
+    assert (settings.group_adapters, settings.group_wait) == (2, 3)
+    assert "--scheduler-cls" not in plan(world.base_dir, [], port=free_port()).command()
+    with pytest.raises(EsftError, match="cannot be combined with --variants"):
+        ServeSettings(variants=Path("map"), group_adapters=2)
+    with pytest.raises(EsftError, match="--group-wait 0"):
+        ServeSettings(base=Path("base"), group_adapters=1, group_wait=0)

@@ -1,0 +1,141 @@
+"""`esftctl bench serve`'s traffic (issue 29, item 1): S-LoRA's power-law shares drawn per request follow alpha,
+the same run draws the same requests for every server, Gamma arrivals through vLLM's own generator have the
+asked coefficient of variation, and each run's per-request numbers (prefill and decode speed, arrivals' cv)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from esftctl.bench.load import Load, bench_args, routed, speeds
+from esftctl.bench.traffic import (
+    burstiness,
+    check_shares,
+    chi2_survival,
+    draw_adapters,
+    gaps_cv,
+    run_seed,
+    slora_shares,
+)
+
+DRAWS = 20000
+
+
+def test_slora_shares_are_s_loras_power_law():
+    assert slora_shares(4, 1.0) == [0.25] * 4  # alpha 1 is uniform
+    assert slora_shares(2, 0.3) == pytest.approx([0.5 ** 0.3, 1 - 0.5 ** 0.3])  # ExpertWeave's "about 80%"
+    assert slora_shares(20, 0.1)[0] == pytest.approx(0.741, abs=1e-3)
+    for n, alpha in ((20, 0.6), (10, 0.3), (5, 0.1)):
+        shares = slora_shares(n, alpha)
+        assert sum(shares) == pytest.approx(1) and shares == sorted(shares, reverse=True)  # the first the most
+
+
+@pytest.mark.parametrize("n, alpha", [(20, 1.0), (20, 0.6), (20, 0.3), (20, 0.1), (5, 0.3), (2, 0.1)])
+def test_drawn_shares_match_alpha(n, alpha):
+    """20,000 draws at a fixed seed: every adapter's count within 4.5 standard errors of n x share, and Pearson's
+    chi-square not below its 0.1% point."""
+    check = check_shares(draw_adapters(n, alpha, DRAWS, seed=(7, n)), slora_shares(n, alpha))
+    assert sum(check.counts) == DRAWS and len(check.counts) == n
+    assert check.worst_z < 4.5 and check.p_value > 1e-3, check.to_json()
+
+
+def test_the_share_check_fails_a_draw_of_another_alpha():
+    """The check above could fail: draws at alpha 0.3 are far from alpha 0.6's shares, and from uniform."""
+    drawn = draw_adapters(20, 0.3, DRAWS, seed=(7, 20))
+    for wrong in (0.6, 1.0):
+        check = check_shares(drawn, slora_shares(20, wrong))
+        assert check.worst_z > 10 and check.p_value < 1e-9
+
+
+def test_every_server_gets_the_same_draw():
+    seed = run_seed(repeat=1, adapters=5, alpha=0.3, rate=2.0)
+    assert draw_adapters(5, 0.3, 100, seed) == draw_adapters(5, 0.3, 100, seed)
+    others = {run_seed(repeat=r, adapters=5, alpha=a, rate=q) for r in (0, 1) for a in (0.3, 1.0)
+              for q in (2.0, math.inf)}
+    assert len(others) == 8  # another repeat, alpha or rate: another draw
+    assert all(len(draw_adapters(5, 0.3, 10, other)) == 10 for other in others)
+    assert draw_adapters(5, 0.3, 100, seed) != draw_adapters(5, 0.3, 100, run_seed(repeat=2, adapters=5, alpha=0.3,
+                                                                                   rate=2.0))
+    assert set(draw_adapters(1, 0.3, 50, seed)) == {0}
+
+
+def test_chi2_survival_matches_the_tables():
+    assert chi2_survival(3.841, 1) == pytest.approx(0.05, abs=2e-4)
+    assert chi2_survival(18.307, 10) == pytest.approx(0.05, abs=2e-4)
+    assert chi2_survival(0.0, 19) == 1.0 and chi2_survival(5.0, 0) == 1.0
+
+
+@pytest.mark.parametrize("cv", [0.5, 1.0, 2.0])
+def test_gamma_arrivals_through_vllms_generator_have_the_asked_cv(cv, monkeypatch):
+    """vLLM's own get_request (what `vllm bench serve` sends by), on a simulated clock: the gaps between 50,000
+    requests have coefficient of variation cv within 5%, and the run lasts requests / rate."""
+    import vllm.benchmarks.serve as vllm_bench
+
+    clock = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(vllm_bench, "time", SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.setattr(vllm_bench, "asyncio", SimpleNamespace(sleep=sleep))
+    np.random.seed(0)  # as vLLM's main seeds it with --seed
+    sent = []
+
+    async def collect() -> None:
+        async for _request, _rate in vllm_bench.get_request([SimpleNamespace(timestamp=None)] * 50000, 5.0,
+                                                            burstiness(cv)):
+            sent.append(clock[0])
+
+    asyncio.run(collect())
+    assert gaps_cv(sent) == pytest.approx(cv, rel=0.05)
+    assert sent[-1] == pytest.approx(50000 / 5.0, rel=1e-6)
+
+
+def test_load_arguments_parse_in_vllms_benchmark(tmp_path):
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    load = Load(rate=2.0, prompts=3, input_len=24, output_len=8, seed=3, cv=2.0, concurrency=1)
+    args = parser.parse_args(bench_args("http://127.0.0.1:1", model="base", tokenizer=tmp_path, load=load,
+                                        models=["a", "a", "b"], result_dir=tmp_path, result_file="r.json"))
+    assert args.request_rate == 2.0 and args.num_prompts == 3 and args.seed == 3 and args.burstiness == 0.25
+    assert (args.random_input_len, args.random_output_len, float(args.random_range_ratio)) == (24, 8, 0.0)
+    assert args.lora_modules == ["a", "a", "b"] and args.lora_assignment == "round-robin"  # request k: entry k
+    assert args.temperature == 0 and args.ignore_eos and args.save_detailed and args.max_concurrency == 1
+    assert set(args.percentile_metrics.split(",")) == {"ttft", "tpot", "itl", "e2el"}
+    with pytest.raises(ValueError, match="one per request"):
+        bench_args("http://127.0.0.1:1", model="base", tokenizer=tmp_path, load=load, models=["a"],
+                   result_dir=tmp_path, result_file="r.json")
+
+
+def test_routes_send_each_model_to_its_server(monkeypatch):
+    from vllm.benchmarks.lib import endpoint_request_func as funcs
+
+    seen = []
+
+    async def plain(request_func_input, session, pbar=None):
+        seen.append(request_func_input.api_url)
+
+    monkeypatch.setitem(funcs.ASYNC_REQUEST_FUNCS, "openai", plain)
+    request = funcs.RequestFuncInput(prompt="x", api_url="http://127.0.0.1:1/v1/completions", prompt_len=1,
+                                     output_len=1, model="merged-1")
+    with routed({"merged-0": "http://127.0.0.1:7", "merged-1": "http://127.0.0.1:8/"}):
+        asyncio.run(funcs.ASYNC_REQUEST_FUNCS["openai"](request, None))
+    assert seen == ["http://127.0.0.1:8/v1/completions"] and funcs.ASYNC_REQUEST_FUNCS["openai"] is plain
+
+
+def test_speeds_from_per_request_times():
+    result = {"ttfts": [0.1, 0.2, 0.0], "input_lens": [100, 100, 100], "output_lens": [5, 5, 5],
+              "itls": [[0.01] * 4, [0.02] * 4, []], "start_times": [0.0, 1.0, 3.0, 4.0],
+              "total_input_tokens": 300, "total_output_tokens": 15}
+    out = speeds(result)
+    assert out["median_prefill_tps"] == pytest.approx(750) and out["p1_prefill_tps"] == pytest.approx(505)
+    assert out["median_decode_tps"] == pytest.approx(75) and out["p1_decode_tps"] == pytest.approx(50.5)
+    assert out["arrival_cv"] == pytest.approx(np.std([1, 2, 1]) / (4 / 3))
+    assert speeds({})["median_prefill_tps"] is None and speeds({})["arrival_cv"] is None
