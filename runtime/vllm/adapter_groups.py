@@ -4,9 +4,8 @@
 The policy (which adapters run this step, and why that can read fewer expert rows) is engine-free:
 esftctl.runtime.adapter_groups. This mixin applies it the way the variants' turns do
 (esftctl.runtime.vllm.variant_turns): vLLM's Scheduler or AsyncScheduler is kept whole (`--scheduler-cls` names
-`grouping_scheduler`), and for one call a running request of a group held back is not eligible
-(`next_decode_eligible_step`, restored afterwards) and a waiting one leaves the queues and comes back in front,
-in its order. Under continuous batching a group's new requests join as soon as the group runs.
+`grouping_scheduler`), and the groups held back sit out one schedule() call (esftctl.runtime.vllm.scheduling).
+Under continuous batching a group's new requests join as soon as the group runs.
 
 What it did is written beside the server's status file (`adapter_groups.json`, at most once a second): steps,
 steps that held something back, the most adapters vLLM scheduled in one step, the longest a request was held.
@@ -15,7 +14,6 @@ steps that held something back, the most adapters vLLM scheduled in one step, th
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import asdict
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -24,7 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from esftctl.jsonfile import write_json
 from esftctl.runtime.adapter_groups import AdapterGroups, Work, stats_file
 from esftctl.runtime.serve_config import ServeConfig
-from esftctl.runtime.vllm.variant_turns import QUEUES
+from esftctl.runtime.vllm.scheduling import holding_back, waiting_queues
 
 STATS_EVERY_S = 1.0
 
@@ -43,28 +41,12 @@ class AdapterGroupsMixin:
         self._groups_written = 0.0
 
     def schedule(self, *args, **kwargs):
-        queues = [q for q in (getattr(self, name, None) for name in QUEUES) if q is not None]
         work = {r.request_id: Work(group_of(r), True) for r in self.running}
-        work.update({r.request_id: Work(group_of(r)) for q in queues for r in q})
+        work.update({r.request_id: Work(group_of(r)) for q in waiting_queues(self) for r in q})
         before = self._maxima()
         allowed = self.groups.choose(work)
-        # Held-back running requests are not eligible in this call (schedule() first advances current_step)...
-        held = [(r, r.next_decode_eligible_step) for r in self.running if group_of(r) not in allowed]
-        for request, step in held:
-            request.next_decode_eligible_step = max(step, self.current_step + 2)
-        # ...and held-back waiting ones sit out of the queues, then go back in front, in their order.
-        hidden = [(q, [r for r in q if group_of(r) not in allowed]) for q in queues]
-        for queue, requests in hidden:
-            if requests:
-                queue.remove_requests(requests)
-        try:
+        with holding_back(self, lambda r: group_of(r) in allowed):
             output = super().schedule(*args, **kwargs)
-        finally:
-            for request, step in held:
-                request.next_decode_eligible_step = step
-            for queue, requests in hidden:
-                if requests:
-                    queue.prepend_requests(deque(requests))
         self._record(output, before)
         return output
 

@@ -3,10 +3,8 @@
 Consolidated variants share the experts but each has its own non-expert weights, which the worker puts in
 place before a step (esftctl.runtime.vllm.variant_weights). So a step must not mix variants. vLLM's scheduler is
 kept whole (`--scheduler-cls` names `variant_scheduler`, which builds vLLM's own Scheduler or AsyncScheduler
-with this mixin); the mixin only picks whose turn it is and hides the others' requests for that step, through
-the scheduler's own means: a running request of another variant is not eligible this step
-(`next_decode_eligible_step`, restored afterwards) and a waiting one leaves the queue for the call and comes back
-in front, as vLLM puts back the requests it skipped (the same in vLLM 0.25 and 0.32).
+with this mixin); the mixin only picks whose turn it is and holds the others' requests back for that step, through
+the scheduler's own means (esftctl.runtime.vllm.scheduling).
 
 Turns are round-robin over the variants with work, `quantum` steps each (ESFTCTL_SERVE's `quantum`): within a
 turn, vLLM's continuous batching runs as always (new requests of that variant join at once); a variant with
@@ -17,12 +15,11 @@ non-expert weights) against 20-30 ms per decode step, switching costs at most 1.
 
 from __future__ import annotations
 
-from collections import deque
-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from esftctl.runtime.serve_config import ServeConfig
+from esftctl.runtime.vllm.scheduling import holding_back, waiting_queues
 from esftctl.variants import HOME
 
 
@@ -42,11 +39,6 @@ class Turns:
         return self.current
 
 
-# The scheduler's queues of requests not running: vLLM 0.25 has `waiting` and `skipped_waiting`, 0.32 `waiting`
-# and `kv_holding_waiting`.
-QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
-
-
 class VariantTurnsMixin:
     def _init_turns(self) -> None:
         config = ServeConfig.from_env()
@@ -59,25 +51,10 @@ class VariantTurnsMixin:
         return self.variant_of_lora.get(lora.lora_name, HOME) if lora is not None else HOME
 
     def schedule(self, *args, **kwargs):
-        queues = [q for q in (getattr(self, name, None) for name in QUEUES) if q is not None]
-        self.turn = self.turns.next({self.variant_of(r) for r in (*self.running, *(r for q in queues for r in q))})
-        # Others' running requests are not eligible in this call (schedule() first advances current_step)...
-        held = [(r, r.next_decode_eligible_step) for r in self.running if self.variant_of(r) != self.turn]
-        for request, step in held:
-            request.next_decode_eligible_step = max(step, self.current_step + 2)
-        # ...and their waiting ones sit out of the queues, then go back in front, in their order.
-        hidden = [(q, [r for r in q if self.variant_of(r) != self.turn]) for q in queues]
-        for queue, requests in hidden:
-            if requests:
-                queue.remove_requests(requests)
-        try:
+        queued = (r for q in waiting_queues(self) for r in q)
+        self.turn = self.turns.next({self.variant_of(r) for r in (*self.running, *queued)})
+        with holding_back(self, lambda r: self.variant_of(r) == self.turn):
             return super().schedule(*args, **kwargs)
-        finally:
-            for request, step in held:
-                request.next_decode_eligible_step = step
-            for queue, requests in hidden:
-                if requests:
-                    queue.prepend_requests(deque(requests))
 
 
 class VariantScheduler(VariantTurnsMixin, Scheduler):
