@@ -297,7 +297,8 @@ class VirtualMoELayer:
             else:
                 w13, w2 = self.w13.tensor[self.local_row(row)], self.w2.tensor[self.local_row(row)]
             got.append(row_checksums(w13[None], w2[None]))
-        differ = [ids[k] for k, c in zip(held, got) if int(c) != int(checksums[k])]
+        got = torch.cat(got).cpu().tolist() if got else []  # one wait for the device, not one per row
+        differ = [ids[k] for k, c in zip(held, got) if c != int(checksums[k])]
         if differ:
             raise EsftError(f"the rows of experts {differ} do not hold the adapter's weights")
         return len(held)

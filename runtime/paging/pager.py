@@ -68,7 +68,8 @@ class PagedExperts:
             self.window.page_out(i)
             self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.programs = ALONE_PROGRAMS
+        self._counted: tuple[torch.Tensor, object] | None = None  # counters copied to the host, and their event
+        self._last_counted = [0, 0]
         self._joins: set[int] = set()  # layers whose experts call forked to the load stream
         self.times = LayerTimes(self.cuda)
         self.between_steps: Callable[[], None] | None = None  # the planner's hook (esftctl.runtime.paging.planner)
@@ -82,10 +83,10 @@ class PagedExperts:
 
     def before_kernel(self, layer: int, ids: torch.Tensor, num_tokens: int) -> None:
         """Bring in what layer's kernel will read: its routed rows now, or (fetching ahead) the next layer's."""
-        p = self.position[layer]
+        p, routed = self.position[layer], self.routed(num_tokens)
         timed = not self.cuda or not torch.cuda.is_current_stream_capturing()
-        if self.routed(num_tokens) or self.window.size == 1:
-            self._timed_fetch(layer, ids if self.routed(num_tokens) else None, timed)
+        if routed or self.window.size == 1:
+            self._timed_fetch(layer, ids if routed else None, timed)
         else:
             if p == 0:
                 self._timed_fetch(layer, None, timed)
@@ -104,7 +105,7 @@ class PagedExperts:
     def _timed_fetch(self, layer: int, ids: torch.Tensor | None, timed: bool) -> None:
         if timed:
             self.times.start("load", layer)
-        self.tiers[layer].fetch(ids, programs=self.programs)
+        self.tiers[layer].fetch(ids, programs=ALONE_PROGRAMS)
         if timed:
             self.times.stop("load", layer)
 
@@ -167,20 +168,29 @@ class PagedExperts:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        self.tiers[layer].fetch(None, programs=self.programs)
+        self.tiers[layer].fetch(None, programs=ALONE_PROGRAMS)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         took = time.perf_counter() - start
         self.tiers[layer].set_store_rows(keep)
         return took
 
-    def counters(self) -> dict[str, int]:
-        """Rows fetched and fetches of active layers since the start, over all layers (a host sync on CUDA)."""
-        fetched = marks = 0
-        for tiers in self.tiers.values():
-            f, m = tiers.counters()
-            fetched, marks = fetched + f, marks + m
-        return {"fetched_rows": fetched, "fetches": marks}
+    def counters(self, *, wait: bool = True) -> dict[str, int]:
+        """Rows fetched and fetches of active layers since the start, over all layers. On CUDA `wait` syncs with
+        the device; without it (the status, once a second while serving) the counts are copied to the host behind
+        the queued work and the last copy that has landed is given, so serving never waits for them."""
+        totals = torch.stack([t.stats for t in self.tiers.values()]).sum(0)
+        if not self.cuda or wait:
+            fetched, fetches = totals.tolist()
+            return {"fetched_rows": fetched, "fetches": fetches}
+        if self._counted is not None and self._counted[1].query():
+            self._last_counted = self._counted[0].tolist()
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(totals, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._counted = (host, event)
+        return {"fetched_rows": self._last_counted[0], "fetches": self._last_counted[1]}
 
     def device_bytes(self) -> dict[str, int]:
         """Device memory per tier: the window's blocks, the resident layers' own rows, the store."""

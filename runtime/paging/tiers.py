@@ -121,9 +121,7 @@ class LayerTiers:
         self.fetched_rows += len(rows)
         self.marks += int(self.active)
 
-    def counters(self) -> tuple[int, int]:
-        """(rows fetched, fetches of this layer while active), summed since the start (a host sync on CUDA)."""
-        if self.cuda:
-            fetched, marks = self.fetcher.stats.tolist()
-            return fetched, marks
-        return self.fetched_rows, self.marks
+    @property
+    def stats(self) -> torch.Tensor:
+        """(rows fetched, fetches of this layer while active), summed since the start, int64 on the layer's device."""
+        return self.fetcher.stats if self.cuda else torch.tensor([self.fetched_rows, self.marks])

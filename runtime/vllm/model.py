@@ -193,9 +193,7 @@ class EsftModel:
                             "bracket; serve it without --paging-window")
         tier = self._store_tier(base, store) if store is not None else None
         for layer in self.layers.values():
-            layer.keep_host_copy()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the host copies are complete before the rows are given back
+            layer.keep_host_copy()  # copied to host memory before it returns, so the rows can be given back
         first = next(iter(engine_layers.values())).experts
         pager = PagedExperts(self.layers, window=window, make_space=self._make_space, top_k=first.top_k,
                              store=tier, fetch=fetch)

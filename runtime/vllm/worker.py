@@ -275,6 +275,7 @@ class EsftWorkerManager:
         widest = max((max(a.experts_per_layer, default=0) for a in adapters), default=0)
         # Boundary pages shared with the base count here. Paged, only the layers in the window hold any memory.
         physical_adapter = None if runtime.pager else slots.physical_bytes() - base_experts
+        paging = self._paging_status() if runtime.pager else None
         cache = self.vllm_config.cache_config
         blocks = getattr(cache, "num_gpu_blocks", None)
         rank, ranks = self.rank
@@ -291,12 +292,13 @@ class EsftWorkerManager:
             adapter_budget_bytes=slots.budget * slots.expert_bytes if slots.budget is not None else None,
             reserved_bytes=runtime.reserved_bytes, page_bytes=runtime.page_bytes,
             adapter_physical_bytes=physical_adapter,
-            expert_device_bytes=sum(runtime.pager.device_bytes().values()) if runtime.pager else slots.physical_bytes(),
+            expert_device_bytes=paging.window_bytes + paging.resident_bytes + paging.store_bytes if paging
+            else slots.physical_bytes(),
             padded_bytes=len(adapters) * widest * expert_bytes, merged_bytes=len(adapters) * self.base.total_nbytes,
             kv_cache_tokens=blocks * cache.block_size if blocks else None,
             host_cache_used_bytes=self.host_cache.nbytes, host_cache_hits=self.host_cache.hits,
             host_cache_misses=self.host_cache.misses, paging_window=settings.paging_window,
-            paging=self._paging_status() if runtime.pager else None)
+            paging=paging)
 
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
         info = self.runtime.slots.adapters[_key(lora_id)]
@@ -317,7 +319,7 @@ class EsftWorkerManager:
 
     def _paging_status(self) -> PagingStatus:
         pager, residency = self.runtime.pager, self.runtime.residency
-        device, counters = pager.device_bytes(), pager.counters()
+        device, counters = pager.device_bytes(), pager.counters(wait=False)
         held = sum(l.held_bytes() for l in self.runtime.layers.values())
         freed = max(0, held - sum(device.values()))
         per_token = kv_bytes_per_token(self.vllm_config)
