@@ -66,9 +66,11 @@ try:
         STRIDE: tl.constexpr = BLOCK * GROUP  # a block's lanes take turns by GROUP values
         lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = lanes < n_chunks
+        groups = CHUNK // GROUP
         if MASKED:  # paging: only the rows this step needs, below the host tier's first row
             row = tl.load(row_ptr + lanes, mask=ok, other=0)
             ok = ok & (tl.load(needed_ptr + row, mask=ok, other=0) != 0) & (row < tl.load(first_host_ptr))
+            groups = tl.where(tl.max(ok.to(tl.int32), axis=0) > 0, groups, 0)  # a warp with nothing to do ends
         bit = tl.load(bit_ptr + lanes, mask=ok, other=0)
         sm_at = tl.load(sm_ptr + lanes, mask=ok, other=0)
         out = tl.load(dst_ptr + lanes, mask=ok, other=0).to(tl.pointer_type(tl.int16))
@@ -94,7 +96,7 @@ try:
             out = tl.multiple_of(out, 2 * GROUP)
         sm_ptrs = data_ptr + sm_at[:, None]
         out_ptrs = out[:, None]
-        for g in range(0, CHUNK // GROUP):
+        for g in range(0, groups):
             left = n - g * STRIDE  # the tensor's values from this group's first on
             live = ok & (left > 0)
             while tl.max(tl.where(live, GROUP - queued, 0), axis=0) > 0:

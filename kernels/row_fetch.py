@@ -63,26 +63,38 @@ try:
 
     @triton.jit
     def _mark_kernel(ids_ptr, n_ids, needed_ptr, listing_ptr, count_ptr, n_rows, active_ptr, stats_ptr,
-                     held_count_ptr, ALL: tl.constexpr, BLOCK: tl.constexpr):
-        """ALL: the held rows (ids = their list, held_count long) listed, every row needed. Else (needed and count
-        cleared before) each id's first marking lists it. stats[1] counts the marks of an active layer."""
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                     held_ptr, held_count_ptr, ALL: tl.constexpr, BLOCK: tl.constexpr):
+        """One program, so that clearing, marking and counting follow each other without another launch: ALL
+        lists the held rows and needs every row; else each id's first marking lists it. stats += (rows listed,
+        1 while active)."""
         active = tl.load(active_ptr) != 0
-        if tl.program_id(0) == 0:
-            tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + active.to(tl.int64))
+        lanes = tl.arange(0, BLOCK)
         if ALL:
-            ok = offsets < n_rows
-            tl.store(needed_ptr + offsets, tl.where(active, 1, 0), mask=ok)
-            tl.store(listing_ptr + offsets, tl.load(ids_ptr + offsets, mask=ok, other=0), mask=ok)
-            if tl.program_id(0) == 0:
-                tl.store(count_ptr, tl.where(active, tl.load(held_count_ptr), 0))
+            fill = active.to(tl.int32)
         else:
-            ok = offsets < tl.where(active, n_ids, 0)
-            ids = tl.load(ids_ptr + offsets, mask=ok, other=0).to(tl.int32)
-            ok = ok & (ids >= 0) & (ids < n_rows)
-            first = tl.atomic_xchg(needed_ptr + ids, 1, mask=ok) == 0
-            slot = tl.atomic_add(count_ptr + tl.zeros_like(ids), 1, mask=ok & first)
-            tl.store(listing_ptr + slot, ids, mask=ok & first)
+            fill = tl.zeros_like(active.to(tl.int32))
+        for start in range(0, n_rows, BLOCK):
+            ok = start + lanes < n_rows
+            tl.store(needed_ptr + start + lanes, tl.zeros([BLOCK], dtype=tl.int32) + fill, mask=ok)
+            if ALL:
+                tl.store(listing_ptr + start + lanes, tl.load(held_ptr + start + lanes, mask=ok, other=0), mask=ok)
+        count = tl.where(active, tl.load(held_count_ptr), 0)
+        if ALL:
+            tl.store(count_ptr, count)
+        else:
+            tl.store(count_ptr, 0)
+            tl.debug_barrier()  # the clearing above is seen by every thread's marking below
+            for start in range(0, tl.where(active, n_ids, 0), BLOCK):
+                ok = start + lanes < n_ids
+                ids = tl.load(ids_ptr + start + lanes, mask=ok, other=0).to(tl.int32)
+                ok = ok & (ids >= 0) & (ids < n_rows)
+                first = tl.atomic_xchg(needed_ptr + ids, 1, mask=ok) == 0
+                slot = tl.atomic_add(count_ptr + tl.zeros_like(ids), 1, mask=ok & first)
+                tl.store(listing_ptr + slot, ids, mask=ok & first)
+            tl.debug_barrier()
+            count = tl.load(count_ptr)
+        tl.store(stats_ptr, tl.load(stats_ptr) + count.to(tl.int64))
+        tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + active.to(tl.int64))
 
     @triton.jit
     def _fetch_kernel(listing_ptr, count_ptr, n_rows, chunks, src_ptr, dst_ptr, nbytes_ptr, first_host_ptr,
@@ -168,20 +180,10 @@ class RowFetch:
         self.held_count.fill_(len(held))
 
     def mark(self, ids: torch.Tensor | None) -> None:
-        """List the rows `ids` names (every held row with None), unless the layer is inactive."""
-        block = 1024
-        if ids is None:
-            _mark_kernel[(triton.cdiv(self.rows, block),)](self.held, 0, self.needed, self.listing, self.count,
-                                                           self.rows, self.active, self.stats, self.held_count,
-                                                           ALL=True, BLOCK=block)
-        else:
-            self.needed.zero_()
-            self.count.zero_()
-            flat = ids.reshape(-1)
-            _mark_kernel[(triton.cdiv(max(flat.numel(), 1), block),)](
-                flat, flat.numel(), self.needed, self.listing, self.count, self.rows, self.active, self.stats,
-                self.held_count, ALL=False, BLOCK=block)
-        self.stats[:1].add_(self.count)
+        """List the rows `ids` names (every held row with None), unless the layer is inactive: one launch."""
+        flat = self.held if ids is None else ids.reshape(-1)
+        _mark_kernel[(1,)](flat, flat.numel(), self.needed, self.listing, self.count, self.rows, self.active,
+                           self.stats, self.held, self.held_count, ALL=ids is None, BLOCK=1024, num_warps=8)
 
     def fetch(self, programs: int) -> None:
         """Copy the listed rows' host-tier segments, `programs` programs striding over the work."""
