@@ -1,5 +1,6 @@
-"""`esftctl bench compress`: Huffman expert stores against the entropy bound, general-purpose compressors,
-and (on a GPU) the memory-bandwidth bound of decoding, from one DeepSeek-V2-Lite expert to a whole layer.
+"""`esftctl bench compress`: Huffman expert stores against the entropy bound, general-purpose compressors, the
+fixed-rate code (esftctl.kernels.fixed_rate, SplitZip's idea), and (on a GPU) each decoder against the
+memory-bandwidth bound, from one DeepSeek-V2-Lite expert to a whole layer.
 
 Weights are synthetic but trained-like (esftctl.bench.synthetic_model.trained_like), bf16.
 GPU decode: one launch for all tensors of the size (esftctl.kernels.huffman_decode), median of repeats;
@@ -66,6 +67,8 @@ def run(shape: MoEShape = DEEPSEEK_V2_LITE, counts=EXPERT_COUNTS, table_scope: s
             if gpu:
                 on_step(f"{n} expert(s): decoding on the GPU")
                 row.update(_gpu_decode(ExpertStore(Path(tmp) / "s"), tensors, bandwidth))
+        on_step(f"{n} expert(s): the fixed-rate code")
+        row.update(_fixed_rate(torch.cat([t.read().reshape(-1) for t in tensors]), bandwidth if gpu else None))
         rows.append(row)
     return {"benchmark": "compress", "model": shape.name, "table_scope": table_scope,
             "device": torch.cuda.get_device_name(0) if gpu else "CPU only",
@@ -89,6 +92,31 @@ def _gpu_decode(store: ExpertStore, tensors: list[SourceTensor], bandwidth: floa
             "gpu_bound_ms": bound_ms, "gpu_fraction_of_bound": bound_ms / ms}
 
 
+def _fixed_rate(values: torch.Tensor, bandwidth: float | None) -> dict:
+    """The fixed-rate code of the same values (one table for them all, like the store's layer tables): its size,
+    and on a GPU its decode against its own bound (its bytes read + 2 written per value)."""
+    from esftctl.kernels.fixed_rate import decode, decode_reference, encode
+
+    code = encode(values)
+    row = {"fixed_rate_bytes": code.nbytes, "fixed_rate_over_bf16": code.nbytes / (2 * values.numel()),
+           "fixed_rate_escapes": code.escapes.numel()}
+    if bandwidth is None:
+        row["fixed_rate_exact"] = torch.equal(decode_reference(code).view(torch.int16), values.view(torch.int16))
+        return row
+    import triton.testing
+
+    code.check()
+    on_gpu = code.to("cuda")
+    out = torch.empty(code.count, dtype=torch.bfloat16, device="cuda")
+    decode(on_gpu, out)
+    torch.cuda.synchronize()
+    row["fixed_rate_exact"] = torch.equal(out.cpu().view(torch.int16), values.view(torch.int16))
+    ms = float(triton.testing.do_bench(lambda: decode(on_gpu, out), warmup=10, rep=200, return_mode="median"))
+    bound_ms = (code.nbytes + 2 * code.count) / bandwidth * 1e3
+    return {**row, "fixed_rate_decode_ms": ms, "fixed_rate_bound_ms": bound_ms,
+            "fixed_rate_fraction_of_bound": bound_ms / ms}
+
+
 def table(result: dict):
     from rich.table import Table
 
@@ -97,14 +125,17 @@ def table(result: dict):
     t = Table(title=f"Huffman expert stores, {result['model']} experts ({result['table_scope']} tables; "
                     f"{result['device']})", header_style="bold")
     for col in ("experts", "bf16", "stored", "of bf16", "x entropy bound", "encode (CPU)", "GPU decode",
-                "of bandwidth bound"):
+                "of bandwidth bound", "fixed-rate of bf16", "fixed-rate decode", "of its bound"):
         t.add_column(col, justify="right")
     for r in result["rows"]:
         t.add_row(str(r["experts"]), format_bytes(r["bf16_bytes"]), format_bytes(r["stored_bytes"]),
                   f"{r['stored_over_bf16']:.2%}", f"{r['stored_over_bound']:.4f}",
                   f"{r['encode_values_per_s'] / 1e6:.1f} M/s",
                   f"{r['gpu_decode_ms']:.3f} ms" if "gpu_decode_ms" in r else "-",
-                  f"{r['gpu_fraction_of_bound']:.0%}" if "gpu_decode_ms" in r else "-")
+                  f"{r['gpu_fraction_of_bound']:.0%}" if "gpu_decode_ms" in r else "-",
+                  f"{r['fixed_rate_over_bf16']:.2%}",
+                  f"{r['fixed_rate_decode_ms']:.3f} ms" if "fixed_rate_decode_ms" in r else "-",
+                  f"{r['fixed_rate_fraction_of_bound']:.0%}" if "fixed_rate_decode_ms" in r else "-")
     first = result["rows"][0].get("general_purpose_over_bf16", {})
     if first:
         t.caption = "general-purpose on the bf16 bytes of 1 expert: " + ", ".join(
