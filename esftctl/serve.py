@@ -300,9 +300,12 @@ def _check_paging(settings: ServeSettings, base: MoECheckpoint) -> ServeSettings
     """The window against the base's layers, the store against the base; the settings with the store's path
     resolved."""
     window, store, count = settings.paging_window, settings.paging_store, settings.store_experts
-    if window < 0 or (window and window >= len(base.moe_layers)):
-        raise EsftError(f"--paging-window {window}: choose 1..{len(base.moe_layers) - 1} layers (the base has "
-                        f"{len(base.moe_layers)} MoE layers), or 0 for no paging")
+    layers = len(base.moe_layers)
+    if window < 0 or window > layers:
+        raise EsftError(f"--paging-window {window}: choose 1..{layers - 1} layers (the base has {layers} MoE layers), "
+                        f"{layers} (every layer keeps its own memory: the pager's machinery alone), or 0 for no paging")
+    if window == layers and settings.paging_adaptive:
+        raise EsftError(f"--paging-adaptive: with --paging-window {layers} every layer is resident already")
     if count is not None and not 0 <= count <= base.num_experts:
         raise EsftError(f"--store-experts {count}: choose 0..{base.num_experts} (the base's experts per layer)")
     if store is None:

@@ -328,3 +328,21 @@ def test_adaptive_residency_follows_rho_within_spare_memory():
     assert steps(8.0, 1.0) == [0, 1, 3, 4]  # rho 8: compute hides loads, one layer fewer
     assert [d["resident"] for d in residency.decisions] == [1, 2, 2, 3, 4, 5, 5, 5, 4]
     stack.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_window_of_every_layer_is_the_machinery_alone(device):
+    """Every layer resident from the start (serve --paging-window = the MoE layers): outputs as resident, no block
+    memory mapped and nothing fetched, the pager's launches in the path; a layer paged out later still works."""
+    weights = make_weights(11)
+    stack = Stack(weights, device, window=LAYERS, resident=range(LAYERS))
+    assert stack.pager.window.nbytes() == 0 and not stack.pager.window.paged
+    for n, seed in ((1, 1), (24, 2)):
+        x = tokens(n, seed)
+        assert torch.equal(stack.run(x), resident_forward(weights, x, device)), n
+    assert stack.pager.counters() == {"fetched_rows": 0, "fetches": 0}
+    stack.pager.set_resident(range(1, LAYERS))
+    x = tokens(3, 3)
+    assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    assert stack.pager.counters()["fetches"] >= 1
+    stack.close()

@@ -388,8 +388,10 @@ def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_pa
     assert proc.returncode == 1 and "--adapter-memory 1000 B is below adapter 'mine'" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--adapter-memory", "lots")
     assert proc.returncode == 1 and "cannot read 'lots' as a size" in proc.stderr
-    proc = run_cli("serve", world.base_dir, "--paging-window", "3")
-    assert proc.returncode == 1 and "--paging-window 3: choose 1..2 layers" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--paging-window", "4")
+    assert proc.returncode == 1 and "--paging-window 4: choose 1..2 layers" in proc.stderr
+    proc = run_cli("serve", world.base_dir, "--paging-window", "3", "--paging-adaptive")  # 3: every layer resident
+    assert proc.returncode == 1 and "every layer is resident already" in proc.stderr
     proc = run_cli("serve", world.base_dir, "--paging-adaptive")
     assert proc.returncode == 1 and "need --paging-window" in proc.stderr
     run_cli("compress", other, "--out", tmp_path / "bundle_store", check=True)

@@ -307,25 +307,86 @@ def serve(
 
 @app.command()
 def paging(
-    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
-    layers: int = typer.Option(8, min=3, help="MoE layers in the stack."),
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP + " With --serve: the slices' folder too "
+                                                                    "(slices/MODEL/REGIME/SERVER/rN.json); slices "
+                                                                    "found there are not run again."),
+    layers: int = typer.Option(None, min=3, help="MoE layers in the stack (default 8); with --serve, the generated "
+                                                 "model's layers (default: deepseek-v2-lite 27, qwen3-30b-a3b 32)."),
     window: int = typer.Option(2, min=1, help="Physical blocks (layers of experts) the paged stack holds."),
     batches: str = typer.Option("1,4,32,256", help="Comma-separated batch sizes (sequences)."),
     prompt_len: int = typer.Option(512, min=1, help="Tokens per sequence in prefill."),
     eager: bool = typer.Option(False, "--eager", help="Time decode steps eagerly instead of replaying CUDA graphs "
                                                       "(on both sides).", metavar=""),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
+    serve: bool = typer.Option(False, "--serve", metavar="",
+                               help="(GPU) Instead of the stack: FluxMoE's evaluation end to end, whole servers under "
+                                    "vLLM's bench serve (esftctl.bench.serve_paging), run in slices of one server "
+                                    "and round each, then merged into tables, paging_serve.json and .png."),
+    model: str = typer.Option("deepseek-v2-lite", help="--serve: deepseek-v2-lite or qwen3-30b-a3b (generated)."),
+    regimes: str = typer.Option("memory-bound,spare,machinery", help="--serve: comma-separated regimes."),
+    servers: str = typer.Option(None, help="--serve: comma-separated servers, each regime keeping those of its own "
+                                           "(vllm, resident, compressed, host, adaptive, machinery, "
+                                           "machinery-store; NAME+adapters for esftctl ones; default: all)."),
+    rounds: int = typer.Option(3, min=1, help="--serve: rounds (interleaved repeats) of every server."),
+    budget: float = typer.Option(540, min=0, help="--serve: seconds of slices to run now; a slice whose estimate "
+                                                  "would overrun is left for the next call."),
+    prompts: int = typer.Option(None, min=1, help="--serve: requests of the memory-bound point (default 256)."),
+    work: Path = typer.Option(None, help="--serve: folder of the generated base, its store and the servers' state "
+                                         "(default ~/.cache/esftctl/bench-paging-serve-MODEL)."),
+    scratch: Path = typer.Option(None, help="--serve: folder of the adapter bundles (default: --work)."),
+    report_only: bool = typer.Option(False, "--report", metavar="",
+                                     help="--serve: only merge the slices found under --out (no GPU needed)."),
 ) -> None:
     """(GPU) DeepSeek-V2-Lite-sized MoE stack: resident vs the pager alone, paged from host, from a compressed tier
-    on the GPU, both, and planned; decode from CUDA graphs."""
+    on the GPU, both, and planned; decode from CUDA graphs. With --serve: the same pager end to end in vLLM."""
     from esftctl.bench import paging as bench
     from esftctl.errors import EsftError
 
+    if serve or report_only:
+        _paging_serve(out, model=model, regimes=regimes, servers=servers, rounds=rounds, budget=budget,
+                      prompts=prompts, layers=layers, work=work, scratch=scratch, report_only=report_only,
+                      as_json=as_json)
+        return
+    layers = layers or 8
     sizes = _counts("--batches", batches)
     if window >= layers:
         raise EsftError(f"--window {window} must be smaller than --layers {layers}, or nothing is paged")
     _measure(bench, "paging", out, as_json, layers=layers, batches=sizes, prompt_len=prompt_len, window=window,
              eager=eager)
+
+
+def _paging_serve(out: Path, *, model: str, regimes: str, servers: str | None, rounds: int, budget: float,
+                  prompts: int | None, layers: int | None, work: Path | None, scratch: Path | None,
+                  report_only: bool, as_json: bool) -> None:
+    from esftctl.bench import serve_paging as bench
+    from esftctl.errors import EsftError
+
+    chosen = tuple(regimes.split(","))
+    unknown = [r for r in chosen if r not in bench.REGIMES]
+    if unknown or model not in ("deepseek-v2-lite", "qwen3-30b-a3b"):
+        raise EsftError(f"--regimes {regimes} / --model {model}: regimes of {', '.join(bench.REGIMES)}; models "
+                        "deepseek-v2-lite or qwen3-30b-a3b")
+    names = tuple(servers.split(",")) if servers else None
+    for name in names or ():
+        try:
+            bench.server_spec(name)
+        except ValueError as e:
+            raise EsftError(f"--servers: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    if not report_only:
+        def step(msg: str) -> None:
+            print(time.strftime("%H:%M:%S"), msg, flush=True)
+        work = work or Path.home() / ".cache" / "esftctl" / f"bench-paging-serve-{model}"
+        done = bench.run(model, out=out, work=work, scratch=scratch, regimes=chosen, servers=names, rounds=rounds,
+                         budget_s=budget, layers=layers, prompts=prompts, on_step=step)
+        print(f"{len(done['ran'])} slices ran, {len(done['left'])} left", flush=True)
+    result = bench.report(out)
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        for table in bench.tables(result):
+            console.print(table)
+    bench.plot(result, out / "paging_serve.png")
 
 
 @app.command()

@@ -11,6 +11,8 @@ file i mod distinct), which costs the server exactly what a distinct adapter wou
 copy of the experts each. Files are written just before the server that needs them, in `scratch`, and the
 merged copy is deleted after its server, so that a 64 GB disk holds the merged copy (with the one bundle
 merged into it) and later the adapters, but not both at once.
+`qwen3-30b-a3b` (bench.serve_paging): a generated Qwen3-30B-A3B-shaped base, 32 of its 48 layers by default
+(41 GB; bench.synthetic_model.qwen3_30b_a3b_config says why).
 """
 
 from __future__ import annotations
@@ -61,12 +63,24 @@ def _release_gpu() -> None:
         torch.cuda.empty_cache()
 
 
-def prepare_base(model: str, work: Path, on_step: Callable[[str], None]) -> Served:
+def generated_config(model: str, layers: int | None = None):
+    """The config of a generated model: `deepseek-v2-lite` (27 layers) or `qwen3-30b-a3b` (32 of its 48 layers
+    by default: bench.synthetic_model.qwen3_30b_a3b_config says why); `layers` overrides the count."""
+    from esftctl.bench import synthetic_model as sm
+
+    if model == "deepseek-v2-lite":
+        return sm.deepseek_v2_lite_config(**({"num_hidden_layers": layers} if layers else {}))
+    if model == "qwen3-30b-a3b":
+        return sm.qwen3_30b_a3b_config(num_hidden_layers=layers or sm.QWEN3_SERVED_LAYERS)
+    raise ValueError(f"no generated model {model!r}: deepseek-v2-lite or qwen3-30b-a3b")
+
+
+def prepare_base(model: str, work: Path, on_step: Callable[[str], None], *, layers: int | None = None) -> Served:
     if model == "tiny":
         from esftctl.world.build import build_world
 
         return Served(build_world(log=on_step).base_dir)
-    from esftctl.bench.synthetic_model import deepseek_v2_lite_config, write_model
+    from esftctl.bench.synthetic_model import write_model
 
     base = work / "base"
     shown = [-1]
@@ -77,7 +91,7 @@ def prepare_base(model: str, work: Path, on_step: Callable[[str], None]) -> Serv
             on_step(f"generating the base: {pct}% of {total / 1e9:.1f} GB")
 
     if not (base / "config.json").exists():
-        write_model(base, deepseek_v2_lite_config(), device=_device(), on_progress=progress)
+        write_model(base, generated_config(model, layers), device=_device(), on_progress=progress)
         _release_gpu()
     return Served(base)
 

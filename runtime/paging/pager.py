@@ -63,9 +63,12 @@ class PagedExperts:
         self.tiers = {i: LayerTiers(i, layer, store=store, decode_stream=decode_stream)
                       for i, layer in self.layers.items()}
         self.store = store
-        self.resident: set[int] = set()
+        self.resident: set[int] = set(resident)  # they keep their own pages from the start: never paged out first
         for i in self.order:
-            self.window.page_out(i)
+            if i in self.resident:
+                self.tiers[i].set_active(False)
+            else:
+                self.window.page_out(i)
             self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._counted: tuple[torch.Tensor, object] | None = None  # counters copied to the host, and their event
@@ -73,7 +76,6 @@ class PagedExperts:
         self._joins: set[int] = set()  # layers whose experts call forked to the load stream
         self.times = LayerTimes(self.cuda)
         self.between_steps: Callable[[], None] | None = None  # the planner's hook (esftctl.runtime.paging.planner)
-        self.set_resident(resident)
 
     # ---- what the experts layer calls ------------------------------------------------------------
     def routed(self, num_tokens: int) -> bool:

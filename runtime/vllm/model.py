@@ -165,7 +165,7 @@ class EsftModel:
         layer = next(iter(self.layers.values()))
         page, n = self.pool.page_size, len(self.layers)
         adapter_experts = budget or 0
-        if window:
+        if window and window < n:
             self.pool.trim()
             nbytes = window * (min(adapter_experts, rows_per_layer) * layer.expert_bytes + 4 * page)
         else:  # an adapter's rows in a layer start and end inside a page: two more pages per tensor and layer
@@ -195,8 +195,11 @@ class EsftModel:
         for layer in self.layers.values():
             layer.keep_host_copy()  # copied to host memory before it returns, so the rows can be given back
         first = next(iter(engine_layers.values())).experts
+        # A window of every layer keeps every layer's own memory, with the pager in the path finding nothing to
+        # fetch: its machinery alone against resident serving (`esftctl bench paging --serve`'s machinery regime).
+        every = list(self.layers) if window >= len(self.layers) else ()
         pager = PagedExperts(self.layers, window=window, make_space=self._make_space, top_k=first.top_k,
-                             store=tier, fetch=fetch)
+                             store=tier, fetch=fetch, resident=every)
         if store is not None:
             pager.set_store_rows(store_experts if store_experts is not None else self._measured_split(pager))
         for index, engine in engine_layers.items():
