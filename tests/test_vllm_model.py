@@ -269,7 +269,8 @@ def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         out = run_layers(served, x)
-    for pattern in ([-1] * 32, [0] * 32, [1, -1] * 16, [1] * 20):  # the last: 12 padding tokens take the base
+    # [1] * 20: 12 padding tokens take the base; a repeated step writes nothing, a shorter one resets the tail
+    for pattern in ([-1] * 32, [0] * 32, [1, -1] * 16, [1] * 20, [1] * 20, [0] * 8, [0] * 8, [0] * 32):
         runtime.set_token_adapters(np.array(pattern, dtype=np.int32))
         graph.replay()
         torch.cuda.synchronize()
@@ -279,6 +280,16 @@ def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
             if rows.any():
                 want = run_layers(engine_model(ckpt, adapters.get(name), "cuda"), x)
                 torch.testing.assert_close(out[rows], want[rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_adapters_hold_every_step_also_when_a_step_repeats(tiny_models, device):
+    """Unchanged steps are not written again (set_token_adapters): the buffer must still hold each step's slots."""
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    runtime = EsftModel(engine_model(ckpt, None, device), ckpt, num_slots=2, experts_per_slot=3, max_tokens=8)
+    for step in ([0, 1, -1], [0, 1, -1], [0, 1], [0, 1], [1, 1], [], [1, 0, 0, 1, 1, 0, 0, 1], [1]):
+        runtime.set_token_adapters(np.array(step, dtype=np.int32))
+        assert runtime.token_adapters.tolist() == step + [-1] * (8 - len(step))
 
 
 def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_models):

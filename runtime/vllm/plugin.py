@@ -5,7 +5,8 @@
 - Under `esftctl serve` (the ESFTCTL_SERVE environment variable, see esftctl.runtime.serve_config) it
   makes the model runner build esftctl's worker adapter manager instead of vLLM's LoRA one: the model
   runner looks the class up in its module when it loads the model, so replacing that one name is the whole
-  hook; and it builds MoE layers with the kernels vLLM picks without LoRA (esftctl.runtime.vllm.layers).
+  hook; it builds MoE layers with the kernels vLLM picks without LoRA (esftctl.runtime.vllm.layers); and it
+  captures one set of CUDA graphs for batches with and without adapters (esftctl.runtime.vllm.graphs).
   Everything else (server, scheduler, model code, kernels) is vLLM's own.
 Every name of vLLM's that it replaces or registers over is checked first (PATCHED): a vLLM that renamed one
 stops at start-up with one line naming the vLLM version and the name, not later and obscurely.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 from esftctl.errors import EsftError
+from esftctl.runtime.vllm import graphs
 
 # vLLM's module -> the names in it that the plugin replaces, subclasses or registers with.
 PATCHED = {
@@ -24,6 +26,7 @@ PATCHED = {
     "vllm.model_executor.layers.fused_moe": ("override_config",),
     "vllm.model_executor.layers.fused_moe.routed_experts": ("RoutedExperts",),
 }
+PATCHED |= graphs.PATCHED
 CPU_PATCHED = {"vllm.model_executor.layers.rotary_embedding.base": ("RotaryEmbedding",)}
 
 
@@ -66,3 +69,4 @@ def register() -> None:
 
         lora_model_runner_mixin.LRUCacheWorkerLoRAManager = EsftWorkerManager
         layers.register()
+        graphs.install()

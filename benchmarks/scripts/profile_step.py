@@ -1,0 +1,282 @@
+"""Profile of a decode step on the GPU: the base alone vs 1 adapter vs 20 adapters at batch 1, 4 and 8 (issue 29.2).
+
+At 4 requests/s TPOT was 0.99 / 1.15 / 1.29x the base's for base / 1 / 20 adapters (H200) while the bytes model
+predicts almost no extra rows at such batches; this says where a step's time goes (esftctl.bench.step_profile:
+MoE kernel, reroute, router, attention, dense products, sampling, copies, scheduler, LoRA mapping, esftctl's
+worker manager, host gaps). The model is DeepSeek-V2-Lite-shaped with `--layers` layers (default 4: 1 dense + 3
+MoE, 4.3 GB; widths, experts, vocabulary as the real one), enough for the fixed per-step costs; per-layer
+components scale with the layer count (the real model has 26 MoE layers). Adapters are DeepSeek-sized (at most 9
+experts per layer); 20 are loaded (two distinct files, as `bench serve` does: each name its own slot and copy).
+
+Every configuration runs in its own process with vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), so
+torch.profiler sees the scheduler, the model runner and the GPU in one trace, with named scopes around vLLM's
+methods (esftctl.runtime.vllm.profiling). Passes, in order of importance (each skipped when `--budget` seconds
+would run out):
+- esft-graphs: esftctl's runtime, CUDA graphs (vLLM's default), one set of graphs (esftctl.runtime.vllm.graphs);
+- plain-graphs: plain vLLM, the base alone (no LoRA), CUDA graphs;
+- esft-eager / plain-eager: the same eagerly, where every kernel is launched by name (the per-kernel split if the
+  profiler does not trace graph nodes; and what graphs save);
+- esft-vllm-graphs (`--capture-ab`): esftctl with vLLM's own LoRA graph sets (two), for the capture time and graph
+  memory vLLM logs, against esft-graphs.
+Each batch: B requests of 32 prompt tokens, greedy, `--warm` steps, `--timed` steps timed without the profiler
+(the step time to believe: the profiler slows the host), then `--steps` profiled. Mixes: base (no adapter; through
+esftctl's runtime in the esft passes), 1 adapter (all B on one), 20 adapters (the B requests on B distinct ones).
+Writes OUT/results.json, OUT/<pass>.log and OUT/<pass>-<mix>-b<B>.json.gz (the traces), prints rich tables.
+
+A smoke run on vLLM's CPU build (no GPU rows there): `--small --layers 3 --batches 1,4 --warm 1 --timed 3 --steps 2
+--passes esft-eager,plain-eager`, 47 s on 2 cores. Run on the GPU machine (at most `--budget` 330 s):
+  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
+  python3 benchmarks/scripts/profile_step.py --out $OUT/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PASSES = {  # name -> (esftctl's runtime, eager, esftctl's one set of graphs); the order is the run order
+    "esft-graphs": (True, False, True),
+    "plain-graphs": (False, False, True),
+    "esft-eager": (True, True, True),
+    "plain-eager": (False, True, True),
+    "esft-vllm-graphs": (True, False, False),
+}
+PASS_SECONDS = {"esft-graphs": 100, "plain-graphs": 80, "esft-eager": 60, "plain-eager": 50, "esft-vllm-graphs": 90}
+ADAPTERS, PROMPT = 20, 32
+LOG_PATTERNS = {"graph_capture_s": r"Graph capturing finished in ([\d.]+) secs", "graph_gib":
+                r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB", "init_engine_s":
+                r"init engine .*? took ([\d.]+) s", "v2_runner": r"(Using V2 Model Runner)"}
+
+
+# --small: a tiny DeepSeek-V2 (FACTS.md's) for a smoke run of the script on vLLM's CPU build (eager passes)
+SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, qk_nope_head_dim=32, v_head_dim=64,
+             bos_token_id=1000, eos_token_id=1001, pad_token_id=1002)
+
+
+def prepare(work: Path, layers: int, small: bool) -> tuple[Path, list[Path]]:
+    import torch
+
+    from esftctl.bench.synthetic_model import deepseek_v2_lite_config, write_adapter, write_model
+    from esftctl.formats.checkpoint import MoECheckpoint
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tag = f"{layers}{'-small' if small else ''}"
+    base = work / f"base-{tag}"
+    if not base.exists():
+        write_model(base, deepseek_v2_lite_config(num_hidden_layers=layers, **(SMALL if small else {})), device=device)
+    bundles = []
+    for k in range(2):
+        path = work / f"adapter-{tag}-{k}"
+        if not path.exists():
+            write_adapter(MoECheckpoint(base), path, f"d{k}", most=9 if not small else 3, mean=4.5 if not small else 2,
+                          seed=k + 1, device=device)
+        bundles.append(path)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return base, bundles
+
+
+def mixes(esft: bool, batch: int) -> dict[str, list[int | None]]:
+    """Mix name -> the adapter index of each of the batch's requests (None: the base)."""
+    out = {"base": [None] * batch}
+    if esft:
+        out |= {"1 adapter": [0] * batch, f"{ADAPTERS} adapters": [i % ADAPTERS for i in range(batch)]}
+    return out
+
+
+def run_pass(args) -> None:
+    """One engine, every batch and mix: OUT/<pass>.json."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CUSTOM_SCOPES_FOR_PROFILING="1")
+    esft, eager, one_set = PASSES[args.run_pass]
+    out, base = Path(args.out), Path(args.base)
+    bundles = [Path(p) for p in args.bundles.split(",")]
+    names = [f"a{i}" for i in range(ADAPTERS)]
+    lora = {}
+    if esft:
+        from esftctl.serve import free_port, plan
+
+        served = plan(base, [f"{n}={bundles[i % len(bundles)]}" for i, n in enumerate(names)], port=free_port(),
+                      state_dir=out / f"state-{args.run_pass}")
+        os.environ.update(served.config().to_env())
+        lora = dict(enable_lora=True, max_loras=served.slots, max_cpu_loras=served.slots)
+        if not one_set:  # vLLM's own LoRA graph sets, for the capture A/B: the plugin looks install() up when it runs
+            from esftctl.runtime.vllm import graphs
+
+            graphs.install = lambda: None
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from esftctl.bench.step_profile import STEP, step_components
+    from esftctl.runtime.vllm.profiling import install_scopes
+
+    scopes = install_scopes()
+    started = time.perf_counter()
+    llm = LLM(model=str(base), dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.6, max_model_len=2048,
+              seed=0, **lora)
+    engine = llm.llm_engine
+    requests = [LoRARequest(n, i + 1, str(bundles[i % len(bundles)])) for i, n in enumerate(names)] if esft else []
+    for r in requests:
+        engine.add_lora(r)
+    result = {"pass": args.run_pass, "esft": esft, "eager": eager, "one_graph_set": one_set, "scopes": scopes,
+              "engine_s": time.perf_counter() - started, "vllm": __import__("vllm").__version__,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "layers": args.layers,
+              "runs": []}
+    params = SamplingParams(max_tokens=args.warm + args.timed + args.steps + 16, ignore_eos=True, temperature=0)
+    serial = 0
+    for batch in (int(b) for b in args.batches.split(",")):
+        for mix, adapters in mixes(esft, batch).items():
+            ids = []
+            for a in adapters:
+                serial += 1
+                ids.append(f"r{serial}")
+                engine.add_request(ids[-1], {"prompt_token_ids": [(serial * 7919 + t) % 1000 for t in range(PROMPT)]},
+                                   params, lora_request=requests[a] if a is not None else None)
+            tokens = dict.fromkeys(ids, 0)
+
+            def step() -> None:
+                for o in engine.step():  # vLLM may suffix the ids it was given
+                    rid = o.request_id if o.request_id in tokens else o.request_id.rsplit("-", 1)[0]
+                    if rid in tokens:
+                        tokens[rid] = len(o.outputs[0].token_ids)
+
+            for _ in range(100):  # every request past its prefill
+                if min(tokens.values()) >= 2:
+                    break
+                step()
+            else:
+                raise RuntimeError(f"batch {batch} {mix}: the requests did not reach decoding in 100 steps")
+            for _ in range(args.warm):
+                step()
+            before, t0 = sum(tokens.values()), time.perf_counter()
+            for _ in range(args.timed):
+                step()
+            decode_steps = (sum(tokens.values()) - before) / batch
+            timed_ms = (time.perf_counter() - t0) * 1e3 / max(decode_steps, 1)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=activities) as prof:
+                for _ in range(args.steps):
+                    with record_function(STEP):
+                        step()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            trace_file = out / f"{args.run_pass}-{mix.replace(' ', '')}-b{batch}.json"
+            prof.export_chrome_trace(str(trace_file))
+            trace = json.loads(trace_file.read_text())
+            with gzip.open(f"{trace_file}.gz", "wt") as f:
+                json.dump(trace, f)
+            trace_file.unlink()
+            split = step_components(trace)
+            result["runs"].append({"batch": batch, "mix": mix, "step_ms_unprofiled": timed_ms, **split})
+            print(f"{args.run_pass} b{batch} {mix}: {timed_ms:.3f} ms/step unprofiled, {split['step_ms']:.3f} profiled",
+                  flush=True)
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+    (out / f"{args.run_pass}.json").write_text(json.dumps(result, indent=1))
+
+
+def from_log(text: str) -> dict:
+    found = {}
+    for key, pattern in LOG_PATTERNS.items():
+        matches = re.findall(pattern, text)
+        if matches:
+            found[key] = True if key == "v2_runner" else sum(float(m) for m in matches)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", default="/tmp/profile-step")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--warm", type=int, default=5)
+    parser.add_argument("--timed", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch and mix")
+    parser.add_argument("--passes", default=",".join(p for p in PASSES if p != "esft-vllm-graphs"))
+    parser.add_argument("--capture-ab", action="store_true", help="also esft-vllm-graphs (vLLM's two graph sets)")
+    parser.add_argument("--budget", type=float, default=330, help="seconds for everything; later passes are skipped")
+    parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run on vLLM's CPU build")
+    parser.add_argument("--run-pass", help=argparse.SUPPRESS)
+    parser.add_argument("--base", help=argparse.SUPPRESS)
+    parser.add_argument("--bundles", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.run_pass:
+        return run_pass(args)
+    started = time.monotonic()
+    base, bundles = prepare(Path(args.work), args.layers, args.small)
+    print(f"model and adapters ready in {time.monotonic() - started:.0f} s", flush=True)
+    passes = args.passes.split(",") + (["esft-vllm-graphs"] if args.capture_ab else [])
+    results, skipped = {}, []
+    for name in passes:
+        left = args.budget - (time.monotonic() - started)
+        if left < PASS_SECONDS[name]:
+            skipped.append(name)
+            continue
+        cmd = [sys.executable, __file__, "--out", str(out), "--run-pass", name, "--base", str(base),
+               "--bundles", ",".join(map(str, bundles)), "--layers", str(args.layers), "--batches", args.batches,
+               "--warm", str(args.warm), "--timed", str(args.timed), "--steps", str(args.steps)]
+        log = out / f"{name}.log"
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = log.read_text(errors="replace")
+        done = out / f"{name}.json"
+        results[name] = {**(json.loads(done.read_text()) if done.exists() else {}), "rc": rc,
+                         "wall_s": time.monotonic() - t0, **from_log(text)}
+        print(f"{name}: rc {rc}, {results[name]['wall_s']:.0f} s, {from_log(text)}", flush=True)
+        if rc != 0:
+            print("\n".join(text.splitlines()[-25:]), flush=True)
+    summary = {"passes": results, "skipped": skipped, "layers": args.layers, "total_s": time.monotonic() - started}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    report(results)
+    print(f"skipped for the budget: {skipped}" if skipped else "every pass ran", f"; {summary['total_s']:.0f} s")
+
+
+def report(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from esftctl.bench.step_profile import ROWS, row_value
+
+    console = Console(width=200)
+    for mode in ("graphs", "eager"):
+        runs = [(name.split("-")[0], r) for name, res in results.items() if name.endswith(f"-{mode}")
+                for r in res.get("runs", [])]
+        for batch in sorted({r["batch"] for _, r in runs}):
+            cols = [(f"{who} {r['mix']}", r) for who, r in runs if r["batch"] == batch]
+            table = Table(title=f"decode step, batch {batch}, {mode} (ms per step)")
+            table.add_column("component")
+            for label, _ in cols:
+                table.add_column(label, justify="right")
+            table.add_row("step (unprofiled)", *(f"{r['step_ms_unprofiled']:.3f}" for _, r in cols))
+            for label, key in ROWS:
+                table.add_row(label, *(f"{v:.3f}" if (v := row_value(r, key)) is not None else "-" for _, r in cols))
+            table.add_row("graph kernels seen", *(str(r["graph_kernels_seen"]) for _, r in cols))
+            console.print(table)
+    capture = Table(title="engine start-up (vLLM's log)")
+    for c in ("pass", "capture s", "graph GiB", "V2 runner", "rc"):
+        capture.add_column(c)
+    for name, res in results.items():
+        capture.add_row(name, str(res.get("graph_capture_s", "-")), str(res.get("graph_gib", "-")),
+                        str(res.get("v2_runner", False)), str(res["rc"]))
+    console.print(capture)
+
+
+if __name__ == "__main__":
+    main()
