@@ -173,7 +173,7 @@ def pack(
 
     check_output(out, overwrite=overwrite, folder=True)
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("comparing experts", total=len(MoECheckpoint(base).moe_layers))
+        task = progress.add_task("comparing experts", total=len(MoECheckpoint(base, fp8=True).moe_layers))
         report = do_pack(base, finetuned, out, name, config, include_non_expert=include_non_expert, overwrite=overwrite,
                          layer_base=layer_base, on_layer=lambda layer: progress.advance(task))
     description = Bundle.open(out).describe()
@@ -205,7 +205,7 @@ def merge(
     from esftctl.merge import merge as do_merge
 
     check_output(out, overwrite=overwrite, folder=True)
-    with _tensor_progress("merging", len(MoECheckpoint(base).tensors)) as advance:
+    with _tensor_progress("merging", len(MoECheckpoint(base, fp8=True).tensors)) as advance:
         do_merge(base, bundle, out, overwrite=overwrite, on_tensor=advance)
     _wrote(out, as_json)
 

@@ -4,6 +4,7 @@ The fine-tune is verified against the base tensor by tensor: same architecture a
 outside the routed experts unless told to include such changes. Without an expert config, the adapter is
 exactly the experts that changed; with one, every changed expert must be listed in it. A DeepSeek ESFT adapter
 folder (expert_cfg.json beside the trained parameters only) is imported instead: esftctl/formats/esft_adapter.py.
+An FP8 base (block-quantized experts) takes fine-tunes in its own FP8 form or in bf16: esftctl/pack_fp8.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from esftctl.formats.bundle import PackReport, base_identity, write_bundle
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter
 from esftctl.names import check_name
+from esftctl.pack_fp8 import plain_over_fp8
 from esftctl.selection import LAYER_BASES, ExpertConfig
 
 
@@ -123,8 +125,10 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
                               overwrite=overwrite, layer_base=layer_base, on_layer=on_layer)
     if layer_base is not None and config_file is None:
         raise EsftError("--layer-base says how an expert config numbers layers: give the config too (--config)")
-    base, tuned = MoECheckpoint(base_dir), MoECheckpoint(tuned_dir)
-    _check_same_model(base, tuned)
+    base, tuned = MoECheckpoint(base_dir, fp8=True), MoECheckpoint(tuned_dir, fp8=True)
+    plain = plain_over_fp8(base, tuned)  # a bf16 fine-tune of an FP8 base: compared and quantized as such
+    if plain is None:
+        _check_same_model(base, tuned)
     config = used_base = None
     if config_file is not None:
         config, used_base = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts,
@@ -132,9 +136,9 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
 
-    changed = changed_experts(base, tuned, on_layer)
+    changed = changed_experts(base, tuned, on_layer) if plain is None else plain.changed_experts(on_layer)
     check_comes_from(base, tuned, changed)
-    non_expert = changed_non_expert(base, tuned)
+    non_expert = changed_non_expert(base, tuned) if plain is None else plain.changed_non_expert()
     if non_expert and not include_non_expert:
         routers = {base.arch.router_tensor(l) for l in base.moe_layers}
         changed_routers = [n for n in non_expert if n in routers]
@@ -159,6 +163,10 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
         report.experts = {l: ids for l, ids in listed.items() if ids}
     if not report.experts and not non_expert:
         raise EsftError("the fine-tuned model is identical to the base: nothing to pack", tuned.path)
-    experts = {l: {e: tuned.read_expert(l, e) for e in ids} for l, ids in report.experts.items()}
+    if plain is None:
+        experts = {l: {e: tuned.read_expert(l, e) for e in ids} for l, ids in report.experts.items()}
+    else:
+        experts = {l: {e: plain.adapter_expert(l, e, e in changed[l]) for e in ids}
+                   for l, ids in report.experts.items()}
     write_bundle(out, name, base, experts, {n: tuned.read_tensor(n) for n in non_expert}, overwrite=overwrite)
     return report

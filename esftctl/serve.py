@@ -204,7 +204,7 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
         if not settings.adapter_root.is_dir():
             raise EsftError("--adapter-root: not a folder", settings.adapter_root)
     vset = VariantSet.open(settings.variants, settings.variant_names) if settings.variants is not None else None
-    base = vset.home if vset is not None else MoECheckpoint(settings.base)
+    base = vset.home if vset is not None else MoECheckpoint(settings.base, fp8=True)
     if EXPERT_BIASES[0] in base.arch.expert_weights:
         raise EsftError(f"serving {base.arch.name} with adapters is not supported yet: vLLM keeps its experts with "
                         "bias rows and gate/up interleaved, which esftctl's adapter rows do not extend; serve a "
@@ -306,6 +306,9 @@ def _check_paging(settings: ServeSettings, base: MoECheckpoint) -> ServeSettings
                         f"{layers} (every layer keeps its own memory: the pager's machinery alone), or 0 for no paging")
     if window == layers and settings.paging_adaptive:
         raise EsftError(f"--paging-adaptive: with --paging-window {layers} every layer is resident already")
+    if window and base.fp8 is not None:
+        raise EsftError("--paging-window with an FP8 base is not supported yet (the pager moves weight rows, not their "
+                        "block scales); serve it resident", base.path)
     if count is not None and not 0 <= count <= base.num_experts:
         raise EsftError(f"--store-experts {count}: choose 0..{base.num_experts} (the base's experts per layer)")
     if store is None:

@@ -79,7 +79,7 @@ class AdapterSlots:
 
     # ---- load / evict ----------------------------------------------------------------------------
     def load(self, name: str, experts: AdapterExperts,
-             staged: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             staged: Mapping[int, tuple[torch.Tensor, ...]] | None = None,
              checksums: Mapping[int, torch.Tensor] | None = None) -> int:
         """Load `experts` ({layer: {id: weights}}) into a free slot; `staged` ({layer: rows from the layer's
         `stage`}) gives their contents already in the layout, with None as every weight in `experts`; with

@@ -31,10 +31,10 @@ from esftctl.runtime.moe_layer import VirtualMoELayer
 
 @dataclass
 class StagedAdapter:
-    """A bundle's experts as rows of the engine's layout, with their row checksums: {layer: (sorted ids, w13, w2,
-    checksums)}."""
+    """A bundle's experts as rows of the engine's layout, with their row checksums: {layer: (sorted ids, rows
+    (w13, w2, and for FP8 experts their scales), checksums)}."""
 
-    layers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]
+    layers: dict[int, tuple[list[int], tuple[torch.Tensor, ...], torch.Tensor]]
 
     @property
     def num_experts(self) -> int:
@@ -42,17 +42,17 @@ class StagedAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w13.nbytes + w2.nbytes for _, w13, w2, _ in self.layers.values())
+        return sum(t.nbytes for _, rows, _ in self.layers.values() for t in rows)
 
     def experts(self) -> dict[int, dict[int, None]]:
         """The {layer: {id: None}} that AdapterSlots.load takes beside `rows()` and `checksums()`."""
         return {layer: dict.fromkeys(ids) for layer, (ids, *_) in self.layers.items()}
 
-    def rows(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {layer: (w13, w2) for layer, (_, w13, w2, _) in self.layers.items()}
+    def rows(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        return {layer: rows for layer, (_, rows, _) in self.layers.items()}
 
     def checksums(self) -> dict[int, torch.Tensor]:
-        return {layer: sums for layer, (_, _, _, sums) in self.layers.items()}
+        return {layer: sums for layer, (_, _, sums) in self.layers.items()}
 
 
 def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[int, ExpertWeights]]) -> StagedAdapter:
@@ -63,7 +63,8 @@ def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[i
     for layer, per in experts.items():
         ids = sorted(per)
         if ids:
-            out[layer] = (ids, *layers[layer].stage([per[e] for e in ids]))
+            *rows, sums = layers[layer].stage([per[e] for e in ids])
+            out[layer] = (ids, tuple(rows), sums)
     return StagedAdapter(out)
 
 

@@ -12,6 +12,12 @@ identity and serves the base model.
 An engine may keep experts in its own layout (vLLM's CPU kernels prepack and pad them): an `ExpertLayout`
 turns checkpoint weights into that layout's rows, and the rows' shapes follow from it.
 
+FP8 experts (block-quantized: esftctl.formats.fp8) come with a float32 scale tensor beside each weight, w13's
+[rows, 2 ceil(I / bn), ceil(H / bk)] and w2's [rows, ceil(H / bn), ceil(I / bk)], which the kernel indexes by the
+same expert row as the weights. The layout then names their row shapes too (`scale_rows`), and the layer keeps
+them as two more virtual tensors (`scales`) whose rows are mapped, written, checksummed and released with the
+weights' rows: every row a token is rerouted to holds both an expert's weights and its scales.
+
 Under expert parallelism a rank holds only its own experts (vLLM's `expert_map`: global expert -> this rank's
 row, -1 where another rank holds it). Row numbers stay global (the table's, the ones tokens are rerouted to),
 and the layer keeps its tensors in local rows: the rank's base experts, then the adapter area. Every rank
@@ -38,16 +44,25 @@ from esftctl.runtime.virtual_tensor import VirtualExpertTensor
 _WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def row_checksums(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """A checksum per row of experts in any layout (w13 [n, ...], w2 [n, ...], 2-byte values), the same on any
-    device: each row's 16-bit words weighted by their position (1 + i mod 251) and summed in int64, so a changed,
-    missing or moved value, or another row, changes it. Rows one at a time: the weighted copy of a row is its only
-    temporary."""
-    out = torch.empty(w13.shape[0], dtype=torch.int64, device=w13.device)
-    for k in range(w13.shape[0]):
-        total = torch.zeros((), dtype=torch.int64, device=w13.device)
-        for t in (w13[k], w2[k]):
-            words = t.contiguous().view(torch.int16).reshape(-1)
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as 16-bit words (a zero byte after an odd count)."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() % 2:
+        raw = torch.cat([raw, raw.new_zeros(1)])
+    return raw.view(torch.int16)
+
+
+def row_checksums(*parts: torch.Tensor) -> torch.Tensor:
+    """A checksum per row of experts in any layout (w13 [n, ...], w2 [n, ...], and for FP8 experts their scales,
+    values of any dtype), the same on any device: each row's 16-bit words weighted by their position
+    (1 + i mod 251) and summed in int64, so a changed, missing or moved value, or another row, changes it. Rows one
+    at a time: the weighted copy of a row is its only temporary."""
+    first = parts[0]
+    out = torch.empty(first.shape[0], dtype=torch.int64, device=first.device)
+    for k in range(first.shape[0]):
+        total = torch.zeros((), dtype=torch.int64, device=first.device)
+        for t in (p[k] for p in parts):
+            words = _words(t)
             key = (words.numel(), words.device)
             if key not in _WEIGHTS:
                 _WEIGHTS[key] = (torch.arange(words.numel(), device=words.device) % 251 + 1).to(torch.int32)
@@ -56,32 +71,46 @@ def row_checksums(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint experts as fused host tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], each weight
-    copied once; `pin`: in pinned memory, from which copies to a GPU run at full speed and asynchronously."""
-    first = experts[0]
-    inter, hidden = first.gate.shape
-    w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=first.gate.dtype, pin_memory=pin)
-    w2 = torch.empty(len(experts), *first.down.shape, dtype=first.down.dtype, pin_memory=pin)
-    for k, w in enumerate(experts):
-        w13[k, :inter].copy_(w.gate)
-        w13[k, inter:].copy_(w.up)
-        w2[k].copy_(w.down)
-    return w13, w2
+def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, ...]:
+    """Checkpoint experts as fused host tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], and for FP8
+    experts their scales stacked alike (gate's over up's, then down's), each part copied once; `pin`: in pinned
+    memory, from which copies to a GPU run at full speed and asynchronously."""
+    pairs = [("gate", "up", "down")] + ([("gate_scale", "up_scale", "down_scale")] if experts[0].gate_scale is not None
+                                        else [])
+    out: list[torch.Tensor] = []
+    for gate, up, down in pairs:
+        first = experts[0]
+        rows = getattr(first, gate).shape[0]
+        w13 = torch.empty(len(experts), 2 * rows, *getattr(first, gate).shape[1:], dtype=getattr(first, gate).dtype,
+                          pin_memory=pin)
+        w2 = torch.empty(len(experts), *getattr(first, down).shape, dtype=getattr(first, down).dtype, pin_memory=pin)
+        for k, w in enumerate(experts):
+            w13[k, :rows].copy_(getattr(w, gate))
+            w13[k, rows:].copy_(getattr(w, up))
+            w2[k].copy_(getattr(w, down))
+        out += [w13, w2]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """How an engine stores experts: row shapes of w13 and w2, and the conversion from stacked checkpoint
-    weights (`stack_experts`) to such rows. The default is the checkpoint layout itself."""
+    """How an engine stores experts: row shapes of w13 and w2 (and, for FP8 experts, of their float32 scales:
+    `scale_rows`), and the conversion from stacked checkpoint parts (`stack_experts`) to such rows. The default is
+    the checkpoint layout itself."""
 
     w13_row: tuple[int, ...]
     w2_row: tuple[int, ...]
-    convert: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = lambda w13, w2: (w13, w2)
+    convert: Callable[..., tuple[torch.Tensor, ...]] = lambda *parts: parts
+    scale_rows: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @classmethod
-    def plain(cls, hidden_size: int, intermediate_size: int) -> "ExpertLayout":
-        return cls((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size))
+    def plain(cls, hidden_size: int, intermediate_size: int, block: tuple[int, int] | None = None) -> "ExpertLayout":
+        """The checkpoint's layout; `block`: FP8 experts with scales per block of that many values."""
+        scales = None
+        if block is not None:
+            (bn, bk), h, i = block, hidden_size, intermediate_size
+            scales = ((2 * -(-i // bn), -(-h // bk)), (-(-h // bn), -(-i // bk)))
+        return cls((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size), scale_rows=scales)
 
 
 class VirtualMoELayer:
@@ -112,6 +141,9 @@ class VirtualMoELayer:
                                        local_rows, self.layout.w13_row, dtype)
         self.w2 = VirtualExpertTensor(make_space(local_rows * math.prod(self.layout.w2_row) * dtype.itemsize),
                                       local_rows, self.layout.w2_row, dtype)
+        # FP8 experts: their scales' rows, beside the weights' rows of the same numbers.
+        self.scales = tuple(VirtualExpertTensor(make_space(local_rows * math.prod(shape) * 4), local_rows, shape,
+                                                torch.float32) for shape in self.layout.scale_rows or ())
         self.device = self.w13.space.device
         self.expert_map = None if expert_map is None else torch.cat([
             expert_map.to(self.device, torch.int32),
@@ -131,8 +163,13 @@ class VirtualMoELayer:
         self.rows_changed: Callable[[], None] | None = None  # the pager's, told when adapter rows come or go
 
     @property
+    def parts(self) -> tuple[VirtualExpertTensor, ...]:
+        """The virtual tensors whose rows are experts: w13, w2, and their scales for FP8 experts."""
+        return (self.w13, self.w2, *self.scales)
+
+    @property
     def expert_bytes(self) -> int:
-        return self.w13.row_bytes + self.w2.row_bytes
+        return sum(p.row_bytes for p in self.parts)
 
     @property
     def base_row(self) -> int:
@@ -162,21 +199,22 @@ class VirtualMoELayer:
         held = [k for k, row in enumerate(rows) if self.holds_row(row)]
         if not held:
             return
-        w13, w2 = self.layout.convert(*stack_experts([experts[k] for k in held]))
-        self.write_rows([rows[k] for k in held], w13, w2)
+        self.write_rows([rows[k] for k in held], *self.layout.convert(*stack_experts([experts[k] for k in held])))
 
-    def write_rows(self, rows: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row]) into their (global)
-        rows: the device rows unless the layer is paged out, and the host copy if the layer keeps one. Rows
-        another rank computes are left out."""
+    def write_rows(self, rows: Sequence[int], *parts: torch.Tensor) -> None:
+        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row], and for FP8 experts
+        their scales) into their (global) rows: the device rows unless the layer is paged out, and the host copy if
+        the layer keeps one. Rows another rank computes are left out."""
+        if len(parts) != len(self.parts):
+            raise ValueError(f"{len(parts)} parts given for experts of {len(self.parts)}")
         for k, row in enumerate(rows):
             if not self.holds_row(row):
                 continue
             if self.host is not None:
-                self._host_copy(row, w13[k], w2[k])
+                self._host_copy(row, parts[0][k], parts[1][k])
             if not self.paged_out:
-                self.w13.tensor[self.local_row(row)].copy_(w13[k], non_blocking=True)
-                self.w2.tensor[self.local_row(row)].copy_(w2[k], non_blocking=True)
+                for dst, src in zip(self.parts, parts):
+                    dst.tensor[self.local_row(row)].copy_(src[k], non_blocking=True)
 
     # ---- paging: every expert of the layer, base and adapters alike, leaves and returns together ----
     def _host_empty(self, *shape: int) -> torch.Tensor:
@@ -185,6 +223,8 @@ class VirtualMoELayer:
 
     def keep_host_copy(self) -> None:
         """From now on keep every held row in host memory too."""
+        if self.scales:
+            raise EsftError("paging FP8 experts is not supported yet (their scale rows are not paged)")
         self.host = (self._host_empty(self.num_experts, *self.layout.w13_row),
                      self._host_empty(self.num_experts, *self.layout.w2_row))
         for row in self.held_rows():
@@ -242,8 +282,8 @@ class VirtualMoELayer:
 
     def _map(self, rows: list[int]) -> None:
         local = [self.local_row(r) for r in rows]
-        self.w13.map_rows(local)
-        self.w2.map_rows(local)
+        for part in self.parts:
+            part.map_rows(local)
 
     def load_base(self, experts: Mapping[int, ExpertWeights]) -> None:
         """Map rows 0..E-1 and copy the base experts in."""
@@ -252,21 +292,22 @@ class VirtualMoELayer:
         self._map(list(range(self.num_experts)))
         self._write(list(range(self.num_experts)), [experts[e] for e in range(self.num_experts)])
 
-    def load_base_rows(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Map the base rows and copy in base experts that are already in the layout (an engine's own tensors:
-        under expert parallelism, this rank's experts in its row order)."""
+    def load_base_rows(self, *parts: torch.Tensor) -> None:
+        """Map the base rows and copy in base experts that are already in the layout (an engine's own tensors,
+        w13, w2 and for FP8 experts their scales: under expert parallelism, this rank's experts in its row order)."""
         self._map(self.own_experts)
-        self.write_rows(self.own_experts, w13, w2)
+        self.write_rows(self.own_experts, *parts)
 
     def replace_base(self, experts: Mapping[int, ExpertWeights]) -> None:
         """Write other experts into some base rows (the base rows must be loaded)."""
         self._write(sorted(experts), [experts[e] for e in sorted(experts)])
 
-    def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, ...]:
         """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies,
         and their row checksums (`row_checksums`, on the CPU) for `check_rows`. An engine's conversion may run on
         its device (vLLM's processing of the kernel layout): the checksums are taken there, and the rows come
-        back to host memory, so that staged adapters never hold device memory outside the budget."""
+        back to host memory, so that staged adapters never hold device memory outside the budget. Returns the
+        rows (w13, w2, and for FP8 experts their scales), then the checksums."""
         pin = self.device.type == "cuda"
         rows = self.layout.convert(*stack_experts(experts, pin=pin))
         sums = row_checksums(*rows).cpu()
@@ -294,9 +335,9 @@ class VirtualMoELayer:
             row = rows[ids[k]]
             if self.paged_out:  # the host copies it is fetched from (checked on the device, one row at a time)
                 w13, w2 = (t.to(self.device, non_blocking=True) for t in self.host_row(row))
-            else:
-                w13, w2 = self.w13.tensor[self.local_row(row)], self.w2.tensor[self.local_row(row)]
-            got.append(row_checksums(w13[None], w2[None]))
+                got.append(row_checksums(w13[None], w2[None]))
+            else:  # every part the kernel reads, the scales of FP8 experts too
+                got.append(row_checksums(*(p.tensor[self.local_row(row)][None] for p in self.parts)))
         got = torch.cat(got).cpu().tolist() if got else []  # one wait for the device, not one per row
         differ = [ids[k] for k, c in zip(held, got) if c != int(checksums[k])]
         if differ:
@@ -304,7 +345,7 @@ class VirtualMoELayer:
         return len(held)
 
     def load(self, slot: int, experts: Mapping[int, ExpertWeights | None],
-             staged: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, int]:
+             staged: tuple[torch.Tensor, ...] | None = None) -> dict[int, int]:
         """Put an adapter's experts of this layer into free rows and point the slot's map row at them.
 
         An expert given as None gets its row mapped but not written (benchmarks, and paging, which fills
@@ -357,8 +398,8 @@ class VirtualMoELayer:
         held = [r for r in rows if self.holds_row(r)]
         self._set_expert_map(held, [-1] * len(held))
         mapped = [self.local_row(r) for r in held if self.w13.is_mapped(self.local_row(r))]  # paged out: none
-        self.w13.unmap_rows(mapped)
-        self.w2.unmap_rows(mapped)
+        for part in self.parts:
+            part.unmap_rows(mapped)
         for row in rows:
             self.host_rows.pop(row, None)
             if row in self._adapter_local:
@@ -374,11 +415,11 @@ class VirtualMoELayer:
             self.expert_map[torch.tensor(rows).to(self.device, non_blocking=True)] = values
 
     def physical_bytes(self) -> int:
-        return self.w13.stats().mapped_bytes + self.w2.stats().mapped_bytes
+        return sum(p.stats().mapped_bytes for p in self.parts)
 
     def needed_bytes(self) -> int:
-        return self.w13.stats().needed_bytes + self.w2.stats().needed_bytes
+        return sum(p.stats().needed_bytes for p in self.parts)
 
     def close(self) -> None:
-        self.w13.close()
-        self.w2.close()
+        for part in self.parts:
+            part.close()

@@ -258,7 +258,7 @@ def test_staged_rows_stay_in_pinned_host_memory(pool):
     layer.load_base({x: _expert(i, h, x, "cpu") for x in range(e)})
     experts = {1: _expert(i, h, 11, "cpu"), 3: _expert(i, h, 12, "cpu")}
     staged = stage({0: layer}, {0: experts})
-    _, w13, w2 = staged.layers[0]
+    _, (w13, w2), _ = staged.layers[0]
     assert w13.device.type == w2.device.type == "cpu" and w13.is_pinned() and w2.is_pinned()
     rows = layer.load(0, dict.fromkeys(experts), staged.rows()[0])
     torch.cuda.synchronize()

@@ -29,6 +29,8 @@ from typing import Callable
 # down [H, I]; and the biases of experts that have them (GPT-OSS): gate [I], up [I], down [H].
 EXPERT_WEIGHTS = ("gate", "up", "down")
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")
+# The float32 block scales of FP8 experts (`weight_scale_inv` beside each weight: esftctl.formats.fp8).
+EXPERT_SCALES = ("gate_scale", "up_scale", "down_scale")
 
 
 def _every_layer_from(first_key: str, step_key: str) -> Callable[[dict], list[int]]:

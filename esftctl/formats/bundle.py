@@ -7,7 +7,9 @@ A bundle is a folder:
                         safetensors header's own key order is not stable, so the file's bytes are not hashed)
     experts.safetensors one tensor per expert weight, named layers.{L}.experts.{E}.{gate|up|down} (and
                         {gate|up|down}_bias for experts with biases: GPT-OSS; every architecture's experts in
-                        the same orientation, whatever its checkpoint's layout);
+                        the same orientation, whatever its checkpoint's layout; for an FP8 base, the weights
+                        in the base's FP8 form with their float32 block scales {gate|up|down}_scale, and the
+                        base's block in base.weight_block_size: esftctl.formats.fp8);
                         with --include-non-expert also non_expert.{checkpoint tensor name}
 
 The base's identity is a fingerprint: SHA-256 over its structural config and every router weight (and router
@@ -33,7 +35,7 @@ from safetensors.torch import save_file
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError
-from esftctl.formats.architectures import EXPERT_BIASES, EXPERT_WEIGHTS, architecture_for
+from esftctl.formats.architectures import EXPERT_BIASES, EXPERT_SCALES, EXPERT_WEIGHTS, architecture_for
 from esftctl.formats.checkpoint import (
     TORCH_DTYPES,
     ExpertWeights,
@@ -43,6 +45,7 @@ from esftctl.formats.checkpoint import (
     read_stored,
     read_stored_bytes,
 )
+from esftctl.formats.fp8 import Fp8Block
 from esftctl.jsonfile import check_regular, read_json
 from esftctl.names import check_name
 from esftctl.units import format_ranges
@@ -86,6 +89,8 @@ def base_identity(ckpt: MoECheckpoint) -> dict:
         "top_k": ckpt.top_k, "hidden_size": ckpt.hidden_size, "moe_intermediate_size": ckpt.moe_intermediate_size,
         "vocab_size": ckpt.config.get("vocab_size"), "expert_dtype": ckpt.expert_dtype,
     }
+    if ckpt.fp8 is not None:  # only then: the fingerprints of bundles of plain bases stay what they were
+        structure["weight_block_size"] = list(ckpt.fp8.block)
     h = hashlib.sha256(json.dumps(structure, sort_keys=True).encode())
     for layer in ckpt.moe_layers:
         for name in ckpt.routing_tensors(layer):
@@ -182,6 +187,12 @@ def _check_base(base: object, fields: _Fields) -> dict:
         fields.int(fields.get(base, key, "base."), f"base.{key}", 1, MAX_DIM)
     if fields.get(base, "vocab_size", "base.") is not None:
         fields.int(base["vocab_size"], "base.vocab_size", 1, MAX_COUNT)
+    if "weight_block_size" in base:
+        block = base["weight_block_size"]
+        if not isinstance(block, list) or len(block) != 2:
+            raise fields.fail("base.weight_block_size", block, "two integers")
+        for k, b in enumerate(block):
+            fields.int(b, f"base.weight_block_size[{k}]", 1, MAX_DIM)
     moe = fields.distinct_ints(fields.get(base, "moe_layers", "base."), "base.moe_layers", 0, layers - 1)
     if not moe or moe != sorted(moe):
         raise fields.fail("base.moe_layers", moe, "a non-empty list in increasing order")
@@ -212,6 +223,9 @@ def _check_manifest(m: object, fields: _Fields) -> dict:
     arch = architecture_for(base["model_type"])
     if arch is not None and EXPERT_BIASES[0] in arch.expert_weights:
         want.update(gate_bias=[i], up_bias=[i], down_bias=[h])
+    if "weight_block_size" in base:
+        bn, bk = base["weight_block_size"]
+        want.update({s: [-(-want[w][0] // bn), -(-want[w][1] // bk)] for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES)})
     if fields.get(m, "shapes") != want:
         raise fields.fail("shapes", m["shapes"], f"the base's expert shapes {want}")
     experts = fields.dict(fields.get(m, "experts"), "experts")
@@ -302,7 +316,7 @@ class Bundle:
         self.tensors = read_header(data)
         header = {n: (info.shape, info.dtype) for n, info in self.tensors.items()}
         shapes = {w: tuple(s) for w, s in self.manifest["shapes"].items()}
-        expected = {expert_tensor_name(l, e, w): (shapes[w], self.manifest["dtype"])
+        expected = {expert_tensor_name(l, e, w): (shapes[w], self.part_dtype(w))
                     for l, ids in self.experts.items() for e in ids for w in self.weights}
         for name, want in expected.items():
             if header.get(name) != want:
@@ -322,8 +336,13 @@ class Bundle:
 
     @property
     def weights(self) -> list[str]:
-        """What one expert consists of here: gate, up, down, and their biases where the base's experts have them."""
-        return [w for w in EXPERT_WEIGHTS + EXPERT_BIASES if w in self.manifest["shapes"]]
+        """What one expert consists of here: gate, up, down, their biases where the base's experts have them, and
+        their block scales where they are FP8."""
+        return [w for w in EXPERT_WEIGHTS + EXPERT_BIASES + EXPERT_SCALES if w in self.manifest["shapes"]]
+
+    def part_dtype(self, part: str) -> str:
+        """The stored dtype of one expert part: the manifest's, float32 for FP8 block scales."""
+        return "F32" if part in EXPERT_SCALES else self.manifest["dtype"]
 
     @property
     def data_file(self) -> Path:
@@ -360,8 +379,19 @@ class Bundle:
             raise EsftError(f"bundle has no tensor {name!r}", self.data_file)
         return read_stored(self.tensors[name], name=name)
 
+    @property
+    def fp8(self) -> Fp8Block | None:
+        """The base's FP8 block scheme, in which the bundle's experts are stored; None for plain experts."""
+        block = self.base.get("weight_block_size")
+        return Fp8Block(tuple(block)) if block is not None else None
+
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
-        return ExpertWeights(**{w: self.read_tensor(expert_tensor_name(layer, expert, w)) for w in self.weights})
+        weights = ExpertWeights(**{w: self.read_tensor(expert_tensor_name(layer, expert, w)) for w in self.weights})
+        if self.fp8 is not None:
+            for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES):
+                self.fp8.check(getattr(weights, w), getattr(weights, s), name=expert_tensor_name(layer, expert, w),
+                               file=self.data_file)
+        return weights
 
     def read_experts(self) -> dict[int, dict[int, ExpertWeights]]:
         return {l: {e: self.read_expert(l, e) for e in ids} for l, ids in self.experts.items()}
@@ -377,8 +407,8 @@ class Bundle:
         layers = len(counts)
         most = max(counts) if counts else 0
         mean = sum(counts) / layers if layers else 0.0
-        itemsize = TORCH_DTYPES[self.manifest["dtype"]].itemsize
-        expert_bytes = sum(math.prod(s) for s in self.manifest["shapes"].values()) * itemsize
+        expert_bytes = sum(math.prod(s) * TORCH_DTYPES[self.part_dtype(w)].itemsize
+                           for w, s in self.manifest["shapes"].items())
         return {
             "kind": "bundle", "path": str(self.path), "name": self.name, "architecture": self.base["architecture"],
             "base_fingerprint": self.base["fingerprint"], "moe_layers": self.base["moe_layers"],

@@ -23,12 +23,14 @@ from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
 from esftctl.formats.architectures import (
     EXPERT_BIASES,
+    EXPERT_SCALES,
     EXPERT_WEIGHTS,
     Architecture,
     Routing,
     architecture_for,
     supported_model_types,
 )
+from esftctl.formats.fp8 import SCALE_DTYPE, SCALE_SUFFIX, Fp8Block, scheme_of
 from esftctl.formats.quantization import find_quantization, label
 from esftctl.jsonfile import open_regular, read_json
 from esftctl.units import format_ranges
@@ -69,8 +71,9 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One routed expert: gate [I, H], up [I, H], down [H, I]; and, for experts with biases (GPT-OSS), gate_bias
-    [I], up_bias [I], down_bias [H]."""
+    """One routed expert: gate [I, H], up [I, H], down [H, I]; for experts with biases (GPT-OSS), gate_bias
+    [I], up_bias [I], down_bias [H]; for FP8 experts (esftctl.formats.fp8), the float32 block scales of each
+    weight, gate_scale, up_scale, down_scale."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -78,9 +81,13 @@ class ExpertWeights:
     gate_bias: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(((w, getattr(self, w)) for w in EXPERT_WEIGHTS + EXPERT_BIASES if getattr(self, w) is not None))
+        parts = EXPERT_WEIGHTS + EXPERT_BIASES + EXPERT_SCALES
+        return iter(((w, getattr(self, w)) for w in parts if getattr(self, w) is not None))
 
     @property
     def nbytes(self) -> int:
@@ -185,9 +192,10 @@ def read_stored(info: TensorInfo, *, name: str) -> torch.Tensor:
 class MoECheckpoint:
     """A Hugging Face MoE checkpoint folder, opened without loading its tensors. A checkpoint with quantized
     experts is refused in one line naming the method, unless `quantized` (only to describe it: its experts are
-    not checked and must not be read; esftctl/formats/quantization.py)."""
+    not checked and must not be read; esftctl/formats/quantization.py) or, for FP8 block-quantized experts, `fp8`
+    (the commands that handle them: pack, merge, serve; `self.fp8` is then the scheme, esftctl.formats.fp8)."""
 
-    def __init__(self, path: str | Path, *, quantized: bool = False):
+    def __init__(self, path: str | Path, *, quantized: bool = False, fp8: bool = False):
         self.path = Path(path)
         if not self.path.is_dir():
             raise EsftError("not a model folder (expected a directory with config.json)", self.path)
@@ -206,7 +214,13 @@ class MoECheckpoint:
                 raise EsftError(f"config has no integer {key!r}", self.path / "config.json")
         self.tensors: dict[str, TensorInfo] = self._read_tensor_infos()
         self.quantization: dict | None = find_quantization(self.config, self._routed_dtypes())
-        if self.quantization is None:
+        self.fp8: Fp8Block | None = None
+        if fp8 and self.quantization is not None and not quantized:
+            self.fp8 = scheme_of(self.quantization, self.path / "config.json")
+            if self.arch.fused is not None:
+                raise EsftError(f"FP8 experts stored fused ({self.config['model_type']}) are not supported",
+                                self.path / "config.json")
+        if self.quantization is None or self.fp8 is not None:
             self._check_experts()
         elif quantized:
             self._check_routers()
@@ -266,7 +280,18 @@ class MoECheckpoint:
         """Shape of each part of one routed expert (Architecture.expert_weights)."""
         h, i = self.hidden_size, self.moe_intermediate_size
         shapes = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_bias": (i,), "up_bias": (i,), "down_bias": (h,)}
-        return {w: shapes[w] for w in self.arch.expert_weights}
+        if self.fp8 is not None:
+            shapes.update({s: self.fp8.scale_shape(shapes[w]) for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES)})
+        return {w: shapes[w] for w in self.expert_parts}
+
+    @property
+    def expert_parts(self) -> tuple[str, ...]:
+        """What one routed expert is stored as: its weights (and biases), and their scales for FP8 experts."""
+        return self.arch.expert_weights + (EXPERT_SCALES if self.fp8 is not None else ())
+
+    def part_dtype(self, part: str) -> str:
+        """The stored dtype of one expert part: the experts' dtype, float32 for FP8 block scales."""
+        return SCALE_DTYPE if part in EXPERT_SCALES else self.expert_dtype
 
     def fused_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes of a fused layer's tensors, in FusedExperts.tensors' order."""
@@ -298,8 +323,12 @@ class MoECheckpoint:
         return sorted({t.file for t in self.tensors.values()})
 
     def expert_tensor_names(self, layer: int, expert: int) -> dict[str, str]:
-        """{weight: tensor name} of one expert, for architectures that store one tensor per expert and weight."""
-        return {w: self.arch.expert_tensor(layer, expert, w) for w in EXPERT_WEIGHTS}
+        """{part: tensor name} of one expert, for architectures that store one tensor per expert and weight (and,
+        for FP8 experts, one scale tensor beside each weight)."""
+        names = {w: self.arch.expert_tensor(layer, expert, w) for w in EXPERT_WEIGHTS}
+        if self.fp8 is not None:
+            names.update({s: names[w] + SCALE_SUFFIX for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES)})
+        return names
 
     def routed_tensor_names(self, layer: int) -> list[str]:
         """The tensors that hold a MoE layer's routed experts: one per expert and weight, or the fused ones."""
@@ -355,7 +384,13 @@ class MoECheckpoint:
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
         self.check_expert_id(layer, expert)
         if self.arch.fused is None:
-            return ExpertWeights(**{w: self.read_tensor(n) for w, n in self.expert_tensor_names(layer, expert).items()})
+            names = self.expert_tensor_names(layer, expert)
+            weights = ExpertWeights(**{w: self.read_tensor(n) for w, n in names.items()})
+            if self.fp8 is not None:
+                for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES):
+                    self.fp8.check(getattr(weights, w), getattr(weights, s), name=names[w],
+                                   file=self.tensors[names[s]].file)
+            return weights
         parts = []
         for (name, start, size), shape in zip(self.expert_ranges(layer, expert), self.fused_shapes()):
             t = torch.empty(shape[1:], dtype=self.tensors[name].torch_dtype)
@@ -466,8 +501,17 @@ class MoECheckpoint:
                                     f"({', '.join(f'{n}: {self.tensors[n].dtype}' for n in fused)})", self.path)
             else:
                 shapes = self.expert_shapes()
-                self._check_shapes((n, shapes[w]) for e in range(self.num_experts)
-                                   for w, n in self.expert_tensor_names(layer, e).items())
+                names = [(w, n) for e in range(self.num_experts) for w, n in self.expert_tensor_names(layer, e).items()]
+                self._check_shapes((n, shapes[w]) for w, n in names)
+                if self.fp8 is not None:
+                    self._check_dtypes(names)
+
+    def _check_dtypes(self, names: Iterable[tuple[str, str]]) -> None:
+        """FP8 experts: every weight float8_e4m3fn and every scale float32, each refusal naming its file."""
+        for part, name in names:
+            info, want = self.tensors[name], self.part_dtype(part)
+            if info.dtype != want:
+                raise EsftError(f"FP8 expert tensor {name!r} is {info.dtype}, expected {want}", info.file)
 
     def _check_shapes(self, wanted: Iterable[tuple[str, tuple[int, ...]]]) -> None:
         for name, shape in wanted:
@@ -510,9 +554,9 @@ def _check_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], E
         for w, t in weights.items():
             if tuple(t.shape) != shapes[w]:
                 raise EsftError(f"expert ({layer}, {expert}) {w} has shape {list(t.shape)}, expected {list(shapes[w])}")
-            if t.dtype != TORCH_DTYPES.get(ckpt.expert_dtype):
+            if t.dtype != TORCH_DTYPES.get(ckpt.part_dtype(w)):
                 raise EsftError(f"cannot replace expert ({layer}, {expert}) {w}: {t.dtype} given, the model's "
-                                f"experts are {ckpt.expert_dtype}", ckpt.path)
+                                f"are {ckpt.part_dtype(w)}", ckpt.path)
 
 
 def expert_writer(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]
@@ -521,7 +565,7 @@ def expert_writer(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertW
     tensor streams through: whole tensors, or slices of a fused layer's tensors (a copy; the rest unchanged)."""
     _check_replacements(ckpt, experts)
     if ckpt.arch.fused is None:
-        whole = {ckpt.arch.expert_tensor(l, e, w): t for (l, e), ws in experts.items() for w, t in ws.items()}
+        whole = {ckpt.expert_tensor_names(l, e)[w]: t for (l, e), ws in experts.items() for w, t in ws.items()}
         return lambda name, t: whole.get(name, t)
     by_layer: dict[int, dict[int, ExpertWeights]] = {}
     for (layer, expert), weights in experts.items():

@@ -48,10 +48,12 @@ from esftctl.runtime.vllm.moe import (
     check_rows,
     check_supported,
     expert_map,
+    expert_scales,
     find_moe_layers,
     kernel_config,
     max_rows,
     set_expert_map,
+    set_scales,
     widen_to_rows,
 )
 from esftctl.units import format_bytes
@@ -81,9 +83,33 @@ def tensor_parallel_shard(w13: torch.Tensor, w2: torch.Tensor, *, rank: int, siz
     return part13, part2
 
 
+def fp8_layout(engine: EngineMoELayer) -> ExpertLayout:
+    """FP8 experts on vLLM's Triton kernel: weights and block scales as the checkpoint stores them (its FP8
+    conversion leaves them as loaded: esftctl.runtime.vllm.moe), moved to the layer's device; one rank only."""
+    experts = engine.experts
+    targets = (experts.w13_weight, experts.w2_weight, *expert_scales(engine))
+
+    def convert(*parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if [p.dtype for p in parts] != [t.dtype for t in targets]:
+            raise EsftError(f"layer {engine.index}: experts of {[str(p.dtype) for p in parts]} given for FP8 rows of "
+                            f"{[str(t.dtype) for t in targets]}")
+        return tuple(p.to(t.device) for p, t in zip(parts, targets))
+
+    return ExpertLayout(tuple(targets[0].shape[1:]), tuple(targets[1].shape[1:]), convert,
+                        scale_rows=(tuple(targets[2].shape[1:]), tuple(targets[3].shape[1:])))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, on any dtype (torch.equal has no FP8 kernels on every device)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def engine_layout(engine: EngineMoELayer) -> ExpertLayout:
     """The layer's kernel layout, as a conversion that takes this rank's tensor-parallel part of the experts
-    (`tensor_parallel_shard`) and runs vLLM's own processing on a stand-in layer."""
+    (`tensor_parallel_shard`) and runs vLLM's own processing on a stand-in layer (FP8 experts: `fp8_layout`)."""
+    if expert_scales(engine):
+        return fp8_layout(engine)
     experts, kernel = engine.experts, engine.kernel
     dtype = experts.w13_weight.dtype
     parallel = experts.moe_config.moe_parallel_config
@@ -170,7 +196,7 @@ class EsftModel:
             self.pool.trim()
             nbytes = window * (min(adapter_experts, rows_per_layer) * layer.expert_bytes + 4 * page)
         else:  # an adapter's rows in a layer start and end inside a page: two more pages per tensor and layer
-            nbytes = adapter_experts * layer.expert_bytes + (4 * n * page if adapter_experts else 0)
+            nbytes = adapter_experts * layer.expert_bytes + (2 * len(layer.parts) * n * page if adapter_experts else 0)
         free = torch.cuda.mem_get_info(self.device)[0]
         if nbytes > free:
             what = "the paging window and its adapters need" if window else "the adapter memory budget needs"
@@ -242,6 +268,7 @@ class EsftModel:
                  experts_per_slot: int) -> VirtualMoELayer:
         check_supported(engine)
         w13, w2 = engine.experts.w13_weight.data, engine.experts.w2_weight.data
+        scales = expert_scales(engine)  # FP8 experts: their block scales, rows beside the weights' rows
         owned = expert_map(engine)  # expert parallelism: this rank's experts
         experts = base.num_experts if owned is not None else w13.shape[0]
         check_rows(experts + num_slots * experts_per_slot, max_rows(engine), experts, f"layer {engine.index}")
@@ -251,16 +278,18 @@ class EsftModel:
         if layer.base_rows != w13.shape[0]:
             raise EsftError(f"layer {engine.index}: vLLM's expert map gives this rank {layer.base_rows} experts, its "
                             f"weights hold {w13.shape[0]}")
-        layer.load_base_rows(w13, w2)
+        layer.load_base_rows(w13, w2, *scales)
         probe = layer.own_experts[0]  # one of this rank's experts, converted
-        probe13, probe2 = layout.convert(*stack_experts([base.read_expert(engine.index, probe)]))
+        converted = layout.convert(*stack_experts([base.read_expert(engine.index, probe)]))
         row = layer.local_row(probe)
-        if not (torch.equal(probe13[0], layer.w13.tensor[row]) and torch.equal(probe2[0], layer.w2.tensor[row])):
+        if not all(same_bits(c[0], part.tensor[row]) for c, part in zip(converted, layer.parts)):
             method = type(engine.experts.quant_method).__name__
             raise EsftError(f"layer {engine.index}: vLLM's expert layout for {method}"
                             " could not be reproduced from the checkpoint; this MoE backend is not supported")
         _replace_weight(engine.experts, "w13_weight", layer.w13.tensor)
         _replace_weight(engine.experts, "w2_weight", layer.w2.tensor)
+        if scales:
+            set_scales(engine, *(part.tensor for part in layer.scales))
         widen_to_rows(engine, layer.num_rows)
         if layer.expert_map is not None:
             set_expert_map(engine, layer.expert_map)

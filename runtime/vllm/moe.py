@@ -29,11 +29,26 @@ kernel computes every row an id names, and vLLM's kernels differ:
   only with data parallelism, refused below. vLLM's CPU kernel ignores the expert map (plain vLLM crashes
   there: vllm-project/vllm#57837), so EP is refused on it.
 
+- FP8 experts with block scales (vLLM's Fp8MoEMethod with `weight_block_size`, DeepSeek-V3 and Qwen3-MoE FP8
+  checkpoints): the layer holds `w13_weight_scale_inv` [E, 2 ceil(I / bn), ceil(H / bk)] and
+  `w2_weight_scale_inv` [E, ceil(H / bn), ceil(I / bk)] beside the FP8 weights, and the Triton kernel reads
+  expert e's blocks at row e of both, through the quant config the kernel was built with (`_w1.scale`,
+  `_w2.scale`: the same tensors as the layer's parameters). So the scales become virtual tensors with the
+  weights' rows (esftctl.runtime.moe_layer) and both the layer and that quant config are handed them
+  (`set_scales`). vLLM 0.25 picks the backend in `select_fp8_moe_backend`
+  (model_executor/layers/fused_moe/oracle/fp8.py): on Hopper (capability 9.0), block FP8 weights with dynamic
+  128-wide activation groups, and no expert parallelism, TRITON goes first (TritonExperts, whose
+  `convert_to_fp8_moe_kernel_format` leaves weights and scales as loaded), so an H100 serves it with the kernel
+  that aligns over `global_num_experts`, widened here like the bf16 one. VLLM_USE_DEEP_GEMM=1 (DeepGEMM, which
+  requantizes the scales), expert parallelism (FlashInfer CUTLASS) or another `--moe-backend` pick others:
+  refused in one line; `-- --moe-backend triton` forces Triton. Per-tensor FP8 (no block size), vLLM's CPU FP8
+  kernel (it repacks the weights), and FP8 under tensor or expert parallelism are refused too (not checked).
+
 Refused at start-up, each with one line (`check_supported`, `check_engine`): a kernel not in KERNELS
 (FlashInfer's, AITER's: unchecked layouts and id handling; `-- --moe-backend triton` picks Triton),
-quantized experts (per-expert scales that adapter rows lack), expert parallelism on a kernel that ignores
-the expert map, EPLB and redundant experts (physical expert ids, which adapter rows do not have), fused
-shared experts (AITER puts them at rows E.., where adapters live), zero-expert routers (ids >= E mean "no
+quantized experts other than FP8 with block scales (scales that adapter rows lack), expert parallelism on a
+kernel that ignores the expert map, EPLB and redundant experts (physical expert ids, which adapter rows do not
+have), fused shared experts (AITER puts them at rows E.., where adapters live), zero-expert routers (ids >= E mean "no
 expert" there), monolithic kernels (routing inside the kernel, where no reroute reaches), vLLM's returned
 routed experts (its capture callback replaces the reroute), micro-batched or sequence-parallel MoE (the
 router then sees a part of the step's tokens, not the order the per-token adapters follow), data parallelism
@@ -55,6 +70,8 @@ from esftctl.errors import EsftError
 KERNELS = {"TritonExperts": True, "CPUUnquantizedExperts": False}
 # Those of KERNELS that apply vLLM's expert map (pairs mapped to -1 are another rank's): expert parallelism.
 EXPERT_MAP_KERNELS = {"TritonExperts"}
+# The FP8 block scales of a layer's experts (vLLM's Fp8MoEMethod with weight_block_size), w13's then w2's.
+FP8_SCALES = ("w13_weight_scale_inv", "w2_weight_scale_inv")
 # moe_align_block_size pads the expert count to a multiple of 32 and wants it below 1024.
 KERNEL_MAX_ROWS = 1024 - 32
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -104,9 +121,11 @@ def check_supported(layer: EngineMoELayer) -> None:
     if getattr(quant_method, "is_monolithic", False):
         raise EsftError(f"{where}: vLLM chose a monolithic MoE kernel ({type(quant_method).__name__}), which "
                         "routes inside the kernel where no reroute can reach; choose `-- --moe-backend triton`")
-    if type(quant_method).__name__ != "UnquantizedFusedMoEMethod":
+    if is_fp8(layer):
+        check_fp8(layer)
+    elif type(quant_method).__name__ != "UnquantizedFusedMoEMethod":
         raise EsftError(f"{where}: quantized experts ({type(quant_method).__name__}) are not supported; serve a "
-                        "bf16/fp16 base")
+                        "bf16/fp16 base, or an FP8 one with block scales")
     if kernel_name(layer) is None:
         raise EsftError(f"{where}: vLLM chose the MoE kernel {type(layer.kernel).__name__}, which esftctl has not "
                         f"been checked on (supported: {', '.join(KERNELS)}); choose `-- --moe-backend triton`")
@@ -135,6 +154,51 @@ def check_supported(layer: EngineMoELayer) -> None:
         raise EsftError(f"{where}: zero-expert routing (ids past the experts mean none) is not supported")
     if getattr(parallel, "is_sequence_parallel", False):
         raise EsftError(f"{where}: sequence-parallel MoE is not supported (each rank routes part of the tokens)")
+
+
+def is_fp8(layer: EngineMoELayer) -> bool:
+    return type(layer.experts.quant_method).__name__ == "Fp8MoEMethod"
+
+
+def check_fp8(layer: EngineMoELayer) -> None:
+    """Refuse FP8 experts other than block-quantized ones on vLLM's Triton kernel, on one rank."""
+    method, where = layer.experts.quant_method, f"layer {layer.index}"
+    if not getattr(method, "block_quant", False):
+        raise EsftError(f"{where}: FP8 experts without block scales (per-tensor fp8) are not supported; serve an FP8 "
+                        "base with weight_block_size, or a bf16 one")
+    backend = getattr(getattr(method, "fp8_backend", None), "value", None)
+    if backend != "TRITON":
+        raise EsftError(f"{where}: vLLM chose the FP8 MoE backend {backend}, which esftctl has not been checked on; "
+                        "choose `-- --moe-backend triton` (and leave VLLM_USE_DEEP_GEMM unset)")
+    parallel = layer.experts.moe_config.moe_parallel_config
+    if parallel.tp_size > 1 or parallel.use_ep:
+        raise EsftError(f"{where}: FP8 experts under tensor or expert parallelism are not supported yet; serve on one "
+                        "GPU")
+    if any(not hasattr(layer.experts, n) for n in FP8_SCALES):
+        raise EsftError(f"{where}: this vLLM keeps FP8 block scales under other names than {', '.join(FP8_SCALES)}")
+
+
+def expert_scales(layer: EngineMoELayer) -> tuple[torch.Tensor, ...]:
+    """The layer's FP8 block scales (w13's, w2's) as the kernel reads them; () for unquantized experts."""
+    return tuple(getattr(layer.experts, n).data for n in FP8_SCALES) if is_fp8(layer) else ()
+
+
+def set_scales(layer: EngineMoELayer, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> None:
+    """Hand the layer and the quant config its kernel was built with the scales' virtual tensors (after the
+    weights'): the kernel reads scales from that config, which holds the layer's parameters themselves."""
+    experts, method = layer.experts, layer.experts.quant_method
+    old = tuple(getattr(experts, n) for n in FP8_SCALES)
+    found = (getattr(method, "moe_quant_config", None), layer.kernel.quant_config)
+    configs = {id(c): c for c in found if c is not None}
+    for config in configs.values():
+        if config._w1.scale is not old[0] or config._w2.scale is not old[1]:
+            raise EsftError(f"layer {layer.index}: vLLM's FP8 kernel reads scales other than the layer's "
+                            f"{FP8_SCALES[0]}; esftctl cannot extend them")
+    for name, tensor in zip(FP8_SCALES, (w13_scale, w2_scale)):
+        delattr(experts, name)
+        experts.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    for config in configs.values():
+        config._w1.scale, config._w2.scale = getattr(experts, FP8_SCALES[0]), getattr(experts, FP8_SCALES[1])
 
 
 def check_engine(vllm_config) -> None:

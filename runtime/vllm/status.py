@@ -174,7 +174,7 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
     from esftctl.runtime.serve_config import open_servable_bundle
 
     check_name(name)
-    open_servable_bundle(path, MoECheckpoint(status.base))
+    open_servable_bundle(path, MoECheckpoint(status.base, fp8=True))
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
 
 

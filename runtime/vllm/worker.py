@@ -54,7 +54,7 @@ class EsftWorkerManager:
             raise EsftError("the ESFT worker manager runs only under `esftctl serve`")
         self.config = config
         self.vllm_config = vllm_config
-        self.base = MoECheckpoint(vllm_config.model_config.model)
+        self.base = MoECheckpoint(vllm_config.model_config.model, fp8=True)
         self.runtime: EsftModel | None = None
         self.names: dict[int, str] = {}  # LoRA id -> adapter name; slots are keyed by the id (see _key)
         self.last_used: dict[int, float] = {}
