@@ -99,6 +99,38 @@ def test_triton_kernel_computes_adapter_rows(layer, tokens):
         assert not (dropped - want).norm() / want.norm() < 0.1  # wrong, or NaN where nothing was written
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_the_base_count_picks_the_path_and_every_row_is_still_computed(layer, tokens):
+    """With the base's E set (esftctl.runtime.vllm.moe.base_experts), a batch past E / (4 top_k) is aligned over
+    every row, as plain vLLM aligns it over E, where the widened count alone would take the low-latency path; the
+    rows rerouted past E are computed on either path, bit for bit alike."""
+    from vllm.model_executor.layers.fused_moe import fused_moe as module
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    from esftctl.kernels.reroute import reroute
+    from esftctl.runtime.vllm.moe import base_experts, install_assignment
+
+    install_assignment()
+    x, weights, ids, adapters = routed(tokens, seed=200 + tokens)
+    adapters.fill_(0)  # every token on the first adapter, so its rows are in play
+    rerouted = reroute(ids, adapters, layer.table)
+    w13, w2 = layer.w13.tensor, layer.w2.tensor
+    want = reference_moe(x, w13, w2, weights, rerouted)
+    paths = []  # True: aligned (sorted ids), False: the low-latency path
+    installed = module._prepare_expert_assignment
+    module._prepare_expert_assignment = lambda *a, **k: paths.append(installed(*a, **k)[0] is not None) or \
+        installed(*a, **k)
+    try:
+        with base_experts(E):
+            got = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=layer.num_rows).float()
+        plain = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=layer.num_rows).float()
+    finally:
+        module._prepare_expert_assignment = installed
+    assert (rerouted >= E).any()
+    assert paths == [tokens * TOP_K * 4 > E, tokens * TOP_K * 4 > layer.num_rows]
+    assert (got - want).norm() / want.norm() < 1e-2 and (plain - want).norm() / want.norm() < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [3, 512])
 def test_expert_parallel_ranks_compute_each_adapter_row_once(layer, tokens):
     """Expert parallelism over two ranks, both on this GPU: each rank's layer holds its half of the experts

@@ -4,8 +4,9 @@
 no layer is ever wrapped with LoRA. But a MoE layer built while LoRA is enabled picks a LoRA-capable
 expert kernel (the Triton one, which the CPU build cannot run). This out-of-tree RoutedExperts builds the
 layer with the kernel vLLM would pick without LoRA, which is also the one the merged model runs on.
-It runs its kernel with the tile config vLLM would pick for the base's expert count (esftctl.runtime.vllm.moe:
-the widened row count matches no tuned config file). When experts are paged, it also brackets its kernel with
+It runs its kernel with the tile config and the path (aligned or low-latency) vLLM would pick for the base's
+expert count (esftctl.runtime.vllm.moe: the widened row count matches no tuned config file, and would send
+batches of up to a quarter of it down the low-latency path). When experts are paged, it also brackets its kernel with
 the pager's before_kernel (with the step's rerouted ids) and after_kernel.
 """
 
@@ -17,12 +18,15 @@ from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.fused_moe import override_config
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
+from esftctl.runtime.vllm.moe import base_experts, install_assignment
+
 
 class EsftRoutedExperts(RoutedExperts):
     # (pager, this layer), set by EsftModel when experts are paged.
     esft_paging = None
     # num_tokens -> the kernel's tile config for the base's expert count (moe.kernel_config), or None.
     esft_kernel_config = None
+    esft_base_experts = None  # the base's expert count, where the kernel is handed more rows (moe.base_experts)
 
     def __init__(self, layer_name, params_dtype, moe_config, *args, **kwargs):
         super().__init__(layer_name, params_dtype, dataclasses.replace(moe_config, is_lora_enabled=False),
@@ -31,7 +35,7 @@ class EsftRoutedExperts(RoutedExperts):
     def forward_modular(self, x, topk_weights, topk_ids, *args, **kwargs):
         if self.esft_kernel_config is None:
             return self._forward_paged(x, topk_weights, topk_ids, *args, **kwargs)
-        with override_config(self.esft_kernel_config(x.shape[0])):
+        with override_config(self.esft_kernel_config(x.shape[0])), base_experts(self.esft_base_experts):
             return self._forward_paged(x, topk_weights, topk_ids, *args, **kwargs)
 
     def _forward_paged(self, x, topk_weights, topk_ids, *args, **kwargs):
@@ -47,3 +51,4 @@ class EsftRoutedExperts(RoutedExperts):
 def register() -> None:
     if "RoutedExperts" not in op_registry_oot:
         PluggableLayer.register_oot(EsftRoutedExperts, name="RoutedExperts")
+    install_assignment()

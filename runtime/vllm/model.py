@@ -294,6 +294,7 @@ class EsftModel:
         if layer.expert_map is not None:
             set_expert_map(engine, layer.expert_map)
         engine.experts.esft_kernel_config = kernel_config(engine, layer.base_rows)
+        engine.experts.esft_base_experts = layer.base_rows
         engine.router.set_capture_fn(self._rerouter(layer.table, engine.router.capture_fn))
         return layer
 

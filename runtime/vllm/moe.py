@@ -14,6 +14,13 @@ kernel computes every row an id names, and vLLM's kernels differ:
   (`widen_to_rows`). The alignment op handles fewer than 1024 experts after padding to a warp
   (KERNEL_MAX_ROWS), so a larger R is refused before vLLM starts and again here. (vLLM 0.32 aligns over
   w13's row count instead; the widening is right there too.)
+- The low-latency path: vLLM's Triton kernel skips the alignment when tokens x top_k x 4 <= the expert count
+  it is handed and gives every token-expert pair its own block (`_prepare_expert_assignment`, 0.25 and 0.32
+  alike). Handed R, that path also ran batches past the base's bound: every pair reads its whole expert though
+  pairs share experts, so on an H100 (4-layer DeepSeek-V2-Lite-shaped model, 20 adapters loaded, R = 244)
+  the MoE kernels took 0.421 ms a step at batch 4 and 0.810 ms at batch 8 against plain vLLM's 0.380 and 0.581
+  (benchmarks/RESULTS.md, 2026-11-25, fourth session). `assignment` decides the path by the base's E (set per
+  call by the experts layer, `base_experts`), so a step takes the path plain vLLM takes, and still aligns over R.
 - Tuned tile configs: TritonExperts looks its config up by w2's row count and N (files named
   `E=..,N=..,device_name=...json`), and R matches no file, so widening alone would drop a model's tuned
   config for vLLM's default one. `kernel_config` looks the config up for the base's E and the layer uses it
@@ -57,7 +64,10 @@ router then sees a part of the step's tokens, not the order the per-token adapte
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import importlib
 import re
 from dataclasses import dataclass
 
@@ -75,6 +85,11 @@ FP8_SCALES = ("w13_weight_scale_inv", "w2_weight_scale_inv")
 # moe_align_block_size pads the expert count to a multiple of 32 and wants it below 1024.
 KERNEL_MAX_ROWS = 1024 - 32
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Where vLLM's Triton kernels look `_prepare_expert_assignment` up (the modular kernel imports it by name).
+ASSIGNMENT_MODULES = ("vllm.model_executor.layers.fused_moe.fused_moe",
+                      "vllm.model_executor.layers.fused_moe.experts.triton_moe")
+SPARSITY = 4  # vLLM's margin: tokens x top_k x 4 <= experts takes the low-latency path (0.25 and 0.32)
+_base_experts: contextvars.ContextVar[int | None] = contextvars.ContextVar("esft_base_experts", default=None)
 
 
 @dataclass
@@ -252,6 +267,43 @@ def check_rows(rows: int, limit: int | None, base_experts: int, where: str) -> N
 def widen_to_rows(layer: EngineMoELayer, rows: int) -> None:
     """Make the kernel compute every one of `rows` expert rows (the router still routes over its E)."""
     layer.experts.global_num_experts = rows
+
+
+@contextlib.contextmanager
+def base_experts(count: int):
+    """While a widened layer runs its kernel: the base's expert count, which `assignment` decides by."""
+    token = _base_experts.set(count)
+    try:
+        yield
+    finally:
+        _base_experts.reset(token)
+
+
+def assignment(original, align):
+    """vLLM's `_prepare_expert_assignment` deciding the low-latency path by the base's expert count inside
+    `base_experts` (and as before outside it); where the base's count says align, `align` (vLLM's
+    moe_align_block_size) aligns over every row the kernel computes."""
+
+    @functools.wraps(original)
+    def prepare(topk_ids, config, num_tokens, top_k_num, global_num_experts, expert_map, **kwargs):
+        base = _base_experts.get()
+        if base is None or expert_map is not None or num_tokens * top_k_num * SPARSITY <= base:
+            return original(topk_ids, config, num_tokens, top_k_num, global_num_experts, expert_map, **kwargs)
+        return align(topk_ids, config["BLOCK_SIZE_M"], global_num_experts, expert_map,
+                     ignore_invalid_experts=kwargs.get("ignore_invalid_experts", False))
+
+    prepare.esft = True
+    return prepare
+
+
+def install_assignment() -> None:
+    """Put `assignment` where vLLM's Triton kernels look the function up (once per process)."""
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    for name in ASSIGNMENT_MODULES:
+        module = importlib.import_module(name)
+        if not getattr(module._prepare_expert_assignment, "esft", False):
+            module._prepare_expert_assignment = assignment(module._prepare_expert_assignment, moe_align_block_size)
 
 
 def kernel_config(layer: EngineMoELayer, base_experts: int):

@@ -18,6 +18,7 @@ import importlib
 
 from esftctl.errors import EsftError
 from esftctl.runtime.vllm import graphs
+from esftctl.runtime.vllm.moe import ASSIGNMENT_MODULES
 
 # vLLM's module -> the names in it that the plugin replaces, subclasses or registers with.
 PATCHED = {
@@ -25,6 +26,8 @@ PATCHED = {
     "vllm.model_executor.custom_op": ("PluggableLayer", "CustomOp", "op_registry_oot"),
     "vllm.model_executor.layers.fused_moe": ("override_config",),
     "vllm.model_executor.layers.fused_moe.routed_experts": ("RoutedExperts",),
+    "vllm.model_executor.layers.fused_moe.moe_align_block_size": ("moe_align_block_size",),
+    **{module: ("_prepare_expert_assignment",) for module in ASSIGNMENT_MODULES},
 }
 PATCHED |= graphs.PATCHED
 CPU_PATCHED = {"vllm.model_executor.layers.rotary_embedding.base": ("RotaryEmbedding",)}
