@@ -126,7 +126,7 @@ def test_the_base_count_picks_the_path_and_every_row_is_still_computed(layer, to
         plain = fused_experts(x, w13, w2, weights, rerouted, global_num_experts=layer.num_rows).float()
     finally:
         module._prepare_expert_assignment = installed
-    assert (rerouted >= E).any()
+    assert (rerouted >= E).any() or tokens == 1  # one token's 4 experts may miss the adapter's 2
     assert paths == [tokens * TOP_K * 4 > E, tokens * TOP_K * 4 > layer.num_rows]
     assert (got - want).norm() / want.norm() < 1e-2 and (plain - want).norm() / want.norm() < 1e-2
 
