@@ -153,7 +153,8 @@ def decode(code: FixedRate, out: torch.Tensor, *, num_warps: int = 4) -> None:
 # step does not need (or that the host tier delivers: at/after `first_host`) ends at once. A DeepSeek-V2-Lite
 # layer's w13 is 64 rows of 5.8M values: 5.6K blocks a row, 16 escapes a row at most in practice.
 
-ENCODE_ROWS_AT_ONCE = 8  # rows encoded together: bounds the int32 temporaries (8 x 5.8M x 4 B x ~4 = 0.7 GB)
+ENCODE_ROWS_AT_ONCE = 8  # rows encoded together: bounds the temporaries
+ENCODE_BYTES_PER_VALUE = 40  # temporaries per value of those rows (int32 and int64 work): 1.9 GB for 8 w13 rows
 
 
 @dataclass(frozen=True)
