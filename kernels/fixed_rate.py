@@ -1,4 +1,4 @@
-"""A fixed-rate bf16 code (SplitZip's idea) beside the Huffman store: measured, not yet a store format.
+"""A fixed-rate bf16 code (SplitZip's idea) beside the Huffman store: paging's second compressed GPU tier.
 
 Why: paging decodes a whole layer of experts per step at batch 32 and up, and the Huffman decoder reaches 59% of
 the memory-bandwidth bound on an H100 (benchmarks/RESULTS.md, 2026-11-23): each lane's next code starts where
@@ -14,6 +14,9 @@ The code, for n bf16 values (sign s, exponent e, mantissa m):
 - `starts`: int32, for every `block` values (BLOCK by default) the number of escapes before them (and the total
   at the end), so a program decoding one block finds its escapes without looking at any other block.
 Expert weights use 10-14 distinct exponents in practice, so escapes are rare (a few per million).
+
+Paging keeps it per expert row (`FixedRows`, `encode_rows` with torch ops on the GPU at serving start-up,
+`decode_rows`: one masked launch per tensor of a layer; `serve --paging-codec fixed`, esftctl.runtime.paging.tiers).
 
 `decode_reference` is the plain PyTorch decoder; `decode` the Triton kernel, one program per block: unpack the
 nibbles, look the codes up in the table, and only in a block that has escapes (a scalar branch: most have none)
@@ -248,12 +251,10 @@ def decode_rows_reference(code: FixedRows, rows) -> torch.Tensor:
 if triton is not None:
     @triton.jit
     def _decode_rows_kernel(table_ptr, sm_ptr, codes_ptr, escapes_ptr, base_ptr, starts_ptr, out_ptr, out_stride,
-                            needed_ptr, first_host_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+                            needed_ptr, first_host_ptr, n, BLOCK: tl.constexpr):
         row = tl.program_id(1).to(tl.int64)
-        go = True
-        if MASKED:  # paging: only rows this step needs, below the host tier's first row; the rest end here
-            go = (tl.load(needed_ptr + row) != 0) & (row < tl.load(first_host_ptr))
-        if go:
+        # Paging: only rows this step needs, below the host tier's first row; the others' programs end here.
+        if (tl.load(needed_ptr + row) != 0) & (row < tl.load(first_host_ptr)):
             blk = tl.program_id(0)
             blocks = (n + BLOCK - 1) // BLOCK
             start = blk.to(tl.int64) * BLOCK
@@ -289,11 +290,13 @@ def decode_rows(code: FixedRows, out: torch.Tensor, needed: torch.Tensor | None 
         raise ValueError(f"decode into {rows} rows of {code.count} contiguous bf16 values")
     if (needed is None) != (first_host is None):
         raise ValueError("a masked decode needs both `needed` and `first_host`")
-    if needed is not None and (needed.dtype != torch.int32 or needed.numel() < rows):
-        raise ValueError(f"`needed` must be int32 marks for at least {rows} rows")
+    if needed is not None and (needed.dtype != torch.int32 or needed.numel() < rows or first_host.numel() != 1
+                               or first_host.dtype != torch.int32):
+        raise ValueError(f"`needed` must be int32 marks for at least {rows} rows, `first_host` one int32")
     escapes = code.escapes if code.escapes.numel() else code.table  # a real address even with no escapes
-    masked = needed is not None
+    if needed is None:  # every row: one kernel for both (a whole decode is no hot path)
+        needed = torch.ones(rows, dtype=torch.int32, device=out.device)
+        first_host = torch.full((1,), rows, dtype=torch.int32, device=out.device)
     grid = (triton.cdiv(code.count, code.block), rows)
     _decode_rows_kernel[grid](code.table, code.sm, code.codes, escapes, code.base, code.starts, out.view(torch.int16),
-                              out.stride(0), needed if masked else code.starts, first_host if masked else code.starts,
-                              code.count, BLOCK=code.block, MASKED=masked, num_warps=num_warps)
+                              out.stride(0), needed, first_host, code.count, BLOCK=code.block, num_warps=num_warps)
