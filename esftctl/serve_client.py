@@ -136,7 +136,8 @@ def _memory_table(s: EngineStatus) -> Table:
                        format_bytes(s.expert_device_bytes))
         memory.add_row("  the window's blocks", format_bytes(p.window_bytes))
         memory.add_row(f"  {len(p.resident_layers)} layers kept resident", format_bytes(p.resident_bytes))
-        memory.add_row(f"  compressed tier on the GPU ({p.store_experts} base experts per layer)",
+        codec = {"huffman": "Huffman store, ", "fixed": "fixed-rate, "}.get(p.store_codec, "")
+        memory.add_row(f"  compressed tier on the GPU ({codec}{p.store_experts} base experts per layer)",
                        format_bytes(p.store_bytes))
         memory.add_row("host tier (pinned copies of every layer's experts)", format_bytes(p.host_bytes))
         bought = f" = {p.freed_kv_tokens:,} KV tokens" if p.freed_kv_tokens is not None else ""

@@ -1,4 +1,4 @@
-"""A fixed-rate bf16 code (SplitZip's idea) beside the Huffman store: measured, not yet a store format.
+"""A fixed-rate bf16 code (SplitZip's idea) beside the Huffman store: paging's second compressed GPU tier.
 
 Why: paging decodes a whole layer of experts per step at batch 32 and up, and the Huffman decoder reaches 59% of
 the memory-bandwidth bound on an H100 (benchmarks/RESULTS.md, 2026-11-23): each lane's next code starts where
@@ -14,6 +14,9 @@ The code, for n bf16 values (sign s, exponent e, mantissa m):
 - `starts`: int32, for every `block` values (BLOCK by default) the number of escapes before them (and the total
   at the end), so a program decoding one block finds its escapes without looking at any other block.
 Expert weights use 10-14 distinct exponents in practice, so escapes are rare (a few per million).
+
+Paging keeps it per expert row (`FixedRows`, `encode_rows` with torch ops on the GPU at serving start-up,
+`decode_rows`: one masked launch per tensor of a layer; `serve --paging-codec fixed`, esftctl.runtime.paging.tiers).
 
 `decode_reference` is the plain PyTorch decoder; `decode` the Triton kernel, one program per block: unpack the
 nibbles, look the codes up in the table, and only in a block that has escapes (a scalar branch: most have none)
@@ -144,3 +147,156 @@ def decode(code: FixedRate, out: torch.Tensor, *, num_warps: int = 4) -> None:
         _decode_kernel[(triton.cdiv(code.count, code.block),)](code.table, code.sm, code.codes, escapes,
                                                                code.starts, out.view(torch.int16), code.count,
                                                                BLOCK=code.block, num_warps=num_warps)
+
+
+# ---- a layer's rows: the batched code the paging tier keeps (esftctl.runtime.paging.tiers.FixedTier) ----------
+#
+# One code per expert row of a tensor (w13 row [2I, H], w2 row [H, I]), all rows of a tensor in regular arrays, so
+# a decode is one launch over a (blocks per row, rows) grid with no descriptor table, and a program whose row the
+# step does not need (or that the host tier delivers: at/after `first_host`) ends at once. A DeepSeek-V2-Lite
+# layer's w13 is 64 rows of 5.8M values: 5.6K blocks a row, 16 escapes a row at most in practice.
+
+ENCODE_ROWS_AT_ONCE = 8  # rows encoded together: bounds the temporaries
+ENCODE_BYTES_PER_VALUE = 40  # temporaries per value of those rows (int32 and int64 work): 1.9 GB for 8 w13 rows
+
+
+@dataclass(frozen=True)
+class FixedRows:
+    count: int  # values per row
+    block: int  # values per decode program and escape count: a power of two
+    table: torch.Tensor  # uint8 [rows, 16]
+    sm: torch.Tensor  # uint8 [rows, count]
+    codes: torch.Tensor  # uint8 [rows, ceil(count / 2)]
+    escapes: torch.Tensor  # uint8 [escapes], every row's in row order
+    base: torch.Tensor  # int64 [rows]: where a row's escapes start in `escapes`
+    starts: torch.Tensor  # int32 [rows, blocks + 1]: escapes of the row before each block (the row's total last)
+
+    @property
+    def rows(self) -> int:
+        return self.sm.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.table, self.sm, self.codes, self.escapes, self.base, self.starts)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def row(self, r: int) -> FixedRate:
+        """Row r as a single code (for the references and `check`)."""
+        n = int(self.starts[r, -1])
+        at = int(self.base[r])
+        return FixedRate(self.count, self.block, self.table[r], self.sm[r], self.codes[r],
+                         self.escapes[at:at + n], self.starts[r])
+
+    def check(self) -> None:
+        """ValueError unless every read of the batched decoder stays inside these buffers."""
+        rows, blocks = self.rows, -(-self.count // self.block)
+        shapes = {"table": (self.table, (rows, 16), torch.uint8), "sm": (self.sm, (rows, self.count), torch.uint8),
+                  "codes": (self.codes, (rows, -(-self.count // 2)), torch.uint8),
+                  "base": (self.base, (rows,), torch.int64), "starts": (self.starts, (rows, blocks + 1), torch.int32)}
+        for name, (t, shape, dtype) in shapes.items():
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"fixed-rate rows {name}: {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}")
+        totals = self.starts[:, -1].cpu().long()
+        want = torch.cat([torch.zeros(1, dtype=torch.long), totals.cumsum(0)])
+        if not torch.equal(self.base.cpu(), want[:-1]) or int(want[-1]) != self.escapes.numel():
+            raise ValueError("fixed-rate rows: escape bases do not match the rows' escape counts")
+        for r in range(rows):
+            self.row(r).check()
+
+
+def _encode_chunk(bits: torch.Tensor, block: int):
+    """The codes of a few rows at once ([r, n] int32 bf16 bits), with torch ops on their device."""
+    r, n = bits.shape
+    exps = (bits >> 7) & 0xFF
+    counts = torch.zeros(r, 256, dtype=torch.int64, device=bits.device).scatter_add_(
+        1, exps.long(), torch.ones_like(exps, dtype=torch.int64))
+    order = torch.argsort(counts, dim=1, descending=True, stable=True)[:, :ESCAPE]  # ties by exponent, as `encode`
+    code_of = torch.full((r, 256), ESCAPE, dtype=torch.int32, device=bits.device)
+    code_of.scatter_(1, order, torch.arange(ESCAPE, dtype=torch.int32, device=bits.device).expand(r, ESCAPE))
+    codes = torch.gather(code_of, 1, exps.long())
+    escaped = codes == ESCAPE
+    padded = torch.nn.functional.pad(codes, (0, n % 2))
+    packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).to(torch.uint8)
+    blocks = -(-n // block)
+    per_block = torch.nn.functional.pad(escaped.to(torch.int32), (0, blocks * block - n)).view(r, blocks, block).sum(2)
+    starts = torch.nn.functional.pad(per_block.cumsum(1), (1, 0)).to(torch.int32)
+    table = torch.nn.functional.pad(order.to(torch.uint8), (0, 1))
+    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    return table, sm, packed, exps[escaped].to(torch.uint8), starts
+
+
+def encode_rows(values: torch.Tensor, *, block: int = BLOCK, rows_at_once: int = ENCODE_ROWS_AT_ONCE) -> FixedRows:
+    """The fixed-rate code of each row of a bf16 tensor ([rows, ...]: each row flattened), on its own device (the
+    GPU at serving start-up): row r's code is `encode(values[r])`'s."""
+    if values.dtype != torch.bfloat16 or values.dim() < 1:
+        raise ValueError(f"fixed-rate codes take bf16 rows, not {values.dtype} {tuple(values.shape)}")
+    if block < 2 or block & (block - 1):
+        raise ValueError(f"fixed-rate block of {block!r} values: a power of two")
+    flat = values.detach().reshape(values.shape[0], -1)
+    parts = [_encode_chunk(flat[r:r + rows_at_once].view(torch.int16).to(torch.int32) & 0xFFFF, block)
+             for r in range(0, flat.shape[0], rows_at_once)]
+    table, sm, codes, escapes, starts = (torch.cat([p[k] for p in parts]) if parts else None for k in range(5))
+    if not parts:
+        raise ValueError("fixed-rate codes need at least one row")
+    base = torch.nn.functional.pad(starts[:, -1].long().cumsum(0), (1, 0))[:-1].contiguous()
+    return FixedRows(flat.shape[1], block, table, sm, codes, escapes, base, starts)
+
+
+def decode_rows_reference(code: FixedRows, rows) -> torch.Tensor:
+    """The given rows' bf16 values ([len(rows), count]), in plain PyTorch."""
+    out = [decode_reference(code.row(r).to("cpu")) for r in rows]
+    return torch.stack(out) if out else torch.empty(0, code.count, dtype=torch.bfloat16)
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_rows_kernel(table_ptr, sm_ptr, codes_ptr, escapes_ptr, base_ptr, starts_ptr, out_ptr, out_stride,
+                            needed_ptr, first_host_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(1).to(tl.int64)
+        # Paging: only rows this step needs, below the host tier's first row; the others' programs end here.
+        if (tl.load(needed_ptr + row) != 0) & (row < tl.load(first_host_ptr)):
+            blk = tl.program_id(0)
+            blocks = (n + BLOCK - 1) // BLOCK
+            start = blk.to(tl.int64) * BLOCK
+            half = (n + 1) // 2
+            pairs = start // 2 + tl.arange(0, BLOCK // 2)
+            byte = tl.load(codes_ptr + row * half + pairs, mask=pairs < half, other=0).to(tl.int32)
+            code = tl.interleave(byte & 15, byte >> 4)
+            offsets = start + tl.arange(0, BLOCK)
+            ok = offsets < n
+            exp = tl.load(table_ptr + row * 16 + code).to(tl.int32)
+            starts = starts_ptr + row * (blocks + 1) + blk
+            first = tl.load(starts)
+            if tl.load(starts + 1) > first:  # this block has escapes
+                escaped = ok & (code == 15)
+                rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
+                at = tl.load(base_ptr + row) + first + rank
+                exp = tl.where(escaped, tl.load(escapes_ptr + at, mask=escaped, other=0).to(tl.int32), exp)
+            sm = tl.load(sm_ptr + row * n + offsets, mask=ok, other=0).to(tl.int32)
+            bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
+            tl.store(out_ptr + row * out_stride + offsets, bits.to(tl.int16), mask=ok)
+
+
+def decode_rows(code: FixedRows, out: torch.Tensor, needed: torch.Tensor | None = None,
+                first_host: torch.Tensor | None = None, *, num_warps: int = 4) -> None:
+    """Decode every row into `out` ([rows, ...] bf16 on the GPU, each row's `count` values contiguous), or (paging)
+    only rows r with needed[r] != 0 and r < first_host[0] (int32, read on the device: capturable, and a captured
+    launch follows their later values). The code must be on out's device and checked (`check`) once before."""
+    if triton is None:
+        raise RuntimeError("GPU decoding needs Triton")
+    rows = code.rows
+    if out.dtype != torch.bfloat16 or out.shape[0] != rows or out[0].numel() != code.count or \
+            not out[0].is_contiguous():
+        raise ValueError(f"decode into {rows} rows of {code.count} contiguous bf16 values")
+    if (needed is None) != (first_host is None):
+        raise ValueError("a masked decode needs both `needed` and `first_host`")
+    if needed is not None and (needed.dtype != torch.int32 or needed.numel() < rows or first_host.numel() != 1
+                               or first_host.dtype != torch.int32):
+        raise ValueError(f"`needed` must be int32 marks for at least {rows} rows, `first_host` one int32")
+    escapes = code.escapes if code.escapes.numel() else code.table  # a real address even with no escapes
+    if needed is None:  # every row: one kernel for both (a whole decode is no hot path)
+        needed = torch.ones(rows, dtype=torch.int32, device=out.device)
+        first_host = torch.full((1,), rows, dtype=torch.int32, device=out.device)
+    grid = (triton.cdiv(code.count, code.block), rows)
+    _decode_rows_kernel[grid](code.table, code.sm, code.codes, escapes, code.base, code.starts, out.view(torch.int16),
+                              out.stride(0), needed, first_host, code.count, BLOCK=code.block, num_warps=num_warps)

@@ -43,6 +43,7 @@ class VariantStatus:
 class PagingStatus:
     fetch: str  # how paged layers fetch: auto, routed (the rows a step routes to), layer (the next layer whole)
     store_experts: int  # base experts per paged layer from the Huffman store on the GPU (the compressed tier)
+    store_codec: str = ""  # the compressed tier's code: huffman (a store), fixed (encoded at start-up), "" (none)
     window_bytes: int  # device memory of the window's blocks
     resident_bytes: int  # device memory of the layers kept resident
     store_bytes: int  # device memory of the compressed tier (0 while no base expert comes from it)

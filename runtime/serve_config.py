@@ -42,6 +42,8 @@ class ServeSettings:
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
     paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
     paging_store: Path | None = None  # a Huffman store of the base: the GPU tier of paging
+    paging_codec: str | None = None  # the compressed GPU tier: huffman (the store's; default with paging_store),
+    # fixed (esftctl.kernels.fixed_rate: encoded from the loaded base at start-up, no store file), None: none
     store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
     paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
     paging_fetch: str = "auto"  # auto, routed (the rows a step routes to), layer (the next layer whole, ahead)
@@ -68,9 +70,10 @@ class ServeSettings:
         if self.quantum < 1:
             raise EsftError(f"--quantum {self.quantum}: give at least one engine step per turn")
         self._check_groups()
-        if self.variants is not None and self.paging_store is not None:
-            raise EsftError("--paging-store decodes the base's own experts, but with --variants the base rows hold "
-                            "the map's consolidated ones: page variants from host memory (--paging-window alone)")
+        if self.variants is not None and self.compressed_tier is not None:
+            what = "--paging-store decodes" if self.paging_store is not None else "--paging-codec fixed keeps"
+            raise EsftError(f"{what} the base's own experts, but with --variants the base rows hold the map's "
+                            "consolidated ones: page variants from host memory (--paging-window alone)")
         self._check_paging()
 
     def _check_groups(self) -> None:
@@ -81,16 +84,33 @@ class ServeSettings:
             raise EsftError("--group-adapters cannot be combined with --variants, whose steps already run one variant "
                             "each (--quantum)")
 
+    @property
+    def compressed_tier(self) -> str | None:
+        """The compressed GPU tier of paging: "huffman" (the store's), "fixed" (encoded at start-up), or None."""
+        return self.paging_codec or ("huffman" if self.paging_store is not None else None)
+
     def _check_paging(self) -> None:  # the window's range needs the base: the plan checks it
         if not self.paging_window and (self.paging_store is not None or self.store_experts is not None
-                                       or self.paging_adaptive):
-            raise EsftError("--paging-store, --store-experts and --paging-adaptive need --paging-window")
-        if self.store_experts is not None and self.paging_store is None:
-            raise EsftError("--store-experts needs --paging-store")
+                                       or self.paging_adaptive or self.paging_codec is not None):
+            raise EsftError("--paging-store, --paging-codec, --store-experts and --paging-adaptive need "
+                            "--paging-window")
+        self._check_codec()
+        if self.store_experts is not None and self.compressed_tier is None:
+            raise EsftError("--store-experts needs --paging-store STORE or --paging-codec fixed (a compressed tier)")
         if self.paging_fetch not in ("auto", "routed", "layer"):
             raise EsftError(f"--paging-fetch {self.paging_fetch}: choose auto, routed or layer")
         if self.paging_fetch != "auto" and not self.paging_window:
             raise EsftError("--paging-fetch needs --paging-window")
+
+    def _check_codec(self) -> None:
+        if self.paging_codec not in (None, "huffman", "fixed"):
+            raise EsftError(f"--paging-codec {self.paging_codec}: choose huffman (with --paging-store) or fixed")
+        if self.paging_codec == "fixed" and self.paging_store is not None:
+            raise EsftError("--paging-codec fixed encodes the base from the loaded weights and reads no store: drop "
+                            "--paging-store, or use --paging-codec huffman with it")
+        if self.paging_codec == "huffman" and self.paging_store is None:
+            raise EsftError("--paging-codec huffman decodes a store of the base: give --paging-store STORE "
+                            "(`esftctl compress BASE`), or use --paging-codec fixed, which needs none")
 
     def to_json(self) -> dict:
         """As the engine gets it: paths as text, and no API key (vLLM gets that in its own variable)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -104,3 +105,92 @@ def test_kernel_equals_the_reference_on_cuda(n):
     out = torch.full((n,), 7.0, dtype=torch.bfloat16, device="cuda")
     decode(code.to("cuda"), out)
     assert _same(out.cpu(), decode_reference(code)) and ESCAPE == 15
+
+
+# ---- a layer's rows (encode_rows, decode_rows): the paging tier's batched code ---------------------------------
+
+def _rows(rows: int, n: int, seed: int, spread: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, n, generator=g) * torch.exp2(torch.randint(-spread, spread, (rows, n), generator=g))
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,at_once", [(2 * BLOCK + 5, 2), (BLOCK, 8), (1, 3)])
+def test_batched_encode_is_the_reference_row_by_row(n, at_once):
+    from esftctl.kernels.fixed_rate import decode_rows_reference, encode_rows
+
+    w = _rows(5, n, n)
+    w[3] = (torch.randn(n) * 0.01).to(torch.bfloat16)  # few exponents: no escapes in this row
+    code = encode_rows(w.view(5, 1, n), rows_at_once=at_once)
+    code.check()
+    for r in range(5):
+        want, got = encode(w[r]), code.row(r)
+        for field in ("table", "sm", "codes", "escapes", "starts"):
+            assert torch.equal(getattr(want, field), getattr(got, field)), (r, field)
+    assert _same(decode_rows_reference(code, range(5)), w)
+    assert code.nbytes == sum(encode(w[r]).nbytes for r in range(5)) + 8 * 5  # + the escape bases
+
+
+def test_batched_check_refuses_bases_that_do_not_add_up():
+    from esftctl.kernels.fixed_rate import encode_rows
+
+    code = encode_rows(_rows(3, BLOCK + 3, 4, spread=40))
+    assert int(code.starts[0, -1]) > 0
+    with pytest.raises(ValueError, match="fixed-rate rows"):
+        replace(code, base=code.base + 1).check()
+    with pytest.raises(ValueError, match="fixed-rate rows starts"):
+        replace(code, starts=code.starts[:, :-1].contiguous()).check()
+    with pytest.raises(ValueError, match="bf16 rows"):
+        encode_rows(_rows(2, 4, 1).float())
+
+
+INTERPRETED_ROWS = """
+import torch
+from esftctl.kernels.fixed_rate import BLOCK, decode_rows, decode_rows_reference, encode_rows
+g = torch.Generator().manual_seed(1)
+w = (torch.randn(5, 2 * BLOCK + 5, generator=g) * torch.exp2(torch.randint(-12, 12, (5, 2 * BLOCK + 5), generator=g)))
+w = w.to(torch.bfloat16)
+code = encode_rows(w, rows_at_once=2)
+code.check()
+assert code.escapes.numel() > 0
+out = torch.full((7, 2 * BLOCK + 5), 7.0, dtype=torch.bfloat16)  # rows past the code's are never written
+needed = torch.tensor([1, 0, 1, 1, 1, 1, 1], dtype=torch.int32)
+decode_rows(code, out[:5], needed, torch.tensor([3], dtype=torch.int32))
+for r in range(7):
+    want = w[r] if r in (0, 2) else torch.full_like(w[0], 7.0)
+    assert torch.equal(out[r].view(torch.int16), want.view(torch.int16)), r
+decode_rows(code, out[:5])
+assert torch.equal(out[:5].view(torch.int16), decode_rows_reference(code, range(5)).view(torch.int16))
+print("ok")
+"""
+
+
+def test_batched_masked_kernel_in_the_interpreter():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs the kernel itself (test_batched_kernel_on_cuda)")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED_ROWS], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [1, BLOCK, 5 * BLOCK + 1001])
+def test_batched_kernel_on_cuda(n):
+    from esftctl.kernels.fixed_rate import decode_rows, decode_rows_reference, encode_rows
+
+    w = _rows(6, n, n, spread=10)
+    code = encode_rows(w.cuda())  # the GPU encoder: the same code as the CPU one
+    code.check()
+    cpu = encode_rows(w)
+    assert all(torch.equal(getattr(code, f).cpu(), getattr(cpu, f)) for f in ("table", "sm", "codes", "escapes",
+                                                                               "base", "starts"))
+    out = torch.full((6, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    needed = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int32, device="cuda")
+    decode_rows(code, out, needed, torch.tensor([4], dtype=torch.int32, device="cuda"))
+    ref = decode_rows_reference(code, range(6))
+    for r in range(6):
+        assert _same(out[r].cpu(), ref[r] if r in (0, 1, 3) else torch.full((n,), 7.0, dtype=torch.bfloat16)), r
+    decode_rows(code, out)
+    assert _same(out.cpu(), w)

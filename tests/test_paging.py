@@ -24,7 +24,7 @@ from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency, ResidencyPlanner
-from esftctl.runtime.paging.tiers import StoreTier
+from esftctl.runtime.paging.tiers import FixedTier, StoreTier
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, H, I, TOP_K, LAYERS = 8, 64, 32, 2, 6
@@ -86,8 +86,8 @@ class Stack:
             layer.load_base_rows(w["w13"].to(device), w["w2"].to(device))
             layer.keep_host_copy()
             self.layers[l] = layer
-        tier = None
-        if store is not None:
+        tier = FixedTier() if store == "fixed" else None  # encoded from the rows as loaded, before paging
+        if store is not None and store != "fixed":
             tier = StoreTier(store, {l: [{k: f"{l}.{e}.{k}" for k in ("gate", "up", "down")} for e in range(E)]
                                      for l in self.layers})
         self.pager = PagedExperts(self.layers, window=window, make_space=self.make_space, top_k=TOP_K, store=tier,

@@ -256,6 +256,28 @@ def test_paged_experts_serve_the_same_answers(deepseek, world):
         assert "experts on the device now" in console.file.getvalue()
 
 
+def test_fixed_rate_tier_serves_the_same_answers(deepseek, world):
+    """`--paging-window 1 --paging-codec fixed`: every base expert of the paged layers encoded at start-up from
+    the loaded weights and decoded from the GPU tier (on vLLM's CPU build too: it encodes the engine's own
+    layout), the adapters' rows from host copies; no store file."""
+    experts = MoECheckpoint(world.base_dir).num_experts
+    serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in deepseek["bundles"].items()], name="base",
+                      port=free_port(), state_dir=deepseek["tmp"] / "state_fixed", vllm_args=ENGINE_ARGS,
+                      paging_window=1, paging_codec="fixed", store_experts=experts)
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
+        time.sleep(1.5)  # the engine rewrites its status at most once a second, at the start of a step
+        complete(serve_plan.url, "base", deepseek["prompts"][0])
+        s = status(serve_plan.url)
+        assert s["paging_store_codec"] == "fixed" and s["paging_store_experts"] == experts
+        assert 0.7 * s["base_expert_bytes"] < s["paging_store_bytes"] < 0.8 * s["base_expert_bytes"]
+        assert s["paging_fetches"] > 3 * len(s["moe_layers"])
+        console = Console(file=io.StringIO(), width=200)
+        console.print(status_table(s))
+        assert "fixed-rate, " in console.file.getvalue()
+
+
 @pytest.mark.gpu
 def test_store_tier_served_exactly(deepseek, world):
     """`--paging-window 1 --paging-store`: half of every layer's base experts decoded from a Huffman store of

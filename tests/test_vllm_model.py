@@ -252,6 +252,29 @@ def test_store_tier_refuses_an_engine_layout_it_cannot_write(tiny_models, tmp_pa
                   paging_store=ExpertStore(tmp_path / "store"))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("store_experts", [3, None])  # None: split by the tiers' measured speeds
+def test_fixed_rate_tier_pages_the_same_answers(tiny_models, device, store_experts):
+    """`--paging-codec fixed`: base experts encoded at start-up from the rows the engine loaded (in its own layout:
+    on vLLM's CPU build too, where the Huffman store is refused), no store file; adapters and planner as above."""
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=40 + k, experts_per_layer=2 + k, scale=4.0) for k in range(2)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=64, paging_window=1,
+                        fixed_tier=True, store_experts=store_experts, adaptive=True)
+    runtime.residency.every = 1
+    assert runtime.pager.codec == "fixed" and runtime.pager.store.nbytes > 0
+    split = runtime.pager.store_rows
+    assert split == 3 if store_experts else 0 <= split <= ckpt.num_experts
+    if store_experts is None:
+        runtime.pager.set_store_rows(ckpt.num_experts)  # every base expert from the codes
+    slots = {name: runtime.slots.load(name, experts) for name, experts in adapters.items()}
+    for seed in range(2):
+        runtime.pager.step()
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=seed)
+    runtime.pager.close()
+
+
 @pytest.mark.gpu
 def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])

@@ -30,7 +30,7 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.runtime.address_space import AddressSpace
-from esftctl.runtime.paging.tiers import LayerTiers, StoreTier
+from esftctl.runtime.paging.tiers import FixedTier, LayerTiers, StoreTier
 from esftctl.runtime.paging.timing import LayerTimes
 from esftctl.runtime.paging.window import Window
 
@@ -44,11 +44,12 @@ ALONE_PROGRAMS = 64  # before this layer's kernel, nothing to share the SMs with
 
 class PagedExperts:
     def __init__(self, layers: Mapping[int, object], *, window: int, make_space: Callable[[int], AddressSpace],
-                 top_k: int, order: Sequence[int] | None = None, store: StoreTier | None = None, fetch: str = "auto",
-                 resident: Sequence[int] = ()):
+                 top_k: int, order: Sequence[int] | None = None, store: StoreTier | FixedTier | None = None,
+                 fetch: str = "auto", resident: Sequence[int] = ()):
         """`layers`: index -> VirtualMoELayer with host copies (keep_host_copy); `order`: the forward's order of
         the layers (default: by index); `make_space` reserves ranges for the window's blocks; `top_k`: experts
-        per token (for `auto`); `resident` layers keep memory of their own."""
+        per token (for `auto`); `resident` layers keep memory of their own; `store` the compressed GPU tier (a
+        FixedTier encodes every layer's base rows here, before any is paged out)."""
         if window < 1:
             raise EsftError("the paging window needs at least one block")
         if fetch not in FETCH_MODES:
@@ -150,6 +151,13 @@ class PagedExperts:
             raise EsftError("these layers have no store tier")
         for tiers in self.tiers.values():
             tiers.set_store_rows(rows)
+
+    @property
+    def codec(self) -> str | None:
+        """The compressed tier's code: "huffman", "fixed" or None."""
+        if self.store is None:
+            return None
+        return "fixed" if isinstance(self.store, FixedTier) else "huffman"
 
     @property
     def store_rows(self) -> int:

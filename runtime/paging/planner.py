@@ -44,7 +44,8 @@ class ResidencyPlanner:
     loads show, so one more layer stays resident, but never beyond `max_resident` (what the memory left
     after the KV cache's share can hold). Between 0.9 and 1 nothing changes, so it does not oscillate.
 
-    `store_experts` picks the tiers: the store's decoder shares the GPU's SMs with the layer it overlaps
+    `store_experts` picks the tiers (either compressed tier: the Huffman store or the fixed-rate codes, whose
+    decoders both run masked beside the host copies): the decoder shares the GPU's SMs with the layer it overlaps
     (measured: ~5% of a large prefill's time on an H100), so it is used only while host copies alone would
     show (rho of the host tier below 1), and then with the bandwidth split.
     """

@@ -7,8 +7,15 @@ layer in two thirds of their memory and moves nothing over the bus). Both decide
 from the step's routed ids or every row, and read their settings there (`active`, `store_rows`), so the launches
 are the same every step and CUDA graphs captured once stay right when the planner changes either.
 
+A second compressed GPU tier needs no store file (`FixedTier`, `serve --paging-codec fixed`): every paged layer's
+base rows are encoded at start-up from the weights the engine loaded, on its device, in esftctl.kernels.fixed_rate's
+fixed-rate code (75.1% of bf16 against Huffman's 67.7%, but a whole DeepSeek-V2-Lite layer decodes in 0.726 ms on
+an H100, 89% of the bandwidth bound, against Huffman's 1.045 ms at 59%). Its decode is one masked launch per tensor,
+reading the same `needed` marks and `first_host` boundary as the Huffman plan. It keeps the engine's own layout
+(it encodes the rows as they are), so unlike the Huffman store it serves vLLM's CPU build too.
+
 On the CPU (vLLM's CPU build, and the tests) the same decisions run in plain PyTorch on the host
-(esftctl.kernels.row_fetch's references, the store's CPU decoder).
+(esftctl.kernels.row_fetch's references, the store's CPU decoder, the fixed-rate reference decoder).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from esftctl.kernels.fixed_rate import FixedRows, decode_rows, decode_rows_reference, encode_rows
 from esftctl.kernels.row_fetch import RowFetch, fetch_rows_reference, mark_rows_reference
 
 
@@ -46,20 +54,58 @@ class StoreTier:
         return int(self.store.header["data_bytes"])
 
 
+class FixedTier:
+    """Fixed-rate codes of every paged layer's base rows, made from the layer's own rows on its device (before
+    they are paged out) and kept there: no store file, nothing untrusted read."""
+
+    def __init__(self):
+        self.codes: dict[int, tuple[FixedRows, FixedRows]] = {}
+
+    def encode(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int) -> "FixedPlan":
+        """Encode base rows [0, num_experts) of a layer's tensors as they hold now; the plan decoding them back."""
+        codes = (encode_rows(w13[:num_experts]), encode_rows(w2[:num_experts]))
+        self.codes[layer] = codes
+        return FixedPlan(codes, (w13[:num_experts], w2[:num_experts]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for pair in self.codes.values() for c in pair)
+
+
+class FixedPlan:
+    """A layer's fixed-rate decode into its rows: `run(needed, first_host)` as DecodePlan's (CUDA: two masked
+    launches, capturable), `decode_row(row)` the CPU reference."""
+
+    def __init__(self, codes: tuple[FixedRows, FixedRows], outs: tuple[torch.Tensor, torch.Tensor]):
+        self.codes, self.outs = codes, outs
+
+    def run(self, needed: torch.Tensor, first_host: torch.Tensor) -> None:
+        for code, out in zip(self.codes, self.outs):
+            decode_rows(code, out, needed, first_host)
+
+    def decode_row(self, row: int) -> None:
+        for code, out in zip(self.codes, self.outs):
+            out[row].copy_(decode_rows_reference(code, [row])[0].view(out[row].shape))
+
+
 class LayerTiers:
     """One paged layer's tiers and its fetch. `layer` gives its rows (w13, w2 virtual tensors at fixed addresses),
     `held_rows()` and `host_row(row)` (pinned host copies)."""
 
-    def __init__(self, index: int, layer, *, store: StoreTier | None = None, decode_stream=None):
-        """`decode_stream` (CUDA, with a store): where the decoder runs beside the host tier's copies."""
+    def __init__(self, index: int, layer, *, store: StoreTier | FixedTier | None = None, decode_stream=None):
+        """`decode_stream` (CUDA, with a store): where the decoder runs beside the host tier's copies. A FixedTier
+        encodes the layer's base rows now, from what they hold: build it before the layer is paged out."""
         self.index, self.layer, self.decode_stream = index, layer, decode_stream
         self.num_experts = layer.num_experts
         w13, w2 = layer.w13.tensor, layer.w2.tensor
         self.cuda = w13.device.type == "cuda"
         self.store_rows = 0  # base rows [0, store_rows) from the store, the rest from host copies
         self.active = True  # False: the layer is resident and fetches nothing
-        targets = store.targets(index, w13, w2) if store is not None else []
         self.has_store = store is not None
+        if isinstance(store, FixedTier):
+            self._init_fixed(store.encode(index, w13, w2, self.num_experts))
+            return
+        targets = store.targets(index, w13, w2) if store is not None else []
         if self.cuda:
             self.fetcher = RowFetch(w13, w2)
             self.plan = store.store.plan([(n, t) for _, n, t in targets], rows=[e for e, _, _ in targets]) \
@@ -70,8 +116,18 @@ class LayerTiers:
             self.store_targets: dict[int, list[tuple[str, torch.Tensor]]] = {}
             for e, name, t in targets:
                 self.store_targets.setdefault(e, []).append((name, t))
-            self.decode = store.store.decode_tensor if store is not None else None
+            decode = store.store.decode_tensor if store is not None else None
+            self.decode_row = lambda row: [decode(name, out) for name, out in self.store_targets[row]]
             self.fetched_rows, self.marks = 0, 0
+        self.refresh()
+
+    def _init_fixed(self, plan: FixedPlan) -> None:
+        if self.cuda:
+            self.fetcher, self.plan = RowFetch(self.layer.w13.tensor, self.layer.w2.tensor), plan
+        else:
+            self.needed = torch.zeros(self.layer.w13.tensor.shape[0], dtype=torch.int32)
+            self.segments, self.fetched_rows, self.marks = {}, 0, 0
+            self.decode_row = plan.decode_row
         self.refresh()
 
     def refresh(self) -> None:
@@ -119,8 +175,7 @@ class LayerTiers:
         fetch_rows_reference(rows, self.store_rows, self.segments)
         for row in rows:
             if row < self.store_rows:
-                for name, out in self.store_targets[row]:
-                    self.decode(name, out)
+                self.decode_row(row)
         self.fetched_rows += len(rows)
         self.marks += int(self.active)
 

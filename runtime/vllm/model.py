@@ -36,13 +36,14 @@ import torch
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.formats.store import ExpertStore, missing_base_experts
+from esftctl.kernels.fixed_rate import ENCODE_BYTES_PER_VALUE, ENCODE_ROWS_AT_ONCE
 from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency
-from esftctl.runtime.paging.tiers import StoreTier, tier_split
+from esftctl.runtime.paging.tiers import FixedTier, StoreTier, tier_split
 from esftctl.runtime.vllm.moe import (
     EngineMoELayer,
     check_rows,
@@ -138,12 +139,15 @@ class EsftModel:
 
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, *, num_slots: int, experts_per_slot: int,
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
-                 paging_store: ExpertStore | None = None, store_experts: int | None = None, adaptive: bool = False,
-                 paging_fetch: str = "auto", base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
+                 paging_store: ExpertStore | None = None, fixed_tier: bool = False, store_experts: int | None = None,
+                 adaptive: bool = False, paging_fetch: str = "auto",
+                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
         """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
         reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
         layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
-        `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `adaptive`
+        `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `fixed_tier`
+        instead encodes every layer's base experts at start-up, from the loaded weights, in a fixed-rate code kept
+        on the device (esftctl.runtime.paging.tiers.FixedTier: no store); `adaptive`
         lets the residency planner keep layers resident while loads show; `paging_fetch` how paged layers fetch
         (esftctl.runtime.paging.pager: auto, routed, layer); `base_rows` ({layer: {expert:
         weights}}) replaces base experts (consolidated variants: esftctl.variants) before anything is paged."""
@@ -163,8 +167,9 @@ class EsftModel:
         self.slots = AdapterSlots(self.layers, budget=adapter_budget)
         self.pager, self.residency = None, None
         if paging_window:
-            self.pager = self._page_experts(engine_layers, paging_window, base, paging_store, store_experts,
-                                            paging_fetch)
+            tier = self._store_tier(base, paging_store) if paging_store is not None else \
+                self._fixed_tier() if fixed_tier else None
+            self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
             if adaptive:
                 self.residency = AdaptiveResidency(self.pager,
                                                    lambda: max(l.held_bytes() for l in self.layers.values()))
@@ -207,8 +212,8 @@ class EsftModel:
         self.pool.reserve(pages)
         return pages * page
 
-    def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int, base: MoECheckpoint,
-                      store: ExpertStore | None, store_experts: int | None, fetch: str) -> PagedExperts:
+    def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int,
+                      tier: StoreTier | FixedTier | None, store_experts: int | None, fetch: str) -> PagedExperts:
         """Keep every layer's rows in host memory and let the layers share `window` blocks of device memory."""
         if any(layer.expert_map is not None for layer in self.layers.values()):
             raise EsftError("paging is not supported under expert parallelism yet (a rank's rows are its own "
@@ -218,7 +223,6 @@ class EsftModel:
             raise EsftError(f"layer {custom[0]}: this model builds its experts with its own class "
                             f"({type(engine_layers[custom[0]].experts).__name__}), which esftctl's pager cannot "
                             "bracket; serve it without --paging-window")
-        tier = self._store_tier(base, store) if store is not None else None
         for layer in self.layers.values():
             layer.keep_host_copy()  # copied to host memory before it returns, so the rows can be given back
         first = next(iter(engine_layers.values())).experts
@@ -227,7 +231,7 @@ class EsftModel:
         every = list(self.layers) if window >= len(self.layers) else ()
         pager = PagedExperts(self.layers, window=window, make_space=self._make_space, top_k=first.top_k,
                              store=tier, fetch=fetch, resident=every)
-        if store is not None:
+        if tier is not None:
             pager.set_store_rows(store_experts if store_experts is not None else self._measured_split(pager))
         for index, engine in engine_layers.items():
             engine.experts.esft_paging = (pager, index)
@@ -255,6 +259,20 @@ class EsftModel:
                                 "(no --paging-store)", store.path)
         return StoreTier(store, {i: [base.expert_tensor_names(i, e) for e in range(l.num_experts)]
                                  for i, l in self.layers.items()})
+
+    def _fixed_tier(self) -> FixedTier:
+        """The fixed-rate tier, once its codes fit: about 0.752 of the base experts' bf16 bytes, plus the encoder's
+        temporaries (ENCODE_ROWS_AT_ONCE w13 rows at ENCODE_BYTES_PER_VALUE, freed after)."""
+        if self.device.type == "cuda":
+            layer = next(iter(self.layers.values()))
+            need = int(0.76 * layer.num_experts * layer.expert_bytes * len(self.layers))
+            need += ENCODE_BYTES_PER_VALUE * ENCODE_ROWS_AT_ONCE * layer.expert_bytes // 3  # a w13 row: 2/3 of 2 B
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if need > free:
+                raise EsftError(f"the fixed-rate tier needs about {format_bytes(need)} of GPU memory and "
+                                f"{format_bytes(free)} are free after loading the model; page from host memory only "
+                                "(no --paging-codec)")
+        return FixedTier()
 
     def _measured_split(self, pager: PagedExperts) -> int:
         """How many base experts a layer takes from the store: both tiers timed once on the first layer."""

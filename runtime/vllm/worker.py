@@ -75,9 +75,10 @@ class EsftWorkerManager:
     def create_lora_manager(self, model, vllm_config=None):
         check_engine(self.vllm_config)
         config, settings, scheduler = self.config, self.config.settings, self.vllm_config.scheduler_config
-        if self.rank[1] > 1 and (settings.paging_store or settings.variants):
-            raise EsftError(f"{'--paging-store' if settings.paging_store else '--variants'} is not supported under "
-                            "tensor or expert parallelism yet (the store decodes whole experts; variants' non-expert "
+        if self.rank[1] > 1 and (settings.compressed_tier or settings.variants):
+            what = f"--paging-codec {settings.compressed_tier}" if settings.compressed_tier else "--variants"
+            raise EsftError(f"{what} is not supported under tensor or expert parallelism yet (the store decodes whole "
+                            "experts, the fixed-rate tier is untested on a rank's shards; variants' non-expert "
                             "weights are not split per rank); serve on one GPU, or page from host memory only")
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
         store = ExpertStore(settings.paging_store) if settings.paging_store else None
@@ -91,6 +92,7 @@ class EsftWorkerManager:
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=settings.paging_window, paging_store=store,
+                                 fixed_tier=settings.compressed_tier == "fixed",
                                  store_experts=settings.store_experts, adaptive=settings.paging_adaptive,
                                  paging_fetch=settings.paging_fetch,
                                  base_rows=self.variants.base_rows() if self.variants else None)
@@ -323,7 +325,8 @@ class EsftWorkerManager:
         held = sum(l.held_bytes() for l in self.runtime.layers.values())
         freed = max(0, held - sum(device.values()))
         per_token = kv_bytes_per_token(self.vllm_config)
-        return PagingStatus(fetch=pager.fetch_mode, store_experts=pager.store_rows, window_bytes=device["window"],
+        return PagingStatus(fetch=pager.fetch_mode, store_experts=pager.store_rows, store_codec=pager.codec or "",
+                            window_bytes=device["window"],
                             resident_bytes=device["resident"], store_bytes=device["store"], host_bytes=held,
                             freed_bytes=freed, freed_kv_tokens=freed // per_token if per_token else None,
                             held_rows=max(len(l.held_rows()) for l in self.runtime.layers.values()),
