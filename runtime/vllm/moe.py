@@ -164,7 +164,7 @@ def check_supported(layer: EngineMoELayer) -> None:
     if getattr(experts.expert_map_manager, "num_fused_shared_experts", 0):
         raise EsftError(f"{where}: shared experts fused into the routed ones take the rows adapters use; turn "
                         "shared-expert fusion off (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
-    if expert_biases(layer):
+    if any(getattr(experts, n, None) is not None for n in BIASES):
         check_biases(layer)
     if getattr(layer.router, "zero_expert_type", None) is not None:
         raise EsftError(f"{where}: zero-expert routing (ids past the experts mean none) is not supported")
@@ -232,7 +232,8 @@ def _set_config_tensors(layer: EngineMoELayer, names: tuple[str, str], field: st
 
 
 def expert_biases(layer: EngineMoELayer) -> tuple[torch.Tensor, ...]:
-    """The layer's expert biases (w13's [E, 2I], w2's [E, H]) as the kernel reads them; () for experts without."""
+    """The layer's expert biases (w13's [E, 2I], w2's [E, H]) as the kernel reads them; () for experts without
+    (a layer with one of them only is refused first: `check_biases`)."""
     if getattr(layer.experts, BIASES[0], None) is None:
         return ()
     return tuple(getattr(layer.experts, n).data for n in BIASES)
