@@ -205,10 +205,6 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
             raise EsftError("--adapter-root: not a folder", settings.adapter_root)
     vset = VariantSet.open(settings.variants, settings.variant_names) if settings.variants is not None else None
     base = vset.home if vset is not None else MoECheckpoint(settings.base, fp8=True)
-    if EXPERT_BIASES[0] in base.arch.expert_weights:
-        raise EsftError(f"serving {base.arch.name} with adapters is not supported yet: vLLM keeps its experts with "
-                        "bias rows and gate/up interleaved, which esftctl's adapter rows do not extend; serve a "
-                        "merged model (`esftctl merge`) with plain vLLM", base.path)
     adapters = parse_adapters(settings.adapters)
     name = vset.names[0] if vset is not None else check_name(settings.name or base.path.resolve().name,
                                                              "served model")
@@ -309,6 +305,9 @@ def _check_paging(settings: ServeSettings, base: MoECheckpoint) -> ServeSettings
     if window and base.fp8 is not None:
         raise EsftError("--paging-window with an FP8 base is not supported yet (the pager moves weight rows, not their "
                         "block scales); serve it resident", base.path)
+    if window and EXPERT_BIASES[0] in base.arch.expert_weights:
+        raise EsftError(f"--paging-window with {base.arch.name} is not supported yet (the pager moves weight rows, not "
+                        "the experts' biases); serve it resident", base.path)
     if count is not None and not 0 <= count <= base.num_experts:
         raise EsftError(f"--store-experts {count}: choose 0..{base.num_experts} (the base's experts per layer)")
     if store is None:

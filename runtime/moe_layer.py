@@ -18,6 +18,10 @@ same expert row as the weights. The layout then names their row shapes too (`sca
 them as two more virtual tensors (`scales`) whose rows are mapped, written, checksummed and released with the
 weights' rows: every row a token is rerouted to holds both an expert's weights and its scales.
 
+Experts with biases (GPT-OSS: w13's [rows, 2I], w2's [rows, H], in the weights' dtype) are the same idea: the layout
+names their row shapes (`bias_rows`), the layer keeps them as two more virtual tensors (`biases`), and they are
+mapped, written, staged, checksummed and released with the weights' rows.
+
 Under expert parallelism a rank holds only its own experts (vLLM's `expert_map`: global expert -> this rank's
 row, -1 where another rank holds it). Row numbers stay global (the table's, the ones tokens are rerouted to),
 and the layer keeps its tensors in local rows: the rank's base experts, then the adapter area. Every rank
@@ -72,14 +76,16 @@ def row_checksums(*parts: torch.Tensor) -> torch.Tensor:
 
 
 def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, ...]:
-    """Checkpoint experts as fused host tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], and for FP8
-    experts their scales stacked alike (gate's over up's, then down's), each part copied once; `pin`: in pinned
-    memory, from which copies to a GPU run at full speed and asynchronously."""
-    pairs = [("gate", "up", "down")] + ([("gate_scale", "up_scale", "down_scale")] if experts[0].gate_scale is not None
-                                        else [])
+    """Checkpoint experts as fused host tensors: w13 [n, 2I, H] (gate over up) and w2 [n, H, I], then for FP8
+    experts their scales stacked alike (gate's over up's, then down's), and for experts with biases those (w13's
+    [n, 2I], w2's [n, H]), each part copied once; `pin`: in pinned memory, from which copies to a GPU run at full
+    speed and asynchronously."""
+    first = experts[0]
+    pairs = [("gate", "up", "down")]
+    pairs += [("gate_scale", "up_scale", "down_scale")] if first.gate_scale is not None else []
+    pairs += [("gate_bias", "up_bias", "down_bias")] if first.gate_bias is not None else []
     out: list[torch.Tensor] = []
     for gate, up, down in pairs:
-        first = experts[0]
         rows = getattr(first, gate).shape[0]
         w13 = torch.empty(len(experts), 2 * rows, *getattr(first, gate).shape[1:], dtype=getattr(first, gate).dtype,
                           pin_memory=pin)
@@ -95,22 +101,27 @@ def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[
 @dataclass(frozen=True)
 class ExpertLayout:
     """How an engine stores experts: row shapes of w13 and w2 (and, for FP8 experts, of their float32 scales:
-    `scale_rows`), and the conversion from stacked checkpoint parts (`stack_experts`) to such rows. The default is
-    the checkpoint layout itself."""
+    `scale_rows`; for experts with biases, of those: `bias_rows`), and the conversion from stacked checkpoint parts
+    (`stack_experts`) to such rows. The default is the checkpoint layout itself."""
 
     w13_row: tuple[int, ...]
     w2_row: tuple[int, ...]
     convert: Callable[..., tuple[torch.Tensor, ...]] = lambda *parts: parts
     scale_rows: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    bias_rows: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @classmethod
-    def plain(cls, hidden_size: int, intermediate_size: int, block: tuple[int, int] | None = None) -> "ExpertLayout":
-        """The checkpoint's layout; `block`: FP8 experts with scales per block of that many values."""
+    def plain(cls, hidden_size: int, intermediate_size: int, block: tuple[int, int] | None = None,
+              biases: bool = False) -> "ExpertLayout":
+        """The checkpoint's layout; `block`: FP8 experts with scales per block of that many values; `biases`:
+        experts with biases."""
         scales = None
         if block is not None:
             (bn, bk), h, i = block, hidden_size, intermediate_size
             scales = ((2 * -(-i // bn), -(-h // bk)), (-(-h // bn), -(-i // bk)))
-        return cls((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size), scale_rows=scales)
+        bias_rows = ((2 * intermediate_size,), (hidden_size,)) if biases else None
+        return cls((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size), scale_rows=scales,
+                   bias_rows=bias_rows)
 
 
 class VirtualMoELayer:
@@ -144,6 +155,9 @@ class VirtualMoELayer:
         # FP8 experts: their scales' rows, beside the weights' rows of the same numbers.
         self.scales = tuple(VirtualExpertTensor(make_space(local_rows * math.prod(shape) * 4), local_rows, shape,
                                                 torch.float32) for shape in self.layout.scale_rows or ())
+        # Experts with biases: their bias rows, in the weights' dtype.
+        self.biases = tuple(VirtualExpertTensor(make_space(local_rows * math.prod(shape) * dtype.itemsize), local_rows,
+                                                shape, dtype) for shape in self.layout.bias_rows or ())
         self.device = self.w13.space.device
         self.expert_map = None if expert_map is None else torch.cat([
             expert_map.to(self.device, torch.int32),
@@ -164,8 +178,9 @@ class VirtualMoELayer:
 
     @property
     def parts(self) -> tuple[VirtualExpertTensor, ...]:
-        """The virtual tensors whose rows are experts: w13, w2, and their scales for FP8 experts."""
-        return (self.w13, self.w2, *self.scales)
+        """The virtual tensors whose rows are experts: w13, w2, their scales for FP8 experts, their biases for
+        experts with biases."""
+        return (self.w13, self.w2, *self.scales, *self.biases)
 
     @property
     def expert_bytes(self) -> int:
@@ -202,9 +217,9 @@ class VirtualMoELayer:
         self.write_rows([rows[k] for k in held], *self.layout.convert(*stack_experts([experts[k] for k in held])))
 
     def write_rows(self, rows: Sequence[int], *parts: torch.Tensor) -> None:
-        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row], and for FP8 experts
-        their scales) into their (global) rows: the device rows unless the layer is paged out, and the host copy if
-        the layer keeps one. Rows another rank computes are left out."""
+        """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row], then for FP8 experts
+        their scales, for experts with biases those) into their (global) rows: the device rows unless the layer is
+        paged out, and the host copy if the layer keeps one. Rows another rank computes are left out."""
         if len(parts) != len(self.parts):
             raise ValueError(f"{len(parts)} parts given for experts of {len(self.parts)}")
         for k, row in enumerate(rows):
@@ -225,6 +240,8 @@ class VirtualMoELayer:
         """From now on keep every held row in host memory too."""
         if self.scales:
             raise EsftError("paging FP8 experts is not supported yet (their scale rows are not paged)")
+        if self.biases:
+            raise EsftError("paging experts with biases is not supported yet (their bias rows are not paged)")
         self.host = (self._host_empty(self.num_experts, *self.layout.w13_row),
                      self._host_empty(self.num_experts, *self.layout.w2_row))
         for row in self.held_rows():
@@ -294,7 +311,8 @@ class VirtualMoELayer:
 
     def load_base_rows(self, *parts: torch.Tensor) -> None:
         """Map the base rows and copy in base experts that are already in the layout (an engine's own tensors,
-        w13, w2 and for FP8 experts their scales: under expert parallelism, this rank's experts in its row order)."""
+        w13, w2, then for FP8 experts their scales, for experts with biases those: under expert parallelism, this
+        rank's experts in its row order)."""
         self._map(self.own_experts)
         self.write_rows(self.own_experts, *parts)
 
@@ -307,7 +325,7 @@ class VirtualMoELayer:
         and their row checksums (`row_checksums`, on the CPU) for `check_rows`. An engine's conversion may run on
         its device (vLLM's processing of the kernel layout): the checksums are taken there, and the rows come
         back to host memory, so that staged adapters never hold device memory outside the budget. Returns the
-        rows (w13, w2, and for FP8 experts their scales), then the checksums."""
+        rows (w13, w2, then FP8 experts' scales, experts' biases), then the checksums."""
         pin = self.device.type == "cuda"
         rows = self.layout.convert(*stack_experts(experts, pin=pin))
         sums = row_checksums(*rows).cpu()
@@ -336,7 +354,7 @@ class VirtualMoELayer:
             if self.paged_out:  # the host copies it is fetched from (checked on the device, one row at a time)
                 w13, w2 = (t.to(self.device, non_blocking=True) for t in self.host_row(row))
                 got.append(row_checksums(w13[None], w2[None]))
-            else:  # every part the kernel reads, the scales of FP8 experts too
+            else:  # every part the kernel reads, the scales of FP8 experts and the biases too
                 got.append(row_checksums(*(p.tensor[self.local_row(row)][None] for p in self.parts)))
         got = torch.cat(got).cpu().tolist() if got else []  # one wait for the device, not one per row
         differ = [ids[k] for k, c in zip(held, got) if c != int(checksums[k])]

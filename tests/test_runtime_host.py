@@ -392,3 +392,52 @@ def test_tensor_parallel_shards_put_back_together_are_the_experts():
     assert p13.shape == (n, 16, hidden) and p2.shape == (n, hidden, 8)
     assert torch.equal(p13[:, :6], w13[:, 6:12]) and torch.equal(p13[:, 8:14], w13[:, 18:24])
     assert not p13[:, 6:8].any() and not p13[:, 14:].any() and not p2[..., 6:].any()
+
+
+def test_virtual_rows_hold_expert_biases_and_the_checksums_cover_them(monkeypatch):
+    """Experts with biases (GPT-OSS): the layer's bias tensors get the same virtual rows as its weights, written
+    gate's over up's then down's; a staged load's checksums cover them, so a bias corrupted on its way in refuses
+    the load; an evicted adapter's bias rows are unmapped with its weights; paging refuses them in one line."""
+    from esftctl.runtime.host_cache import stage
+    from esftctl.runtime.moe_layer import ExpertLayout
+
+    e, h, i = 4, 64, 48
+
+    def expert(seed: int) -> ExpertWeights:
+        g = torch.Generator().manual_seed(seed)
+        shapes = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_bias": (i,), "up_bias": (i,), "down_bias": (h,)}
+        return ExpertWeights(**{w: torch.randn(s, generator=g).to(torch.bfloat16) for w, s in shapes.items()})
+
+    layout = ExpertLayout.plain(h, i, biases=True)
+    layer = VirtualMoELayer(e, h, i, 2, 2, torch.bfloat16, lambda n: HostAddressSpace(n, page_size=4096), layout)
+    assert [tuple(p.tensor.shape) for p in layer.parts] == [(8, 96, 64), (8, 64, 48), (8, 96), (8, 64)]
+    base = {x: expert(x) for x in range(e)}
+    layer.load_base(base)
+    assert torch.equal(layer.biases[0].tensor[2], torch.cat([base[2].gate_bias, base[2].up_bias]))
+    slots = AdapterSlots({0: layer})
+    adapter = {1: expert(11), 3: expert(13)}
+    staged = stage({0: layer}, {0: adapter})
+    slots.load("a", staged.experts(), staged.rows(), staged.checksums())
+    rows = layer.slot_rows[0]
+    for x, w in adapter.items():
+        assert torch.equal(layer.biases[0].tensor[rows[x]], torch.cat([w.gate_bias, w.up_bias]))
+        assert torch.equal(layer.biases[1].tensor[rows[x]], w.down_bias)
+        assert torch.equal(layer.w2.tensor[rows[x]], w.down)
+    assert layer.table[0].tolist() == [0, rows[1], 2, rows[3]]
+    write = VirtualMoELayer.write_rows
+
+    def corrupting(self, rows, w13, w2, b13, b2):  # one bias of the last row changed on its way in
+        b2 = b2.clone()
+        b2[-1, 0] += 1
+        write(self, rows, w13, w2, b13, b2)
+
+    monkeypatch.setattr(VirtualMoELayer, "write_rows", corrupting)
+    with pytest.raises(EsftError, match=r"the rows of experts \[3\] do not hold"):
+        slots.load("bad", staged.experts(), staged.rows(), staged.checksums())
+    monkeypatch.undo()
+    assert set(slots.adapters) == {"a"} and layer.free_rows == 2
+    slots.evict("a")
+    assert not any(p.is_mapped(r) for p in layer.parts for r in rows.values())
+    with pytest.raises(EsftError, match="paging experts with biases is not supported"):
+        layer.keep_host_copy()
+    layer.close()

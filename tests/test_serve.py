@@ -364,7 +364,7 @@ AMX_SIGILL = pytest.mark.skipif(not has_gpu() and _cpu_has_amx(),
 
 
 @pytest.mark.parametrize("architecture", [pytest.param("qwen2_moe", marks=AMX_SIGILL), "olmoe", "glm4_moe",
-                                          "deepseek_v3", "qwen3_next"])
+                                          "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_other_architecture_served_exactly(architecture, world, tmp_path):
     serve_exactly(random_base(architecture, world, tmp_path), prompts_of(world)[:4], tmp_path, engine_settings(),
                   seed=20)

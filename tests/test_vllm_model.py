@@ -345,6 +345,16 @@ def test_kernel_computes_every_row_and_unsupported_layers_are_refused(tiny_model
     refused(lambda e: setattr(e.moe_config.moe_parallel_config, "enable_eplb", True), "EPLB")
     refused(lambda e: setattr(e.expert_map_manager, "num_fused_shared_experts", 1), "shared experts fused")
     refused(lambda e: setattr(e.moe_config, "num_logical_experts", ckpt.num_experts - 1), "redundant experts")
+    # Experts with biases (GPT-OSS): both biases, in the weights' dtype, on one rank.
+    def biases(e, dtype=torch.bfloat16, both=True, tp=1):
+        e.moe_config.moe_parallel_config.tp_size = tp
+        e.register_parameter("w13_bias", torch.nn.Parameter(torch.zeros(e.w13_weight.shape[:2], dtype=dtype)))
+        if both:
+            e.register_parameter("w2_bias", torch.nn.Parameter(torch.zeros(e.w2_weight.shape[:2], dtype=dtype)))
+
+    refused(lambda e: biases(e, both=False), "with both w13_bias and w2_bias only")
+    refused(lambda e: biases(e, dtype=torch.float32), "keeps expert biases in torch.float32")
+    refused(lambda e: biases(e, tp=2), "biases .* under tensor or expert parallelism")
     model = engine_model(ckpt, None, "cpu")
     model.layers[str(ckpt.moe_layers[0])].mlp.experts.router.zero_expert_type = "identity"
     with pytest.raises(EsftError, match="zero-expert routing"):

@@ -8,11 +8,16 @@ It runs its kernel with the tile config and the path (aligned or low-latency) vL
 expert count (esftctl.runtime.vllm.moe: the widened row count matches no tuned config file, and would send
 batches of up to a quarter of it down the low-latency path). When experts are paged, it also brackets its kernel with
 the pager's before_kernel (with the step's rerouted ids) and after_kernel.
+
+Models that build their experts with their own subclass (GPT-OSS's GptOssRoutedExperts, vLLM 0.32) are looked up
+by that class's name, not RoutedExperts': each such class gets its own replacement (`MODEL_EXPERTS`), the same
+ESFT behaviour over the model's own weight loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.fused_moe import override_config
@@ -20,8 +25,13 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
 from esftctl.runtime.vllm.moe import base_experts, install_assignment
 
+# vLLM's model-specific RoutedExperts subclasses (module, class): each is replaced by EsftExperts mixed into it.
+MODEL_EXPERTS = (("vllm.model_executor.models.gpt_oss", "GptOssRoutedExperts"),)
 
-class EsftRoutedExperts(RoutedExperts):
+
+class EsftExperts:
+    """The ESFT behaviour of an experts layer, mixed in before vLLM's RoutedExperts class (or a model's)."""
+
     # (pager, this layer), set by EsftModel when experts are paged.
     esft_paging = None
     # num_tokens -> the kernel's tile config for the base's expert count (moe.kernel_config), or None.
@@ -48,7 +58,15 @@ class EsftRoutedExperts(RoutedExperts):
         return out
 
 
+class EsftRoutedExperts(EsftExperts, RoutedExperts):
+    pass
+
+
 def register() -> None:
     if "RoutedExperts" not in op_registry_oot:
         PluggableLayer.register_oot(EsftRoutedExperts, name="RoutedExperts")
+    for module_name, name in MODEL_EXPERTS:
+        cls = getattr(importlib.import_module(module_name), name, None)  # absent in vLLM 0.25
+        if cls is not None and name not in op_registry_oot:
+            PluggableLayer.register_oot(type(f"Esft{name}", (EsftExperts, cls), {}), name=name)
     install_assignment()

@@ -6,6 +6,9 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   whose further rows take adapter experts, converted by vLLM's own weight processing for that kernel
   (`process_weights_after_loading` of the layer's experts, on a stand-in layer), so the fused kernel reads
   one ordinary tensor and is not changed;
+- gives experts with biases (GPT-OSS: `w13_bias`, `w2_bias`, gate and up interleaved as the checkpoint keeps them)
+  bias rows beside the weight rows, handed to the layer and the kernel's quant config (which the kernel reads
+  biases from) as FP8 block scales are;
 - checks that conversion once against the loaded base (the rank's first expert of the checkpoint, converted,
   must equal its row bit for bit) and refuses a backend whose layout it cannot reproduce;
 - under expert parallelism keeps only the rank's experts and the adapter rows that replace them, and hands
@@ -45,14 +48,18 @@ from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, tier_split
 from esftctl.runtime.vllm.moe import (
+    BIASES,
     EngineMoELayer,
     check_rows,
     check_supported,
+    expert_biases,
     expert_map,
     expert_scales,
     find_moe_layers,
+    interleaves_gate_up,
     kernel_config,
     max_rows,
+    set_biases,
     set_expert_map,
     set_scales,
     widen_to_rows,
@@ -106,27 +113,42 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """w13 rows or biases [n, 2I, ...] with gate over up -> gate and up interleaved along 2I (gate_0, up_0, gate_1,
+    ...): the order GPT-OSS's checkpoint keeps and vLLM's loader leaves, which its swigluoai activation reads."""
+    inter = w13.shape[1] // 2
+    return torch.stack([w13[:, :inter], w13[:, inter:]], dim=2).reshape(w13.shape)
+
+
 def engine_layout(engine: EngineMoELayer) -> ExpertLayout:
     """The layer's kernel layout, as a conversion that takes this rank's tensor-parallel part of the experts
-    (`tensor_parallel_shard`) and runs vLLM's own processing on a stand-in layer (FP8 experts: `fp8_layout`)."""
+    (`tensor_parallel_shard`) and runs vLLM's own processing on a stand-in layer (FP8 experts: `fp8_layout`).
+    Experts with biases (GPT-OSS, one rank) hand their biases to that processing too, gate and up interleaved
+    where the activation reads them so (`interleave_gate_up`)."""
     if expert_scales(engine):
         return fp8_layout(engine)
     experts, kernel = engine.experts, engine.kernel
-    dtype = experts.w13_weight.dtype
     parallel = experts.moe_config.moe_parallel_config
     per_rank = getattr(experts.moe_config, "intermediate_size_per_partition", None)
+    biases = expert_biases(engine)
+    interleaved = interleaves_gate_up(engine)
 
-    def convert(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def convert(w13: torch.Tensor, w2: torch.Tensor, *bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
         w13, w2 = tensor_parallel_shard(w13, w2, rank=parallel.tp_rank, size=parallel.tp_size, per_rank=per_rank)
+        if interleaved:
+            w13, bias = interleave_gate_up(w13), (interleave_gate_up(bias[0]), *bias[1:])
         stand_in = torch.nn.Module()
-        stand_in.w13_weight = torch.nn.Parameter(w13.to(experts.w13_weight.device, dtype), requires_grad=False)
-        stand_in.w2_weight = torch.nn.Parameter(w2.to(experts.w2_weight.device, dtype), requires_grad=False)
+        for name, value, like in zip(("w13_weight", "w2_weight", *BIASES), (w13, w2, *bias),
+                                     (experts.w13_weight, experts.w2_weight, *biases)):
+            setattr(stand_in, name, torch.nn.Parameter(value.to(like.device, like.dtype), requires_grad=False))
         stand_in.moe_config = experts.moe_config  # kernels decide by these, as for the real layer
         stand_in.activation = experts.activation
         kernel.process_weights_after_loading(stand_in)
-        return stand_in.w13_weight.data, stand_in.w2_weight.data
+        return tuple(getattr(stand_in, n).data for n in ("w13_weight", "w2_weight", *BIASES[:len(bias)]))
 
-    return ExpertLayout(tuple(experts.w13_weight.shape[1:]), tuple(experts.w2_weight.shape[1:]), convert)
+    bias_rows = (tuple(biases[0].shape[1:]), tuple(biases[1].shape[1:])) if biases else None
+    return ExpertLayout(tuple(experts.w13_weight.shape[1:]), tuple(experts.w2_weight.shape[1:]), convert,
+                        bias_rows=bias_rows)
 
 
 def _replace_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -296,7 +318,7 @@ class EsftModel:
         if layer.base_rows != w13.shape[0]:
             raise EsftError(f"layer {engine.index}: vLLM's expert map gives this rank {layer.base_rows} experts, its "
                             f"weights hold {w13.shape[0]}")
-        layer.load_base_rows(w13, w2, *scales)
+        layer.load_base_rows(w13, w2, *scales, *expert_biases(engine))
         probe = layer.own_experts[0]  # one of this rank's experts, converted
         converted = layout.convert(*stack_experts([base.read_expert(engine.index, probe)]))
         row = layer.local_row(probe)
@@ -308,6 +330,8 @@ class EsftModel:
         _replace_weight(engine.experts, "w2_weight", layer.w2.tensor)
         if scales:
             set_scales(engine, *(part.tensor for part in layer.scales))
+        if layer.biases:
+            set_biases(engine, *(part.tensor for part in layer.biases))
         widen_to_rows(engine, layer.num_rows)
         if layer.expert_map is not None:
             set_expert_map(engine, layer.expert_map)

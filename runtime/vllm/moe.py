@@ -82,6 +82,8 @@ KERNELS = {"TritonExperts": True, "CPUUnquantizedExperts": False}
 EXPERT_MAP_KERNELS = {"TritonExperts"}
 # The FP8 block scales of a layer's experts (vLLM's Fp8MoEMethod with weight_block_size), w13's then w2's.
 FP8_SCALES = ("w13_weight_scale_inv", "w2_weight_scale_inv")
+# The biases of experts that have them (GPT-OSS), w13's then w2's.
+BIASES = ("w13_bias", "w2_bias")
 # moe_align_block_size pads the expert count to a multiple of 32 and wants it below 1024.
 KERNEL_MAX_ROWS = 1024 - 32
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -162,9 +164,8 @@ def check_supported(layer: EngineMoELayer) -> None:
     if getattr(experts.expert_map_manager, "num_fused_shared_experts", 0):
         raise EsftError(f"{where}: shared experts fused into the routed ones take the rows adapters use; turn "
                         "shared-expert fusion off (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
-    if getattr(experts, "w13_bias", None) is not None or getattr(experts, "w2_bias", None) is not None:
-        raise EsftError(f"{where}: experts with biases (w13_bias, w2_bias: GPT-OSS) are not supported; the adapter "
-                        "rows extend the weights only")
+    if any(getattr(experts, n, None) is not None for n in BIASES):
+        check_biases(layer)
     if getattr(layer.router, "zero_expert_type", None) is not None:
         raise EsftError(f"{where}: zero-expert routing (ids past the experts mean none) is not supported")
     if getattr(parallel, "is_sequence_parallel", False):
@@ -201,19 +202,61 @@ def expert_scales(layer: EngineMoELayer) -> tuple[torch.Tensor, ...]:
 def set_scales(layer: EngineMoELayer, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> None:
     """Hand the layer and the quant config its kernel was built with the scales' virtual tensors (after the
     weights'): the kernel reads scales from that config, which holds the layer's parameters themselves."""
+    _set_config_tensors(layer, FP8_SCALES, "scale", (w13_scale, w2_scale))
+
+
+def set_biases(layer: EngineMoELayer, w13_bias: torch.Tensor, w2_bias: torch.Tensor) -> None:
+    """Hand the layer and the quant config its kernel was built with the biases' virtual tensors (vLLM's kernels
+    read `quant_config.w1_bias`, which holds the layer's parameters themselves)."""
+    _set_config_tensors(layer, BIASES, "bias", (w13_bias, w2_bias))
+
+
+def _set_config_tensors(layer: EngineMoELayer, names: tuple[str, str], field: str,
+                        tensors: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Replace the layer's parameters `names` by `tensors`, and in every quant config that holds them (the
+    method's and the kernel's: `_w1.<field>`, `_w2.<field>`) too; refuse a config that holds other tensors."""
     experts, method = layer.experts, layer.experts.quant_method
-    old = tuple(getattr(experts, n) for n in FP8_SCALES)
+    old = tuple(getattr(experts, n) for n in names)
     found = (getattr(method, "moe_quant_config", None), layer.kernel.quant_config)
     configs = {id(c): c for c in found if c is not None}
     for config in configs.values():
-        if config._w1.scale is not old[0] or config._w2.scale is not old[1]:
-            raise EsftError(f"layer {layer.index}: vLLM's FP8 kernel reads scales other than the layer's "
-                            f"{FP8_SCALES[0]}; esftctl cannot extend them")
-    for name, tensor in zip(FP8_SCALES, (w13_scale, w2_scale)):
+        if getattr(config._w1, field) is not old[0] or getattr(config._w2, field) is not old[1]:
+            raise EsftError(f"layer {layer.index}: vLLM's MoE kernel reads other tensors than the layer's {names[0]}; "
+                            "esftctl cannot extend them")
+    for name, tensor in zip(names, tensors):
         delattr(experts, name)
         experts.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
     for config in configs.values():
-        config._w1.scale, config._w2.scale = getattr(experts, FP8_SCALES[0]), getattr(experts, FP8_SCALES[1])
+        setattr(config._w1, field, getattr(experts, names[0]))
+        setattr(config._w2, field, getattr(experts, names[1]))
+
+
+def expert_biases(layer: EngineMoELayer) -> tuple[torch.Tensor, ...]:
+    """The layer's expert biases (w13's [E, 2I], w2's [E, H]) as the kernel reads them; () for experts without
+    (a layer with one of them only is refused first: `check_biases`)."""
+    if getattr(layer.experts, BIASES[0], None) is None:
+        return ()
+    return tuple(getattr(layer.experts, n).data for n in BIASES)
+
+
+def interleaves_gate_up(layer: EngineMoELayer) -> bool:
+    """Whether the layer's activation reads gate and up interleaved along w13's 2I (vLLM's swigluoai: GPT-OSS)."""
+    return getattr(layer.experts.activation, "value", layer.experts.activation) == "swigluoai"
+
+
+def check_biases(layer: EngineMoELayer) -> None:
+    """Refuse experts with biases other than unquantized ones, in the weights' dtype, on one rank."""
+    experts, where = layer.experts, f"layer {layer.index}"
+    if is_fp8(layer) or any(getattr(experts, n, None) is None for n in BIASES):
+        raise EsftError(f"{where}: experts with biases are supported unquantized with both {' and '.join(BIASES)} "
+                        "only")
+    if any(getattr(experts, n).dtype != experts.w13_weight.dtype for n in BIASES):
+        raise EsftError(f"{where}: this vLLM keeps expert biases in {getattr(experts, BIASES[0]).dtype}, not the "
+                        f"weights' {experts.w13_weight.dtype}; esftctl cannot extend them")
+    parallel = experts.moe_config.moe_parallel_config
+    if parallel.tp_size > 1 or parallel.use_ep:
+        raise EsftError(f"{where}: experts with biases (GPT-OSS) under tensor or expert parallelism are not "
+                        "supported yet; serve on one GPU")
 
 
 def check_engine(vllm_config) -> None:
