@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks that code on main awaits (written 2026-11-25, fourth session), most important first, about 25
+# The GPU checks that code on main awaits (written 2026-11-25, fourth session), most important first, about 28
 # minutes in all on an H100; run it in the background and follow it at once (the machine goes back 30 s after a
 # call returns, background job or not):
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
@@ -17,6 +17,8 @@ bash $t kernels tests/test_fixed_rate.py tests/test_paging_fixed.py tests/test_p
   tests/test_row_fetch.py; pack
 # FP8 bases served exactly against plain vLLM's FP8 model, eager and CUDA graphs (about 8 min): issue 31.
 bash $t fp8 tests/test_serve_fp8.py; pack
+# GPT-OSS served with adapters (about 3 min): served exactly on the CPU build only so far; issue 31.
+bash $t gptoss tests/test_serve.py -k "other_architecture and gpt_oss"; pack
 # Serving with one set of CUDA graphs, unchanged token adapters not rewritten and the kernel's path by the base's
 # E (about 9 min, two architectures): issue 29.
 bash $t graphs tests/test_serve.py -k test_cuda_graphs_served_exactly; pack
