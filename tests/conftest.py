@@ -103,6 +103,14 @@ def trained_like_bits(rows: int, cols: int, seed: int):
     return trained_like((rows, cols), torch.Generator().manual_seed(seed)).view(torch.int16).numpy().view("uint16")
 
 
+def run_interpreted(code: str) -> None:
+    """Run `code` (which prints "ok" at its end) in a subprocess under Triton's CPU interpreter, so machines
+    without a GPU check a kernel's logic too."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     """Run `esftctl ARGS` in a subprocess, as a user would."""
     proc = subprocess.run([sys.executable, "-m", "esftctl.cli", *map(str, args)], capture_output=True, text=True,

@@ -5,13 +5,11 @@ the kernel itself on CUDA)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from esftctl.kernels.fixed_rate import BLOCK, ESCAPE, FixedRate, decode_reference, encode
 
@@ -87,9 +85,7 @@ def test_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the kernel itself (test_kernel_equals_the_reference_on_cuda)")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_interpreted(INTERPRETED)
 
 
 @pytest.mark.gpu
@@ -169,9 +165,7 @@ def test_batched_masked_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the kernel itself (test_batched_kernel_on_cuda)")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED_ROWS], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_interpreted(INTERPRETED_ROWS)
 
 
 @pytest.mark.gpu

@@ -244,6 +244,14 @@ def test_paged_forward_replays_from_a_cuda_graph(fetch, tmp_path):
     weights = make_weights(13)
     stack = Stack(weights, "cuda", window=2, store=expert_store(weights, tmp_path / "store"), fetch=fetch,
                   resident=(2,))
+    replays_follow_changes(stack, weights)
+    assert stack.pager.counters()["fetches"] > 0
+    stack.close()
+
+
+def replays_follow_changes(stack, weights) -> None:
+    """Capture the stack's forward once (CUDA), then replay it with new inputs after residency and the tier split
+    changed: every replay gives the resident outputs."""
     static = tokens(4, 30).cuda()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -262,8 +270,6 @@ def test_paged_forward_replays_from_a_cuda_graph(fetch, tmp_path):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), resident_forward(weights, x, "cuda")), step
-    assert stack.pager.counters()["fetches"] > 0
-    stack.close()
 
 
 def test_planner_shrinks_grows_and_holds_in_the_dead_zone():

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from test_paging import DEVICES, LAYERS, E, Stack, make_weights, resident_forward, tokens
+from test_paging import DEVICES, LAYERS, E, Stack, make_weights, replays_follow_changes, resident_forward, tokens
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -56,22 +56,5 @@ def test_fixed_tier_memory_is_counted_and_about_three_quarters_of_bf16():
 def test_fixed_tier_paged_forward_replays_from_a_cuda_graph():
     weights = make_weights(23)
     stack = Stack(weights, "cuda", window=2, store="fixed", fetch="routed", resident=(2,))
-    static = tokens(4, 30).cuda()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            stack.forward(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = stack.forward(static)
-    for step, (resident, store_rows) in enumerate([((2,), 0), ((), E), ((0, 1, 4), 3), ((5,), 0)]):
-        stack.pager.set_resident(resident)
-        stack.pager.set_store_rows(store_rows)
-        x = tokens(4, 40 + step)
-        static.copy_(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.cpu(), resident_forward(weights, x, "cuda")), step
+    replays_follow_changes(stack, weights)
     stack.close()

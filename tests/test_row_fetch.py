@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from esftctl.kernels.row_fetch import fetch_rows_reference, mark_rows_reference
 
@@ -62,17 +63,11 @@ def test_kernels_in_the_interpreter():
     without a GPU check it too: marks, listing, the persistent fetch's striding, the tier boundary, inactivity.
     (Where a GPU runs the kernels themselves, the interpreter is not needed: Triton 3.6's, on the H100 machine,
     cannot run the fetch's strided loop.)"""
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the kernels themselves (test_kernels_equal_the_reference)")
     code = INTERPRETED.format(rows=ROWS, a=A, b=B)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_interpreted(code)
 
 
 def _rows(device="cpu", pin=False, seed=0):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, run_interpreted
 
 from esftctl.errors import EsftError
 from esftctl.formats.huffman import (
@@ -225,15 +225,9 @@ print("ok")
 
 def test_triton_decoder_in_the_interpreter(tmp_path):
     """The GPU kernel's logic, run by Triton's CPU interpreter, so machines without a GPU check it too."""
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
     code = INTERPRETED_DECODE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_interpreted(code)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

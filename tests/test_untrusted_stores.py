@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_interpreted
 
 from esftctl.errors import EsftError
 from esftctl.formats import native
@@ -397,9 +398,7 @@ def test_triton_decoder_stays_inside_its_buffers_in_the_interpreter(tiny):
     only zero bits) write the tensor's values and not one past them."""
     pytest.importorskip("triton")
     code = INTERPRETED.format(tests=str(Path(__file__).parent), store=str(tiny))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_interpreted(code)
 
 
 # --- the native decoder ---------------------------------------------------------------------------------------
