@@ -230,30 +230,40 @@ def test_load_and_unload_under_load(deepseek):
     assert "extra" not in [a["name"] for a in status(url)["adapters"]]
 
 
-def test_paged_experts_serve_the_same_answers(deepseek, world):
-    """`--paging-window 1 --paging-adaptive`: one MoE layer's experts (base and adapters) at a time, the others
-    loaded just before they run, and the residency planner deciding between passes."""
+def paged_status(deepseek, world, state: str, **options) -> dict:
+    """The adapters served with the base under paging `options` answer as their merged models; the status once
+    the engine has rewritten it after those requests."""
     serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in deepseek["bundles"].items()], name="base",
-                      port=free_port(), state_dir=deepseek["tmp"] / "state_paged", vllm_args=ENGINE_ARGS,
-                      paging_window=1, paging_adaptive=True)
+                      port=free_port(), state_dir=deepseek["tmp"] / state, vllm_args=ENGINE_ARGS, **options)
     with Server(serve_plan) as server:
         server.wait_ready()
         serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
         time.sleep(1.5)  # the engine rewrites its status at most once a second, at the start of a step
         complete(serve_plan.url, "base", deepseek["prompts"][0])
-        s = status(serve_plan.url)
-        # Every step walks the layers: far more fetches than layers, so paging was really in the path.
-        assert s["paging_window"] == 1 and s["paging_fetches"] > 3 * len(s["moe_layers"])
-        assert 0 < s["paging_fetched_rows"] <= s["paging_fetches"] * s["paging_held_rows"]
-        layers = len(s["moe_layers"])
-        assert len(s["paging_resident_layers"]) <= layers - 1 and s["adapter_physical_bytes"] is None
-        # Outside the window nothing stays on the device: at most the window's and the resident layers' experts.
-        per_layer = s["base_expert_bytes"] / layers + s["adapter_expert_bytes"] / layers
-        window = (1 + len(s["paging_resident_layers"])) * per_layer
-        assert s["expert_device_bytes"] <= window + 4 * s["page_bytes"] * layers
-        console = Console(file=io.StringIO(), width=200)
-        console.print(status_table(s))
-        assert "experts on the device now" in console.file.getvalue()
+        return status(serve_plan.url)
+
+
+def table_text(s: dict) -> str:
+    """The status table as the server prints it."""
+    console = Console(file=io.StringIO(), width=200)
+    console.print(status_table(s))
+    return console.file.getvalue()
+
+
+def test_paged_experts_serve_the_same_answers(deepseek, world):
+    """`--paging-window 1 --paging-adaptive`: one MoE layer's experts (base and adapters) at a time, the others
+    loaded just before they run, and the residency planner deciding between passes."""
+    s = paged_status(deepseek, world, "state_paged", paging_window=1, paging_adaptive=True)
+    # Every step walks the layers: far more fetches than layers, so paging was really in the path.
+    assert s["paging_window"] == 1 and s["paging_fetches"] > 3 * len(s["moe_layers"])
+    assert 0 < s["paging_fetched_rows"] <= s["paging_fetches"] * s["paging_held_rows"]
+    layers = len(s["moe_layers"])
+    assert len(s["paging_resident_layers"]) <= layers - 1 and s["adapter_physical_bytes"] is None
+    # Outside the window nothing stays on the device: at most the window's and the resident layers' experts.
+    per_layer = s["base_expert_bytes"] / layers + s["adapter_expert_bytes"] / layers
+    window = (1 + len(s["paging_resident_layers"])) * per_layer
+    assert s["expert_device_bytes"] <= window + 4 * s["page_bytes"] * layers
+    assert "experts on the device now" in table_text(s)
 
 
 def test_fixed_rate_tier_serves_the_same_answers(deepseek, world):
@@ -261,21 +271,11 @@ def test_fixed_rate_tier_serves_the_same_answers(deepseek, world):
     the loaded weights and decoded from the GPU tier (on vLLM's CPU build too: it encodes the engine's own
     layout), the adapters' rows from host copies; no store file."""
     experts = MoECheckpoint(world.base_dir).num_experts
-    serve_plan = plan(world.base_dir, [f"{n}={p}" for n, p in deepseek["bundles"].items()], name="base",
-                      port=free_port(), state_dir=deepseek["tmp"] / "state_fixed", vllm_args=ENGINE_ARGS,
-                      paging_window=1, paging_codec="fixed", store_experts=experts)
-    with Server(serve_plan) as server:
-        server.wait_ready()
-        serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
-        time.sleep(1.5)  # the engine rewrites its status at most once a second, at the start of a step
-        complete(serve_plan.url, "base", deepseek["prompts"][0])
-        s = status(serve_plan.url)
-        assert s["paging_store_codec"] == "fixed" and s["paging_store_experts"] == experts
-        assert 0.7 * s["base_expert_bytes"] < s["paging_store_bytes"] < 0.8 * s["base_expert_bytes"]
-        assert s["paging_fetches"] > 3 * len(s["moe_layers"])
-        console = Console(file=io.StringIO(), width=200)
-        console.print(status_table(s))
-        assert "fixed-rate, " in console.file.getvalue()
+    s = paged_status(deepseek, world, "state_fixed", paging_window=1, paging_codec="fixed", store_experts=experts)
+    assert s["paging_store_codec"] == "fixed" and s["paging_store_experts"] == experts
+    assert 0.7 * s["base_expert_bytes"] < s["paging_store_bytes"] < 0.8 * s["base_expert_bytes"]
+    assert s["paging_fetches"] > 3 * len(s["moe_layers"])
+    assert "fixed-rate, " in table_text(s)
 
 
 @pytest.mark.gpu
