@@ -98,6 +98,7 @@ def test_grid_key_keeps_grids_apart_but_not_rounds():
     assert key.startswith("table1-n0.2-r8-a1-") and ss.grid_key(grid(repeats=5)[0]) == key
     assert ss.grid_key(grid(rates=(8.0, math.inf))[0]).startswith("table1-n0.2-r8.inf-a1-")
     assert len({key, ss.grid_key(grid(duration=3.0)[0]), ss.grid_key(grid(slice_by="server")[0])}) == 3
+    assert ss.grid_key(grid(rates=(8,), alphas=(1,))[0]) == key  # however the numbers were written
 
 
 def test_a_rerun_resumes_and_failed_slices_are_kept(fake, tmp_path):

@@ -75,6 +75,8 @@ ADAPTERS_S = 90  # writing the adapters on a fresh machine: 10 DeepSeek-sized bu
 def grid_key(profile: Profile) -> str:
     """The grid's folder: readable (shape, counts, rates, alphas) and a hash of every setting but the rounds."""
     settings = {k: v for k, v in asdict(profile).items() if k != "repeats"}
+    settings.update(rates=[float(r) for r in profile.rates], alphas=[float(a) for a in profile.alphas],
+                    duration=float(profile.duration), cv=float(profile.cv))  # 1 and 1.0: the same grid
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
     def join(values) -> str:
