@@ -160,12 +160,15 @@ def test_merged_copies_share_the_device_and_run_the_largest_count(tmp_path, monk
 @pytest.mark.vllm
 def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     """CI size: plain vLLM's base, esftctl serve with two adapters over 0, 1 and 2 of them (and grouped, and under
-    vLLM's --max-loras 1), at 8 requests/s and all at once; the microbenchmarks; vLLM's own results."""
+    vLLM's --max-loras 1), at 8 requests/s and all at once; the microbenchmarks; vLLM's own results. One slice per
+    server and round (4), and the microbenchmarks' (2: base and esftctl)."""
     proc = run_cli("bench", "serve", "--out", tmp_path / "out", "--work", tmp_path / "work", "--servers",
                    "base,esftctl", "--adapters", "0,2", "--rates", "8,inf", "--duration", "0.5", "--prompts", "4",
                    "--repeats", "1", "--micro-runs", "2", "--group-adapters", "1", "--max-loras", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads((tmp_path / "out" / "serve.json").read_text())
+    (report,) = (tmp_path / "out").glob("serve-*.json")  # the grid's report on this device
+    result = json.loads(report.read_text())
+    assert result["missing"] == [] and len(list((tmp_path / "out" / "slices").rglob("*.json"))) == 4 + 2
     assert not result["errors"]
     rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
     esftctl = {f"{n} @ {rate} rps" for rate in ("8", "inf")
@@ -194,7 +197,7 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     base_micro = servers["vLLM base"]["micro"]["all"]
     assert micro["ttft_ms_ratio"]["16"] == micro["ttft_ms"]["16"] / base_micro["ttft_ms"]["16"]
     assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 2 + 3 * 6  # vLLM's own result files
-    assert (tmp_path / "out" / "serve.png").stat().st_size > 0
+    assert report.with_suffix(".png").stat().st_size > 0
 
 
 def test_cpu_ranks_are_bound_only_while_a_parallel_server_starts(monkeypatch):
@@ -236,7 +239,7 @@ def test_parallel_sizes_have_their_own_anchors_and_a_ratio_to_the_first(world):
 
     results = [measured("vLLM base", 1, 100.0, 5.0), measured("vLLM base", 2, 150.0, 4.0),
                measured("esftctl", 1, 90.0, 5.5), measured("esftctl", 2, 120.0, 4.4)]
-    out = bench.finish(bench.PROFILES["tiny"], Served(world.base_dir), results, {}, gpu=False,
+    out = bench.finish(bench.PROFILES["tiny"], bench.ModelFacts.of(Served(world.base_dir)), results, {}, device="CPU",
                        options=bench.Options(servers=("base", "esftctl")))
     rows = {res["server"]: res["rows"][0] for res in out["servers"]}
     assert out["config"]["parallel"] == [1, 2] and set(rows) == {"vLLM base", "vLLM base TP=2", "esftctl",

@@ -1,13 +1,40 @@
 #!/usr/bin/env bash
-# `esftctl bench serve --model deepseek-v2-lite` on the device machine, after ../shared/gpu/README.md's install
-# put vLLM's CUDA build in /tmp/site. Run it under background.sh (it takes longer than one call may).
-# The generated base (31 GB) goes to /dev/shm when that has room (host memory), else to the disk; bundles,
-# the merged copy and LoRA adapters go to the disk, so a cold adapter load really reads the disk.
-# Usage: bash benchmarks/scripts/serve_bench_gpu.sh [esftctl bench serve options]   (results in /tmp/bench/out)
+# `esftctl bench serve --model deepseek-v2-lite` (issue 29) on the device machine, in slices that resume across
+# sessions (esftctl/bench/serve_slices.py), after ../shared/gpu/README.md's install put vLLM's CUDA build in
+# /tmp/site. Slices already in benchmarks/serve-bench/slices (committed from earlier sessions) are copied in and
+# skipped; at the end collect.sh packs the slices this machine wrote (slices-new.tgz), the grid's report
+# (reports.tgz: serve-GRID-DEVICE.json and .png) and the servers' logs into $OUT (tarballs: $OUT brings back at
+# most 8 files, 2 folders down; slices are 5 down). Commit the new slices with
+#   tar -xzf slices-new.tgz -C benchmarks/serve-bench/
+# and the next session resumes after them; `esftctl bench serve --report --out benchmarks/serve-bench OPTIONS`
+# rebuilds the report without a GPU. A slice that failed is committed too (its error is in the report): delete
+# its file to run it again.
+#
+# Budget: --budget SECONDS is the time this run may spend on slices: a slice starts only if its estimate (the
+# longest measured slice of that server and adapter count, else that server's measured start-up plus its runs,
+# else the defaults in serve_slices.py) fits what is left, plus 120 s to generate the base first on a fresh
+# machine and 90 s to write the adapters. Give it the session's device time left (status: budget_left_s) less
+# about 6 minutes (the machine's start, the install, the transfers, the last collect), and no more than 25
+# minutes (a machine is given back after 30 minutes held): --budget 1200 in a fresh 30-minute session. Run it
+# in the background, on an H100 by name (slices of another card go to a grid of their own):
+#   bash benchmarks/scripts/background.sh start serve bash benchmarks/scripts/serve_bench_gpu.sh --budget 1200 ...
+#   bash benchmarks/scripts/background.sh wait serve 540          (again within 30 s, until it says finished)
+#   bash benchmarks/scripts/collect.sh                            (if the last wait did not see it finish)
+# Slices (H100, deepseek-v2-lite): a server's start with CUDA graphs 2-3 min (two merged copies 4-5 min and the
+# 31 GB copy written first), then its runs: about 75 s each at a finite rate of 60 s; one slice per server and
+# adapter count (--slice-by adapters): 5-7 min, the merged copies' whole round 8-9 min.
+# Usage: bash benchmarks/scripts/serve_bench_gpu.sh [esftctl bench serve options]   (slices in /tmp/bench/out)
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+out=/tmp/bench/out
+mkdir -p "$out" /tmp/bench/scratch
+if [ -d benchmarks/serve-bench/slices ]; then cp -rn benchmarks/serve-bench/slices "$out/"; fi
+[ -f /tmp/bench/slices.stamp ] || touch /tmp/bench/slices.stamp  # slices newer than this: this machine's
 df -B1G / /tmp /dev/shm; free -g; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$(df -B1G --output=avail /dev/shm | tail -1)" -ge 40 ]; then work=/dev/shm/bench; else work=/tmp/bench/work; fi
 echo "base in $work"
 python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" --scratch /tmp/bench/scratch \
-  --out /tmp/bench/out "$@"
+  --out "$out" "$@"
+rc=$?
+bash benchmarks/scripts/collect.sh
+exit $rc

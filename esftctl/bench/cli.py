@@ -203,7 +203,11 @@ def _alphas(text: str) -> tuple[float, ...]:
 
 @app.command()
 def serve(
-    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP + " vLLM's own result files go beside, in "
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP + " Also the slices' folder "
+                                                                    "(slices/MODEL/GRID/DEVICE/SERVER/[PART.]rN.json): "
+                                                                    "slices found there are not run again; the "
+                                                                    "report is serve-GRID-DEVICE.json and .png. "
+                                                                    "vLLM's own result files go beside, in "
                                                                     "vllm-results/ (and vllm-micro/)."),
     model: str = typer.Option("tiny", help="tiny (the tiny world, CPU-sized) or deepseek-v2-lite (GPU only: a 31 GB "
                                            "model generated on demand; its default 20 Table 1 adapters plus 5 "
@@ -227,8 +231,10 @@ def serve(
                                                        "duration requests (default: tiny 1.5, deepseek-v2-lite 60; "
                                                        "ExpertWeave ran 100)."),
     prompts: int = typer.Option(None, min=2, help="Requests per run at rate inf (default per model: 12 or 256)."),
-    repeats: int = typer.Option(None, min=1, help="Runs per scenario, interleaved; the median is reported with "
-                                                  "TTFT's spread over them (default: tiny 2, deepseek-v2-lite 3)."),
+    repeats: int = typer.Option(None, min=1, help="Rounds: every server started anew for each, the servers "
+                                                  "interleaved; the median over rounds is reported with ranges and "
+                                                  "TTFT's spread (default: tiny 2, deepseek-v2-lite 3). More rounds "
+                                                  "later add to the slices already there."),
     alphas: str = typer.Option(None, help="Comma-separated S-LoRA skews of the request shares: adapter i of N gets "
                                           "((i+1)/N)^alpha - (i/N)^alpha, drawn per request (1: uniform, 0.1: the "
                                           "first of 20 gets 74%); the first at every count, the others at the "
@@ -262,15 +268,29 @@ def serve(
     expert_parallel: bool = typer.Option(False, "--expert-parallel", metavar="",
                                          help="Sizes above 1 run vLLM's expert parallelism (GPU only: vLLM's CPU "
                                               "MoE kernel ignores expert maps)."),
+    slice_by: str = typer.Option(None, metavar="[server|adapters]",
+                                 help="One slice (one start of a server, written as it ends) runs a server's whole "
+                                      "round, or one adapter count of esftctl's and multi-LoRA's round (default: "
+                                      "tiny server; deepseek-v2-lite adapters: a whole round of 15 one-minute runs "
+                                      "does not fit one device call)."),
+    budget: float = typer.Option(None, min=0, help="Seconds of slices to run now: a slice whose estimate (its "
+                                                   "server's longest measured slice, else defaults) would overrun "
+                                                   "is left for the next call (default: no limit)."),
+    report_only: bool = typer.Option(False, "--report", metavar="",
+                                     help="Only merge the slices of this grid found under --out into the report "
+                                          "(no GPU needed): the same options as the run that wrote them."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """ExpertWeave's protocol: TTFT, TPOT, prefill and decode speed (vLLM bench serve; power-law adapter shares,
     Gamma arrivals) of plain vLLM (base, merged copies), esftctl serve over 0-20 adapters (and grouped, or under
-    --max-loras) and vLLM multi-LoRA; microbenchmarks; KV-cache room; adapter load time."""
+    --max-loras) and vLLM multi-LoRA; microbenchmarks; KV-cache room; adapter load time. Runs in slices that
+    resume: a rerun skips what is under --out."""
     from esftctl.bench import serve as bench
     from esftctl.bench.serve_models import SHAPES
     from esftctl.errors import EsftError
 
+    if slice_by is not None and slice_by not in bench.SLICE_BY:
+        raise EsftError(f"unknown --slice-by {slice_by!r} (choose {' or '.join(bench.SLICE_BY)})")
     if model not in bench.PROFILES:
         raise EsftError(f"unknown --model {model!r} (choose {' or '.join(bench.PROFILES)})")
     if adapter_shape is not None and adapter_shape not in SHAPES:
@@ -289,20 +309,54 @@ def serve(
                         "bounds nothing")
     import torch
 
-    if not torch.cuda.is_available() and (model != "tiny" or "lora" in (chosen or ()) or expert_parallel):
+    gpu = torch.cuda.is_available()
+    if not gpu and not report_only and (model != "tiny" or "lora" in (chosen or ()) or expert_parallel):
         raise EsftError("--model deepseek-v2-lite, --servers lora and --expert-parallel need a GPU (vLLM's CPU build "
                         "would take hours on the first, and has no MoE LoRA kernel and no expert maps in its MoE "
                         "kernel for the others)")
     sizes = tuple(dict.fromkeys(_counts("--parallel", parallel, minimum=1)))
-    available = torch.cuda.device_count() if torch.cuda.is_available() else len(os.sched_getaffinity(0))
-    if max(sizes) > available:
+    available = torch.cuda.device_count() if gpu else len(os.sched_getaffinity(0))
+    if max(sizes) > available and not report_only:
         raise EsftError(f"--parallel {parallel!r}: {max(sizes)} ranks, but this machine has {available} "
-                        f"{'GPUs' if torch.cuda.is_available() else 'cores'}")
-    _measure(bench, "serve", out, as_json, model=model, work=work, scratch=scratch, counts=counts,
-             rates=_rates(rates) if rates else None, duration=duration, prompts=prompts, repeats=repeats,
-             alphas=_alphas(alphas) if alphas else None, cv=cv, shape=adapter_shape, micro_runs=micro_runs,
-             servers=chosen, group_adapters=group_adapters, group_wait=group_wait, max_loras=max_loras,
-             merged_copies=merged_copies, parallel=sizes, expert_parallel=expert_parallel, results_dir=out)
+                        f"{'GPUs' if gpu else 'cores'}")
+    profile, options = bench.configure(
+        model, gpu=gpu or (report_only and model != "tiny"), counts=counts, rates=_rates(rates) if rates else None,
+        duration=duration, prompts=prompts, repeats=repeats, alphas=_alphas(alphas) if alphas else None, cv=cv,
+        shape=adapter_shape, micro_runs=micro_runs, slice_by=slice_by, servers=chosen, group_adapters=group_adapters,
+        group_wait=group_wait, max_loras=max_loras, merged_copies=merged_copies, parallel=sizes,
+        expert_parallel=expert_parallel)
+    _serve_slices(bench, profile, options, out=out, work=work, scratch=scratch, gpu=gpu, budget=budget,
+                  report_only=report_only, as_json=as_json)
+
+
+def _serve_slices(bench, profile, options, *, out: Path, work: Path | None, scratch: Path | None, gpu: bool,
+                  budget: float | None, report_only: bool, as_json: bool) -> None:
+    """Run the grid's pending slices (unless `report_only`), then merge the slices there into one report per
+    device: tables (or JSON), serve-GRID-DEVICE.json and .png."""
+    import math
+
+    from esftctl.bench import serve_slices
+    from esftctl.bench.serve_models import default_work
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not report_only:
+        def step(msg: str) -> None:
+            print(time.strftime("%H:%M:%S"), msg, file=sys.stderr if as_json else sys.stdout, flush=True)
+        work = work or default_work(profile.model)
+        done = serve_slices.run(profile, options, out=out, work=work, scratch=scratch or work, gpu=gpu,
+                                budget_s=math.inf if budget is None else budget, on_step=step)
+        step(f"{len(done['ran'])} slices ran, {len(done['left'])} left")
+    results = serve_slices.report(out, profile, options)
+    if not results:
+        raise EsftError(f"no slices of grid {serve_slices.grid_key(profile)} under {out / 'slices' / profile.model}: "
+                        "run it first, or give the options of the run that wrote them")
+    if as_json:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+    for result in results:
+        if not as_json:
+            for table in bench.tables(result):
+                console.print(table)
+        _save(result, out, "serve-" + result["grid"].replace("/", "-"), bench.plot)
 
 
 @app.command()

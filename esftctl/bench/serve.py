@@ -22,16 +22,23 @@ speed):
 
 Traffic: at a finite rate, `duration` seconds of Gamma arrivals of coefficient of variation `cv` (1: Poisson;
 ExpertWeave: 1 to 5 requests/s over 100 s), at inf `prompts` requests at once. Every server of a run gets the
-same requests: same prompts and arrival times (vLLM's seed: the repeat), same adapter draw (our seed: the run),
-each request to that server's i-th adapter (or merged copy). The runs of one server are repeated `repeats`
-times, interleaved (a rotated order each round); the median over repeats is reported, with TTFT's spread over
-them ((max - min) / median of the repeats' median TTFT), the drawn shares against alpha (chi-square p-value,
-worst share in standard errors, over all repeats) and the arrivals' measured cv.
+same requests: same prompts and arrival times (vLLM's seed: the round), same adapter draw (our seed: the run),
+each request to that server's i-th adapter (or merged copy). Every server runs its scenarios `repeats` rounds,
+started anew for each (its scenarios in an order rotated by the round, the servers too: interleaved); the
+median over rounds is reported, with the ranges and TTFT's spread over them ((max - min) / median of the
+rounds' median TTFT), the drawn shares against alpha (chi-square p-value, worst share in standard errors, over
+all rounds) and the arrivals' measured cv.
 
-Microbenchmarks (ExpertWeave 5.3), on every server after its runs: batch-1 median TTFT over prompt lengths
-(`micro_runs` requests each, one at a time) and median TPOT over `decode_steps` steps after a
-`decode_prompt`-token prompt at each batch size, all to the first adapter; on `esftctl` and multi-LoRA at
-each count of adapters loaded (the others unloaded in turn: 20, then 5, then 1).
+Slices (esftctl.bench.serve_slices, the paging bench's machinery in esftctl.bench.slices): one server started
+for one round, or with `slice_by` "adapters" for one adapter count of its round (a DeepSeek-V2-Lite round of
+esftctl at 5 counts x 3 rates of 60 s is 15 runs, 17 minutes: more than one device call), is one slice, its
+JSON written as it ends; a rerun skips what is there, `budget_s` stops before a slice that would overrun, and
+the report merges whatever slices there are, saying what is missing.
+
+Microbenchmarks (ExpertWeave 5.3), each server's own slice (once: round 0, and at the first parallel size):
+batch-1 median TTFT over prompt lengths (`micro_runs` requests each, one at a time) and median TPOT over
+`decode_steps` steps after a `decode_prompt`-token prompt at each batch size, all to the first adapter; on
+`esftctl` and multi-LoRA at each count of adapters loaded (the others unloaded in turn: 20, then 5, then 1).
 
 Every server also reports its KV-cache room (vLLM's /metrics), set against the room N merged copies would leave
 (computed: each copy is the base's bytes again), and the `esftctl` server times `esftctl adapters load` of one
@@ -54,12 +61,11 @@ their adapter replaced, which this bench does not model (see esftctl.bench.serve
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -68,13 +74,15 @@ from esftctl.bench import serve_models
 from esftctl.bench.disk import evict, read_bandwidth
 from esftctl.bench.serve_models import Served
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
-from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, rate_label, scenarios, slug
+from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
 from esftctl.bench.traffic import SLORA_ALPHAS
-from esftctl.jsonfile import write_json
+from esftctl.errors import one_line
 from esftctl.serve import free_port, plan
 
 INF = math.inf
 SERVERS = ("base", "merged", "esftctl", "lora")  # plain vLLM base (always), merged, esftctl serve, multi-LoRA
+SLICE_BY = ("server", "adapters")  # a slice: a server's whole round, or one adapter count of it
+MICRO = "micro"  # the part of a server's microbenchmarks (and esftctl's adapter load times)
 MERGED_HEADROOM = 5 << 30  # bytes each merged copy needs beside its weights: activations, CUDA graphs, some KV
 
 
@@ -89,7 +97,7 @@ class Profile:
     duration: float  # seconds of arrivals per run at a finite rate: rate x duration requests
     input_len: int
     output_len: int
-    repeats: int
+    repeats: int  # rounds: each server started anew for each
     engine_args: tuple[str, ...]
     alphas: tuple[float, ...] = (1.0,)  # S-LoRA's; the first at every count, the others at the largest
     cv: float = 1.0  # of the gaps between arrivals
@@ -102,6 +110,7 @@ class Profile:
     micro_runs: int = 10  # requests per length or batch (0: no microbenchmarks)
     decode_prompt: int = 1024
     decode_steps: int = 128
+    slice_by: str = "server"  # SLICE_BY: what one slice runs of a server's round
 
     def requests(self, rate: float) -> int:
         """Requests in one run at `rate`."""
@@ -118,7 +127,8 @@ PROFILES = {
         input_len=256, output_len=128, repeats=3, alphas=SLORA_ALPHAS, esft_sized=5, distinct=10,
         engine_args=("--max-model-len", "4096", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92"),  # 4096:
         # the microbenchmarks' 2,048-token prompts and their output fit (issue 15's runs had 2048)
-        micro_lengths=(128, 512, 1024, 2048), micro_batches=(1, 8, 32), micro_loaded=(20, 5, 1)),
+        micro_lengths=(128, 512, 1024, 2048), micro_batches=(1, 8, 32), micro_loaded=(20, 5, 1),
+        slice_by="adapters"),  # a whole round of esftctl does not fit one device call (the module says why)
 }
 
 
@@ -175,74 +185,104 @@ class Options:
     load_repeats: int = 3
 
 
-def run(model: str = "tiny", *, work: Path | None = None, scratch: Path | None = None,
-        counts: tuple[int, ...] | None = None, rates: tuple[float, ...] | None = None, prompts: int | None = None,
-        duration: float | None = None, repeats: int | None = None, alphas: tuple[float, ...] | None = None,
-        cv: float | None = None, shape: str | None = None, micro_runs: int | None = None,
-        servers: tuple[str, ...] | None = None, group_adapters: int = 0, group_wait: int = 8, max_loras: int = 0,
-        merged_copies: int = 0, load_repeats: int = 3, parallel: tuple[int, ...] = (1,),
-        expert_parallel: bool = False, results_dir: Path = Path("bench-results"),
-        on_step: Callable[[str], None] = lambda msg: None) -> dict:
-    import torch
-
+def configure(model: str = "tiny", *, gpu: bool, counts: tuple[int, ...] | None = None,
+              rates: tuple[float, ...] | None = None, prompts: int | None = None, duration: float | None = None,
+              repeats: int | None = None, alphas: tuple[float, ...] | None = None, cv: float | None = None,
+              shape: str | None = None, micro_runs: int | None = None, slice_by: str | None = None,
+              servers: tuple[str, ...] | None = None, **options) -> tuple[Profile, Options]:
+    """The profile (the model's, with the choices given) and the options of one `bench serve`; without
+    `servers`, every server there is (multi-LoRA only on a GPU)."""
     given = dict(counts=counts, rates=rates, prompts=prompts, duration=duration, repeats=repeats, alphas=alphas,
-                 cv=cv, shape=shape, micro_runs=micro_runs)
+                 cv=cv, shape=shape, micro_runs=micro_runs, slice_by=slice_by)
     profile = replace(PROFILES[model], **{k: v for k, v in given.items() if v is not None})
-    gpu = torch.cuda.is_available()
-    options = Options(servers=servers or (SERVERS if gpu else SERVERS[:-1]), parallel=parallel,
-                      expert_parallel=expert_parallel, group_adapters=group_adapters, group_wait=group_wait,
-                      max_loras=max_loras, merged_copies=merged_copies, load_repeats=load_repeats)
-    work = Path(work) if work else serve_models.default_work(model)
-    bench = Bench(profile, options, served=serve_models.prepare_base(model, work, on_step), work=work,
-                  scratch=Path(scratch) if scratch else work, out=Path(results_dir), gpu=gpu, on_step=on_step)
-    return bench.run_all()
+    return profile, Options(servers=servers or (SERVERS if gpu else SERVERS[:-1]), **options)
+
+
+@dataclass(frozen=True)
+class BenchServer:
+    """One server of the bench as its slices know it: `key` names its folder of slices, `kind` its rows."""
+
+    key: str  # base, merged, esftctl, grouped-G-W, max-loras-K, lora; with -tp2 (or -ep2) past one rank
+    kind: str  # vLLM base, vLLM merged, esftctl, "esftctl, groups of G", "esftctl, --max-loras K", vLLM multi-LoRA
+    role: str  # what it serves and runs: base, merged, esftctl or lora
+    ranks: int = 1
+    serve: tuple[tuple[str, int], ...] = ()  # esftctl serve's settings of this kind (--group-adapters, --group-wait)
+    vllm_extra: tuple[str, ...] = ()  # vLLM arguments of this kind (--max-loras K)
+
+
+def bench_servers(profile: Profile, options: Options) -> list[BenchServer]:
+    """The servers the options ask for, each at every parallel size: plain vLLM's base (always, the anchor),
+    merged copies, esftctl (plain, grouped, under --max-loras), multi-LoRA (when some count has adapters)."""
+    o = options
+    kinds = [BenchServer("base", "vLLM base", "base")]
+    if "merged" in o.servers:
+        kinds.append(BenchServer("merged", "vLLM merged", "merged"))
+    if "esftctl" in o.servers:
+        kinds.append(BenchServer("esftctl", "esftctl", "esftctl"))
+    if o.group_adapters:
+        kinds.append(BenchServer(f"grouped-{o.group_adapters}-{o.group_wait}", f"esftctl, groups of {o.group_adapters}",
+                                 "esftctl", serve=(("group_adapters", o.group_adapters), ("group_wait", o.group_wait))))
+    if o.max_loras:
+        kinds.append(BenchServer(f"max-loras-{o.max_loras}", f"esftctl, --max-loras {o.max_loras}", "esftctl",
+                                 vllm_extra=("--max-loras", str(o.max_loras))))
+    if "lora" in o.servers and max(profile.counts):
+        kinds.append(BenchServer("lora", "vLLM multi-LoRA", "lora"))
+    suffix = "ep" if o.expert_parallel else "tp"
+    return [replace(k, key=k.key if ranks == 1 else f"{k.key}-{suffix}{ranks}", ranks=ranks)
+            for k in kinds for ranks in o.parallel]
+
+
+def adapter_runs(profile: Profile, role: str) -> list[Scenario]:
+    """The scenarios of esftctl's servers or multi-LoRA's, as write_adapters and write_loras will name them:
+    the largest count's grid names (and, beside Table 1's, DeepSeek-sized ones on esftctl)."""
+    extra = profile.esft_sized if role == "esftctl" and profile.shape == "table1" and profile.model != "tiny" else 0
+    return scenarios(profile, max(profile.counts), extra)
+
+
+@dataclass
+class Job:
+    """One server ready to start: its plans (label, vLLM's parallel flags -> plans), every scenario of its round,
+    the model names each pool maps to, and what runs after: `after` in a runs slice, `micro` in a micro slice."""
+
+    plans: Callable[[str, tuple[str, ...]], list]
+    runs: list[Scenario]
+    names: dict = field(default_factory=dict)
+    routes: Callable[[list], dict | None] | None = None
+    after: Callable[[str], dict] | None = None
+    micro: Callable[[str], dict] | None = None
+    env: dict = field(default_factory=dict)
 
 
 class Bench:
-    """One `bench serve`: its servers in turn, each at every parallel size, the results kept as they come."""
+    """What `bench serve` measures, a slice at a time (esftctl.bench.serve_slices decides which): one server
+    started for one round of its scenarios (or of one part of them: an adapter count), or for its
+    microbenchmarks (part MICRO)."""
 
     def __init__(self, profile: Profile, options: Options, *, served: Served, work: Path, scratch: Path, out: Path,
                  gpu: bool, on_step: Callable[[str], None]):
         self.profile, self.options, self.served = profile, options, served
         self.work, self.scratch, self.out, self.gpu, self.on_step = work, scratch, out, gpu, on_step
-        self.results: list[dict] = []
-        self.errors: dict[str, str] = {}
 
-    def run_all(self) -> dict:
-        servers = self.options.servers
-        self.base()  # the anchor: always
-        if "merged" in servers:
-            self.merged()
-        if "esftctl" in servers or self.options.group_adapters or self.options.max_loras:
-            self.esftctl()
-        if "lora" in servers and max(self.profile.counts):
-            self.lora()
-        return self.finish()
+    def label(self, kind: str, ranks: int) -> str:
+        return kind + parallel_label(ranks, self.options.expert_parallel)
 
-    def finish(self) -> dict:
-        return finish(self.profile, self.served, self.results, self.errors, gpu=self.gpu, options=self.options)
+    def measure(self, server: BenchServer, *, round: int, part: str = "", copies: int = 0) -> dict:
+        """Start `server`, run round `round` of its scenarios of `part` ("": all; MICRO: its microbenchmarks
+        instead), stop; `copies`: merged copies to start with (0: the option's, else as many as fit)."""
+        if server.role == "merged":
+            return self.merged(server, round=round, part=part, copies=copies)
+        label = self.label(server.kind, server.ranks)
+        job = {"base": self.base_job, "esftctl": self.esftctl_job, "lora": self.lora_job}[server.role](server, label)
+        return {**self.start(server, job, label, round=round, part=part), "kind": server.kind}
 
-    def attempt(self, server: str, make_plans: Callable, runs: list[Scenario], *, names: dict | None = None,
-                after: Callable | None = None, routes: Callable | None = None, extra: dict | None = None) -> bool:
-        """Measure `server` at every parallel size: make_plans(label, vLLM's parallel flags) -> its plans (one, or
-        several side by side); `names` (pool -> model names), `routes` (plans -> model -> URL) for the runs."""
-        ok = True
-        for ranks in self.options.parallel:
-            label = server + parallel_label(ranks, self.options.expert_parallel)
-            try:
-                with cpu_ranks_bound(ranks, self.gpu):
-                    plans = make_plans(label, parallel_args(ranks, self.options.expert_parallel))
-                    result = measure_server(label, plans, served=self.served, profile=self.profile, runs=runs,
-                                            names=names or {}, routes=routes(plans) if routes else None, out=self.out,
-                                            on_step=self.on_step, after=after if ranks == self.options.parallel[0]
-                                            else None)
-                self.results.append({**result, "kind": server, "ranks": ranks, **(extra or {})})
-            except Exception as e:  # one failing server does not lose the others' numbers
-                self.errors[label] = " ".join(str(e).split())[:500]
-                self.on_step(f"{label}: FAILED: {self.errors[label]}")
-                ok = False
-            write_json(self.out / "serve.partial.json", self.finish())
-        return ok
+    def start(self, server: BenchServer, job: Job, label: str, *, round: int, part: str) -> dict:
+        runs = [] if part == MICRO else [s for s in job.runs if not part or part_of(s) == part]
+        with environ(**job.env), cpu_ranks_bound(server.ranks, self.gpu):
+            plans = job.plans(label, parallel_args(server.ranks, self.options.expert_parallel))
+            return measure_server(label, plans, served=self.served, profile=self.profile, runs=runs, names=job.names,
+                                  routes=job.routes(plans) if job.routes else None, out=self.out, round=round,
+                                  on_step=self.on_step, after=job.micro if part == MICRO else job.after,
+                                  order=job.runs)
 
     def plain(self, label: str, model_dir: Path, name: str, args: tuple[str, ...]):
         return plan(model_dir, [], name=name, esft=False, state_dir=self.work / "state" / slug(label),
@@ -256,26 +296,37 @@ class Bench:
                                         out=self.out, on_step=self.on_step, loaded=loaded, available=available)}
         return after if self.profile.micro_runs else (lambda url: {})
 
-    def base(self) -> None:
-        self.attempt("vLLM base", lambda label, par: [self.plain(label, self.served.base, "base", par)],
-                     base_runs(self.profile), after=self.micro_after("base"))
+    def base_job(self, server: BenchServer, label: str) -> Job:
+        return Job(lambda label, par: [self.plain(label, self.served.base, "base", par)], base_runs(self.profile),
+                   micro=self.micro_after("base"))
 
-    def merged(self) -> None:
-        """Merged copies side by side: as many as fit (or as asked), one fewer after a failed start."""
-        merged = functools.cache(lambda: serve_models.merged_copy(self.served, self.profile.model, self.scratch,
-                                                                  self.on_step))  # written at first use
-        copies = self.options.merged_copies or merged_fit(self.served.base, self.profile.engine_args, self.gpu)
-        while copies >= 1:
-            if self.attempt(f"vLLM merged x{copies}" if copies > 1 else "vLLM merged",
-                            lambda label, par, m=copies: self.merged_plans(label, merged(), m, par),
-                            self.merged_runs(copies),
-                            names={"grid": [f"merged-{j % copies}" for j in range(max(self.profile.counts))]},
-                            routes=lambda plans: {p.name: p.url for p in plans} if len(plans) > 1 else None,
-                            after=self.micro_after("merged" if copies == 1 else "merged-0"),
-                            extra={"copies": copies}) or copies == 1:
-                break
-            copies -= 1
-        serve_models.drop(self.scratch, "merged")
+    def merged(self, server: BenchServer, *, round: int, part: str, copies: int) -> dict:
+        """Merged copies side by side: `copies` (0: the option's, else as many as fit), one fewer after a failed
+        start (each failure kept in the result). The copy is written for the slice and removed after it: the disk
+        holds it or the adapters, not both."""
+        copies = copies or self.options.merged_copies or merged_fit(self.served.base, self.profile.engine_args,
+                                                                    self.gpu)
+        failed: dict[str, str] = {}
+        try:
+            model_dir = serve_models.merged_copy(self.served, self.profile.model, self.scratch, self.on_step)
+            while True:
+                kind = f"vLLM merged x{copies}" if copies > 1 else "vLLM merged"
+                job = Job(lambda label, par, m=copies: self.merged_plans(label, model_dir, m, par),
+                          self.merged_runs(copies),
+                          names={"grid": [f"merged-{j % copies}" for j in range(max(self.profile.counts))]},
+                          routes=lambda plans: {p.name: p.url for p in plans} if len(plans) > 1 else None,
+                          micro=self.micro_after("merged" if copies == 1 else "merged-0"))
+                try:
+                    result = self.start(server, job, self.label(kind, server.ranks), round=round, part=part)
+                    return {**result, "kind": kind, "copies": copies, "failed_copies": failed}
+                except Exception as e:
+                    if copies == 1:
+                        raise
+                    failed[str(copies)] = one_line(e, 500)
+                    self.on_step(f"{kind}: FAILED, one copy fewer: {failed[str(copies)]}")
+                    copies -= 1
+        finally:
+            serve_models.drop(self.scratch, "merged")
 
     def merged_runs(self, copies: int) -> list[Scenario]:
         """One copy takes every request: the base's traffic. Several: the largest count at every alpha (the count
@@ -292,41 +343,30 @@ class Bench:
         return [plan(model_dir, [], name=f"merged-{j}", esft=False, port=free_port(), vllm_args=[*share, *par],
                      state_dir=self.work / "state" / slug(f"{label}-{j}")) for j in range(copies)]
 
-    def esftctl(self) -> None:
+    def esftctl_job(self, server: BenchServer, label: str) -> Job:
         served, profile = self.served, self.profile
         serve_models.write_adapters(served, profile.model, self.scratch, max(profile.counts), distinct=profile.distinct,
                                     esft_sized=profile.esft_sized if profile.shape == "table1" else 0,
                                     shape=profile.shape, on_step=self.on_step)
-        runs = scenarios(profile, len(served.grid), len(served.esft_sized))
-        names = {"grid": served.grid, "esft_sized": served.esft_sized}
-        for kind, settings in self.esftctl_kinds():
-            after = self.group_stats(kind) if settings.get("group_adapters") else None
-            if kind == "esftctl" and served.grid:  # only here: microbenchmarks (batch 1 groups nothing) and loads
-                after = _chain(lambda url: {"adapter_load": adapter_load_times(
-                    url, served, self.options.load_repeats, self.on_step)},
-                    self.micro_after(served.grid[0], loaded=self.unloader(served.grid, served.esft_sized),
-                                     available=len(served.grid)))
-            self.attempt(kind, lambda label, par, s=settings: [self.esftctl_plan(label, par, **s)], runs, names=names,
-                         after=after)
+        settings = dict(server.serve)
+        job = Job(lambda label, par: [self.esftctl_plan(label, par, server.vllm_extra, **settings)],
+                  scenarios(profile, len(served.grid), len(served.esft_sized)),
+                  names={"grid": served.grid, "esft_sized": served.esft_sized},
+                  after=self.group_stats(label) if settings.get("group_adapters") else None)
+        if server.kind == "esftctl" and served.grid:  # only here: microbenchmarks (batch 1 groups nothing) and loads
+            job.micro = _chain(lambda url: {"adapter_load": adapter_load_times(
+                url, served, self.options.load_repeats, self.on_step)},
+                self.micro_after(served.grid[0], loaded=self.unloader(served.grid, served.esft_sized),
+                                 available=len(served.grid)))
+        return job
 
-    def group_stats(self, kind: str) -> Callable[[str], dict]:
+    def group_stats(self, label: str) -> Callable[[str], dict]:
         """What the grouping scheduler did over the runs (esftctl.runtime.vllm.adapter_groups writes it)."""
         from esftctl.jsonfile import read_json
         from esftctl.runtime.adapter_groups import stats_file
 
-        label = kind + parallel_label(self.options.parallel[0], self.options.expert_parallel)  # where `after` runs
         path = stats_file(self.work / "state" / slug(label) / "status.json")
         return lambda url: {"groups": read_json(path)}
-
-    def esftctl_kinds(self) -> list[tuple[str, dict]]:
-        o = self.options
-        kinds = [("esftctl", {})] if "esftctl" in o.servers else []
-        if o.group_adapters:
-            kinds.append((f"esftctl, groups of {o.group_adapters}",
-                          {"group_adapters": o.group_adapters, "group_wait": o.group_wait}))
-        if o.max_loras:
-            kinds.append((f"esftctl, --max-loras {o.max_loras}", {"vllm_extra": ("--max-loras", str(o.max_loras))}))
-        return kinds
 
     def esftctl_plan(self, label: str, par: tuple[str, ...], vllm_extra: tuple[str, ...] = (), **settings):
         specs = [f"{n}={p}" for n, p in self.served.bundles.items()]
@@ -346,17 +386,16 @@ class Bench:
                     gone.add(name)
         return unload
 
-    def lora(self) -> None:
+    def lora_job(self, server: BenchServer, label: str) -> Job:
         served, n_max = self.served, max(self.profile.counts)
         serve_models.write_loras(served, self.scratch, n_max, distinct=self.profile.distinct, on_step=self.on_step)
         lora_args = ("--enable-lora", "--max-loras", str(n_max), "--max-cpu-loras", str(n_max), "--max-lora-rank",
                      "16", "--lora-modules", *(f"{n}={p}" for n, p in served.loras.items()))
         names = list(served.loras)
-        with environ(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"):  # the microbenchmarks unload adapters
-            self.attempt("vLLM multi-LoRA", lambda label, par: [self.plain(label, served.base, "base",
-                                                                           (*lora_args, *par))],
-                         scenarios(self.profile, len(names), 0), names={"grid": names},
-                         after=self.micro_after(names[0], loaded=self.unloader(names, []), available=len(names)))
+        return Job(lambda label, par: [self.plain(label, served.base, "base", (*lora_args, *par))],
+                   scenarios(self.profile, len(names), 0), names={"grid": names},
+                   micro=self.micro_after(names[0], loaded=self.unloader(names, []), available=len(names)),
+                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # the microbenchmarks unload adapters
 
 
 def _chain(first: Callable[[str], dict], then: Callable[[str], dict]) -> Callable[[str], dict]:
@@ -413,12 +452,35 @@ RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("thro
           ("prefill_ratio", "median_prefill_tps"), ("decode_ratio", "median_decode_tps"))
 
 
-def finish(profile: Profile, served: Served, results: list[dict], errors: dict, *, gpu: bool,
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the report needs of the base and the adapters, read where a slice ran (the report may be built where
+    neither is: the dev machine): bytes, KV bytes per token, each grid adapter's experts."""
+
+    base: str
+    model_bytes: int
+    expert_bytes: int
+    kv_bytes_per_token: int
+    grid_experts: tuple[int, ...] = ()  # experts of the grid's adapters, in order (empty before they were written)
+    all_experts: int = 0  # of every bundle served (the grid's and the DeepSeek-sized ones beside)
+
+    @classmethod
+    def of(cls, served: Served) -> ModelFacts:
+        from esftctl.formats.checkpoint import MoECheckpoint
+
+        base = MoECheckpoint(served.base)
+        return cls(str(served.base), base.total_nbytes, base.expert_nbytes, _kv_bytes_per_token(base),
+                   tuple(_experts(served.bundles[n]) for n in served.grid),
+                   sum(_experts(p) for p in served.bundles.values()))
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelFacts:
+        return cls(**{**data, "grid_experts": tuple(data.get("grid_experts", ()))})
+
+
+def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], errors: dict, *, device: str,
            options: Options) -> dict:
     """Ratios against plain vLLM's base at the same rate (and parallel size), and the KV-cache comparison."""
-    from esftctl.formats.checkpoint import MoECheckpoint
-
-    base = MoECheckpoint(served.base)
     anchors = {(res["ranks"], r["rate"]): r for res in results if res["kind"] == "vLLM base" for r in res["rows"]}
     first = {}  # (server, scenario) -> its row at the first parallel size measured
     for res in results:
@@ -434,9 +496,9 @@ def finish(profile: Profile, served: Served, results: list[dict], errors: dict, 
                 "high_rate": rate_label(max(profile.rates))}
     parallel = list(dict.fromkeys(res["ranks"] for res in results))  # in the order measured
     return {"benchmark": "serve", "config": {**settings, **asdict(options), "servers": list(options.servers),
-                                             "parallel": parallel, "base": str(served.base),
-                                             "model_bytes": base.total_nbytes, "device": _device_name(gpu)},
-            "servers": results, "errors": errors, "kv_cache": kv_room(results, base, served)}
+                                             "parallel": parallel, "base": facts.base if facts else None,
+                                             "model_bytes": facts.model_bytes if facts else None, "device": device},
+            "servers": results, "errors": errors, "kv_cache": kv_room(results, facts)}
 
 
 def micro_ratios(results: list[dict]) -> None:
@@ -451,7 +513,7 @@ def micro_ratios(results: list[dict]) -> None:
                                         if v and anchor[what].get(k)}
 
 
-def _device_name(gpu: bool) -> str:
+def device_name(gpu: bool) -> str:
     import platform
 
     import torch
@@ -459,7 +521,7 @@ def _device_name(gpu: bool) -> str:
     return torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.processor() or platform.machine()})"
 
 
-def kv_room(results: list[dict], base, served: Served) -> dict:
+def kv_room(results: list[dict], facts: ModelFacts | None) -> dict:
     """KV tokens vLLM reported per server, and per adapter count N: the room esftctl leaves with the first N
     grid adapters (the base's room less their experts' bytes, at the model's KV bytes per token; checked
     against the esftctl server's own report with every adapter loaded) against N merged copies on one GPU
@@ -467,20 +529,21 @@ def kv_room(results: list[dict], base, served: Served) -> dict:
     kv = {r["server"]: r["kv_cache_tokens"] for r in results}
     out: dict = {"reported": kv}
     alone = next((r["kv_cache_tokens"] for r in results if r["kind"] == "vLLM base"), None)  # first parallel size
-    if not alone or not served.bundles:
+    if not alone or not facts or not facts.grid_experts:
         return out
-    per_token = _kv_bytes_per_token(base)
+    per_token = facts.kv_bytes_per_token
 
-    def esft_room(names: list[str]) -> int:
-        return alone - sum(_experts(served.bundles[n]) for n in names) * base.expert_nbytes // per_token
+    def esft_room(experts: int) -> int:
+        return alone - experts * facts.expert_bytes // per_token
 
     counts = {}
     for n in (1, 2, 4, 5, 10, 20):  # 4: as many merged copies as an H200 holds
-        if n <= len(served.grid):
-            esft, merged = esft_room(served.grid[:n]), max(alone - (n - 1) * base.total_nbytes // per_token, 0)
+        if n <= len(facts.grid_experts):
+            esft = esft_room(sum(facts.grid_experts[:n]))
+            merged = max(alone - (n - 1) * facts.model_bytes // per_token, 0)
             counts[n] = {"esftctl": esft, "merged_copies": merged, "ratio": esft / merged if merged else None}
     out.update({"kv_bytes_per_token": per_token, "by_adapters": counts,
-                "esftctl_all_loaded_computed": esft_room(list(served.bundles))})
+                "esftctl_all_loaded_computed": esft_room(facts.all_experts)})
     return out
 
 

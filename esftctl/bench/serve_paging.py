@@ -37,12 +37,13 @@ to OUT/slices/MODEL/REGIME/SERVER/rROUND.json, and existing slice files are skip
 last stopped (on another machine too, with the folder carried). Slices go round by round, the servers of a round
 in a rotated order (interleaved repeats); `budget_s` stops before a slice its estimate would overrun (the wall
 time of this server's slice measured before, else SLICE_ESTIMATE_S). `report` merges every slice file into
-medians over rounds with ranges, ratios to plain vLLM and to esftctl resident, and the targets of issue 28.
+medians over rounds with ranges, ratios to plain vLLM and to esftctl resident, and the targets of issue 28. The
+slices' machinery (order, resumption, budget, atomic writes) is esftctl.bench.slices, shared with `bench serve`.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import re
 import statistics
@@ -52,6 +53,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from esftctl.bench.slices import PREPARE_S, Slice, measured_walls, pending, run_pending, slice_order
+from esftctl.bench.slices import load_slices as _load_slices
 from esftctl.jsonfile import write_json
 
 CARD_BYTES = 48 * 10**9  # the memory-bound regime's card: FluxMoE's A40
@@ -61,7 +64,6 @@ WINDOW = 2  # layers' blocks of the paged servers: the least that fetches the ne
 # warm-up 20 s, then the points: memory-bound 1.5 (resident) to 6.5 min (host: 512 steps of a 28.7 GB fetch at
 # 47 GB/s), spare and machinery under a minute (host at batch 32: 256 steps of 0.6 s, 2.5 min).
 SLICE_ESTIMATE_S = {"memory-bound": 480, "spare": 200, "machinery": 180}
-PREPARE_S = 120  # generating the base on the GPU (31-41 GB into /dev/shm) when it is not there yet
 
 
 @dataclass(frozen=True)
@@ -126,26 +128,6 @@ def server_spec(name: str) -> ServerSpec:
     if base not in SERVERS or extra not in ("", "adapters") or (extra and not SERVERS[base].esft):
         raise ValueError(f"unknown server {name!r}: one of {', '.join(SERVERS)}, or an esftctl one with +adapters")
     return replace(SERVERS[base], name=name, adapters=ADAPTERS if extra else 0)
-
-
-@dataclass(frozen=True)
-class Slice:
-    regime: str
-    server: str
-    round: int
-
-    def path(self, out: Path, model: str) -> Path:
-        return Path(out) / "slices" / model / self.regime / self.server / f"r{self.round}.json"
-
-
-def slice_order(regimes: dict[str, tuple[str, ...]], rounds: int) -> list[Slice]:
-    """Every slice, round by round: in round r each regime's servers rotated by r (interleaved repeats)."""
-    out = []
-    for r in range(rounds):
-        for regime, servers in regimes.items():
-            k = r % len(servers)
-            out += [Slice(regime, s, r) for s in servers[k:] + servers[:k]]
-    return out
 
 
 def engine_args(regime: Regime, *, total_bytes: int | None) -> list[str]:
@@ -256,31 +238,20 @@ def run(model: str, *, out: Path, work: Path, scratch: Path | None = None, regim
     from esftctl.bench import serve_models
 
     chosen = {r: tuple(s for s in REGIMES[r].servers if servers is None or s in servers) for r in regimes}
-    pending = [s for s in slice_order({r: v for r, v in chosen.items() if v}, rounds)
-               if not s.path(out, model).exists()]
-    started, ran = time.monotonic(), []
-    first = (PREPARE_S if not (Path(work) / "base").exists() else 0) + (estimate_s(pending[0], out, model)
-                                                                        if pending else 0)
-    served = serve_models.prepare_base(model, work, on_step, layers=layers) if pending and first <= budget_s else None
-    for sl in pending:
-        left = budget_s - (time.monotonic() - started)
-        if served is None or estimate_s(sl, out, model) > left:
-            on_step(f"stopping: {sl.regime}/{sl.server} r{sl.round} needs about {estimate_s(sl, out, model):.0f} s, "
-                    f"{left:.0f} s left")
-            break
-        result = run_slice(sl, model=model, served=served, work=work, scratch=scratch or work, prompts=prompts,
-                           on_step=on_step)
-        write_json(sl.path(out, model), result)
-        ran.append(asdict(sl))
-    left = [asdict(s) for s in pending if not s.path(out, model).exists()]
-    return {"model": model, "ran": ran, "left": left}
+    todo = pending(slice_order({r: v for r, v in chosen.items() if v}, rounds), out, model)
+    served = functools.cache(lambda: serve_models.prepare_base(model, work, on_step, layers=layers))
+    ran = run_pending(todo, out=out, model=model, budget_s=budget_s, on_step=on_step,
+                      estimate_s=lambda sl: estimate_s(sl, out, model),
+                      setup_s=0 if (Path(work) / "base").exists() else PREPARE_S,
+                      run=lambda sl: run_slice(sl, model=model, served=served(), work=work, scratch=scratch or work,
+                                               prompts=prompts, on_step=on_step))
+    return {"model": model, "ran": [asdict(s) for s in ran], "left": [asdict(s) for s in pending(todo, out, model)]}
 
 
 def estimate_s(sl: Slice, out: Path, model: str) -> float:
     """Seconds a slice should take: the longest measured slice of this server and regime, else the default."""
-    done = list(sl.path(out, model).parent.glob("r*.json"))
-    walls = [json.loads(p.read_text()).get("wall_s", 0) for p in done]
-    return max(walls) if walls else SLICE_ESTIMATE_S[sl.regime]
+    walls = measured_walls(sl.path(out, model).parent)
+    return max(walls) if walls else SLICE_ESTIMATE_S[sl.group]
 
 
 def regime_points(regime: Regime, prompts: int | None) -> tuple[Point, ...]:
@@ -300,8 +271,8 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
     from esftctl.bench.traffic import draw_adapters, run_seed
     from esftctl.serve import Server, free_port
 
-    regime, spec = REGIMES[sl.regime], server_spec(sl.server)
-    label = f"{sl.regime}/{sl.server} r{sl.round}"
+    regime, spec = REGIMES[sl.group], server_spec(sl.server)
+    label = sl.label
     t0 = time.monotonic()
     store = ensure_store(served.base, work / "store", on_step) if spec.store else None
     if spec.adapters and len(served.bundles) < spec.adapters:
@@ -310,7 +281,7 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
     total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
     args = engine_args(regime, total_bytes=total)
     p = plan_server(spec, base=served.base, bundles=served.bundles, store=store, args=args,
-                    state=work / "state" / slug(f"{model}-{sl.regime}-{sl.server}"), port=free_port())
+                    state=work / "state" / slug(f"{model}-{sl.group}-{sl.server}"), port=free_port())
     on_step(f"{label}: starting")
     points = {}
     with Server(p) as server:
@@ -338,8 +309,9 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
             points[point.name] = {**result, "point": asdict(point), "preemptions": preemptions(_metrics(p.url)) - pre,
                                   "fetch": fetch_delta(before, after)}
         status = _status(p.url)
-    return {"model": model, **asdict(sl), "spec": asdict(spec), "device": _device(), "vllm_args": args,
-            "command": p.command(), "ready_s": ready_s, "kv_cache_tokens": kv if kv is not None else kv_log,
+    return {"model": model, "regime": sl.group, "server": sl.server, "round": sl.round, "spec": asdict(spec),
+            "device": _device(), "vllm_args": args, "command": p.command(), "ready_s": ready_s,
+            "kv_cache_tokens": kv if kv is not None else kv_log,
             "kv_cache_tokens_log": kv_log, "tiers": tiers(status), "points": points,
             "wall_s": time.monotonic() - t0, "finished": time.time()}
 
@@ -369,7 +341,7 @@ TARGETS = {  # (regime, point, what it is set against, the least ratio of output
 
 
 def load_slices(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((Path(out) / "slices").glob("*/*/*/r*.json"))]
+    return _load_slices(Path(out) / "slices", "*/*/*/r*.json")
 
 
 def report(out: Path) -> dict:

@@ -1,4 +1,5 @@
-"""`esftctl bench serve`'s tables and plot, from its result dict (esftctl.bench.serve.finish)."""
+"""`esftctl bench serve`'s tables and plot, from its result dict (esftctl.bench.serve.finish, merged from the
+slices by esftctl.bench.serve_slices: a partial grid prints what it has and lists what is missing)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,37 @@ def tables(result: dict) -> list:
         out.append(load_table(load))
     for server, error in result["errors"].items():
         out.append(f"[red]{server} failed:[/red] {error}")
+    note = slices_note(result)
+    if note:
+        out.append(note)
     return out
+
+
+def slices_note(result: dict) -> str | None:
+    """How many of the planned slices are there, and the missing ones by server (None for a whole grid)."""
+    if "slices" not in result:
+        return None
+    done = result["slices"]
+    missing: dict[str, list[str]] = {}
+    for m in result["missing"]:
+        server, name = m.rsplit(" ", 1)
+        missing.setdefault(server, []).append(name)
+    head = (f"{result['grid']}: {done['present']} of {done['planned']} slices"
+            + (f" ({done['failed']} failed)" if done["failed"] else ""))
+    if not missing:
+        return head + ", the grid is whole"
+    return head + "; missing: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items())
 
 
 def _f(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _throughput(r: dict) -> str:
+    """Output tok/s, with its range over the rounds when there are several."""
+    low, high = r.get("output_throughput_range") or (None, None)
+    ranged = low is not None and len(r.get("rounds", ())) > 1
+    return _f(r["output_throughput"], ".0f") + (f" [{low:.0f}-{high:.0f}]" if ranged else "")
 
 
 def _pct(value) -> str:
@@ -36,23 +63,25 @@ def runs_table(result: dict):
     c = result["config"]
     t = Table(title=f"serving on {c['device']}: {c['model']}, {c['input_len']} -> {c['output_len']} tokens per "
                     f"request; finite rates: {c['duration']:g} s of Gamma arrivals (cv {c['cv']:g}), inf: "
-                    f"{c['prompts']} at once; vLLM bench serve; median of {c['repeats']} interleaved runs; ratios "
+                    f"{c['prompts']} at once; vLLM bench serve; medians over rounds (each a fresh start of the "
+                    f"server; 'rounds': those a row has of the {c['repeats']} planned; tok/s with its range); ratios "
                     "(medians) against plain vLLM serving the base alone at the same rate; shares: the drawn "
                     "adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
               title_justify="left")
     several = len(c.get("parallel", [1])) > 1
-    for col in ("server", "scenario", "req", "TTFT ms", "TTFT p99", "TTFT spread", "TPOT ms", "TPOT p99",
+    for col in ("server", "scenario", "req", "rounds", "TTFT ms", "TTFT p99", "TTFT spread", "TPOT ms", "TPOT p99",
                 "prefill tok/s", "decode tok/s", "tok/s", "TTFT x", "TPOT x", "tok/s x", "shares p / z", "cv",
                 *(["tok/s vs first"] if several else [])):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for res in result["servers"]:
         for r in res["rows"]:
             shares = r.get("shares")
-            t.add_row(res["server"], r["scenario"], str(r.get("requests", "-")), _f(r["median_ttft_ms"], ".1f"),
+            t.add_row(res["server"], r["scenario"], str(r.get("requests", "-")), str(len(r.get("rounds", [0]))),
+                      _f(r["median_ttft_ms"], ".1f"),
                       _f(r["p99_ttft_ms"], ".1f"), _pct(r.get("ttft_spread")),
                       _f(r["median_tpot_ms"], ".2f"), _f(r["p99_tpot_ms"], ".2f"), _f(r.get("median_prefill_tps"),
                                                                                        ".0f"),
-                      _f(r.get("median_decode_tps"), ".1f"), _f(r["output_throughput"], ".0f"),
+                      _f(r.get("median_decode_tps"), ".1f"), _throughput(r),
                       *(_f(r.get(k), ".3f") for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
                       f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
                       _f(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))

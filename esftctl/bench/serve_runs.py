@@ -1,11 +1,13 @@
 """The runs of `esftctl bench serve`: its scenarios (who gets which requests at what rate) and one server (or
 several side by side) measured over them.
 
-A scenario is (rate, N adapters, alpha, which adapters). Its requests in repeat r are the same on every server:
+A scenario is (rate, N adapters, alpha, which adapters). Its requests in round r are the same on every server:
 vLLM draws the prompts and the arrival times from seed r, esftctl.bench.traffic draws each request's adapter
 index from the run's own seed, and each server maps index i to its own i-th model name (esftctl's i-th adapter,
-the peer's i-th LoRA, merged copy i mod copies). Rows keep every repeat's numbers, their median, TTFT's spread
-over the repeats, the arrivals' measured cv and the drawn shares checked against alpha over all repeats.
+the peer's i-th LoRA, merged copy i mod copies). A server started once runs one round (esftctl.bench.serve_slices
+starts it anew for each, so that the spread over rounds includes the start's own); rows merge the rounds: every
+round's numbers, their median, TTFT's spread over them, the arrivals' measured cv and the drawn shares checked
+against alpha over all rounds.
 
 Routing: the generated DeepSeek-V2-Lite-shaped base routes about uniformly, and its adapters replace experts
 chosen at random, so a token of adapter a reaches a's experts only as often as chance has it. Trained ESFT
@@ -26,7 +28,7 @@ import re
 import statistics
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -99,11 +101,19 @@ def kv_cache_tokens(url: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def part_of(s: Scenario) -> str:
+    """The slice part a scenario belongs to when a server's round is cut by adapter count (n5; ds5: DeepSeek-sized
+    adapters beside Table 1's)."""
+    return f"{'ds' if s.pool == 'esft_sized' else 'n'}{s.adapters}"
+
+
 def measure_server(label: str, plans: list, *, served, profile, runs: list[Scenario], names: dict[str, list[str]],
-                   routes: dict[str, str] | None, out: Path, on_step: Callable[[str], None],
-                   after: Callable[[str], dict] | None = None) -> dict:
-    """Start the server(s), warm up, run every scenario `repeats` times interleaved, stop. With several plans
-    (merged copies side by side) `routes` sends each model name to its server; the first takes the rest."""
+                   routes: dict[str, str] | None, out: Path, round: int, on_step: Callable[[str], None],
+                   after: Callable[[str], dict] | None = None, order: list[Scenario] | None = None) -> dict:
+    """Start the server(s), warm up, run every scenario once (round `round`: its seed, and the order rotated by
+    it), then `after`, stop. With several plans (merged copies side by side) `routes` sends each model name to
+    its server; the first takes the rest. `order`: all the server's scenarios when `runs` are a part of them
+    (each run keeps its place there, so that rows merged from several parts keep the server's order)."""
     on_step(f"{label}: starting vLLM" + (f" ({len(plans)} servers side by side)" if len(plans) > 1 else ""))
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -114,14 +124,13 @@ def measure_server(label: str, plans: list, *, served, profile, runs: list[Scena
         kv = kv_cache_tokens(url)
         run = _runner(url, model, served=served, profile=profile, routes=routes, out=out)
         _warm_up(run, label, runs, names, profile, on_step)
-        measured, draws = _repeat(run, label, runs, names, profile, on_step)
+        measured = _round(run, label, runs, names, profile, round, on_step, order or runs)
         try:  # a failure here keeps the runs measured above
             extra = after(url) if after else {}
         except Exception as e:
             extra = {"after_error": " ".join(str(e).split())[:500]}
             on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
-    rows = [row(label, s, measured[s.name], draws[s.name], profile) for s in runs]
-    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "rows": rows, **extra}
+    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "runs": measured, **extra}
 
 
 def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
@@ -140,35 +149,48 @@ def _warm_up(run: Callable, label: str, runs: list[Scenario], names: dict, profi
         [used[k % len(used)] for k in range(count)] if used else [], folder="warmup")
 
 
-def _repeat(run: Callable, label: str, runs: list[Scenario], names: dict, profile, on_step
-            ) -> tuple[dict[str, list[dict]], dict[str, list[int]]]:
-    measured: dict[str, list[dict]] = {s.name: [] for s in runs}
-    draws: dict[str, list[int]] = {s.name: [] for s in runs}
-    for rep in range(profile.repeats):
-        for s in runs[rep % len(runs):] + runs[:rep % len(runs)]:
-            on_step(f"{label}: {s.name} ({rep + 1}/{profile.repeats})")
-            count = profile.requests(s.rate)
-            drawn = s.draw(rep, count)
-            load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rep, cv=profile.cv)
-            result = summary(run(f"{label} {s.name} r{rep}", load, [names[s.pool][i] for i in drawn]))
-            if math.isinf(s.rate):  # all at once: no gaps to speak of
-                result["arrival_cv"] = None
-            measured[s.name].append(result)
-            draws[s.name] += drawn
-    return measured, draws
+def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile, rnd: int, on_step,
+           order: list[Scenario]) -> list[dict]:
+    """Every scenario once, in an order rotated by the round; each run's entry keeps its scenario (and place in
+    `order`), vLLM's numbers, the adapters drawn and the seconds it took."""
+    out = []
+    k = rnd % len(runs) if runs else 0
+    for s in runs[k:] + runs[:k]:
+        on_step(f"{label}: {s.name} (round {rnd + 1})")
+        count = profile.requests(s.rate)
+        drawn = s.draw(rnd, count)
+        load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
+        started = time.perf_counter()
+        result = summary(run(f"{label} {s.name} r{rnd}", load, [names[s.pool][i] for i in drawn]))
+        if math.isinf(s.rate):  # all at once: no gaps to speak of
+            result["arrival_cv"] = None
+        out.append({"scenario": asdict(s), "index": order.index(s), "round": rnd, "result": result, "drawn": drawn,
+                    "seconds": time.perf_counter() - started})
+    return out
 
 
-def row(label: str, s: Scenario, reps: list[dict], drawn: list[int], profile) -> dict:
-    """One scenario's line: the median of its repeats, TTFT's spread, the drawn shares against alpha."""
+def merge_rounds(label: str, entries: list[dict], profile) -> list[dict]:
+    """One server's rows from its runs' entries (_round's, of any rounds and parts): per scenario, in the order
+    of the server's scenarios, its rounds merged (row)."""
+    by_name: dict[str, list[dict]] = {}
+    for e in sorted(entries, key=lambda e: (e["index"], e["round"])):
+        by_name.setdefault(e["scenario"]["name"], []).append(e)
+    return [row(label, Scenario(**reps[0]["scenario"]), [e["result"] for e in reps],
+                [i for e in reps for i in e["drawn"]], profile, rounds=[e["round"] for e in reps])
+            for reps in by_name.values()]
+
+
+def row(label: str, s: Scenario, reps: list[dict], drawn: list[int], profile, rounds: list[int] | None = None) -> dict:
+    """One scenario's line: the median of its rounds, TTFT's spread, the drawn shares against alpha."""
     shares = check_shares(drawn, slora_shares(s.adapters, s.alpha)).to_json() if s.adapters > 1 else None
     return {"server": label, "scenario": s.name, "adapters": s.adapters, "alpha": s.alpha if s.adapters > 1 else None,
             "rate": rate_label(s.rate), "requests": profile.requests(s.rate), "cv": profile.cv, **median_of(reps),
-            "shares": shares, "repeats": reps}
+            "shares": shares, "rounds": rounds if rounds is not None else list(range(len(reps))), "repeats": reps}
 
 
 def median_of(reps: list[dict]) -> dict:
-    """Every number's median over the repeats (None where none has it), the ranges of the main ones, and TTFT's
-    spread: (max - min) / median of the repeats' median TTFT."""
+    """Every number's median over the rounds (None where none has it), the ranges of the main ones, and TTFT's
+    spread: (max - min) / median of the rounds' median TTFT."""
     out = {}
     for key in reps[0]:
         values = [r[key] for r in reps if r.get(key) is not None]

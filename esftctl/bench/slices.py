@@ -1,0 +1,103 @@
+"""Server benchmarks run in slices that each fit one device call, resumed where the last call stopped.
+
+Why: a device session gets about 30 minutes and one command at most 10, and a machine taken back mid-run loses
+whatever was not written yet. So a long server benchmark is cut into slices, one server started for one round
+(repeat) of its traffic, or a part of that round, and each slice's JSON is written whole (atomically:
+esftctl.jsonfile.write_json) to OUT/slices/MODEL/GROUP/SERVER/[PART.]rROUND.json the moment it ends. A rerun
+skips the slices already there (on another machine too, with the folder carried), `budget_s` stops before a
+slice whose estimate would overrun what is left of the call, and a report merges whatever slices are present.
+Rounds interleave the servers (round r starts r servers further down the list): a drift of the machine over
+time spreads over every server instead of landing on whichever ran last.
+
+Used by `esftctl bench paging --serve` (esftctl.bench.serve_paging: GROUP is the regime) and `esftctl bench
+serve` (esftctl.bench.serve_slices: GROUP is the grid's key and the device, PART an adapter count or the
+microbenchmarks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from esftctl.errors import EsftError
+from esftctl.jsonfile import read_json, write_json
+
+PREPARE_S = 120  # generating a base on the GPU (31-41 GB into /dev/shm) when it is not there yet
+
+
+@dataclass(frozen=True)
+class Slice:
+    group: str  # what the servers of a slice share: the paging bench's regime, bench serve's grid and device
+    server: str
+    round: int
+    part: str = ""  # a share of the server's round (bench serve: one adapter count, or "micro"); "": all of it
+
+    @property
+    def name(self) -> str:
+        return f"{self.part}.r{self.round}" if self.part else f"r{self.round}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.group}/{self.server} {self.name}"
+
+    def path(self, out: Path, model: str) -> Path:
+        return Path(out) / "slices" / model / self.group / self.server / f"{self.name}.json"
+
+
+def slice_order(groups: dict[str, tuple[str, ...]], rounds: int,
+                parts: Callable[[str], tuple[str, ...]] = lambda server: ("",)) -> list[Slice]:
+    """Every slice, round by round: in round r each group's servers rotated by r (interleaved repeats), each
+    server's parts in their order."""
+    out = []
+    for r in range(rounds):
+        for group, servers in groups.items():
+            k = r % len(servers)
+            out += [Slice(group, s, r, p) for s in servers[k:] + servers[:k] for p in parts(s)]
+    return out
+
+
+def pending(order: Iterable[Slice], out: Path, model: str) -> list[Slice]:
+    """The slices of `order` whose file is not there yet."""
+    return [s for s in order if not s.path(out, model).exists()]
+
+
+def read_slice(path: Path) -> dict:
+    """One slice file; one line naming the file if it is not a slice (esftctl.errors.EsftError)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise EsftError("not a slice of a bench (a JSON object was expected)", path)
+    return data
+
+
+def load_slices(root: Path, pattern: str) -> list[dict]:
+    """Every slice file under `root` matching `pattern`, in path order."""
+    return [read_slice(p) for p in sorted(Path(root).glob(pattern))]
+
+
+def measured_walls(folder: Path, part: str | None = None) -> list[float]:
+    """Wall seconds of the slices written in `folder` (one server's), of one part only when `part` is given;
+    slices that failed are left out (their time says nothing of a slice that runs)."""
+    names = sorted(Path(folder).glob("*.json"))
+    done = [read_slice(p) for p in names]
+    return [d.get("wall_s", 0.0) for d in done if not d.get("error")
+            and (part is None or d.get("part", "") == part)]
+
+
+def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float, estimate_s: Callable[[Slice], float],
+                run: Callable[[Slice], dict], setup_s: float = 0.0,
+                on_step: Callable[[str], None] = lambda msg: None) -> list[Slice]:
+    """Run the slices of `todo` in order while each one's estimate (the first's plus `setup_s`: what its run
+    prepares first) fits what is left of `budget_s`; each result is written atomically to its path as soon as it
+    is there. Returns the slices that ran; a slice that raises stops the run with nothing written for it."""
+    started, ran = time.monotonic(), []
+    for sl in todo:
+        left = budget_s - (time.monotonic() - started)
+        need = estimate_s(sl) + (0.0 if ran else setup_s)
+        if need > left:
+            on_step(f"stopping: {sl.label} needs about {need:.0f} s, {left:.0f} s left")
+            break
+        write_json(sl.path(out, model), run(sl))
+        ran.append(sl)
+    return ran

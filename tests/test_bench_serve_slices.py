@@ -1,0 +1,198 @@
+"""`esftctl bench serve` in slices (esftctl.bench.serve_slices, on esftctl.bench.slices) without a GPU or vLLM: the
+slices' order, resumption, the budget, failed slices, the merged report over a partial grid, atomic writes.
+A fake bench stands in for the servers: each run's numbers are a function of its server, scenario and round."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+from conftest import run_cli
+
+from esftctl.bench import serve as bench
+from esftctl.bench import serve_slices as ss
+from esftctl.bench import slices
+from esftctl.bench.serve_models import Served
+
+SPEED = {"base": 100.0, "esftctl": 90.0, "lora": 60.0}  # tok/s of round 0; each round adds 10%
+
+
+def grid(**over):
+    settings = dict(counts=(0, 2), rates=(8.0,), alphas=(1.0,), repeats=3, slice_by="adapters",
+                    servers=("base", "esftctl", "lora"))
+    return bench.configure("tiny", gpu=True, **{**settings, **over})
+
+
+class FakeBench:
+    """bench.serve.Bench's face to serve_slices: measure() returns made-up runs, and a `fail` server raises."""
+
+    calls: list = []
+    fail: set = set()
+
+    def __init__(self, profile, options, *, served, work, scratch, out, gpu, on_step):
+        self.profile, self.options, self.served, self.on_step = profile, options, served, on_step
+
+    def label(self, kind, ranks):
+        return kind + bench.parallel_label(ranks, False)
+
+    def measure(self, server, *, round, part="", copies=0):
+        FakeBench.calls.append((server.key, round, part))
+        if server.key in FakeBench.fail:
+            raise RuntimeError("the server did not start\nsecond line")
+        if part == bench.MICRO:
+            return {"server": server.kind, "kind": server.kind, "ready_s": 5.0, "kv_cache_tokens": 900, "runs": [],
+                    "micro": {"all": {"ttft_ms": {"16": 10.0 + round}, "tpot_ms": {"1": 2.0}}}}
+        order = bench.base_runs(self.profile) if server.role == "base" else bench.adapter_runs(self.profile,
+                                                                                              server.role)
+        runs = [s for s in order if not part or bench.part_of(s) == part]
+        speed = SPEED[server.role] * (1 + 0.1 * round)
+        entries = [{"scenario": asdict(s), "index": order.index(s), "round": round, "drawn": s.draw(round, 12),
+                    "seconds": 1.0, "result": {"output_throughput": speed - s.adapters, "mean_ttft_ms": 20.0 + round,
+                                               "median_ttft_ms": 20.0 + round, "p99_ttft_ms": 40.0,
+                                               "mean_tpot_ms": 5.0, "median_tpot_ms": 5.0, "p99_tpot_ms": 9.0,
+                                               "arrival_cv": 1.0}} for s in runs]
+        return {"server": server.kind, "kind": server.kind, "ready_s": 4.0 + round, "kv_cache_tokens": 1000,
+                "runs": entries}
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    FakeBench.calls, FakeBench.fail = [], set()
+    monkeypatch.setattr(ss, "Bench", FakeBench)
+    monkeypatch.setattr(ss.serve_models, "prepare_base", lambda model, work, on_step: Served(tmp_path / "base"))
+    facts = bench.ModelFacts("base", model_bytes=1 << 30, expert_bytes=1 << 10, kv_bytes_per_token=1 << 10,
+                             grid_experts=(4, 6), all_experts=10)
+    monkeypatch.setattr(ss.ModelFacts, "of", classmethod(lambda cls, served: facts))
+
+    def run(profile, options, out, budget_s=math.inf):
+        return ss.run(profile, options, out=out, work=tmp_path / "work", scratch=tmp_path / "work", gpu=False,
+                      budget_s=budget_s)
+    return run
+
+
+def test_slices_rotate_the_servers_per_round_and_cut_rounds_by_adapter_count():
+    profile, options = grid(group_adapters=2)
+    plan = ss.slice_plan(profile, options, "g")
+    names = [f"{s.server} {s.name}" for s in plan]
+    assert names[:11] == ["base r0", "esftctl n0.r0", "esftctl n2.r0", "grouped-2-8 n0.r0", "grouped-2-8 n2.r0",
+                          "lora n0.r0", "lora n2.r0",
+                          "base micro.r0", "esftctl micro.r0", "lora micro.r0",  # microbenchmarks: once, not grouped
+                          "esftctl n0.r1"]  # round 1 starts one server further
+    assert [s.server for s in plan if s.round == 2 and s.part != bench.MICRO][0] == "grouped-2-8"
+    assert len(plan) == 3 * 7 + 3 and len(set(plan)) == len(plan)
+    whole, _ = grid(slice_by="server", micro_runs=0)
+    assert [f"{s.server} {s.name}" for s in ss.slice_plan(whole, options, "g")][:4] == [
+        "base r0", "esftctl r0", "grouped-2-8 r0", "lora r0"]
+    path = plan[1].path("OUT", "tiny")
+    assert path.as_posix() == "OUT/slices/tiny/g/esftctl/n0.r0.json"
+    parallel = [s.key for s in bench.bench_servers(profile, bench.Options(servers=("base",), parallel=(1, 2)))]
+    assert parallel == ["base", "base-tp2"]
+
+
+def test_grid_key_keeps_grids_apart_but_not_rounds():
+    profile, _ = grid()
+    key = ss.grid_key(profile)
+    assert key.startswith("table1-n0.2-r8-a1-") and ss.grid_key(grid(repeats=5)[0]) == key
+    assert ss.grid_key(grid(rates=(8.0, math.inf))[0]).startswith("table1-n0.2-r8.inf-a1-")
+    assert len({key, ss.grid_key(grid(duration=3.0)[0]), ss.grid_key(grid(slice_by="server")[0])}) == 3
+    assert ss.grid_key(grid(rates=(8,), alphas=(1,))[0]) == key  # however the numbers were written
+
+
+def test_a_rerun_resumes_and_failed_slices_are_kept(fake, tmp_path):
+    profile, options = grid(repeats=2)
+    FakeBench.fail = {"lora"}
+    first = fake(profile, options, tmp_path / "out")
+    assert len(first["ran"]) == 2 * 5 + 3 and first["left"] == []
+    assert len(FakeBench.calls) == 13
+    failed = slices.read_slice(tmp_path / "out" / "slices" / "tiny" / first["grid"] / "lora" / "n2.r1.json")
+    assert failed["error"] == "the server did not start second line" and failed["wall_s"] >= 0
+    FakeBench.calls = []
+    again = fake(profile, options, tmp_path / "out")  # everything there, the failed slices too: nothing runs
+    assert again["ran"] == [] and FakeBench.calls == []
+    more = fake(grid(repeats=3)[0], options, tmp_path / "out")  # one more round adds to the grid
+    assert [c[1] for c in FakeBench.calls] == [2] * 5 and len(more["ran"]) == 5
+
+
+def test_the_budget_stops_before_a_slice_that_would_overrun(fake, tmp_path):
+    profile, options = grid(repeats=1, micro_runs=0)
+    out = tmp_path / "out"
+    first = fake(profile, options, out, budget_s=60)
+    assert first["ran"] == [] and len(first["left"]) == 5 and FakeBench.calls == []  # base: START_S alone
+    order = ss.slice_plan(profile, options, first["grid"])
+    servers = {s.key: s for s in bench.bench_servers(profile, options)}
+
+    def estimate(sl):
+        return ss.estimate_s(sl, servers[sl.server], out=out, profile=profile, scratch=tmp_path)
+    assert estimate(order[0]) == ss.START_S["base"] + profile.duration + ss.RUN_TAIL_S
+    done = fake(profile, options, out, budget_s=math.inf)
+    assert len(done["ran"]) == 5
+    wall = slices.read_slice(order[1].path(out, "tiny"))["wall_s"]
+    assert estimate(order[1]) == wall  # measured: the same server and part's wall time
+    order[2].path(out, "tiny").unlink()
+    assert estimate(order[2]) == pytest.approx(wall - 1.0 + profile.duration + ss.RUN_TAIL_S)  # its start + runs
+
+
+def test_the_report_merges_a_partial_grid(fake, tmp_path):
+    from rich.console import Console
+
+    profile, options = grid()
+    out = tmp_path / "out"
+    done = fake(profile, options, out)
+    for name in ("lora/n2.r1", "lora/n2.r2", "esftctl/n0.r2"):  # a partial grid
+        (out / "slices" / "tiny" / done["grid"] / f"{name}.json").unlink()
+    (result,) = ss.report(out, profile, options)
+    assert result["missing"] == ["lora n2.r1", "lora n2.r2", "esftctl n0.r2"]
+    assert result["slices"] == {"planned": 3 * 5 + 3, "present": 15, "failed": 0}
+    rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
+    base = rows[("vLLM base", "base @ 8 rps")]
+    assert base["rounds"] == [0, 1, 2] and base["output_throughput"] == pytest.approx(110)
+    assert base["output_throughput_range"] == pytest.approx([100, 120])
+    assert base["ttft_spread"] == pytest.approx(2 / 21)
+    lora = rows[("vLLM multi-LoRA", "2 adapters, alpha 1 @ 8 rps")]
+    assert lora["rounds"] == [0] and lora["output_throughput"] == pytest.approx(58)
+    esft = rows[("esftctl", "base @ 8 rps")]
+    assert esft["rounds"] == [0, 1] and esft["throughput_ratio"] == pytest.approx(94.5 / 110)
+    assert len(rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]["shares"]["counts"]) == 2  # drawn over rounds
+    servers = {s["server"]: s for s in result["servers"]}
+    assert servers["esftctl"]["micro"]["all"]["ttft_ms_ratio"] == {"16": 1.0}
+    assert result["kv_cache"]["by_adapters"][2]["esftctl"] == 1000 - (4 + 6)  # an expert: one KV token's bytes
+    text = io.StringIO()
+    for table in bench.tables(result):
+        Console(file=text, width=250).print(table)
+    assert "missing: lora: n2.r1, n2.r2; esftctl: n0.r2" in text.getvalue()
+    bench.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_slices_are_written_whole_or_not_at_all(tmp_path):
+    todo = [slices.Slice("g", "s", r) for r in range(3)]
+
+    def run(sl):
+        if sl.round == 1:
+            return {"wall_s": 1, "bad": object()}  # cannot be written: the write fails midway
+        return {"wall_s": 1}
+    with pytest.raises(TypeError):
+        slices.run_pending(todo, out=tmp_path, model="m", budget_s=math.inf, estimate_s=lambda sl: 0, run=run)
+    folder = todo[0].path(tmp_path, "m").parent
+    assert sorted(p.name for p in folder.iterdir()) == ["r0.json"]  # no half file, no temporary left
+    assert slices.pending(todo, tmp_path, "m") == todo[1:]
+    folder.joinpath("r1.json").write_text("{half")
+    with pytest.raises(Exception, match="r1.json: not valid JSON"):  # one line naming the file
+        slices.measured_walls(folder)
+
+
+def test_report_only_from_the_command_line(fake, tmp_path):
+    profile, options = grid(repeats=1)
+    fake(profile, options, tmp_path / "out")
+    args = ("bench", "serve", "--report", "--out", tmp_path / "out", "--adapters", "0,2", "--rates", "8", "--alphas",
+            "1", "--slice-by", "adapters", "--servers", "base,esftctl,lora")
+    proc = run_cli(*args, "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "8 of 13 slices" in proc.stdout and "missing: esftctl: n0.r1, n2.r1" in proc.stdout
+    (report,) = (tmp_path / "out").glob("serve-*.json")
+    assert json.loads(report.read_text())["grid"].startswith(ss.grid_key(profile))
+    proc = run_cli(*args, "--cv", "2")  # another grid: none of its slices are there
+    assert proc.returncode == 1 and "no slices of grid" in proc.stderr and len(proc.stderr.splitlines()) == 1
