@@ -402,7 +402,8 @@ def serve(
     adapter_memory: str = typer.Option(None, help="Adapter experts loaded at once, as a size (e.g. 12GiB): their GPU "
                                                   "memory is set aside before vLLM sizes its KV cache, and a load "
                                                   "past it is refused (default: --slots times the largest given "
-                                                  "adapter; with none given, every slot's full reservation)."),
+                                                  "adapter; with none given, two adapters of an eighth of the base's "
+                                                  "experts each)."),
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file, kept (default: a new "
                                               "temporary folder, removed when the server stops, kept after a "
                                               "failure for its log)."),

@@ -194,7 +194,7 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
     two loaded later (fewer where vLLM's Triton kernel limits the rows), each layer reserving the most
     experts any given adapter has in one layer. `adapter_memory` (bytes of adapter experts loaded at once,
     reserved before vLLM sizes its KV cache) defaults to `slots` times the largest given adapter, or with
-    none given to every slot's full reservation.
+    none given to two adapters of an eighth of the base's experts each (unseen_adapters_budget).
 
     `variants` (a folder of `esftctl consolidate`) serves its variants instead of one base: the first is what
     vLLM loads (adapters are of it), every other one takes a slot for its experts where the map loaded none
@@ -259,7 +259,7 @@ def _adapter_budget(adapter_memory: int | None, base: MoECheckpoint, bundles: di
     """Adapter experts loaded at once (all layers): `adapter_memory` in experts, or slots x the largest."""
     sizes = [b.num_experts for b in bundles.values()] + [sum(m) for m in misses]
     if adapter_memory is None:
-        budget = slots * max(sizes, default=experts_per_slot * len(base.moe_layers))
+        budget = slots * max(sizes) if sizes else unseen_adapters_budget(base)
     else:
         budget = adapter_memory // base.expert_nbytes
         largest = max(bundles.values(), key=lambda b: b.num_experts, default=None)
@@ -270,6 +270,17 @@ def _adapter_budget(adapter_memory: int | None, base: MoECheckpoint, bundles: di
         raise EsftError(f"--adapter-memory {format_bytes(budget * base.expert_nbytes)} cannot hold the given "
                         f"adapters' and variants' {format_bytes(sum(sizes) * base.expert_nbytes)}")
     return budget
+
+
+LATER_ADAPTERS = 2  # adapters a server started with none given has memory for (`adapters load` later)
+UNSEEN_SHARE = 8  # such an adapter is taken to replace at most 1/8 of the base's experts: DeepSeek's published
+# ESFT adapters replace 83-153 of DeepSeek-V2-Lite's 1,664 (5-9%). A whole slot (every expert of every layer) would
+# set aside 4 copies of the experts by default, 115 GB on DeepSeek-V2-Lite: more than an H100 has.
+
+
+def unseen_adapters_budget(base: MoECheckpoint) -> int:
+    """Adapter experts reserved when no adapter is given: LATER_ADAPTERS of 1/UNSEEN_SHARE of the base's experts."""
+    return LATER_ADAPTERS * -(-base.num_experts * len(base.moe_layers) // UNSEEN_SHARE)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -355,7 +366,7 @@ class Server:
         while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
                 raise EsftError(f"vLLM exited with status {self.process.returncode} before it was ready: "
-                                f"{self.last_error()}", self.plan.log_file)
+                                f"{self.last_error()}{self.memory_hint()}", self.plan.log_file)
             try:
                 request(self.plan.url, "/health", timeout=5, api_key=self.plan.request_key)
                 if self.plan.esft:  # the server that answers must be ours, not one that held the port first
@@ -385,6 +396,14 @@ class Server:
                     cause += ": " + lines[i + 1]
                 return " ".join(cause.split())[:400]
         return " ".join((lines[-1:] or ["no output"])[0].split())[:400]
+
+    def memory_hint(self) -> str:
+        """What esftctl set aside before vLLM sized its KV cache, where vLLM found no room left for it."""
+        if not self.plan.esft or not self.plan.adapter_budget or "No available memory for the cache" not in \
+                self.plan.log_file.read_text(errors="replace"):
+            return ""
+        reserved = self.plan.adapter_budget * MoECheckpoint(self.plan.base).expert_nbytes
+        return f" (esftctl set aside {format_bytes(reserved)} for adapter experts: lower --adapter-memory)"
 
     def stop(self, grace: float = 30) -> int:
         if self.process is None or self.process.poll() is not None:

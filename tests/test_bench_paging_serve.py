@@ -88,6 +88,7 @@ def test_each_server_gets_its_paging_settings(small_qwen3, tmp_path):
         plan = sp.plan_server(sp.server_spec(name), base=small_qwen3, bundles={}, store=store, args=args,
                               state=tmp_path / name, port=8123)
         commands[name] = (plan.command(), plan.settings)
+        assert plan.adapter_budget == 0 or not plan.esft  # nothing set aside: resident's KV room is plain vLLM's
     assert "--enable-lora" not in commands["vllm"][0] and "--enable-lora" in commands["resident"][0]
     assert all(c[0][-len(args):] == args for c in commands.values())  # the same vLLM arguments for every server
     assert commands["compressed"][1].store_experts == 8 and commands["compressed"][1].paging_store == store.resolve()

@@ -241,6 +241,31 @@ def test_slot_rows_are_pooled_at_start_as_when_loading(world, tmp_path):
         layer.load(1, {3: None, 4: None})
 
 
+def test_a_server_without_adapters_sets_aside_room_for_two_esft_sized_ones(world, tmp_path):
+    """Started with no adapter, a server sets aside memory for two adapters of an eighth of the base's experts
+    (DeepSeek's are 5-9%), not for whole slots (4 copies of the experts: 115 GB on DeepSeek-V2-Lite, where vLLM
+    then found no room for its KV cache); where vLLM finds none anyway, the error says what esftctl set aside."""
+    from esftctl.formats.checkpoint import MoECheckpoint
+    from esftctl.serve import Server, free_port, plan
+    from esftctl.world.synthetic import write_synthetic_adapter
+
+    base = MoECheckpoint(world.base_dir)
+    experts = base.num_experts * len(base.moe_layers)
+    served = plan(world.base_dir, [], port=free_port(), state_dir=tmp_path / "state")
+    assert served.slots >= 2 and served.adapter_budget * 4 <= experts
+    eighth = write_synthetic_adapter(world.base_dir, tmp_path / "a", "a", seed=1,
+                                     experts_per_layer=base.num_experts // 8)
+    assert 2 * MoECheckpoint(world.base_dir).num_experts // 8 * len(base.moe_layers) <= served.adapter_budget
+    assert plan(world.base_dir, [f"a={eighth}"], port=free_port()).adapter_budget >= served.adapter_budget // 2
+    server = Server(served)
+    served.state.mkdir(parents=True)
+    served.log_file.write_text("ERROR ValueError: No available memory for the cache blocks. Try increasing\n")
+    hint = server.memory_hint()
+    assert "esftctl set aside" in hint and "lower --adapter-memory" in hint
+    served.log_file.write_text("ERROR ValueError: something else\n")
+    assert server.memory_hint() == ""
+
+
 def test_usage_errors_are_one_line_and_exit_1_and_help_and_version_work():
     """Issue 18, item 14: a bad flag, a missing argument or an unparsable value is one line and exit 1 (typer's
     boxed errors exited 2); -h is --help; --version prints the version."""

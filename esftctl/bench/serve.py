@@ -72,7 +72,7 @@ from typing import Callable
 from esftctl import serve_client
 from esftctl.bench import serve_models
 from esftctl.bench.disk import evict, read_bandwidth
-from esftctl.bench.serve_models import Served
+from esftctl.bench.serve_models import Served, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
 from esftctl.bench.traffic import SLORA_ALPHAS
@@ -435,15 +435,7 @@ def _bundle_bytes(served: Served) -> int:
     largest adapter for every slot, which at 20 Table 1 adapters is more than an H200 holds)."""
     from esftctl.formats.checkpoint import MoECheckpoint
 
-    return sum(_experts(p) for p in served.bundles.values()) * MoECheckpoint(served.base).expert_nbytes
-
-
-def _experts(bundle: Path) -> int:
-    """A bundle's expert count from its manifest (the server verifies the checksum; no need to here)."""
-    from esftctl.formats.bundle import MANIFEST, Bundle
-    from esftctl.jsonfile import read_json
-
-    return Bundle(bundle, read_json(bundle / MANIFEST)).num_experts
+    return sum(bundle_experts(p) for p in served.bundles.values()) * MoECheckpoint(served.base).expert_nbytes
 
 
 RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),
@@ -470,8 +462,8 @@ class ModelFacts:
 
         base = MoECheckpoint(served.base)
         return cls(str(served.base), base.total_nbytes, base.expert_nbytes, _kv_bytes_per_token(base),
-                   tuple(_experts(served.bundles[n]) for n in served.grid),
-                   sum(_experts(p) for p in served.bundles.values()))
+                   tuple(bundle_experts(served.bundles[n]) for n in served.grid),
+                   sum(bundle_experts(p) for p in served.bundles.values()))
 
     @classmethod
     def from_json(cls, data: dict) -> ModelFacts:
@@ -565,7 +557,7 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
     against its bytes over the host-to-device copy bandwidth (and, cold, over the disk's read bandwidth)."""
     from esftctl.formats.bundle import DATA_FILE
 
-    name = max(served.grid, key=lambda n: _experts(served.bundles[n]))
+    name = max(served.grid, key=lambda n: bundle_experts(served.bundles[n]))
     path = served.bundles[name]
     data = path / DATA_FILE
     nbytes = data.stat().st_size

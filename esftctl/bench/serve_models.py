@@ -197,3 +197,11 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
             torch.cuda.synchronize()
         best = max(best, nbytes / (time.perf_counter() - start))
     return best
+
+
+def bundle_experts(bundle: Path) -> int:
+    """A bundle's expert count from its manifest (the server verifies the checksum; no need to here)."""
+    from esftctl.formats.bundle import MANIFEST, Bundle
+    from esftctl.jsonfile import read_json
+
+    return Bundle(bundle, read_json(bundle / MANIFEST)).num_experts

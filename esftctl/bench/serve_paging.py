@@ -156,15 +156,20 @@ def serve_settings(spec: ServerSpec, *, moe_layers: int, experts: int, store: Pa
 
 def plan_server(spec: ServerSpec, *, base: Path, bundles: dict[str, Path], store: Path | None, args: list[str],
                 state: Path, port: int):
-    """The checked serve plan of one server (esftctl.serve.plan: plain vLLM when not esft)."""
+    """The checked serve plan of one server (esftctl.serve.plan: plain vLLM when not esft). Adapter memory is
+    exactly what the loaded adapters take (none without adapters), so that a resident server's KV room is plain
+    vLLM's and every difference in it is paging's."""
+    from esftctl.bench.serve_models import bundle_experts
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.serve import plan
 
     if not spec.esft:
         return plan(base, [], name="base", esft=False, state_dir=state, port=port, vllm_args=args)
     ckpt = MoECheckpoint(base)
-    specs = [f"{n}={p}" for n, p in list(bundles.items())[:spec.adapters]]
-    return plan(base, specs, name="base", state_dir=state, port=port, vllm_args=args,
+    loaded = dict(list(bundles.items())[:spec.adapters])
+    experts = sum(bundle_experts(p) for p in loaded.values())
+    return plan(base, [f"{n}={p}" for n, p in loaded.items()], name="base", state_dir=state, port=port,
+                vllm_args=args, adapter_memory=experts * ckpt.expert_nbytes,
                 **serve_settings(spec, moe_layers=len(ckpt.moe_layers), experts=ckpt.num_experts, store=store))
 
 
