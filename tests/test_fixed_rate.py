@@ -155,8 +155,10 @@ decode_rows(code, out[:5], needed, torch.tensor([3], dtype=torch.int32))
 for r in range(7):
     want = w[r] if r in (0, 2) else torch.full_like(w[0], 7.0)
     assert torch.equal(out[r].view(torch.int16), want.view(torch.int16)), r
-decode_rows(code, out[:5])
-assert torch.equal(out[:5].view(torch.int16), decode_rows_reference(code, range(5)).view(torch.int16))
+for steps in (1, 2, 8):  # blocks a program: one each, a last program half past the row's end, all in one
+    out.fill_(7.0)
+    decode_rows(code, out[:5], steps=steps)
+    assert torch.equal(out[:5].view(torch.int16), decode_rows_reference(code, range(5)).view(torch.int16)), steps
 print("ok")
 """
 
@@ -186,5 +188,7 @@ def test_batched_kernel_on_cuda(n):
     ref = decode_rows_reference(code, range(6))
     for r in range(6):
         assert _same(out[r].cpu(), ref[r] if r in (0, 1, 3) else torch.full((n,), 7.0, dtype=torch.bfloat16)), r
-    decode_rows(code, out)
-    assert _same(out.cpu(), w)
+    for steps in (1, 4, 8):
+        out.fill_(7.0)
+        decode_rows(code, out, steps=steps)
+        assert _same(out.cpu(), w), steps

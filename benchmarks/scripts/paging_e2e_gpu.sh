@@ -2,8 +2,8 @@
 # Issue 28 item 4 on the device machine: `esftctl bench paging --serve` (esftctl.bench.serve_paging) in slices that
 # each fit one call, after ../shared/gpu/README.md's install put vLLM's CUDA build in /tmp/site.
 # Slices already in benchmarks/paging-e2e/slices (committed from earlier sessions) are copied in and skipped; the
-# slices run now, the merged report (paging_serve.json, .png) and the servers' logs go to $OUT; commit the returned
-# slices/ into benchmarks/paging-e2e/ so that the next session resumes after them.
+# slices run now (slices-MODEL.tgz: `tar -xzf slices-MODEL.tgz -C benchmarks/paging-e2e/`), the merged report
+# (paging_serve.json, .png) and the servers' logs go to $OUT; commit the slices so that the next session resumes.
 # The generated base and its Huffman store go to /dev/shm (host memory, 125 GB: DeepSeek-V2-Lite 31 + 20 GB,
 # the Qwen3-30B-A3B-shaped 32 layers 41 + 26 GB; the host tier pins 29 / 39 GB more); the disk (64 GB) takes the
 # adapters (4 DeepSeek-sized, 7 GB) and vLLM's result files. One model per machine at a time: the other's files are
@@ -25,7 +25,8 @@ df -B1G / /dev/shm | tail -2; free -g | head -2; nvidia-smi --query-gpu=name,mem
 python3 -m esftctl.cli bench paging --serve --model "$model" --work "$work" --scratch /tmp/pe2e/scratch --out "$out" "$@"
 rc=$?
 if [ -n "${OUT:-}" ]; then
-  cp -r "$out/slices" "$out"/paging_serve.* "$OUT/" 2>/dev/null
+  tar -czf "$OUT/slices-$model.tgz" -C "$out" slices 2>/dev/null  # $OUT brings back files 2 folders down at most
+  cp "$out"/paging_serve.* "$OUT/" 2>/dev/null
   tar -czf "$OUT/logs-$model.tgz" "$work/state" 2>/dev/null
 fi
 exit $rc
