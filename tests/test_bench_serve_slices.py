@@ -167,6 +167,19 @@ def test_the_report_merges_a_partial_grid(fake, tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_a_slice_too_long_for_what_is_left_is_passed_over_for_shorter_ones(tmp_path):
+    todo = [slices.Slice("g", s, 0) for s in ("a", "b", "c")]
+    need = {"a": 100, "b": 1000, "c": 50}
+    steps = []
+    ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=200, estimate_s=lambda sl: need[sl.server],
+                             run=lambda sl: {"wall_s": 1}, setup_s=20, on_step=steps.append)
+    assert [sl.server for sl in ran] == ["a", "c"] and steps == ["passed over: g/b r0 needs about 1000 s, 200 s left"]
+    assert slices.pending(todo, tmp_path, "m") == [todo[1]]  # the next session resumes with it
+    ran = slices.run_pending(todo[1:], out=tmp_path / "2", model="m", budget_s=60,
+                             estimate_s=lambda sl: need[sl.server], run=lambda sl: {"wall_s": 1}, setup_s=20)
+    assert ran == []  # the first slice to run carries the set-up: c needs 70 s of 60
+
+
 def test_slices_are_written_whole_or_not_at_all(tmp_path):
     todo = [slices.Slice("g", "s", r) for r in range(3)]
 

@@ -279,7 +279,10 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
     regime, spec = REGIMES[sl.group], server_spec(sl.server)
     label = sl.label
     t0 = time.monotonic()
-    store = ensure_store(served.base, work / "store", on_step) if spec.store else None
+    # The store on scratch (the disk on the device machine), not in /dev/shm beside the base: host memory holds the
+    # base (31-41 GB), the host tier's pinned rows (29-39 GB) and the serving processes; the machinery-store server
+    # died at start-up on the H200 (2026-11-26) with the store in /dev/shm too.
+    store = ensure_store(served.base, scratch / "store", on_step) if spec.store else None
     if spec.adapters and len(served.bundles) < spec.adapters:
         serve_models.write_adapters(served, model, scratch, spec.adapters, distinct=spec.adapters, shape="deepseek",
                                     on_step=on_step)
