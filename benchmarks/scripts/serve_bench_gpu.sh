@@ -13,10 +13,11 @@
 # Budget: --budget SECONDS is the time this run may spend on slices: a slice starts only if its estimate (the
 # longest measured slice of that server and adapter count, else that server's measured start-up plus its runs,
 # else the defaults in serve_slices.py) fits what is left, plus 120 s to generate the base first on a fresh
-# machine and 90 s to write the adapters. Give it the session's device time left (status: budget_left_s) less
-# about 6 minutes (the machine's start, the install, the transfers, the last collect), and no more than 25
-# minutes (a machine is given back after 30 minutes held): --budget 1200 in a fresh 30-minute session. Run it
-# in the background, on an H100 by name (slices of another card go to a grid of their own):
+# machine and 90 s to write the adapters; one that does not fit is passed over for later ones that do. Give it
+# what the machine has left: the session's device time (status: budget_left_s; a one-GPU machine may count half
+# its held time) and at most 30 minutes held a machine, less about 6 minutes (the start, the install, the
+# transfers, the last collect): --budget 1200 on a fresh machine. Run it in the background, always on the same
+# card (slices of another card go to a grid of their own; the protocol grid began on an H200):
 #   bash benchmarks/scripts/background.sh start serve bash benchmarks/scripts/serve_bench_gpu.sh --budget 1200 ...
 #   bash benchmarks/scripts/background.sh wait serve 540          (again within 30 s, until it says finished)
 #   bash benchmarks/scripts/collect.sh                            (if the last wait did not see it finish)
