@@ -275,7 +275,8 @@ def serve(
                                       "does not fit one device call)."),
     budget: float = typer.Option(None, min=0, help="Seconds of slices to run now: a slice whose estimate (its "
                                                    "server's longest measured slice, else defaults) would overrun "
-                                                   "is left for the next call (default: no limit)."),
+                                                   "is left for the next call, later ones that fit still run "
+                                                   "(default: no limit)."),
     report_only: bool = typer.Option(False, "--report", metavar="",
                                      help="Only merge the slices of this grid found under --out into the report "
                                           "(no GPU needed): the same options as the run that wrote them."),
@@ -383,7 +384,8 @@ def paging(
                                            "machinery-store; NAME+adapters for esftctl ones; default: all)."),
     rounds: int = typer.Option(3, min=1, help="--serve: rounds (interleaved repeats) of every server."),
     budget: float = typer.Option(540, min=0, help="--serve: seconds of slices to run now; a slice whose estimate "
-                                                  "would overrun is left for the next call."),
+                                                  "would overrun is left for the next call, later ones that fit "
+                                                  "still run."),
     prompts: int = typer.Option(None, min=1, help="--serve: requests of the memory-bound point (default 256)."),
     work: Path = typer.Option(None, help="--serve: folder of the generated base, its store and the servers' state "
                                          "(default ~/.cache/esftctl/bench-paging-serve-MODEL)."),

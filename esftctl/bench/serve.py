@@ -32,7 +32,7 @@ all rounds) and the arrivals' measured cv.
 Slices (esftctl.bench.serve_slices, the paging bench's machinery in esftctl.bench.slices): one server started
 for one round, or with `slice_by` "adapters" for one adapter count of its round (a DeepSeek-V2-Lite round of
 esftctl at 5 counts x 3 rates of 60 s is 15 runs, 17 minutes: more than one device call), is one slice, its
-JSON written as it ends; a rerun skips what is there, `budget_s` stops before a slice that would overrun, and
+JSON written as it ends; a rerun skips what is there, `budget_s` passes over a slice that would overrun, and
 the report merges whatever slices there are, saying what is missing.
 
 Microbenchmarks (ExpertWeave 5.3), each server's own slice (once: round 0, and at the first parallel size):

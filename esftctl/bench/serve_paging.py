@@ -35,7 +35,7 @@ layer (steps replayed from CUDA graphs time nothing: the pager's counters give r
 Slices. One slice is one server started for one round of one regime: its points run once, its JSON is written
 to OUT/slices/MODEL/REGIME/SERVER/rROUND.json, and existing slice files are skipped, so a run resumes where the
 last stopped (on another machine too, with the folder carried). Slices go round by round, the servers of a round
-in a rotated order (interleaved repeats); `budget_s` stops before a slice its estimate would overrun (the wall
+in a rotated order (interleaved repeats); `budget_s` passes over a slice its estimate would overrun (the wall
 time of this server's slice measured before, else SLICE_ESTIMATE_S). `report` merges every slice file into
 medians over rounds with ranges, ratios to plain vLLM and to esftctl resident, and the targets of issue 28. The
 slices' machinery (order, resumption, budget, atomic writes) is esftctl.bench.slices, shared with `bench serve`.

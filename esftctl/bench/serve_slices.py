@@ -2,7 +2,7 @@
 
 Why: issue 29's plan is about 4 hours of device time, while a session gets 30 minutes and one command 10, and a
 machine taken back mid-run kept nothing of a `bench serve` run. esftctl.bench.slices (shared with `bench paging
---serve`) runs slices in order, skips those already written and stops before one that would overrun the budget;
+--serve`) runs slices in order, skips those already written and passes over one that would overrun the budget;
 this module says what the slices of `bench serve` are, how long each should take, and how their files merge back
 into the one result esftctl.bench.serve_report prints.
 
