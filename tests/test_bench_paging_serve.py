@@ -78,13 +78,15 @@ def test_each_server_gets_its_paging_settings(small_qwen3, tmp_path):
     assert settings["compressed"] == {"paging_window": sp.WINDOW, "paging_adaptive": False, "paging_store": tmp_path,
                                       "store_experts": 8}
     assert settings["host"] == {"paging_window": sp.WINDOW, "paging_adaptive": False}
+    assert settings["fixed"] == {"paging_window": sp.WINDOW, "paging_adaptive": False, "paging_codec": "fixed",
+                                 "store_experts": 8}
     assert settings["adaptive"] == {"paging_window": sp.WINDOW, "paging_adaptive": True, "paging_store": tmp_path}
     assert settings["machinery"]["paging_window"] == settings["machinery-store"]["paging_window"] == layers
 
     store = sp.ensure_store(small_qwen3, tmp_path / "store", lambda msg: None)
     args = sp.engine_args(sp.REGIMES["spare"], total_bytes=None)
     commands = {}
-    for name in ("vllm", "resident", "compressed", "machinery", "adaptive"):
+    for name in ("vllm", "resident", "compressed", "fixed", "machinery", "adaptive"):
         plan = sp.plan_server(sp.server_spec(name), base=small_qwen3, bundles={}, store=store, args=args,
                               state=tmp_path / name, port=8123)
         commands[name] = (plan.command(), plan.settings)
@@ -93,6 +95,7 @@ def test_each_server_gets_its_paging_settings(small_qwen3, tmp_path):
     assert all(c[0][-len(args):] == args for c in commands.values())  # the same vLLM arguments for every server
     assert commands["compressed"][1].store_experts == 8 and commands["compressed"][1].paging_store == store.resolve()
     assert commands["machinery"][1].paging_window == layers  # every MoE layer: accepted, the machinery alone
+    assert commands["fixed"][1].paging_codec == "fixed" and commands["fixed"][1].paging_store is None
     with pytest.raises(Exception, match="resident already"):
         from esftctl.serve import plan
 
