@@ -279,9 +279,10 @@ if triton is not None:
                     tl.store(out_ptr + row * out_stride + offsets, bits.to(tl.int16), mask=ok)
 
 
-ROW_STEPS = 8  # blocks one program of the row decoder covers: a DeepSeek-V2-Lite layer's unneeded rows end 540K
-# programs at once with one block a program (on an H200 the batch-1 fixed tier ran at 0.26 of resident, against the
-# Huffman tier's 0.39), 68K with eight
+ROW_STEPS = 8  # blocks one program of the row decoder covers. With one, a DeepSeek-V2-Lite layer's unneeded rows
+# still start and end 540K programs; with eight, 68K. On an H200 (benchmarks/RESULTS.md, 2026-11-26) a batch-1
+# masked decode (6 rows of 64) took 0.370 ms with one, 0.109 with eight (16: 0.110, 32: 0.134), a whole one 0.78 ms
+# either way; in `bench paging` the fixed tier went from 0.26 to 0.53 of resident at batch 1.
 
 
 def decode_rows(code: FixedRows, out: torch.Tensor, needed: torch.Tensor | None = None,
