@@ -412,10 +412,10 @@ def tables(result: dict) -> list:
     def gb(v) -> str:
         return "-" if v is None else format_bytes(v)
 
-    t = Table(title="FluxMoE's evaluation end to end (vLLM bench serve): medians over rounds [range]; x vLLM / x "
+    t = Table(title="FluxMoE's evaluation end to end (vLLM bench serve): medians over rounds \\[range]; x vLLM / x "
                     "resident: output tok/s against plain vLLM / esftctl resident at the same point",
               title_justify="left")
-    for col in ("model", "regime", "point", "server", "rounds", "tok/s [range]", "x vLLM", "x resident", "TTFT ms",
+    for col in ("model", "regime", "point", "server", "rounds", "tok/s \\[range]", "x vLLM", "x resident", "TTFT ms",
                 "TTFT p99", "TPOT ms", "TPOT p99", "KV tokens", "preempt", "experts on GPU", "store tier",
                 "KV bought", "rows / fetch", "planner compute / load ms"):
         t.add_column(col, justify="left" if col in ("model", "regime", "point", "server") else "right")
