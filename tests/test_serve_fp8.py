@@ -3,7 +3,9 @@ with the base's block scheme, served together with the base, answer as their mer
 plain vLLM with the same quantization (tokens and log-probabilities).
 
 The base is a tiny Qwen3-MoE (hidden 256, experts of intermediate 128: every dimension a multiple of the 128 x 128
-blocks) whose projections are all FP8 with block scales, routers and head in bf16, as Qwen's FP8 checkpoints are.
+blocks) whose projections are all FP8 with block scales, routers and head in bf16, as Qwen's FP8 checkpoints are;
+and a tiny DeepSeek-V3 (MLA, sigmoid routing with a correction bias, group-limited top-k; experts widened to 128)
+quantized the same way, as DeepSeek-V3's FP8 checkpoint is (its MLA projections FP8 too, partial blocks included).
 vLLM's FP8 MoE path needs a GPU (its CPU build runs another FP8 kernel, which esftctl refuses): these are `gpu`
 tests, run on an H100 with vLLM 0.25, where vLLM picks its Triton kernel for block FP8 experts.
 """
@@ -42,9 +44,23 @@ def fp8_adapters(plain, base, root, prompts):
     return bundles, merged
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
-def test_fp8_adapters_served_exactly(graphs, world, tmp_path):
-    plain = random_base("qwen3_moe", world, tmp_path / "plain")
+def fp8_ready_base(architecture: str, world, root):
+    """A small random bf16 base whose expert widths are whole 128 x 128 blocks (vLLM's block-FP8 MoE refuses
+    others): the tiny DeepSeek-V3's experts (64 wide) widened to 128, Qwen3-MoE's as they are."""
+    from transformers import AutoTokenizer
+
+    from esftctl.world.models import make_random_model
+
+    if architecture == "qwen3_moe":
+        return random_base(architecture, world, root)
+    return make_random_model(architecture, root / "base", seed=3, moe_intermediate_size=128,
+                             tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
+
+
+@pytest.mark.parametrize("architecture, graphs", [("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", True)],
+                         ids=["qwen3_moe-eager", "qwen3_moe-cuda_graphs", "deepseek_v3-cuda_graphs"])
+def test_fp8_adapters_served_exactly(architecture, graphs, world, tmp_path):
+    plain = fp8_ready_base(architecture, world, tmp_path / "plain")
     base = quantize_model(plain, tmp_path / "fp8_base")
     prompts = prompts_of(world)[:4]
     bundles, merged = fp8_adapters(plain, base, tmp_path, prompts)
