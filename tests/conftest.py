@@ -111,6 +111,33 @@ def run_interpreted(code: str) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
+def load_staged(layer, adapter: dict):
+    """`adapter` (expert -> ExpertWeights) loaded as "a" into `layer` (as layer 0) through staging with its
+    checksums, as `adapters load` does: (the slots, the staged rows, the adapter's rows by expert)."""
+    from esftctl.runtime.adapters import AdapterSlots
+    from esftctl.runtime.host_cache import stage
+
+    slots, staged = AdapterSlots({0: layer}), stage({0: layer}, {0: adapter})
+    slots.load("a", staged.experts(), staged.rows(), staged.checksums())
+    return slots, staged, layer.slot_rows[0]
+
+
+def refused_when_written_wrong(slots, staged, layer, monkeypatch, corrupt) -> None:
+    """Loading the staged rows again, with the parts beside the weights (biases or scales) changed on their way
+    into the rows by `corrupt(part13, part2) -> (part13, part2)`, is refused by the checksums, and the first
+    adapter stays as it was."""
+    from esftctl.errors import EsftError
+    from esftctl.runtime.moe_layer import VirtualMoELayer
+
+    write = VirtualMoELayer.write_rows
+    monkeypatch.setattr(VirtualMoELayer, "write_rows",
+                        lambda self, rows, w13, w2, p13, p2: write(self, rows, w13, w2, *corrupt(p13, p2)))
+    with pytest.raises(EsftError, match=r"the rows of experts \[3\] do not hold"):
+        slots.load("bad", staged.experts(), staged.rows(), staged.checksums())
+    monkeypatch.undo()
+    assert set(slots.adapters) == {"a"} and layer.free_rows == 2
+
+
 def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     """Run `esftctl ARGS` in a subprocess, as a user would."""
     proc = subprocess.run([sys.executable, "-m", "esftctl.cli", *map(str, args)], capture_output=True, text=True,

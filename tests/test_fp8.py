@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import load_staged, refused_when_written_wrong
 from safetensors.torch import load_file, save_file
 from test_esft_adapter import cli
 
@@ -227,9 +228,7 @@ def test_pack_and_merge_refuse_what_they_do_not_handle(fp8_world, tiny_models, t
 def test_virtual_rows_hold_fp8_weights_and_scales_and_the_checksums_cover_the_scales(monkeypatch):
     """The engine-free runtime: an FP8 layer's scale tensors get the same virtual rows as its weights; a staged
     load's checksums cover both, so a scale corrupted on its way in refuses the load."""
-    from esftctl.runtime.adapters import AdapterSlots
     from esftctl.runtime.address_space import HostAddressSpace
-    from esftctl.runtime.host_cache import stage
     from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer
 
     e, h, i = 4, 256, 128
@@ -245,28 +244,19 @@ def test_virtual_rows_hold_fp8_weights_and_scales_and_the_checksums_cover_the_sc
     layer = VirtualMoELayer(e, h, i, 2, 2, torch.float8_e4m3fn, lambda n: HostAddressSpace(n, page_size=4096), layout)
     assert [tuple(p.tensor.shape) for p in layer.parts] == [(8, 256, 256), (8, 256, 128), (8, 2, 2), (8, 2, 1)]
     layer.load_base({x: expert(x) for x in range(e)})
-    slots = AdapterSlots({0: layer})
     adapter = {1: expert(11), 3: expert(13)}
-    staged = stage({0: layer}, {0: adapter})
-    slots.load("a", staged.experts(), staged.rows(), staged.checksums())
-    rows = layer.slot_rows[0]
+    slots, staged, rows = load_staged(layer, adapter)
     for x, w in adapter.items():
         assert torch.equal(layer.scales[0].tensor[rows[x]], torch.cat([w.gate_scale, w.up_scale]))
         assert torch.equal(layer.scales[1].tensor[rows[x]], w.down_scale)
         assert torch.equal(bits(layer.w2.tensor[rows[x]]), bits(w.down))
     assert layer.table[0].tolist() == [0, rows[1], 2, rows[3]]
-    write = VirtualMoELayer.write_rows
 
-    def corrupting(self, rows, w13, w2, s13, s2):  # one scale of the last row changed on its way in
+    def corrupt(s13, s2):  # one scale of the last row changed on its way in
         s13 = s13.clone()
         s13[-1, 0, 0] *= 2
-        write(self, rows, w13, w2, s13, s2)
-
-    monkeypatch.setattr(VirtualMoELayer, "write_rows", corrupting)
-    with pytest.raises(EsftError, match=r"the rows of experts \[3\] do not hold"):
-        slots.load("bad", staged.experts(), staged.rows(), staged.checksums())
-    monkeypatch.undo()
-    assert set(slots.adapters) == {"a"} and layer.free_rows == 2
+        return s13, s2
+    refused_when_written_wrong(slots, staged, layer, monkeypatch, corrupt)
     with pytest.raises(EsftError, match="paging FP8 experts is not supported"):
         layer.keep_host_copy()
     layer.close()

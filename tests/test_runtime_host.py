@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from conftest import load_staged, refused_when_written_wrong
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights
@@ -398,7 +399,6 @@ def test_virtual_rows_hold_expert_biases_and_the_checksums_cover_them(monkeypatc
     """Experts with biases (GPT-OSS): the layer's bias tensors get the same virtual rows as its weights, written
     gate's over up's then down's; a staged load's checksums cover them, so a bias corrupted on its way in refuses
     the load; an evicted adapter's bias rows are unmapped with its weights; paging refuses them in one line."""
-    from esftctl.runtime.host_cache import stage
     from esftctl.runtime.moe_layer import ExpertLayout
 
     e, h, i = 4, 64, 48
@@ -414,28 +414,19 @@ def test_virtual_rows_hold_expert_biases_and_the_checksums_cover_them(monkeypatc
     base = {x: expert(x) for x in range(e)}
     layer.load_base(base)
     assert torch.equal(layer.biases[0].tensor[2], torch.cat([base[2].gate_bias, base[2].up_bias]))
-    slots = AdapterSlots({0: layer})
     adapter = {1: expert(11), 3: expert(13)}
-    staged = stage({0: layer}, {0: adapter})
-    slots.load("a", staged.experts(), staged.rows(), staged.checksums())
-    rows = layer.slot_rows[0]
+    slots, staged, rows = load_staged(layer, adapter)
     for x, w in adapter.items():
         assert torch.equal(layer.biases[0].tensor[rows[x]], torch.cat([w.gate_bias, w.up_bias]))
         assert torch.equal(layer.biases[1].tensor[rows[x]], w.down_bias)
         assert torch.equal(layer.w2.tensor[rows[x]], w.down)
     assert layer.table[0].tolist() == [0, rows[1], 2, rows[3]]
-    write = VirtualMoELayer.write_rows
 
-    def corrupting(self, rows, w13, w2, b13, b2):  # one bias of the last row changed on its way in
+    def corrupt(b13, b2):  # one bias of the last row changed on its way in
         b2 = b2.clone()
         b2[-1, 0] += 1
-        write(self, rows, w13, w2, b13, b2)
-
-    monkeypatch.setattr(VirtualMoELayer, "write_rows", corrupting)
-    with pytest.raises(EsftError, match=r"the rows of experts \[3\] do not hold"):
-        slots.load("bad", staged.experts(), staged.rows(), staged.checksums())
-    monkeypatch.undo()
-    assert set(slots.adapters) == {"a"} and layer.free_rows == 2
+        return b13, b2
+    refused_when_written_wrong(slots, staged, layer, monkeypatch, corrupt)
     slots.evict("a")
     assert not any(p.is_mapped(r) for p in layer.parts for r in rows.values())
     with pytest.raises(EsftError, match="paging experts with biases is not supported"):
