@@ -72,7 +72,7 @@ from typing import Callable
 from esftctl import serve_client
 from esftctl.bench import serve_models
 from esftctl.bench.disk import evict, read_bandwidth
-from esftctl.bench.serve_models import Served, bundle_experts
+from esftctl.bench.serve_models import Served, adapter_bytes, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
 from esftctl.bench.traffic import SLORA_ALPHAS
@@ -370,7 +370,8 @@ class Bench:
 
     def esftctl_plan(self, label: str, par: tuple[str, ...], vllm_extra: tuple[str, ...] = (), **settings):
         specs = [f"{n}={p}" for n, p in self.served.bundles.items()]
-        return plan(self.served.base, specs, name="base", adapter_memory=_bundle_bytes(self.served),
+        memory = adapter_bytes(self.served.base, self.served.bundles.values())
+        return plan(self.served.base, specs, name="base", adapter_memory=memory,
                     state_dir=self.work / "state" / slug(label), port=free_port(),
                     vllm_args=[*self.profile.engine_args, *par, *vllm_extra], **settings)
 
@@ -428,14 +429,6 @@ def _share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
         return list(engine_args)
     args = [a for i, a in enumerate(engine_args) if a != flag and (i == 0 or engine_args[i - 1] != flag)]
     return [*args, flag, f"{_utilization(engine_args) / copies:.3f}"]
-
-
-def _bundle_bytes(served: Served) -> int:
-    """The adapters' expert bytes together: the memory budget reserved for them (the default reserves the
-    largest adapter for every slot, which at 20 Table 1 adapters is more than an H200 holds)."""
-    from esftctl.formats.checkpoint import MoECheckpoint
-
-    return sum(bundle_experts(p) for p in served.bundles.values()) * MoECheckpoint(served.base).expert_nbytes
 
 
 RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),

@@ -205,3 +205,12 @@ def bundle_experts(bundle: Path) -> int:
     from esftctl.jsonfile import read_json
 
     return Bundle(bundle, read_json(bundle / MANIFEST)).num_experts
+
+
+def adapter_bytes(base: Path, bundles) -> int:
+    """The expert bytes of these bundles together: what a bench sets aside for them (`--adapter-memory`), exactly
+    what they take (serve's default reserves the largest adapter for every slot, which at 20 Table 1 adapters is
+    more than an H200 holds, and with none given room for two)."""
+    from esftctl.formats.checkpoint import MoECheckpoint
+
+    return sum(bundle_experts(p) for p in bundles) * MoECheckpoint(base).expert_nbytes

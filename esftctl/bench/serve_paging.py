@@ -165,7 +165,7 @@ def plan_server(spec: ServerSpec, *, base: Path, bundles: dict[str, Path], store
     """The checked serve plan of one server (esftctl.serve.plan: plain vLLM when not esft). Adapter memory is
     exactly what the loaded adapters take (none without adapters), so that a resident server's KV room is plain
     vLLM's and every difference in it is paging's."""
-    from esftctl.bench.serve_models import bundle_experts
+    from esftctl.bench.serve_models import adapter_bytes
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.serve import plan
 
@@ -173,9 +173,8 @@ def plan_server(spec: ServerSpec, *, base: Path, bundles: dict[str, Path], store
         return plan(base, [], name="base", esft=False, state_dir=state, port=port, vllm_args=args)
     ckpt = MoECheckpoint(base)
     loaded = dict(list(bundles.items())[:spec.adapters])
-    experts = sum(bundle_experts(p) for p in loaded.values())
     return plan(base, [f"{n}={p}" for n, p in loaded.items()], name="base", state_dir=state, port=port,
-                vllm_args=args, adapter_memory=experts * ckpt.expert_nbytes,
+                vllm_args=args, adapter_memory=adapter_bytes(base, loaded.values()),
                 **serve_settings(spec, moe_layers=len(ckpt.moe_layers), experts=ckpt.num_experts, store=store))
 
 
