@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# The GPU work that awaits (rewritten 2026-11-26, for the next session), most important first: a DeepSeek-V3 FP8
-# base served with adapters (issue 31), the paging bench's spare regime end to end and the machinery regime's last
-# round (issue 28 item 4), about 28 minutes on an H200: the first machine of a session. The second machine runs
-# issue 29's protocol grid in slices (benchmarks/serve-bench/README.md, --budget 1200). Run it in the background
-# and follow it at once (the machine goes back 30 s after a call returns, background job or not):
+# The GPU work that awaits (rewritten 2026-11-26, second session, for the next one): issue 28's memory-bound
+# regime on the KV-heavy Qwen3-30B-A3B shape (on DeepSeek-V2-Lite's MLA the fixed-rate tier reached 0.57x of
+# plain vLLM there: too little KV to buy; benchmarks/RESULTS.md). About 28 minutes on an H200: the first machine
+# of a session. The second: DeepSeek-V2-Lite's spare regime's adaptive server (`paging_e2e_gpu.sh deepseek-v2-lite
+# --regimes spare --servers adaptive`, about 5 minutes with the base generated), then issue 29's protocol grid in
+# slices (benchmarks/serve-bench/README.md, the rest of the machine as --budget). Run it in the background
+# and follow it at once (the machine goes back 30 s after a call returns, background job or not; and it may be
+# taken back mid-run, so each wait copies what is written so far):
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
-#   bash benchmarks/scripts/background.sh wait pending 540; cp /tmp/bgout.tgz $OUT/     (again until finished)
-# Needs ../shared/gpu/README.md's install (with benchmarks/scripts/payload_quantized.sh's wheels) and the tiny
-# world carried in .world. Then untar bgout.tgz's pe2e/out/slices into benchmarks/paging-e2e/ and commit.
+#   bash benchmarks/scripts/background.sh wait pending 540; cp /tmp/bgout.tgz $OUT/; \
+#     tar -czf $OUT/slices-now.tgz -C /tmp/pe2e/out slices     (again until finished)
+# Needs ../shared/gpu/README.md's install (with benchmarks/scripts/payload_quantized.sh's wheels). Then untar
+# bgout.tgz's pe2e/out/slices into benchmarks/paging-e2e/ and commit.
 set -u
 export OUT=/tmp/bgout PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 mkdir -p $OUT
 pack() { (cd /tmp && tar -czf /tmp/bgout.tgz bgout $(ls -d pe2e/out/slices 2>/dev/null)) 2>/dev/null; }
-# A DeepSeek-V3-shaped FP8 base served with adapters (issue 31's production case; written 2026-11-26, its offline
-# half checked on the CPU; about 3 minutes).
-ESFTCTL_WORLD=$PWD/.world bash benchmarks/scripts/gpu_tests.sh fp8 tests/test_serve_fp8.py -k deepseek_v3; pack
-# The spare regime (vLLM, resident, the Huffman and fixed-rate tiers, host, adaptive; batch 1 and 32 with CUDA
-# graphs; about 4 minutes a server) and what is left of the machinery regime, one round each; the base and its
-# store generated first (about 3 minutes).
-bash benchmarks/scripts/paging_e2e_gpu.sh deepseek-v2-lite --regimes machinery,spare --budget 1200 \
-  > $OUT/pe2e.log 2>&1; pack
+# Plain vLLM against the compressed GPU tiers with 256 requests of 4K in flight on an emulated 48 GB card, where
+# vLLM keeps about 15 requests' KV (the model's docstring in esftctl/bench/synthetic_model.py): generating the
+# base 2-3 minutes, the Huffman store 3-4 (before compressed's first slice), a slice 4-9 minutes.
+bash benchmarks/scripts/paging_e2e_gpu.sh qwen3-30b-a3b --regimes memory-bound --servers vllm,fixed,compressed \
+  --budget 1080 > $OUT/pe2e-qwen3.log 2>&1; pack
 echo all done
