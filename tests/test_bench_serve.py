@@ -157,6 +157,36 @@ def test_merged_copies_share_the_device_and_run_the_largest_count(tmp_path, monk
     assert unloaded == ["x", "b", "c"]  # each once, the grid's first k kept
 
 
+def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path):
+    """After the burst of every model name, the warm-up sends the runs' busiest finite rate for up to WARM_UP_S
+    (the burst alone left a Triton MoE compile to the first measured run on the H200); the compiles vLLM's JIT
+    monitor logs are counted in the servers' logs."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from esftctl.bench import serve as bench
+    from esftctl.bench.serve_runs import JIT_WARNING, WARM_UP_S, Scenario, _warm_up, jit_compiles
+
+    profile = replace(bench.PROFILES["deepseek-v2-lite"], cv=2.0)
+    runs = [Scenario("base @ 1 rps", 1.0), Scenario("5 adapters @ 5 rps", 5.0, 5), Scenario("at once", math.inf, 2)]
+    sent = []
+    _warm_up(lambda name, load, models, folder: sent.append((load, models)), "esftctl", runs,
+             {"grid": [f"a{i}" for i in range(9)]}, profile, on_step=lambda msg: None)
+    (burst, burst_models), (paced, paced_models) = sent
+    assert math.isinf(burst.rate) and burst.prompts == 16 and set(burst_models) == {f"a{i}" for i in range(5)}
+    assert paced.rate == 5.0 and paced.cv == 2.0 and paced.prompts == 5 * WARM_UP_S == len(paced_models)
+    assert paced.seed != burst.seed and (paced.input_len, paced.output_len) == (profile.input_len, profile.output_len)
+    sent.clear()
+    _warm_up(lambda name, load, models, folder: sent.append(load), "base", [Scenario("at once", math.inf)],
+             {}, replace(profile, duration=1.5), on_step=lambda msg: None)
+    assert [math.isinf(load.rate) for load in sent] == [True]  # no finite rate: the burst alone
+    logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "gone.log"]
+    logs[0].write_text(f"WARNING [jit_monitor.py:129] Triton kernel {JIT_WARNING}: fused_moe_kernel.\n" * 2)
+    logs[1].write_text(f"INFO ready\nWARNING Triton kernel {JIT_WARNING}: other_kernel.\n")
+    assert jit_compiles([SimpleNamespace(log_file=f) for f in logs]) == 3
+    assert jit_compiles([SimpleNamespace(log_file=logs[2])]) == 0
+
+
 @pytest.mark.vllm
 def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     """CI size: plain vLLM's base, esftctl serve with two adapters over 0, 1 and 2 of them (and grouped, and under
@@ -189,6 +219,7 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     load = servers["esftctl"]["adapter_load"]
     assert len(load["seconds"]["cold"]) == len(load["seconds"]["warm"]) == 3
     assert load["host_cache_hits"] == 3  # every warm load came from the server's host cache, no cold one did
+    assert all(s["jit_compiles_in_runs"] is not None for s in result["servers"])  # counted in every slice
     groups = servers["esftctl, groups of 1"]["groups"]
     assert groups["most"] == groups["most_groups_scheduled"] == 1 and groups["grouped_steps"] > 0
     assert set(servers["esftctl"]["micro"]) == {"2", "1"} and set(servers["vLLM base"]["micro"]) == {"all"}

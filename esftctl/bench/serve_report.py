@@ -23,6 +23,11 @@ def tables(result: dict) -> list:
     note = slices_note(result)
     if note:
         out.append(note)
+    compiled = {res["server"]: res["jit_compiles_in_runs"] for res in result["servers"]
+                if res.get("jit_compiles_in_runs")}
+    if compiled:
+        out.append("[yellow]kernels compiled during measured runs (vLLM's JIT monitor; their runs carry the stalls):"
+                   "[/yellow] " + ", ".join(f"{server} {n}" for server, n in compiled.items()))
     return out
 
 

@@ -37,6 +37,8 @@ from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_s
 from esftctl.serve import Server
 
 INF = math.inf
+WARM_UP_S = 10.0  # seconds of paced warm-up traffic (at most the runs' duration)
+JIT_WARNING = "JIT compilation during inference"  # vLLM's JIT monitor: "Triton kernel JIT compilation during ..."
 RANGES = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "output_throughput")
 
 
@@ -124,13 +126,16 @@ def measure_server(label: str, plans: list, *, served, profile, runs: list[Scena
         kv = kv_cache_tokens(url)
         run = _runner(url, model, served=served, profile=profile, routes=routes, out=out)
         _warm_up(run, label, runs, names, profile, on_step)
+        compiled = jit_compiles(plans)
         measured = _round(run, label, runs, names, profile, round, on_step, order or runs)
+        compiled = jit_compiles(plans) - compiled
         try:  # a failure here keeps the runs measured above
             extra = after(url) if after else {}
         except Exception as e:
             extra = {"after_error": " ".join(str(e).split())[:500]}
             on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
-    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "runs": measured, **extra}
+    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "runs": measured,
+            "jit_compiles_in_runs": compiled, **extra}
 
 
 def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
@@ -141,12 +146,30 @@ def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Call
 
 
 def _warm_up(run: Callable, label: str, runs: list[Scenario], names: dict, profile, on_step) -> None:
-    """Every model name the runs use, once or more: first-use costs (kernels, slots) stay out of the numbers."""
+    """Every model name the runs use, once or more, then the busiest finite rate of the runs for up to
+    WARM_UP_S: first-use costs (kernels, slots) stay out of the numbers. The burst alone (many prompts prefilled
+    together, then decode steps replayed from CUDA graphs) left lone prompts and steps of one prompt beside a few
+    decodes unseen: on the H200 (2026-11-26) vLLM's JIT monitor caught its Triton MoE kernel compiling in the
+    first measured run after it, whose median TTFT came out 3.3x the other round's."""
     used = list(dict.fromkeys(n for s in runs if s.adapters for n in names[s.pool][:s.adapters]))
+
+    def models(count: int) -> list[str]:
+        return [used[k % len(used)] for k in range(count)] if used else []
+
     count = max(16, 2 * len(used))
     on_step(f"{label}: warm-up")
-    run(label, Load(INF, count, profile.input_len, profile.output_len, seed=99),
-        [used[k % len(used)] for k in range(count)] if used else [], folder="warmup")
+    run(label, Load(INF, count, profile.input_len, profile.output_len, seed=99), models(count), folder="warmup")
+    rates = [s.rate for s in runs if not math.isinf(s.rate)]
+    if rates:
+        paced = max(4, round(max(rates) * min(WARM_UP_S, profile.duration)))
+        run(f"{label} paced", Load(max(rates), paced, profile.input_len, profile.output_len, seed=98, cv=profile.cv),
+            models(paced), folder="warmup")
+
+
+def jit_compiles(plans: list) -> int:
+    """Kernel compiles vLLM's JIT monitor logged while serving (its warning per compile) in the servers' logs."""
+    logs = [Path(p.log_file) for p in plans]
+    return sum(f.read_text(errors="replace").count(JIT_WARNING) for f in logs if f.exists())
 
 
 def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile, rnd: int, on_step,

@@ -248,8 +248,10 @@ def _result(label: str, res: dict, profile: Profile) -> dict:
     got = res.pop("slices")
     kv = [s["kv_cache_tokens"] for s in got if s.get("kv_cache_tokens") is not None]
     groups = [s["groups"] for s in got if s.get("groups")]
+    compiled = [s["jit_compiles_in_runs"] for s in got if s.get("jit_compiles_in_runs") is not None]
     return {"server": label, **res, "ready_s": statistics.median(s["ready_s"] for s in got),
             "kv_cache_tokens": statistics.median_low(kv) if kv else None,
+            "jit_compiles_in_runs": sum(compiled) if compiled else None,
             "rounds": sorted({s["round"] for s in got if s.get("part") != MICRO}),
             "rows": merge_rounds(label, [r for s in got for r in s.get("runs", [])], profile),
             **({"groups": merge_groups(groups)} if groups else {})}
