@@ -147,3 +147,35 @@ def test_what_is_read_from_vllm():
     assert sp.fetch_delta(before, after) == {"fetches": 20, "fetched_rows": 120, "rows_per_fetch": 6.0,
                                              "held_rows": 64, "planner_compute_ms": 0.5, "planner_load_ms": 2.0}
     assert sp.fetch_delta(None, after) == {} and sp.tiers(None) == {}
+
+
+def test_settled_status_holds_every_fetch_of_the_run(monkeypatch):
+    """The worker publishes the pager's counters between steps, at most once a second, a copy behind: right after
+    a run the status lacks its last fetches; two nudges a second apart bring them in (and nothing of the nudges')."""
+    class Worker:  # runtime/vllm/worker.py's publication, PagedExperts.counters(wait=False)'s copy a call behind
+        def __init__(self):
+            self.clock, self.written, self.total, self.copied, self.published = 0.0, -9.0, 0, 0, 0
+
+        def step(self, fetches):
+            if self.clock - self.written > sp.STATUS_EVERY_S:
+                self.written, self.published, self.copied = self.clock, self.copied, self.total
+            self.total += fetches
+
+    w = Worker()
+    for _ in range(50):  # a run: 50 steps of 26 fetches over 2.5 s
+        w.step(26)
+        w.clock += 0.05
+    monkeypatch.setattr(sp, "_status", lambda url: {"paging_fetches": w.published})
+    assert sp._status("url")["paging_fetches"] < w.total == 1300  # the run's last second is not in it
+    nudges = []
+
+    def pause(seconds):
+        w.clock += seconds
+
+    def nudge():
+        nudges.append(w.clock)
+        w.step(26)
+    assert sp.settled_status("url", nudge, pause=pause) == {"paging_fetches": 1300}
+    assert len(nudges) == 2 and nudges[1] - nudges[0] > sp.STATUS_EVERY_S
+    monkeypatch.setattr(sp, "_status", lambda url: None)  # plain vLLM: no status, no nudge
+    assert sp.settled_status("url", lambda: nudges.append("no"), pause=pause) is None and len(nudges) == 2

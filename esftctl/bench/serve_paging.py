@@ -204,6 +204,25 @@ def _status(url: str) -> dict | None:
         return None
 
 
+STATUS_EVERY_S = 1.0  # runtime/vllm/worker.py's: the status file is rewritten at most this often while serving
+
+
+def settled_status(url: str, nudge: Callable[[], None], *, pause: Callable[[float], None] = time.sleep
+                   ) -> dict | None:
+    """esftctl's status once its pager counters hold every step so far. The worker publishes them only between
+    steps, at most once a second, and each time the copy it started the time before (PagedExperts.counters: serving
+    never waits for them), so after a run its last second or two of fetches reach the status only after two more
+    publications: `nudge` (a one-token request) twice, more than a second apart. Without this, as on 2026-11-26,
+    a point's fetch counts took in up to two seconds of the point before it."""
+    status = _status(url)
+    if not status or "paging_fetches" not in status:
+        return status
+    for _ in range(2):
+        pause(STATUS_EVERY_S + 0.2)
+        nudge()
+    return _status(url)
+
+
 TIER_KEYS = ("expert_device_bytes", "paging_window_bytes", "paging_resident_bytes", "paging_store_bytes",
              "paging_host_bytes", "paging_freed_bytes", "paging_freed_kv_tokens", "paging_store_experts",
              "paging_resident_layers", "paging_held_rows", "kv_cache_tokens")
@@ -280,6 +299,7 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
     from esftctl.bench.serve_runs import kv_cache_tokens, slug
     from esftctl.bench.traffic import draw_adapters, run_seed
     from esftctl.serve import Server, free_port
+    from esftctl.serve_client import request
 
     regime, spec = REGIMES[sl.group], server_spec(sl.server)
     label = sl.label
@@ -311,14 +331,16 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
                                       concurrency=point.concurrency),
                             models=[names[i] for i in drawn], result_dir=work / "vllm-results" / model,
                             name=slug(f"{label} {name}"))
+        def nudge() -> None:
+            request(p.url, "/v1/completions", {"model": "base", "prompt": "a", "max_tokens": 1})
+
         on_step(f"{label}: warm-up")  # CUDA graphs, kernels, the planner's first decisions stay out of the numbers
         load(Point("warm-up", regime.max_num_seqs, min(32, regime.max_num_seqs), 512, 32), 99, "warm-up")
         for point in regime_points(regime, prompts):
             on_step(f"{label}: {point.name}")
-            before, pre = _status(p.url), preemptions(_metrics(p.url))
+            before, pre = settled_status(p.url, nudge), preemptions(_metrics(p.url))
             result = summary(load(point, sl.round, point.name))
-            time.sleep(2.5)  # the status's counters are rewritten each second while steps run
-            after = _status(p.url)
+            after = settled_status(p.url, nudge)
             points[point.name] = {**result, "point": asdict(point), "preemptions": preemptions(_metrics(p.url)) - pre,
                                   "fetch": fetch_delta(before, after)}
         status = _status(p.url)
