@@ -331,6 +331,7 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
                                       concurrency=point.concurrency),
                             models=[names[i] for i in drawn], result_dir=work / "vllm-results" / model,
                             name=slug(f"{label} {name}"))
+
         def nudge() -> None:
             request(p.url, "/v1/completions", {"model": "base", "prompt": "a", "max_tokens": 1})
 
