@@ -10,6 +10,17 @@
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
 #   bash benchmarks/scripts/background.sh wait pending 540; cp /tmp/bgout.tgz $OUT/; \
 #     tar -czf $OUT/slices-now.tgz -C /tmp/pe2e/out slices     (again until finished)
+# The second machine, first (about 12 minutes): the fused mark-and-fetch launch (issue 28, the machinery's last
+# percent at batch 1; a helper's branch fused-fetch, its patch beside this session's logs, off unless
+# ESFTCTL_FUSED_FETCH=1): its tests, the micro-measure, then the machinery regime with it on and off:
+#   git apply benchmarks/2026-11-26-h200-b/fused-fetch.patch
+#   bash benchmarks/scripts/gpu_tests.sh fused tests/test_row_fetch.py tests/test_paging.py
+#   python3 benchmarks/scripts/row_fetch_bench.py > $OUT/row_fetch.log   (inactive_26_layers_*_us_per_layer)
+#   rm -rf benchmarks/paging-e2e/slices; ESFTCTL_FUSED_FETCH=1 bash benchmarks/scripts/paging_e2e_gpu.sh \
+#     deepseek-v2-lite --regimes machinery --servers resident,machinery --rounds 1 --budget 540
+#   mv /tmp/pe2e/out/slices/deepseek-v2-lite/machinery/machinery /tmp/pe2e/machinery-fused; then the same
+#   command without ESFTCTL_FUSED_FETCH and with --servers machinery; compare batch 1's TPOT of the three (do not
+#   commit the fused slice under the machinery server's name).
 # Needs ../shared/gpu/README.md's install (with benchmarks/scripts/payload_quantized.sh's wheels). Then untar
 # bgout.tgz's pe2e/out/slices into benchmarks/paging-e2e/ and commit.
 set -u
