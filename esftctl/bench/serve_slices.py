@@ -63,8 +63,9 @@ from esftctl.errors import one_line
 # Seconds a server takes to start before one was measured, warm-up included. The H200's `bench serve` of
 # 2026-11-23 (benchmarks/2026-11-23-h200-serve/*.json, ready_s): plain vLLM 101-158 s, one merged copy 125 s,
 # esftctl with 25 adapters 191 s, multi-LoRA 164 s, each capturing CUDA graphs; merged: two copies one after the
-# other (an H100 holds two) and the 31 GB copy written first (about a minute).
-START_S = {"base": 180, "merged": 420, "esftctl": 240, "lora": 240}
+# other (an H100 holds two) and the 31 GB copy written first (about a minute); each plus 30 s since the warm-up
+# went on at the busiest rate for up to 10 s (serve_runs._warm_up).
+START_S = {"base": 210, "merged": 450, "esftctl": 270, "lora": 270}
 RUN_TAIL_S = 15  # a finite-rate run past its `duration`: the last requests' decode and vLLM's bench starting
 INF_RUN_S = 30  # a run of `prompts` requests at once: 256 of 256 -> 128 tokens take under 10 s on an H200
 MICRO_S = 300  # microbenchmarks: esftctl's 3 counts loaded x (40 batch-1 prefills + 30 x 128 decode steps at
