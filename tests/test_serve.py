@@ -396,6 +396,20 @@ def test_paging_with_cuda_graphs_served_exactly(architecture, world, tmp_path):
     assert s["paging_decisions"], "the planner never ran between steps"
 
 
+@pytest.mark.parametrize("architecture", [pytest.param("deepseek_v2", marks=pytest.mark.gpu), "qwen3_moe"])
+def test_fixed_rate_tier_served_exactly(architecture, world, tmp_path):
+    """Issue 28's other compressed GPU tier, with CUDA graphs on both sides where there is a GPU (eager on vLLM's
+    CPU build, where paging implies it): every base expert of the paged layers decoded from the fixed-rate codes
+    encoded at start-up, two shared blocks, the planner between steps; Qwen3-MoE (the architecture of the paging
+    bench's KV-heavy model) everywhere, DeepSeek-V2 on the GPU (the CPU has its fixed-tier test above)."""
+    base = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    experts = MoECheckpoint(base).num_experts
+    s = serve_exactly(base, prompts_of(world)[:4], tmp_path, engine_settings(graphs=has_gpu()), seed=60,
+                      paging_window=2, paging_codec="fixed", store_experts=experts, paging_adaptive=True)
+    assert s["paging_store_codec"] == "fixed" and s["paging_store_experts"] == experts
+    assert s["paging_store_bytes"] > 0 and s["paging_window_bytes"] > 0
+
+
 def test_serve_refuses_bad_input_before_starting_vllm(world, tiny_models, tmp_path):
     other = write_synthetic_adapter(tiny_models["deepseek_v2"], tmp_path / "other", "other", seed=1)
     proc = run_cli("serve", world.base_dir, "--adapter", f"x={other}")

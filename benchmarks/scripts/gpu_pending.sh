@@ -21,6 +21,9 @@
 #   mv /tmp/pe2e/out/slices/deepseek-v2-lite/machinery/machinery /tmp/pe2e/machinery-fused; then the same
 #   command without ESFTCTL_FUSED_FETCH and with --servers machinery; compare batch 1's TPOT of the three (do not
 #   commit the fused slice under the machinery server's name).
+# Then the fixed-rate tier served exactly with CUDA graphs on both sides, DeepSeek-V2 and Qwen3-MoE (written
+# 2026-11-26, the Qwen3 case passed eager on the CPU build; about 6 minutes; needs .world carried):
+#   bash benchmarks/scripts/gpu_tests.sh fixed_graphs tests/test_serve.py -k fixed_rate_tier_served_exactly
 # Needs ../shared/gpu/README.md's install (with benchmarks/scripts/payload_quantized.sh's wheels). Then untar
 # bgout.tgz's pe2e/out/slices into benchmarks/paging-e2e/ and commit.
 set -u
