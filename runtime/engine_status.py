@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from esftctl.errors import EsftError
 
+STATUS_EVERY_S = 1.0  # the worker rewrites the status file at most this often while serving, between steps
+
 # The fields of each rank's own memory, collected by the API server under tensor parallelism (`per_rank`).
 RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "adapter_physical_bytes",
                "expert_device_bytes", "reserved_bytes", "updated")

@@ -24,6 +24,7 @@ import pytest
 from conftest import engine_settings, has_gpu, plain_vllm, run_cli, server_args
 from rich.console import Console
 
+from esftctl.bench.serve_paging import settled_status
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle
 from esftctl.formats.checkpoint import MoECheckpoint
@@ -238,9 +239,7 @@ def paged_status(deepseek, world, state: str, **options) -> dict:
     with Server(serve_plan) as server:
         server.wait_ready()
         serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
-        time.sleep(1.5)  # the engine rewrites its status at most once a second, at the start of a step
-        complete(serve_plan.url, "base", deepseek["prompts"][0])
-        return status(serve_plan.url)
+        return settled_status(serve_plan.url, lambda: complete(serve_plan.url, "base", deepseek["prompts"][0]))
 
 
 def table_text(s: dict) -> str:
@@ -507,7 +506,6 @@ def test_serve_removes_its_temporary_state_folder_on_stop(world, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()

@@ -58,6 +58,7 @@ from typing import Callable
 from esftctl.bench.slices import PREPARE_S, Slice, measured_walls, pending, run_pending, slice_order
 from esftctl.bench.slices import load_slices as _load_slices
 from esftctl.jsonfile import write_json
+from esftctl.runtime.engine_status import STATUS_EVERY_S
 
 CARD_BYTES = 48 * 10**9  # the memory-bound regime's card: FluxMoE's A40
 ADAPTERS = 4  # DeepSeek-sized adapters (83-153 experts) loaded by the `+adapters` servers
@@ -204,9 +205,6 @@ def _status(url: str) -> dict | None:
         return None
 
 
-STATUS_EVERY_S = 1.0  # runtime/vllm/worker.py's: the status file is rewritten at most this often while serving
-
-
 def settled_status(url: str, nudge: Callable[[], None], *, pause: Callable[[float], None] = time.sleep
                    ) -> dict | None:
     """esftctl's status once its pager counters hold every step so far. The worker publishes them only between
@@ -337,13 +335,15 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
 
         on_step(f"{label}: warm-up")  # CUDA graphs, kernels, the planner's first decisions stay out of the numbers
         load(Point("warm-up", regime.max_num_seqs, min(32, regime.max_num_seqs), 512, 32), 99, "warm-up")
+        before = settled_status(p.url, nudge)  # each point's counts from the last one's settled status
         for point in regime_points(regime, prompts):
             on_step(f"{label}: {point.name}")
-            before, pre = settled_status(p.url, nudge), preemptions(_metrics(p.url))
+            pre = preemptions(_metrics(p.url))
             result = summary(load(point, sl.round, point.name))
             after = settled_status(p.url, nudge)
             points[point.name] = {**result, "point": asdict(point), "preemptions": preemptions(_metrics(p.url)) - pre,
                                   "fetch": fetch_delta(before, after)}
+            before = after
         status = _status(p.url)
     return {"model": model, "regime": sl.group, "server": sl.server, "round": sl.round, "spec": asdict(spec),
             "device": _device(), "vllm_args": args, "command": p.command(), "ready_s": ready_s,

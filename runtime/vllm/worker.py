@@ -34,15 +34,20 @@ from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.store import ExpertStore
 from esftctl.jsonfile import write_json
 from esftctl.names import check_name
-from esftctl.runtime.engine_status import AdapterStatus, EngineStatus, PagingStatus, VariantStatus, check_free_slot
+from esftctl.runtime.engine_status import (
+    STATUS_EVERY_S,
+    AdapterStatus,
+    EngineStatus,
+    PagingStatus,
+    VariantStatus,
+    check_free_slot,
+)
 from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file
 from esftctl.runtime.vllm.model import EsftModel
 from esftctl.runtime.vllm.moe import check_engine
 from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
 from esftctl.variants import HOME, VariantSet
-
-STATUS_EVERY_S = 1.0  # the status file is also rewritten at most this often while serving
 
 
 class EsftWorkerManager:
