@@ -139,7 +139,8 @@ def _memory_table(s: EngineStatus) -> Table:
         codec = {"huffman": "Huffman store, ", "fixed": "fixed-rate, "}.get(p.store_codec, "")
         memory.add_row(f"  compressed tier on the GPU ({codec}{p.store_experts} base experts per layer)",
                        format_bytes(p.store_bytes))
-        memory.add_row("host tier (pinned copies of every layer's experts)", format_bytes(p.host_bytes))
+        copies = "every layer's experts" if p.host_base_rows else "adapter rows only; the compressed tier has the base"
+        memory.add_row(f"host tier (pinned copies of {copies})", format_bytes(p.host_bytes))
         bought = f" = {p.freed_kv_tokens:,} KV tokens" if p.freed_kv_tokens is not None else ""
         memory.add_row("expert memory paging leaves to the KV cache", format_bytes(p.freed_bytes) + bought)
         per_fetch = p.fetched_rows / p.fetches if p.fetches else 0.0

@@ -163,9 +163,11 @@ class RowFetch:
         self.held = torch.zeros(rows, dtype=torch.int32, device=device)  # the rows with a source, listed first
         self.held_count = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def set_sources(self, sources: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
-        """Every row's pinned host copies (w13, w2), or None where the row is not held; in one copy to the
-        device, ordered before the next launch on the current stream."""
+    def set_sources(self, sources: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+                    held: list[int] | None = None) -> None:
+        """Every row's pinned host copies (w13, w2), or None where the row is not held or comes from the store tier
+        alone; `held`: the rows a whole-layer fetch lists (and counts), by default those with a source. In one copy
+        to the device, ordered before the next launch on the current stream."""
         values = [0] * (2 * self.rows)
         for row, pair in enumerate(sources):
             for k, (t, nbytes) in enumerate(zip(pair, self.row_bytes)):
@@ -174,7 +176,8 @@ class RowFetch:
                 if t.data_ptr() % VECTOR or t.numel() * t.element_size() != nbytes:
                     raise ValueError(f"row {row}: host rows must be {VECTOR}-byte aligned and a row's size")
                 values[k * self.rows + row] = self.address(t)
-        held = [r for r in range(self.rows) if values[r] or values[self.rows + r]]
+        if held is None:
+            held = [r for r in range(self.rows) if values[r] or values[self.rows + r]]
         self.src.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=False)
         self.held.copy_(torch.tensor(held + [0] * (self.rows - len(held)), dtype=torch.int32), non_blocking=False)
         self.held_count.fill_(len(held))

@@ -49,7 +49,9 @@ class PagingStatus:
     window_bytes: int  # device memory of the window's blocks
     resident_bytes: int  # device memory of the layers kept resident
     store_bytes: int  # device memory of the compressed tier (0 while no base expert comes from it)
-    host_bytes: int  # pinned host memory of the host tier (every layer's held rows)
+    host_bytes: int  # pinned host memory of the host tier: its copies of held rows, as allocated
+    host_base_rows: bool = True  # whether those include the base rows (else adapter rows only: a compressed tier
+    # delivers every base row, esftctl.runtime.paging.tiers.base_copies_needed)
     freed_bytes: int  # expert memory that paging leaves to the KV cache: all held rows less the three above
     freed_kv_tokens: int | None  # those bytes in KV-cache tokens of this model (None: unknown)
     held_rows: int  # rows a paged layer holds now (base and adapters): what a whole-layer fetch brings
@@ -109,7 +111,7 @@ class EngineStatus:
     def from_json(cls, data: dict) -> "EngineStatus":
         data = dict(data)
         paging_keys = [f"paging_{f.name}" for f in fields(PagingStatus)]
-        paging = PagingStatus(**{k[len("paging_"):]: data.pop(k) for k in paging_keys}) \
+        paging = PagingStatus(**{k[len("paging_"):]: data.pop(k) for k in paging_keys if k in data}) \
             if paging_keys[0] in data else None
         known = {f.name for f in fields(cls)} - {"paging", "extra"}
         return cls(**{k: v for k, v in data.items() if k in known and k not in ("adapters", "variants")},

@@ -169,8 +169,10 @@ class VirtualMoELayer:
         self._adapter_local: dict[int, int] = {}
         self._free_local = list(range(self.base_rows, local_rows))  # a heap
         self.slot_rows: dict[int, dict[int, int]] = {}
-        # Paging (esftctl.runtime.paging): host copies of the held rows (base rows in one pair of tensors,
-        # adapter rows one pair each, made as adapters load), and whether the rows are on the device.
+        # Paging (esftctl.runtime.paging): host copies of the held rows once `keeps_host` (adapter rows one pair
+        # each, made as adapters load; base rows in one pair of tensors, `host`, unless a compressed tier serves
+        # every one: then None), and whether the rows are on the device.
+        self.keeps_host = False
         self.host: tuple[torch.Tensor, torch.Tensor] | None = None
         self.host_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.paged_out = False
@@ -225,7 +227,7 @@ class VirtualMoELayer:
         for k, row in enumerate(rows):
             if not self.holds_row(row):
                 continue
-            if self.host is not None:
+            if self.keeps_host:
                 self._host_copy(row, parts[0][k], parts[1][k])
             if not self.paged_out:
                 for dst, src in zip(self.parts, parts):
@@ -236,27 +238,47 @@ class VirtualMoELayer:
         """Host memory for rows: pinned beside a GPU, so copies to the device run asynchronously."""
         return torch.empty(shape, dtype=self.w13.dtype, pin_memory=self.device.type == "cuda")
 
-    def keep_host_copy(self) -> None:
-        """From now on keep every held row in host memory too."""
+    def keep_host_copy(self, *, base_rows: bool = True) -> None:
+        """From now on keep the held rows in host memory too: adapter rows, and base rows unless `base_rows` is
+        False (a compressed tier on the device delivers every one of them, so copies would never be read: for
+        Qwen3-30B-A3B's shape, 38.6 GB of pinned memory). The caller decides (esftctl.runtime.paging.tiers.
+        base_copies_needed)."""
         if self.scales:
             raise EsftError("paging FP8 experts is not supported yet (their scale rows are not paged)")
         if self.biases:
             raise EsftError("paging experts with biases is not supported yet (their bias rows are not paged)")
-        self.host = (self._host_empty(self.num_experts, *self.layout.w13_row),
-                     self._host_empty(self.num_experts, *self.layout.w2_row))
+        self.keeps_host = True
+        if base_rows:
+            self.host = (self._host_empty(self.num_experts, *self.layout.w13_row),
+                         self._host_empty(self.num_experts, *self.layout.w2_row))
         for row in self.held_rows():
-            self._host_copy(row, self.w13.tensor[row], self.w2.tensor[row])
+            if base_rows or row >= self.num_experts:
+                self._host_copy(row, self.w13.tensor[row], self.w2.tensor[row])
 
     def _host_copy(self, row: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        if row < self.num_experts and self.host is None:
+            raise EsftError(f"base expert {row} cannot change while paged: the compressed tier serves the base "
+                            "experts as it encoded them, and no host copy is kept")
         if row >= self.num_experts:  # adapter rows: only those in use take host memory, not the whole reservation
             self.host_rows[row] = (self._host_empty(*self.layout.w13_row), self._host_empty(*self.layout.w2_row))
         host13, host2 = self.host_row(row)
         host13.copy_(w13)
         host2.copy_(w2)
 
-    def host_row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host copies of a held row (w13, w2)."""
-        return (self.host[0][row], self.host[1][row]) if row < self.num_experts else self.host_rows[row]
+    @property
+    def base_copies(self) -> bool:
+        """Whether the host copies include the base rows (else a compressed tier delivers them)."""
+        return self.host is not None
+
+    def host_row(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The host copies of a held row (w13, w2); (None, None) for a base row without copies."""
+        if row >= self.num_experts:
+            return self.host_rows[row]
+        return (self.host[0][row], self.host[1][row]) if self.host is not None else (None, None)
+
+    def host_bytes(self) -> int:
+        """Host memory of the copies (pinned beside a GPU): the base rows' if kept, and the adapter rows in use."""
+        return sum(t.nbytes for t in (*(self.host or ()), *(t for pair in self.host_rows.values() for t in pair)))
 
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
@@ -269,8 +291,10 @@ class VirtualMoELayer:
 
     def copy_in(self, skip: int = 0) -> int:
         """Queue copies of the held rows from the host copies into the (mapped) rows, base rows from `skip`
-        on (the others come from elsewhere); returns the bytes."""
+        on (the others come from elsewhere: all of them without base copies); returns the bytes."""
         e, copied = self.num_experts, 0
+        if skip < e and self.host is None:
+            raise EsftError(f"base rows {skip}..{e - 1} have no host copies (the compressed tier serves them)")
         if skip < e:
             self.w13.tensor[skip:e].copy_(self.host[0][skip:], non_blocking=True)
             self.w2.tensor[skip:e].copy_(self.host[1][skip:], non_blocking=True)
@@ -284,7 +308,7 @@ class VirtualMoELayer:
 
     def page_out(self) -> None:
         """Unmap every held row (the caller made sure no queued kernel reads them); the host copy stays."""
-        if self.host is None:
+        if not self.keeps_host:
             raise EsftError("a layer pages out only once it keeps a host copy of its rows")
         rows = [r for r in self.held_rows() if self.w13.is_mapped(r)]
         self.w13.unmap_rows(rows)
@@ -292,7 +316,7 @@ class VirtualMoELayer:
         self.paged_out = True
 
     def page_in(self) -> None:
-        """Map every held row again; their contents are the caller's to copy in (from `host`)."""
+        """Map every held row again; their contents are the caller's to bring in (the pager's: LayerTiers.fill)."""
         rows = [r for r in self.held_rows() if not self.w13.is_mapped(r)]
         self._map(rows)
         self.paged_out = False

@@ -24,7 +24,7 @@ from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency, ResidencyPlanner
-from esftctl.runtime.paging.tiers import FixedTier, StoreTier
+from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 E, H, I, TOP_K, LAYERS = 8, 64, 32, 2, 6
@@ -69,7 +69,7 @@ class Stack:
     """The layers as serving holds them, paged: each layer's forward routes, reroutes, lets the pager fetch, and
     computes from the layer's own rows."""
 
-    def __init__(self, weights, device, *, window, slots=0, per_slot=0, store=None, **options):
+    def __init__(self, weights, device, *, window, slots=0, per_slot=0, store=None, base_copies=True, **options):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
@@ -84,7 +84,7 @@ class Stack:
         for l, w in enumerate(weights):
             layer = VirtualMoELayer(E, H, I, slots, per_slot, torch.bfloat16, self.make_space)
             layer.load_base_rows(w["w13"].to(device), w["w2"].to(device))
-            layer.keep_host_copy()
+            layer.keep_host_copy(base_rows=base_copies)
             self.layers[l] = layer
         tier = FixedTier() if store == "fixed" else None  # encoded from the rows as loaded, before paging
         if store is not None and store != "fixed":
@@ -249,6 +249,24 @@ def test_paged_forward_replays_from_a_cuda_graph(fetch, tmp_path):
     stack.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["store", "fixed"])
+@pytest.mark.parametrize("fetch", ["routed", "layer"])
+def test_paged_forward_without_base_copies_replays_from_a_cuda_graph(tier, fetch, tmp_path):
+    """As above with layers that keep no host copies of their base rows: every base row from the compressed tier,
+    in the captured graph too, and a whole-layer fetch (the mark kernel's listing) still counts every held row."""
+    weights = make_weights(14)
+    store = expert_store(weights, tmp_path / "store") if tier == "store" else "fixed"
+    stack = Stack(weights, "cuda", window=2, store=store, fetch=fetch, resident=(2,), base_copies=False)
+    assert host_bytes(stack) == 0
+    replays_follow_changes(stack, weights)
+    counters = stack.pager.counters()
+    assert counters["fetches"] > 0
+    if fetch == "layer":
+        assert counters["fetched_rows"] == counters["fetches"] * E
+    stack.close()
+
+
 def replays_follow_changes(stack, weights) -> None:
     """Capture the stack's forward once (CUDA), then replay it with new inputs after residency and the tier split
     changed: every replay gives the resident outputs."""
@@ -262,7 +280,8 @@ def replays_follow_changes(stack, weights) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = stack.forward(static)
-    for step, (resident, store_rows) in enumerate([((2,), 0), ((), E), ((0, 1, 4), 3), ((5,), 0)]):
+    splits = (0, E, 3, 0) if all(l.base_copies for l in stack.layers.values()) else (E,) * 4
+    for step, (resident, store_rows) in enumerate(zip([(2,), (), (0, 1, 4), (5,)], splits)):
         stack.pager.set_resident(resident)
         stack.pager.set_store_rows(store_rows)
         x = tokens(4, 40 + step)
@@ -270,6 +289,66 @@ def replays_follow_changes(stack, weights) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), resident_forward(weights, x, "cuda")), step
+
+
+def random_adapter(layers, experts, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {l: {e: ((torch.randn(2 * I, H, generator=g) * 0.1).to(torch.bfloat16),
+                    (torch.randn(H, I, generator=g) * 0.1).to(torch.bfloat16)) for e in experts} for l in layers}
+
+
+def load_adapter(stack, slot: int, adapter: dict) -> None:
+    for l, chosen in adapter.items():
+        stack.layers[l].load(slot, {e: ExpertWeights(w13[:I], w13[I:], w2) for e, (w13, w2) in chosen.items()})
+
+
+def host_bytes(stack) -> int:
+    return sum(layer.host_bytes() for layer in stack.layers.values())
+
+
+def test_base_copies_are_left_out_only_where_a_tier_delivers_every_base_row_from_the_start():
+    tier = FixedTier()
+    assert not base_copies_needed(tier, E, E) and not base_copies_needed(tier, E + 1, E)
+    assert base_copies_needed(tier, E - 1, E) and base_copies_needed(tier, 0, E)
+    assert base_copies_needed(tier, None, E)  # a split measured at start-up may give the host tier base rows
+    assert base_copies_needed(None, None, E)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["store", "fixed"])
+@pytest.mark.parametrize("fetch", ["routed", "layer"])
+def test_a_tier_of_every_base_row_pages_without_base_copies(device, tier, fetch, tmp_path):
+    """Layers that keep no host copies of their base rows (a compressed tier delivers every one: for Qwen3-30B-
+    A3B's shape the copies were 38.6 GB of pinned memory) take no host memory for them, deliver them all from the
+    tier from the start, and page as resident: with an adapter loaded while paged out and unloaded, and with layers
+    made resident (filled from the tier) and paged out again. A split that would need the copies is refused."""
+    weights = make_weights(17)
+    store = expert_store(weights, tmp_path / "store") if tier == "store" else "fixed"
+    stack = Stack(weights, device, window=2, slots=2, per_slot=3, store=store, fetch=fetch, base_copies=False)
+    assert stack.pager.store_rows == E and host_bytes(stack) == 0
+    adapter = random_adapter((0, 3, 4), (1, 4, 6), seed=18)
+    load_adapter(stack, 1, adapter)
+    assert host_bytes(stack) == 3 * 3 * stack.layers[0].expert_bytes  # the adapter's rows alone
+    x, use = tokens(12, 19), torch.tensor([k % 2 == 0 for k in range(12)])
+    stack.token_slots = torch.where(use, 1, -1).to(torch.int32).to(stack.device)
+    want = resident_forward(weights, x, device, adapter, use)
+    for resident in ((), (0, 3), (1,), ()):  # made resident: base rows decoded from the tier into own pages
+        stack.pager.set_resident(resident)
+        assert torch.equal(stack.run(x), want), resident
+    if fetch == "layer":  # a whole-layer fetch counts every held row, the decoded base rows too
+        for l, tiers in stack.pager.tiers.items():
+            rows, fetches = tiers.stats.tolist()
+            assert fetches > 0 and rows == fetches * len(stack.layers[l].held_rows()), l
+    for l in adapter:
+        stack.layers[l].release_rows(stack.layers[l].detach(1))
+    assert host_bytes(stack) == 0
+    assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    with pytest.raises(EsftError, match="keeps no host copies of its base rows"):
+        stack.pager.set_store_rows(3)
+    with pytest.raises(EsftError, match="cannot change while paged"):
+        stack.layers[0].replace_base({2: ExpertWeights(weights[0]["w13"][1, :I], weights[0]["w13"][1, I:],
+                                                       weights[0]["w2"][1])})
+    stack.close()
 
 
 def test_planner_shrinks_grows_and_holds_in_the_dead_zone():

@@ -262,7 +262,9 @@ def test_paged_experts_serve_the_same_answers(deepseek, world):
     per_layer = s["base_expert_bytes"] / layers + s["adapter_expert_bytes"] / layers
     window = (1 + len(s["paging_resident_layers"])) * per_layer
     assert s["expert_device_bytes"] <= window + 4 * s["page_bytes"] * layers
-    assert "experts on the device now" in table_text(s)
+    # The host tier holds pinned copies of every held row, the base's and the adapters'.
+    assert s["paging_host_base_rows"] and s["paging_host_bytes"] == s["base_expert_bytes"] + s["adapter_expert_bytes"]
+    assert "experts on the device now" in table_text(s) and "copies of every layer's experts" in table_text(s)
 
 
 def test_fixed_rate_tier_serves_the_same_answers(deepseek, world):
@@ -274,7 +276,9 @@ def test_fixed_rate_tier_serves_the_same_answers(deepseek, world):
     assert s["paging_store_codec"] == "fixed" and s["paging_store_experts"] == experts
     assert 0.7 * s["base_expert_bytes"] < s["paging_store_bytes"] < 0.8 * s["base_expert_bytes"]
     assert s["paging_fetches"] > 3 * len(s["moe_layers"])
-    assert "fixed-rate, " in table_text(s)
+    # Every base row comes from the tier: the host tier holds copies of the adapters' rows only.
+    assert not s["paging_host_base_rows"] and s["paging_host_bytes"] == s["adapter_expert_bytes"] > 0
+    assert "fixed-rate, " in table_text(s) and "copies of adapter rows only" in table_text(s)
 
 
 @pytest.mark.gpu

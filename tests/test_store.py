@@ -117,6 +117,36 @@ def test_store_round_trip_edge_tensors(tmp_path, scope):
         assert got.shape == t.shape and torch.equal(got.view(torch.int16), t.view(torch.int16)), name
 
 
+def test_to_device_copies_store_bin_in_pieces_the_bytes_it_copied_whole(tmp_path, monkeypatch):
+    """store.bin reaches a device in DEVICE_COPY_CHUNK pieces (a Qwen3-30B-A3B store, 25 GB, once went whole
+    through host memory, twice: read, then padded by np.concatenate) and gives the bytes the whole copy gave: the
+    data, then zeros to whole words and 16 bytes more. Here 5 pieces and a tail; and neither the copy nor the
+    decode plans hold the store in host memory (numpy's allocations, what tracemalloc sees, stay far below it)."""
+    import tracemalloc
+
+    from esftctl.formats import store as store_module
+
+    tensors = {f"t{k}": _heavy_tailed(1000 * (200 + 7 * k), k).reshape(200 + 7 * k, 1000) for k in range(4)}
+    store = _store_of(tensors, tmp_path / "s")
+    raw = np.fromfile(store.data_file, dtype=np.uint8)
+    want = np.concatenate([raw, np.zeros(16 + -len(raw) % 4, dtype=np.uint8)])  # what to_device once built
+    piece = len(raw) // 5 - 7
+    assert len(raw) % piece and len(raw) // piece == 5
+    monkeypatch.setattr(store_module, "DEVICE_COPY_CHUNK", piece)
+    data, tables = store.to_device(torch.device("cpu"))
+    assert data.dtype == torch.uint8 and np.array_equal(data.numpy(), want)
+    assert store.to_device(torch.device("cpu"))[0] is data  # copied once, then kept
+    targets = [(n, torch.empty(t.shape, dtype=torch.bfloat16)) for n, t in tensors.items()]
+    store.plan(targets)  # imports done before counting
+    fresh = ExpertStore(tmp_path / "s")
+    tracemalloc.start()
+    fresh.plan(targets)  # copies store.bin to the device first
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert np.array_equal(fresh.to_device(torch.device("cpu"))[0].numpy(), want)
+    assert peak < len(raw) / 2, (peak, len(raw))  # whole, it was more than twice the store
+
+
 def test_model_store_size_and_round_trip(world, tmp_path):
     from esftctl.formats.checkpoint import MoECheckpoint
 

@@ -234,6 +234,53 @@ def test_store_tier_and_planner_page_the_same_answers(tiny_models, tmp_path, dev
     runtime.pager.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["huffman", "fixed"])
+@pytest.mark.parametrize("split", ["all", "half"])
+def test_base_rows_get_host_copies_only_where_the_host_tier_may_serve_them(tiny_models, tmp_path, device, tier,
+                                                                           split):
+    """`--store-experts` = the expert count: a compressed tier delivers every base row, so the layers keep host
+    copies of adapter rows only (Qwen3-30B-A3B's shape: 38.6 GB of pinned base copies saved); half from the tier
+    keeps the copies. Tokens get their merged models either way, with adapters loaded and unloaded and a layer
+    made resident and paged out again."""
+    from esftctl.formats.store import ExpertStore, compress
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    options = {"fixed_tier": True}
+    if tier == "huffman":
+        compress(ckpt.path, tmp_path / "store")
+        options = {"paging_store": ExpertStore(tmp_path / "store")}
+    experts = ckpt.num_experts if split == "all" else ckpt.num_experts // 2
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=50 + k, experts_per_layer=2 + k, scale=4.0) for k in range(3)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=5, max_tokens=64, paging_window=1,
+                        store_experts=experts, **options)
+    layers = list(runtime.layers.values())
+    base_bytes = sum(l.num_experts * l.expert_bytes for l in layers)
+
+    def adapter_bytes() -> int:
+        return sum((len(l.held_rows()) - l.num_experts) * l.expert_bytes for l in layers)
+
+    def host_bytes() -> int:
+        return sum(l.host_bytes() for l in layers) - (0 if split == "all" else base_bytes)
+
+    assert runtime.pager.store_rows == experts and [l.base_copies for l in layers] == [split == "half"] * len(layers)
+    assert host_bytes() == 0
+    slots = {name: runtime.slots.load(name, adapters[name]) for name in ("a0", "a1")}
+    assert host_bytes() == adapter_bytes() > 0
+    _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=1)
+    runtime.slots.evict("a0")
+    runtime.slots.collect()
+    slots.pop("a0")
+    slots["a2"] = runtime.slots.load("a2", adapters["a2"])
+    assert host_bytes() == adapter_bytes() > 0
+    first = next(iter(runtime.layers))
+    for resident in ([first], []):  # made resident (its own pages filled), then paged out again
+        runtime.pager.set_resident(resident)
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=2)
+    runtime.pager.close()
+
+
 def test_store_tier_refuses_an_engine_layout_it_cannot_write(tiny_models, tmp_path):
     from esftctl.errors import EsftError
     from esftctl.formats.store import ExpertStore, compress

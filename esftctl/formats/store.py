@@ -34,7 +34,6 @@ import queue
 import reprlib
 import threading
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -73,6 +72,10 @@ MAX_TENSORS = 1 << 20
 MAX_COUNT = (1 << 31) - 1  # values per tensor: the GPU decoder counts them in int32
 MAX_DIMS = 8
 MAX_FIELD = 1 << 62  # any offset, length or size
+# store.bin goes to a device in pieces of this size (ExpertStore.to_device): read whole, then padded in a second
+# copy, a Qwen3-30B-A3B store (25 GB) had the engine at 36 GB of anonymous memory beside its 39 GB base in /dev/shm
+# when a 125 GB host OOM-killed it; one piece at a time it takes 256 MiB.
+DEVICE_COPY_CHUNK = 256 << 20
 log = logging.getLogger("esftctl.formats.store")
 
 
@@ -489,28 +492,16 @@ class ExpertStore:
                             self.data_file)
         return open_regular(self.data_file)
 
-    @cached_property
-    def data(self) -> np.ndarray:
-        """The whole of store.bin in memory (what a GPU copy needs; the CPU decoder reads one tensor at a time)."""
+    def _sections(self, e: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A tensor's (exponent stream, chunk offsets, sign-and-mantissa bytes), read from the file; checked against
+        the tensor's own hash where the file was not, and its chunk offsets in order from 0 inside its stream (the
+        C decoder's bounds)."""
+        spans = ((e["exp_offset"], e["exp_bytes"]), (e["chunk_offset"], 4 * e["chunks"]), (e["sm_offset"], e["count"]))
         fd = self._open_data()
         try:
-            return _pread(fd, 0, self.header["data_bytes"], self.data_file)
+            parts = [_pread(fd, o, n, self.data_file) for o, n in spans]
         finally:
             os.close(fd)
-
-    def _sections(self, e: dict, data: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A tensor's (exponent stream, chunk offsets, sign-and-mantissa bytes), from `data` (store.bin in memory)
-        where given, else read from the file; checked against the tensor's own hash where the file was not, and
-        its chunk offsets in order from 0 inside its stream (the C decoder's bounds)."""
-        spans = ((e["exp_offset"], e["exp_bytes"]), (e["chunk_offset"], 4 * e["chunks"]), (e["sm_offset"], e["count"]))
-        if data is not None:
-            parts = [data[o:o + n] for o, n in spans]
-        else:
-            fd = self._open_data()
-            try:
-                parts = [_pread(fd, o, n, self.data_file) for o, n in spans]
-            finally:
-                os.close(fd)
         if not self.verified and e.get("sha256") is not None:
             sha = hashlib.sha256()
             for part in parts:
@@ -518,10 +509,27 @@ class ExpertStore:
             if sha.hexdigest() != e["sha256"]:
                 raise EsftError(f"checksum mismatch in tensor {e['name']!r}: the file is corrupted", self.data_file)
         stream, offsets, sign_mantissa = parts[0], parts[1].view("<u4"), parts[2]
+        self._check_offsets(e, offsets)
+        return stream, offsets, sign_mantissa
+
+    def _chunk_offsets(self, e: dict) -> np.ndarray:
+        """A tensor's chunk offsets, all a decode plan reads on the host: only that section where store.bin was
+        hashed on opening (4 bytes per chunk: a 25 GB store's plans read 0.1 GB, not the store), else every section
+        against the tensor's own hash (`_sections`)."""
+        if not self.verified:
+            return self._sections(e)[1]
+        fd = self._open_data()
+        try:
+            offsets = _pread(fd, e["chunk_offset"], 4 * e["chunks"], self.data_file).view("<u4")
+        finally:
+            os.close(fd)
+        self._check_offsets(e, offsets)
+        return offsets
+
+    def _check_offsets(self, e: dict, offsets: np.ndarray) -> None:
         if len(offsets) and (offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1])
                              or int(offsets[-1]) > 8 * e["exp_bytes"]):
             raise EsftError(f"tensor {e['name']!r}: chunk offsets out of order or past its stream", self.data_file)
-        return stream, offsets, sign_mantissa
 
     def decode_tensor(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one tensor into `out` (any device; a GPU decodes with the Triton kernel) or a new CPU tensor."""
@@ -557,9 +565,27 @@ class ExpertStore:
         if key not in self._device_cache:
             tables = np.stack([multi_symbol_table(c) for c in self.codes]) if self.codes else \
                 np.zeros((1, 1 << MAX_LENGTH), dtype=np.int64)
-            data = np.concatenate([self.data, np.zeros(16 + -len(self.data) % 4, dtype=np.uint8)])  # whole words
-            self._device_cache[key] = (torch.from_numpy(data).to(device), torch.from_numpy(tables).to(device))
+            self._device_cache[key] = (self._data_on(device), torch.from_numpy(tables).to(device))
         return self._device_cache[key]
+
+    def _data_on(self, device: torch.device) -> torch.Tensor:
+        """store.bin on `device`, then zeros to whole 4-byte words and 16 bytes more (the decoder reads words, past
+        a stream's end too): allocated once and filled DEVICE_COPY_CHUNK bytes at a time through one host buffer
+        (pinned beside a GPU), so host memory never holds the store. A read of its own: without `verify` the
+        tensors' hashes are checked on what `plan` and `decode_tensor` read, not on these bytes."""
+        n = self.header["data_bytes"]
+        out = torch.empty(n + 16 + -n % 4, dtype=torch.uint8, device=device)
+        out[n:].zero_()
+        buf = torch.empty(min(n, DEVICE_COPY_CHUNK), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        fd = self._open_data()
+        try:
+            for start in range(0, n, DEVICE_COPY_CHUNK):
+                part = buf[:min(DEVICE_COPY_CHUNK, n - start)]
+                _pread_into(fd, memoryview(part.numpy()), start, self.data_file)
+                out[start:start + len(part)].copy_(part)  # synchronous: the buffer is refilled next
+        finally:
+            os.close(fd)
+        return out
 
     def plan(self, targets: list[tuple[str, torch.Tensor]], *, rows: list[int] | None = None):
         """A DecodePlan writing each named tensor into its CUDA destination in one launch; every bound checked on
@@ -573,7 +599,7 @@ class ExpertStore:
         for k, (name, out) in enumerate(targets):
             e = self._entry(name)
             self._check_destination(e, out)
-            _, offsets, _ = self._sections(e, self.data)
+            offsets = self._chunk_offsets(e)
             segments.append(Segment(8 * e["exp_offset"] + offsets.astype(np.int64), e["sm_offset"], e["count"],
                                     e["table"], out, row=rows[k] if rows else 0))
         try:

@@ -139,7 +139,7 @@ class PagedExperts:
             self.window.page_out(i)
         for i in layers - self.resident:
             self.window.page_in(i)
-            self.layers[i].copy_in()
+            self.tiers[i].fill()  # from the host copies, and base rows without copies from the compressed tier
             self.tiers[i].set_active(False)
         if self.cuda:
             torch.cuda.synchronize(self.device)

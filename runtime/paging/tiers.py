@@ -7,6 +7,11 @@ layer in two thirds of their memory and moves nothing over the bus). Both decide
 from the step's routed ids or every row, and read their settings there (`active`, `store_rows`), so the launches
 are the same every step and CUDA graphs captured once stay right when the planner changes either.
 
+Where a compressed tier delivers every base row from the start (`--store-experts` = the expert count), the host
+copies of the base rows would never be read: the layers keep only their adapter rows' (`base_copies_needed`; for
+Qwen3-30B-A3B's shape the base copies were 38.6 GB of pinned memory). Such a layer's `store_rows` stays at its
+expert count, and a layer made resident gets its base rows from the tier too (`LayerTiers.fill`).
+
 A second compressed GPU tier needs no store file (`FixedTier`, `serve --paging-codec fixed`): every paged layer's
 base rows are encoded at start-up from the weights the engine loaded, on its device, in esftctl.kernels.fixed_rate's
 fixed-rate code (75.1% of bf16 against Huffman's 67.7%, but a whole DeepSeek-V2-Lite layer decodes in 0.726 ms on
@@ -24,8 +29,17 @@ from typing import Sequence
 
 import torch
 
+from esftctl.errors import EsftError
 from esftctl.kernels.fixed_rate import FixedRows, decode_rows, decode_rows_reference, encode_rows
 from esftctl.kernels.row_fetch import RowFetch, fetch_rows_reference, mark_rows_reference
+
+
+def base_copies_needed(tier: StoreTier | FixedTier | None, store_experts: int | None, num_experts: int) -> bool:
+    """Whether paged layers keep host copies of their base rows: unless a compressed tier delivers all of them,
+    fixed at start-up. A split measured at start-up (`store_experts` None) may give the host tier base rows, so it
+    keeps them; nothing changes the split later (the residency planner changes only what stays resident), and
+    LayerTiers.set_store_rows refuses a split that would need copies a layer does not keep."""
+    return tier is None or store_experts is None or store_experts < num_experts
 
 
 def tier_split(num_experts: int, host_bytes_per_s: float, store_bytes_per_s: float) -> int:
@@ -90,7 +104,8 @@ class FixedPlan:
 
 class LayerTiers:
     """One paged layer's tiers and its fetch. `layer` gives its rows (w13, w2 virtual tensors at fixed addresses),
-    `held_rows()` and `host_row(row)` (pinned host copies)."""
+    `held_rows()`, `host_row(row)` (pinned host copies; (None, None) for base rows without, which the compressed
+    tier then delivers, all of them: `base_copies`) and `copy_in(skip)`."""
 
     def __init__(self, index: int, layer, *, store: StoreTier | FixedTier | None = None, decode_stream=None):
         """`decode_stream` (CUDA, with a store): where the decoder runs beside the host tier's copies. A FixedTier
@@ -104,8 +119,14 @@ class LayerTiers:
         self.has_store = store is not None
         if isinstance(store, FixedTier):
             self._init_fixed(store.encode(index, w13, w2, self.num_experts))
-            return
-        targets = store.targets(index, w13, w2) if store is not None else []
+        else:
+            self._init_store(store)
+        if not layer.base_copies:  # no host copies of the base rows: the compressed tier delivers every one
+            self.set_store_rows(self.num_experts)
+
+    def _init_store(self, store: StoreTier | None) -> None:
+        w13, w2 = self.layer.w13.tensor, self.layer.w2.tensor
+        targets = store.targets(self.index, w13, w2) if store is not None else []
         if self.cuda:
             self.fetcher = RowFetch(w13, w2)
             self.plan = store.store.plan([(n, t) for _, n, t in targets], rows=[e for e, _, _ in targets]) \
@@ -134,9 +155,9 @@ class LayerTiers:
         """Point every held row at its host copy, and the others at nothing (after adapters came or went)."""
         held = set(self.layer.held_rows())
         w13, w2 = self.layer.w13.tensor, self.layer.w2.tensor
-        if self.cuda:
+        if self.cuda:  # a whole-layer fetch lists every held row: the decoder's are counted as fetched too
             self.fetcher.set_sources([self.layer.host_row(r) if r in held else (None, None)
-                                      for r in range(w13.shape[0])])
+                                      for r in range(w13.shape[0])], held=sorted(held))
         else:
             self.segments = {r: list(zip(self.layer.host_row(r), (w13[r], w2[r]))) for r in held}
 
@@ -148,6 +169,9 @@ class LayerTiers:
     def set_store_rows(self, rows: int) -> None:
         if rows and not self.has_store:
             raise ValueError("this layer has no store tier")
+        if rows < self.num_experts and not self.layer.base_copies:
+            raise EsftError(f"layer {self.index} keeps no host copies of its base rows: the compressed tier must "
+                            f"deliver all {self.num_experts}, not {rows}")
         self.store_rows = min(rows, self.num_experts)
         if self.cuda:
             self.fetcher.first_host.fill_(self.store_rows)
@@ -194,8 +218,9 @@ class LayerTiers:
             with torch.cuda.stream(self.decode_stream):
                 self.plan.run(self.fetcher.needed, self.fetcher.first_host)
         w13, w2 = layer.w13.tensor, layer.w2.tensor
-        w13[s:e].copy_(layer.host[0][s:], non_blocking=True)
-        w2[s:e].copy_(layer.host[1][s:], non_blocking=True)
+        if s < e:  # without base copies the tier delivers every base row (s == e)
+            w13[s:e].copy_(layer.host[0][s:], non_blocking=True)
+            w2[s:e].copy_(layer.host[1][s:], non_blocking=True)
         held = layer.held_rows()
         for row in held[e:]:
             host13, host2 = layer.host_row(row)
@@ -205,6 +230,17 @@ class LayerTiers:
             here.wait_stream(self.decode_stream)
         self.fetcher.stats[0] += len(held)  # counted on the device, like the kernels' fetches
         self.fetcher.stats[1] += 1
+
+    def fill(self) -> None:
+        """Every held row into the layer's rows, between steps (a layer made resident maps pages of its own
+        again): from the host copies, and base rows without copies (then all of them) from the compressed tier."""
+        skip = 0 if self.layer.base_copies else self.store_rows
+        if skip and self.cuda:
+            self.fetcher.needed.fill_(1)  # the next fetch's mark sets it again
+            self.plan.run(self.fetcher.needed, self.fetcher.first_host)
+        for row in range(0 if self.cuda else skip):
+            self.decode_row(row)
+        self.layer.copy_in(skip=skip)
 
     @property
     def stats(self) -> torch.Tensor:

@@ -5,7 +5,8 @@ memory (esftctl.runtime.address_space's aliases), so the fused MoE kernel, the d
 captured once keep the layer's addresses while the memory under them is shared. A block maps the union of the
 rows its layers hold (the base rows, and every adapter row any of them holds); it grows when an adapter brings
 a new row and never shrinks while serving (rows freed are the first reused). Keeping a layer resident swaps its
-memory, not its address: its own pages are mapped again and filled from the host copy.
+memory, not its address: its own pages are mapped again and filled by the pager, from the host copies (and the
+compressed tier, where the layers keep no copies of their base rows).
 
 Two layers of one block never run at once: layer p's rows are filled just before its kernel, on the same stream
 as layer p - size's kernel (or, fetched ahead, on a stream that waits for it: esftctl.runtime.paging.pager).
@@ -42,7 +43,8 @@ class Window:
         self.cover(layer)
 
     def page_in(self, layer: int) -> None:
-        """The layer maps pages of its own again; filling them is the caller's (from the host copies)."""
+        """The layer maps pages of its own again; filling them is the caller's (the pager's: LayerTiers.fill, from
+        the host copies and the compressed tier)."""
         l = self.layers[layer]
         l.w13.space.unalias()
         l.w2.space.unalias()

@@ -17,7 +17,8 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   memory under their own addresses, and each layer's rows, base and adapter alike, come in from host copies (or
   the base's Huffman store on the GPU) just before its kernel, the rows its tokens route to or the next layer
   whole (the experts layer calls the pager around its kernel: esftctl.runtime.vllm.layers); an adapter loaded
-  meanwhile is written to the host copies;
+  meanwhile is written to the host copies (which leave out the base rows where a compressed tier delivers all
+  of them: esftctl.runtime.paging.tiers.base_copies_needed);
 - makes the kernel compute every row (its expert count becomes the row count) and refuses set-ups in which
   some adapter row would be dropped or mis-mapped (esftctl.runtime.vllm.moe);
 - sets device memory aside for the adapter budget (or the paging window) before vLLM sizes its KV cache
@@ -46,7 +47,7 @@ from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, Ph
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency
-from esftctl.runtime.paging.tiers import FixedTier, StoreTier, tier_split
+from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed, tier_split
 from esftctl.runtime.vllm.moe import (
     BIASES,
     EngineMoELayer,
@@ -236,7 +237,8 @@ class EsftModel:
 
     def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int,
                       tier: StoreTier | FixedTier | None, store_experts: int | None, fetch: str) -> PagedExperts:
-        """Keep every layer's rows in host memory and let the layers share `window` blocks of device memory."""
+        """Keep the layers' rows in host memory (base rows only where the host tier may deliver some:
+        base_copies_needed) and let the layers share `window` blocks of device memory."""
         if any(layer.expert_map is not None for layer in self.layers.values()):
             raise EsftError("paging is not supported under expert parallelism yet (a rank's rows are its own "
                             "experts, the pager's blocks assume every expert); serve without --paging-window")
@@ -245,8 +247,9 @@ class EsftModel:
             raise EsftError(f"layer {custom[0]}: this model builds its experts with its own class "
                             f"({type(engine_layers[custom[0]].experts).__name__}), which esftctl's pager cannot "
                             "bracket; serve it without --paging-window")
+        base_copies = base_copies_needed(tier, store_experts, next(iter(self.layers.values())).num_experts)
         for layer in self.layers.values():
-            layer.keep_host_copy()  # copied to host memory before it returns, so the rows can be given back
+            layer.keep_host_copy(base_rows=base_copies)  # copied before it returns, so the rows can be given back
         first = next(iter(engine_layers.values())).experts
         # A window of every layer keeps every layer's own memory, with the pager in the path finding nothing to
         # fetch: its machinery alone against resident serving (`esftctl bench paging --serve`'s machinery regime).

@@ -332,7 +332,9 @@ class EsftWorkerManager:
         per_token = kv_bytes_per_token(self.vllm_config)
         return PagingStatus(fetch=pager.fetch_mode, store_experts=pager.store_rows, store_codec=pager.codec or "",
                             window_bytes=device["window"],
-                            resident_bytes=device["resident"], store_bytes=device["store"], host_bytes=held,
+                            resident_bytes=device["resident"], store_bytes=device["store"],
+                            host_bytes=sum(l.host_bytes() for l in self.runtime.layers.values()),
+                            host_base_rows=all(l.base_copies for l in self.runtime.layers.values()),
                             freed_bytes=freed, freed_kv_tokens=freed // per_token if per_token else None,
                             held_rows=max(len(l.held_rows()) for l in self.runtime.layers.values()),
                             fetched_rows=counters["fetched_rows"], fetches=counters["fetches"],
