@@ -3,9 +3,9 @@
 # process session (so it outlives the call), `wait` follows it from the next calls, each sent within the
 # machine's 30 s idle time. Logs in /tmp/bg/NAME.log; `wait` copies the log and the exit status to $OUT.
 # Usage: bash benchmarks/scripts/background.sh start NAME COMMAND...
+#        bash benchmarks/scripts/background.sh wait NAME SECONDS   (returns early when NAME has finished)
 #   COMMAND's words are joined into one shell line ("$*"), so a compound command goes as one quoted argument
 #   (start q3 "cmd1 > log 2>&1; cmd2"); `start q3 bash -c 'cmd1; cmd2'` loses the inner quotes and runs nothing.
-#        bash benchmarks/scripts/background.sh wait NAME SECONDS   (returns early when NAME has finished)
 set -u
 verb=$1 name=$2; shift 2
 dir=/tmp/bg
