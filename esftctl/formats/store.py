@@ -496,12 +496,8 @@ class ExpertStore:
         """A tensor's (exponent stream, chunk offsets, sign-and-mantissa bytes), read from the file; checked against
         the tensor's own hash where the file was not, and its chunk offsets in order from 0 inside its stream (the
         C decoder's bounds)."""
-        spans = ((e["exp_offset"], e["exp_bytes"]), (e["chunk_offset"], 4 * e["chunks"]), (e["sm_offset"], e["count"]))
-        fd = self._open_data()
-        try:
-            parts = [_pread(fd, o, n, self.data_file) for o, n in spans]
-        finally:
-            os.close(fd)
+        parts = self._read(((e["exp_offset"], e["exp_bytes"]), (e["chunk_offset"], 4 * e["chunks"]),
+                            (e["sm_offset"], e["count"])))
         if not self.verified and e.get("sha256") is not None:
             sha = hashlib.sha256()
             for part in parts:
@@ -518,13 +514,17 @@ class ExpertStore:
         against the tensor's own hash (`_sections`)."""
         if not self.verified:
             return self._sections(e)[1]
-        fd = self._open_data()
-        try:
-            offsets = _pread(fd, e["chunk_offset"], 4 * e["chunks"], self.data_file).view("<u4")
-        finally:
-            os.close(fd)
+        offsets = self._read([(e["chunk_offset"], 4 * e["chunks"])])[0].view("<u4")
         self._check_offsets(e, offsets)
         return offsets
+
+    def _read(self, spans) -> list[np.ndarray]:
+        """The bytes of each (offset, length) span of store.bin, in one open of the file."""
+        fd = self._open_data()
+        try:
+            return [_pread(fd, o, n, self.data_file) for o, n in spans]
+        finally:
+            os.close(fd)
 
     def _check_offsets(self, e: dict, offsets: np.ndarray) -> None:
         if len(offsets) and (offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1])

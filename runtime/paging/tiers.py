@@ -238,8 +238,9 @@ class LayerTiers:
         if skip and self.cuda:
             self.fetcher.needed.fill_(1)  # the next fetch's mark sets it again
             self.plan.run(self.fetcher.needed, self.fetcher.first_host)
-        for row in range(0 if self.cuda else skip):
-            self.decode_row(row)
+        elif skip:
+            for row in range(skip):
+                self.decode_row(row)
         self.layer.copy_in(skip=skip)
 
     @property

@@ -327,16 +327,17 @@ class EsftWorkerManager:
     def _paging_status(self) -> PagingStatus:
         pager, residency = self.runtime.pager, self.runtime.residency
         device, counters = pager.device_bytes(), pager.counters(wait=False)
-        held = sum(l.held_bytes() for l in self.runtime.layers.values())
+        layers = list(self.runtime.layers.values())
+        held = sum(l.held_bytes() for l in layers)
         freed = max(0, held - sum(device.values()))
         per_token = kv_bytes_per_token(self.vllm_config)
         return PagingStatus(fetch=pager.fetch_mode, store_experts=pager.store_rows, store_codec=pager.codec or "",
                             window_bytes=device["window"],
                             resident_bytes=device["resident"], store_bytes=device["store"],
-                            host_bytes=sum(l.host_bytes() for l in self.runtime.layers.values()),
-                            host_base_rows=all(l.base_copies for l in self.runtime.layers.values()),
+                            host_bytes=sum(l.host_bytes() for l in layers),
+                            host_base_rows=all(l.base_copies for l in layers),
                             freed_bytes=freed, freed_kv_tokens=freed // per_token if per_token else None,
-                            held_rows=max(len(l.held_rows()) for l in self.runtime.layers.values()),
+                            held_rows=max(len(l.held_rows()) for l in layers),
                             fetched_rows=counters["fetched_rows"], fetches=counters["fetches"],
                             resident_layers=sorted(pager.resident),
                             decisions=residency.decisions[-5:] if residency else [])
