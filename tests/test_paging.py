@@ -351,6 +351,39 @@ def test_a_tier_of_every_base_row_pages_without_base_copies(device, tier, fetch,
     stack.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["store", "fixed"])
+def test_the_tier_takes_its_memory_as_the_layers_give_theirs_back(device, tier, tmp_path, monkeypatch):
+    """Built all at once, the Qwen3-30B-A3B shape's fixed-rate codes (28 GiB) did not fit beside its resident
+    experts (38 GiB) on an 80 GB H100: each layer's codes are made just before it pages out, and what it gave back
+    goes to the driver (make_room) before the next layer's are made; a Huffman store goes to the device (CUDA)
+    once every layer has paged out. A resident layer gives nothing back."""
+    from esftctl.formats.store import ExpertStore
+
+    weights, events = make_weights(29), []
+
+    def spy(cls, name, event):
+        original = getattr(cls, name)
+
+        def logged(self, *args, **kwargs):
+            events.append(event(args))
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, logged)
+    spy(FixedTier, "encode", lambda a: ("encode", a[0]))
+    spy(VirtualMoELayer, "page_out", lambda a: "out")
+    spy(ExpertStore, "to_device", lambda a: "upload")
+    store = expert_store(weights, tmp_path / "store") if tier == "store" else "fixed"
+    stack = Stack(weights, device, window=2, store=store, resident=(1,), make_room=lambda: events.append("room"))
+    gives_back = [[] if l == 1 else ["out", "room"] for l in range(LAYERS)]
+    if tier == "fixed":
+        assert events == [e for l in range(LAYERS) for e in [("encode", l), *gives_back[l]]]
+    else:
+        assert events == [e for g in gives_back for e in g] + (["upload"] if device == "cuda" else [])
+    x = tokens(6, 30)
+    assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    stack.close()
+
+
 def test_planner_shrinks_grows_and_holds_in_the_dead_zone():
     planner = ResidencyPlanner(num_layers=26, max_resident=4, resident=2)
     assert planner.update(compute_ms=5.0, load_ms=2.0) == 1  # rho 2.5: compute hides loads, give memory back

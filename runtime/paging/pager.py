@@ -45,11 +45,18 @@ ALONE_PROGRAMS = 64  # before this layer's kernel, nothing to share the SMs with
 class PagedExperts:
     def __init__(self, layers: Mapping[int, object], *, window: int, make_space: Callable[[int], AddressSpace],
                  top_k: int, order: Sequence[int] | None = None, store: StoreTier | FixedTier | None = None,
-                 fetch: str = "auto", resident: Sequence[int] = ()):
+                 fetch: str = "auto", resident: Sequence[int] = (), make_room: Callable[[], None] = lambda: None):
         """`layers`: index -> VirtualMoELayer with host copies (keep_host_copy); `order`: the forward's order of
         the layers (default: by index); `make_space` reserves ranges for the window's blocks; `top_k`: experts
         per token (for `auto`); `resident` layers keep memory of their own; `store` the compressed GPU tier (a
-        FixedTier encodes every layer's base rows here, before any is paged out)."""
+        FixedTier encodes each layer's base rows here, just before the layer pages out); `make_room` hands what
+        a layer paged out gave back to the driver (the page pool's trim), for the tier's memory to take.
+
+        The tier takes its memory as the layers give theirs back, so that a card that held the resident model
+        holds the paged one with its tier (built all at once, the Qwen3-30B-A3B shape's 28 GiB of fixed-rate
+        codes did not fit beside its 38 GiB of resident experts on an 80 GB H100): fixed-rate codes are made one
+        layer at a time, each before its layer pages out; a Huffman store goes to the device once every layer
+        has."""
         if window < 1:
             raise EsftError("the paging window needs at least one block")
         if fetch not in FETCH_MODES:
@@ -61,16 +68,24 @@ class PagedExperts:
         self.cuda = self.device.type == "cuda"
         self.window = Window(self.layers, self.order, window, make_space)
         decode_stream = torch.cuda.Stream(self.device) if self.cuda and store is not None else None
-        self.tiers = {i: LayerTiers(i, layer, store=store, decode_stream=decode_stream)
-                      for i, layer in self.layers.items()}
         self.store = store
         self.resident: set[int] = set(resident)  # they keep their own pages from the start: never paged out first
+        self.tiers: dict[int, LayerTiers] = {}
+        encodes = isinstance(store, FixedTier)
         for i in self.order:
+            if encodes:
+                self.tiers[i] = LayerTiers(i, self.layers[i], store=store, decode_stream=decode_stream)
+            if i not in self.resident:
+                if encodes and self.cuda:
+                    torch.cuda.synchronize(self.device)  # the encoder's kernels read the rows unmapped now
+                self.window.page_out(i)
+                make_room()
+            self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
+        for i in self.order:
+            if i not in self.tiers:
+                self.tiers[i] = LayerTiers(i, self.layers[i], store=store, decode_stream=decode_stream)
             if i in self.resident:
                 self.tiers[i].set_active(False)
-            else:
-                self.window.page_out(i)
-            self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._counted: tuple[torch.Tensor, object] | None = None  # counters copied to the host, and their event
         self._last_counted = [0, 0]

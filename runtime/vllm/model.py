@@ -190,8 +190,10 @@ class EsftModel:
         self.slots = AdapterSlots(self.layers, budget=adapter_budget)
         self.pager, self.residency = None, None
         if paging_window:
-            tier = self._store_tier(base, paging_store) if paging_store is not None else \
-                self._fixed_tier() if fixed_tier else None
+            if self.pool is not None:
+                torch.cuda.empty_cache()  # vLLM's own tensors of the base experts, replaced by the virtual ones
+            tier = self._store_tier(base, paging_store, paging_window) if paging_store is not None else \
+                self._fixed_tier(paging_window) if fixed_tier else None
             self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
             if adaptive:
                 self.residency = AdaptiveResidency(self.pager,
@@ -255,14 +257,21 @@ class EsftModel:
         # fetch: its machinery alone against resident serving (`esftctl bench paging --serve`'s machinery regime).
         every = list(self.layers) if window >= len(self.layers) else ()
         pager = PagedExperts(self.layers, window=window, make_space=self._make_space, top_k=first.top_k,
-                             store=tier, fetch=fetch, resident=every)
+                             store=tier, fetch=fetch, resident=every,
+                             make_room=self.pool.trim if self.pool is not None else lambda: None)
         if tier is not None:
             pager.set_store_rows(store_experts if store_experts is not None else self._measured_split(pager))
         for index, engine in engine_layers.items():
             engine.experts.esft_paging = (pager, index)
         return pager
 
-    def _store_tier(self, base: MoECheckpoint, store: ExpertStore) -> StoreTier:
+    def _free_once_paged(self, window: int) -> int:
+        """GPU memory free once the paged layers gave their experts back (the window's blocks keep as many
+        layers' rows): the compressed tier's room, since the pager builds it as the layers page out."""
+        held = sorted((layer.held_bytes() for layer in self.layers.values()), reverse=True)
+        return torch.cuda.mem_get_info(self.device)[0] + sum(held[window:])
+
+    def _store_tier(self, base: MoECheckpoint, store: ExpertStore, window: int) -> StoreTier:
         """The store's decoder for base experts, if the engine keeps experts in the checkpoint's layout (the
         decoder writes that layout straight into the rows; an engine that repacks experts cannot use it)."""
         index, layer = next(iter(self.layers.items()))
@@ -277,26 +286,26 @@ class EsftModel:
             raise EsftError(f"the store lacks {len(missing)} expert tensors of this base (e.g. {missing[0]!r}); make "
                             "it with `esftctl compress BASE`", store.path)
         if self.device.type == "cuda":  # the compressed tier lives on the GPU, taken before vLLM sizes its KV cache
-            need, free = int(store.header["data_bytes"]), torch.cuda.mem_get_info(self.device)[0]
+            need, free = int(store.header["data_bytes"]), self._free_once_paged(window)
             if need > free:
                 raise EsftError(f"the compressed tier needs {format_bytes(need)} of GPU memory and "
-                                f"{format_bytes(free)} are free after loading the model; page from host memory only "
-                                "(no --paging-store)", store.path)
+                                f"{format_bytes(free)} are free once the model's experts are paged; page from host "
+                                "memory only (no --paging-store)", store.path)
         return StoreTier(store, {i: [base.expert_tensor_names(i, e) for e in range(l.num_experts)]
                                  for i, l in self.layers.items()})
 
-    def _fixed_tier(self) -> FixedTier:
+    def _fixed_tier(self, window: int) -> FixedTier:
         """The fixed-rate tier, once its codes fit: about 0.752 of the base experts' bf16 bytes, plus the encoder's
         temporaries (ENCODE_ROWS_AT_ONCE w13 rows at ENCODE_BYTES_PER_VALUE, freed after)."""
         if self.device.type == "cuda":
             layer = next(iter(self.layers.values()))
             need = int(0.76 * layer.num_experts * layer.expert_bytes * len(self.layers))
             need += ENCODE_BYTES_PER_VALUE * ENCODE_ROWS_AT_ONCE * layer.expert_bytes // 3  # a w13 row: 2/3 of 2 B
-            free = torch.cuda.mem_get_info(self.device)[0]
+            free = self._free_once_paged(window)
             if need > free:
                 raise EsftError(f"the fixed-rate tier needs about {format_bytes(need)} of GPU memory and "
-                                f"{format_bytes(free)} are free after loading the model; page from host memory only "
-                                "(no --paging-codec)")
+                                f"{format_bytes(free)} are free once the model's experts are paged; page from host "
+                                "memory only (no --paging-codec)")
         return FixedTier()
 
     def _measured_split(self, pager: PagedExperts) -> int:
