@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 28 item 4 on the device machine: `esftctl bench paging --serve` (esftctl.bench.serve_paging) in slices that
 # each fit one call, after ../shared/gpu/README.md's install put vLLM's CUDA build in /tmp/site.
-# Slices already in benchmarks/paging-e2e/slices (committed from earlier sessions) are copied in and skipped; the
-# slices run now (slices-MODEL.tgz: `tar -xzf slices-MODEL.tgz -C benchmarks/paging-e2e/`), the merged report
-# (paging_serve.json, .png) and the servers' logs go to $OUT; commit the slices so that the next session resumes.
+# Slices already in benchmarks/paging-e2e/slices (committed from earlier sessions, H200; PE2E_SLICES names another
+# folder: slices-h100 on an H100) are copied in and skipped; the slices run now (slices-MODEL.tgz: `tar -xzf
+# slices-MODEL.tgz -C benchmarks/paging-e2e/`), the merged report (paging_serve.json, .png) and the servers' logs go
+# to $OUT; commit the slices so that the next session resumes.
 # The generated base goes to /dev/shm (host memory, 125 GB: DeepSeek-V2-Lite 31 GB, the Qwen3-30B-A3B-shaped 32
 # layers 41 GB; the host tier pins 29 / 39 GB more); the disk (64 GB) takes its Huffman store (20 / 26 GB: with it
 # in /dev/shm too the machinery-store server died at start-up), the adapters (4 DeepSeek-sized, 7 GB) and vLLM's
@@ -21,7 +22,8 @@ export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_
 out=/tmp/pe2e/out work=/dev/shm/pe2e-$model
 mkdir -p "$out" /tmp/pe2e/scratch
 for other in /dev/shm/pe2e-*; do [ -e "$other" ] && [ "$other" != "$work" ] && rm -rf "$other" /tmp/pe2e/scratch/*; done
-[ -d benchmarks/paging-e2e/slices ] && cp -rn benchmarks/paging-e2e/slices "$out/"
+slices=${PE2E_SLICES:-benchmarks/paging-e2e/slices}  # rounds of one kind of card: slices/ H200, slices-h100/ H100
+[ -d "$slices" ] && mkdir -p "$out/slices" && cp -rn "$slices/." "$out/slices/"
 df -B1G / /dev/shm | tail -2; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m esftctl.cli bench paging --serve --model "$model" --work "$work" --scratch /tmp/pe2e/scratch --out "$out" "$@"
 rc=$?
