@@ -7,9 +7,9 @@
 #   2. the Qwen3-30B-A3B shape's memory-bound regime with both compressed tiers, refused at start-up on an H100
 #      before that fix (H200: the Huffman tier only, vLLM and fixed-rate have 2 rounds in slices/; H100: fixed-rate
 #      and Huffman against the H100 vLLM round in slices-h100/); about 15 minutes;
-#   3. the fused fixed-rate expert GEMM's second version (its patch applied in a copy of the tree: a device call
-#      copies the working tree again and took a patch's new files away mid-run, 2026-11-26 fourth session): its
-#      tests and bench, about 3 minutes.
+#   3. the fused fixed-rate expert GEMM's second version (its patch applied in a copy of the tree, installed from
+#      there: a device call copies the working tree again and took a patch's new files away mid-run, 2026-11-26
+#      fourth session): its tests and bench, about 3 minutes.
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, and it may be taken back mid-run, so each wait copies what is written so far:
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
@@ -38,7 +38,8 @@ fi
 PE2E_SLICES=$slices bash benchmarks/scripts/paging_e2e_gpu.sh qwen3-30b-a3b --regimes memory-bound \
   --servers $servers --budget 840 > $OUT/pe2e-qwen3.log 2>&1; pack
 rm -rf /tmp/fused && cp -r . /tmp/fused
-(cd /tmp/fused && git apply benchmarks/2026-11-26-h200-c/fused-moe.patch && export PYTHONPATH=/tmp/site:$PWD &&
+(cd /tmp/fused && git apply benchmarks/2026-11-26-h200-c/fused-moe.patch &&  # esftctl from the copy now (last)
+ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/fused_install.log 2>&1 &&
  timeout 180 python3 -m pytest -q tests/test_fixed_rate_moe.py > $OUT/fixed_rate_moe_tests.log 2>&1;
  timeout 300 python3 benchmarks/scripts/fixed_rate_moe_bench.py > $OUT/fixed_rate_moe_bench.log 2>&1); pack
 echo all done
