@@ -371,7 +371,7 @@ def test_the_tier_takes_its_memory_as_the_layers_give_theirs_back(device, tier, 
         monkeypatch.setattr(cls, name, logged)
     spy(FixedTier, "encode", lambda a: ("encode", a[0]))
     spy(VirtualMoELayer, "page_out", lambda a: "out")
-    spy(ExpertStore, "to_device", lambda a: "upload")
+    spy(ExpertStore, "_data_on", lambda a: "upload")  # store.bin to the device (to_device keeps it after)
     store = expert_store(weights, tmp_path / "store") if tier == "store" else "fixed"
     stack = Stack(weights, device, window=2, store=store, resident=(1,), make_room=lambda: events.append("room"))
     gives_back = [[] if l == 1 else ["out", "room"] for l in range(LAYERS)]
