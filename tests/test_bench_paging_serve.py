@@ -102,12 +102,12 @@ def test_each_server_gets_its_paging_settings(small_qwen3, tmp_path):
         plan(small_qwen3, [], paging_window=layers, paging_adaptive=True)
 
 
-def _slice(tmp_path, server, rnd, tok_s, *, regime="spare", point="batch 32", kv=1000, tiers=None):
+def _slice(tmp_path, server, rnd, tok_s, *, regime="spare", point="batch 32", kv=1000, tiers=None, device="H100"):
     path = sp.Slice(regime, server, rnd).path(tmp_path, "m")
     path.parent.mkdir(parents=True, exist_ok=True)
     metrics = {"output_throughput": tok_s, "median_ttft_ms": 10.0 * rnd, "p99_ttft_ms": 20.0, "median_tpot_ms": 5.0,
                "p99_tpot_ms": 9.0}
-    path.write_text(json.dumps({"model": "m", "regime": regime, "server": server, "round": rnd, "device": "H100",
+    path.write_text(json.dumps({"model": "m", "regime": regime, "server": server, "round": rnd, "device": device,
                                 "kv_cache_tokens": kv, "tiers": tiers or {}, "wall_s": 100,
                                 "points": {point: {**metrics, "preemptions": rnd, "fetch": {}}}}))
 
@@ -130,6 +130,16 @@ def test_report_merges_slices_into_medians_ratios_and_targets(tmp_path):
     sp.tables(result)
     sp.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_report_sets_no_ratio_across_cards(tmp_path):
+    _slice(tmp_path, "vllm", 0, 100, device="H200")
+    _slice(tmp_path, "resident", 0, 200, device="H100")
+    _slice(tmp_path, "host", 0, 150, device="H100")
+    _slice(tmp_path, "host", 1, 150, device="H200")
+    rows = {r["server"]: r for r in sp.report(tmp_path)["rows"]}
+    assert rows["resident"]["vs_vllm"] is None and rows["resident"]["device"] == ["H100"]
+    assert rows["host"]["vs_resident"] is None and rows["host"]["device"] == ["H100", "H200"]
 
 
 def test_what_is_read_from_vllm():

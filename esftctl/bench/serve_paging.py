@@ -383,7 +383,8 @@ def load_slices(out: Path) -> list[dict]:
 def report(out: Path) -> dict:
     """Every slice under OUT merged: per (model, regime, server, point) the median over rounds of each metric with
     its range, the KV tokens, preemptions, tiers and fetches; ratios of output tok/s to plain vLLM and to esftctl
-    resident of the same point; and the targets, met or not."""
+    resident of the same point (where both ran on the same cards: none across an H100 and an H200); and the
+    targets, met or not."""
     groups: dict[tuple, list[dict]] = {}
     for s in load_slices(out):
         for name, pt in s["points"].items():
@@ -403,8 +404,8 @@ def report(out: Path) -> dict:
     index = {(r["model"], r["regime"], r["server"], r["point"]): r for r in rows}
     for r in rows:
         for anchor in ("vllm", "resident"):
-            a = index.get((r["model"], r["regime"], anchor, r["point"]))
-            ok = a and a["output_throughput"] and r["output_throughput"] is not None
+            a = index.get((r["model"], r["regime"], anchor, r["point"]))  # a ratio only between rounds of one card
+            ok = a and a["device"] == r["device"] and a["output_throughput"] and r["output_throughput"] is not None
             r[f"vs_{anchor}"] = r["output_throughput"] / a["output_throughput"] if ok else None
     targets = []
     for key, (point, anchor, least) in TARGETS.items():
