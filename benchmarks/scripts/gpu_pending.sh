@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU work that awaits (rewritten 2026-11-26, fourth session). One machine's worth (about 22 minutes held),
-# carried with .world (the serving test needs it):
-#   1. the tier-memory fix (0aca4cd: the compressed tier built as the layers page out) on CUDA: the paging, fixed
-#      tier, store and engine tests (-k cuda), and test_fixed_rate_tier_served_exactly[qwen3_moe] with CUDA graphs,
-#      which failed twice in plain vLLM's memory profiler before the reference freed its engines; about 3 minutes;
-#   2. the Qwen3-30B-A3B shape's memory-bound regime with both compressed tiers, refused at start-up on an H100
-#      before that fix (H200: the Huffman tier only, vLLM and fixed-rate have 2 rounds in slices/; H100: fixed-rate
-#      and Huffman against the H100 vLLM round in slices-h100/); about 15 minutes;
-#   3. the fused fixed-rate expert GEMM's second version (its patch applied in a copy of the tree, installed from
-#      there: a device call copies the working tree again and took a patch's new files away mid-run, 2026-11-26
-#      fourth session): its tests and bench, about 3 minutes.
+# The GPU work that awaits (rewritten 2026-11-26, fourth session, for the next one). A plain call gets an H100 now,
+# counting half or two thirds of its held time: about two machines a session of about 22 minutes' work each. This
+# is the first, carried with .world (the serving tests need it):
+#   1. issue 28's serving exactness with CUDA graphs on both sides after 0aca4cd changed the pager's start-up order
+#      (the tier built as the layers page out): every paged mode at once on DeepSeek-V2 and Qwen2-MoE, the
+#      fixed-rate tier on DeepSeek-V2 and Qwen3-MoE, the Huffman store tier; and the start-up order test's CUDA
+#      cases (its store case's spy changed after its last GPU run); about 13 minutes;
+#   2. the fused mark-and-fetch launch (issue 28, the machinery's last percent at batch 1; off unless
+#      ESFTCTL_FUSED_FETCH=1), its patch applied in a copy of the tree installed from there (a device call copies
+#      the working tree again and takes a patch's new files away mid-run): its tests and the micro-measure
+#      (inactive_26_layers_*_us_per_layer in row_fetch.log); about 3 minutes.
+# The second machine: issue 29's protocol grid (benchmarks/serve-bench/README.md, `--budget` what is left), or
+# DeepSeek-V2-Lite's regimes in slices-h100/ (benchmarks/paging-e2e/README.md).
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, and it may be taken back mid-run, so each wait copies what is written so far:
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
@@ -17,29 +19,17 @@
 # Never set OUT in the calling command: the wait copies into the call's own $OUT.
 # background.sh joins its arguments into one shell line: pass a compound command as one quoted argument, not
 # through `bash -c '...'` (which then runs an empty bash).
-# Still waiting after this, for later machines (each about 12 minutes, steps in the 2026-11-26 second session's
-# version of this file: `git show 7de328d:benchmarks/scripts/gpu_pending.sh`): the fused mark-and-fetch launch
-# (benchmarks/2026-11-26-h200-b/fused-fetch.patch), DeepSeek-V2-Lite's spare regime with the adaptive server, and
-# issue 29's protocol grid (benchmarks/serve-bench/README.md).
-# Needs ../shared/gpu/README.md's install. Then untar bgout.tgz's pe2e/out/slices into benchmarks/paging-e2e/ (or
-# slices-h100/: its README) and commit.
+# Needs ../shared/gpu/README.md's install.
 set -u
 export OUT=/tmp/bgout PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 mkdir -p $OUT
-pack() { (cd /tmp && tar -czf /tmp/bgout.tgz bgout $(ls -d pe2e/out/slices 2>/dev/null)) 2>/dev/null; }
-bash benchmarks/scripts/gpu_tests.sh tiers tests/test_paging.py tests/test_paging_fixed.py tests/test_store_cuda.py \
-  tests/test_vllm_model.py -k cuda; pack
-bash benchmarks/scripts/gpu_tests.sh q3graphs tests/test_serve.py -k "fixed_rate_tier_served_exactly and qwen3"; pack
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  servers=compressed slices=benchmarks/paging-e2e/slices
-else
-  servers=fixed,compressed slices=benchmarks/paging-e2e/slices-h100
-fi
-PE2E_SLICES=$slices bash benchmarks/scripts/paging_e2e_gpu.sh qwen3-30b-a3b --regimes memory-bound \
-  --servers $servers --budget 840 > $OUT/pe2e-qwen3.log 2>&1; pack
-rm -rf /tmp/fused && cp -r . /tmp/fused
-(cd /tmp/fused && git apply benchmarks/2026-11-26-h200-c/fused-moe.patch &&  # esftctl from the copy now (last)
- python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/fused_install.log 2>&1 &&
- timeout 180 python3 -m pytest -q tests/test_fixed_rate_moe.py > $OUT/fixed_rate_moe_tests.log 2>&1;
- timeout 300 python3 benchmarks/scripts/fixed_rate_moe_bench.py > $OUT/fixed_rate_moe_bench.log 2>&1); pack
+pack() { (cd /tmp && tar -czf /tmp/bgout.tgz bgout) 2>/dev/null; }
+bash benchmarks/scripts/gpu_tests.sh order tests/test_paging.py -k "give_theirs and cuda"; pack
+bash benchmarks/scripts/gpu_tests.sh paged_graphs tests/test_serve.py -k "paging_with_cuda_graphs or \
+fixed_rate_tier_served_exactly or store_tier_served_exactly"; pack
+rm -rf /tmp/fetch && cp -r . /tmp/fetch
+(cd /tmp/fetch && git apply benchmarks/2026-11-26-h200-b/fused-fetch.patch &&  # esftctl from the copy now (last)
+ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/fetch_install.log 2>&1 &&
+ bash benchmarks/scripts/gpu_tests.sh fused_fetch tests/test_row_fetch.py tests/test_paging.py;
+ timeout 300 python3 benchmarks/scripts/row_fetch_bench.py > $OUT/row_fetch.log 2>&1); pack
 echo all done
