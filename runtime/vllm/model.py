@@ -218,7 +218,7 @@ class EsftModel:
         aside."""
         if self.pool is None:
             return 0
-        torch.cuda.empty_cache()  # vLLM's own tensors of the base experts, replaced by the virtual ones
+        torch.cuda.empty_cache()  # vLLM's replaced expert tensors (when paging: the fixed-rate encoder's temporaries)
         layer = next(iter(self.layers.values()))
         page, n = self.pool.page_size, len(self.layers)
         adapter_experts = budget or 0
