@@ -430,7 +430,9 @@ def serve(
                                                  "tiers' speeds, measured at start)."),
     paging_adaptive: bool = typer.Option(False, help="With --paging-window: keep more layers resident while loads "
                                                      "show (compute / load < 0.9) and fewer while compute hides "
-                                                     "them (> 1), within the memory vLLM left free.", metavar=""),
+                                                     "them (> 1), within the memory vLLM left free; from the start "
+                                                     "those that fit once the KV cache has what it can use "
+                                                     "(--max-num-seqs x --max-model-len tokens).", metavar=""),
     host_cache: str = typer.Option("8GiB", help="Adapters kept in (pinned) host memory after loading, as a size: "
                                                 "loading one of them again skips reading, verifying and "
                                                 "converting it and is one copy to the GPU (0 turns it off)."),

@@ -23,7 +23,7 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.paging.pager import PagedExperts
-from esftctl.runtime.paging.planner import AdaptiveResidency, ResidencyPlanner
+from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed, ResidencyPlanner, start_resident
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -393,6 +393,23 @@ def test_planner_shrinks_grows_and_holds_in_the_dead_zone():
     for expected in (1, 2, 3, 4, 4):  # rho 0.5: loads show, keep more resident, up to the memory cap
         assert planner.update(compute_ms=1.0, load_ms=2.0) == expected
     assert [round(d["rho"], 2) for d in planner.decisions[:2]] == [2.5, 2.5]
+
+
+def test_layers_stay_resident_from_the_start_past_the_kv_caches_need():
+    """vLLM sizes its KV cache once, from its share of the card left after loading: the layers that fit beyond
+    the most KV the engine can use stay resident from the start, none where memory binds."""
+    gib = 1 << 30
+    need = KvNeed(tokens=10, bytes_per_token=2, utilization=0.5)  # share 50, need 20, margin 5
+    assert start_resident(need, free=90, total=100, layer_bytes=4, cap=10) == 3  # (50 - 10 - 20 - 5) // 4
+    assert start_resident(need, free=90, total=100, layer_bytes=4, cap=2) == 2  # the layers outside the window
+    assert start_resident(need, free=70, total=100, layer_bytes=4, cap=10) == 0  # 30 used: nothing left
+    # DeepSeek-V2-Lite on an 80 GB H100 with the Huffman tier (H100, 2026-11-26): 25 GiB used once paged,
+    # --max-num-seqs 64 x --max-model-len 4096 tokens of 31,104 bytes, 1.07 GiB a layer, 24 layers outside the
+    # window: with memory to spare all of them stay resident; on a 48 GB card's share with 256 requests, none.
+    spare = KvNeed(tokens=64 * 4096, bytes_per_token=31_104, utilization=0.9)
+    assert start_resident(spare, free=55 * gib, total=80 * gib, layer_bytes=int(1.07 * gib), cap=24) == 24
+    bound = KvNeed(tokens=256 * 4096, bytes_per_token=31_104, utilization=0.3198)
+    assert start_resident(bound, free=55 * gib, total=80 * gib, layer_bytes=int(1.07 * gib), cap=24) == 0
 
 
 def test_planner_uses_the_store_only_while_host_copies_would_show():

@@ -299,6 +299,45 @@ def test_store_tier_refuses_an_engine_layout_it_cannot_write(tiny_models, tmp_pa
                   paging_store=ExpertStore(tmp_path / "store"))
 
 
+def test_the_kv_need_is_what_the_scheduler_can_hold():
+    """max_num_seqs sequences of max_model_len tokens at vLLM's memory share; none where vLLM's KV cache has a
+    size of its own (--kv-cache-memory-bytes) or its bytes per token are unknown."""
+    from esftctl.runtime.paging.planner import KvNeed
+    from esftctl.runtime.vllm.worker import kv_need
+
+    def config(kv_cache_memory_bytes=None, mla=True):
+        text = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)
+        model = SimpleNamespace(get_num_layers=lambda parallel: 27, hf_text_config=text, use_mla=mla,
+                                dtype=torch.bfloat16, max_model_len=4096)
+        cache = SimpleNamespace(cache_dtype="auto", gpu_memory_utilization=0.9,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes)
+        return SimpleNamespace(model_config=model, parallel_config=None, cache_config=cache,
+                               scheduler_config=SimpleNamespace(max_num_seqs=64))
+
+    assert kv_need(config()) == KvNeed(tokens=64 * 4096, bytes_per_token=27 * 576 * 2, utilization=0.9)
+    assert kv_need(config(kv_cache_memory_bytes=8 << 30)) is None
+    assert kv_need(config(mla=False)) is None  # a model config without KV heads: unknown bytes per token
+
+
+@pytest.mark.gpu
+def test_adaptive_paging_starts_with_the_layers_the_kv_cache_leaves_room_for(tiny_models):
+    """A KV need that leaves the card's share free keeps every layer outside the window resident from the start;
+    one beyond the share keeps none; the tokens stay the merged model's either way."""
+    from esftctl.runtime.paging.planner import KvNeed
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {"a0": synthetic_experts(ckpt, seed=40, experts_per_layer=3, scale=4.0)}
+    total = torch.cuda.mem_get_info()[1]
+    for tokens, resident in ((1, len(ckpt.moe_layers) - 1), (total, 0)):
+        served = engine_model(ckpt, None, "cuda")
+        runtime = EsftModel(served, ckpt, num_slots=1, experts_per_slot=4, max_tokens=64, paging_window=1,
+                            adaptive=True, kv_need=KvNeed(tokens=tokens, bytes_per_token=1, utilization=0.9))
+        assert len(runtime.pager.resident) == resident
+        slots = {"a0": runtime.slots.load("a0", adapters["a0"])}
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, "cuda", seed=5)
+        runtime.pager.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("store_experts", [3, None])  # None: split by the tiers' measured speeds
 def test_fixed_rate_tier_pages_the_same_answers(tiny_models, device, store_experts):

@@ -6,12 +6,19 @@ give its memory back; below 0.9 loads show, so one more layer stays resident, up
 spare: the memory free once the engine has taken its own (vLLM allocates its KV cache at start-up, before
 any request), less a margin for activations. Resident layers are spread evenly over the stack, so the
 loads between them get the most compute to hide under. Every decision is logged and kept for the status.
+
+vLLM sizes its KV cache once, from what its memory share leaves once the model is loaded, so the layers the
+planner may keep resident are decided then (start_resident): a KV cache beyond max_num_seqs x max_model_len
+tokens holds nothing the scheduler can run, and the memory past that need goes to resident layers. Without
+that start (H100, DeepSeek-V2-Lite, memory to spare) vLLM took 48.5 GiB for 1.67M KV tokens, 2.4% of them in
+use at batch 32, the planner found nothing free, and every layer stayed paged: 0.18x of resident.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -35,6 +42,26 @@ def spare_layers(device: torch.device, layer_bytes: int, margin: float = 0.1) ->
         return 1 << 30  # host memory: the planner's cap is the number of layers
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * (1 - margin) // max(1, layer_bytes))
+
+
+@dataclass(frozen=True)
+class KvNeed:
+    """The most KV cache the engine can use (max_num_seqs x max_model_len tokens) and the share of the device
+    it fills (vLLM's gpu_memory_utilization): what start_resident leaves to the KV cache."""
+
+    tokens: int
+    bytes_per_token: int
+    utilization: float
+
+
+def start_resident(need: KvNeed, *, free: int, total: int, layer_bytes: int, cap: int,
+                   margin: float = 0.1) -> int:
+    """How many paged layers stay resident from the start: those that fit in the engine's memory share once
+    the model is loaded (`free` of `total` now) and the KV cache has its need, keeping `margin` of the share
+    for activations and CUDA graphs. None where memory binds (the need alone exceeds the share)."""
+    share = need.utilization * total
+    room = share - (total - free) - need.tokens * need.bytes_per_token - margin * share
+    return max(0, min(cap, int(room // max(1, layer_bytes))))
 
 
 class ResidencyPlanner:

@@ -31,6 +31,7 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
 
 from __future__ import annotations
 
+import logging
 import mmap
 from typing import Callable
 
@@ -46,7 +47,7 @@ from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging.pager import PagedExperts
-from esftctl.runtime.paging.planner import AdaptiveResidency
+from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed, spread, start_resident
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed, tier_split
 from esftctl.runtime.vllm.moe import (
     BIASES,
@@ -156,6 +157,8 @@ def _replace_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) ->
     delattr(module, name)
     module.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
 
+log = logging.getLogger("esftctl.paging")
+
 
 class EsftModel:
     """A vLLM model serving ESFT adapters: `slots` loads and evicts them, `set_token_adapters` routes."""
@@ -163,7 +166,7 @@ class EsftModel:
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, *, num_slots: int, experts_per_slot: int,
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
                  paging_store: ExpertStore | None = None, fixed_tier: bool = False, store_experts: int | None = None,
-                 adaptive: bool = False, paging_fetch: str = "auto",
+                 adaptive: bool = False, kv_need: KvNeed | None = None, paging_fetch: str = "auto",
                  base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
         """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
         reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
@@ -171,7 +174,8 @@ class EsftModel:
         `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `fixed_tier`
         instead encodes every layer's base experts at start-up, from the loaded weights, in a fixed-rate code kept
         on the device (esftctl.runtime.paging.tiers.FixedTier: no store); `adaptive`
-        lets the residency planner keep layers resident while loads show; `paging_fetch` how paged layers fetch
+        lets the residency planner keep layers resident while loads show, from the start those that fit beside
+        `kv_need` (the KV cache vLLM can use at most; None: none); `paging_fetch` how paged layers fetch
         (esftctl.runtime.paging.pager: auto, routed, layer); `base_rows` ({layer: {expert:
         weights}}) replaces base experts (consolidated variants: esftctl.variants) before anything is paged."""
         engine_layers = find_moe_layers(model)
@@ -196,6 +200,8 @@ class EsftModel:
                 self._fixed_tier(paging_window) if fixed_tier else None
             self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
             if adaptive:
+                if kv_need is not None and self.pool is not None:
+                    self._start_resident(kv_need)
                 self.residency = AdaptiveResidency(self.pager,
                                                    lambda: max(l.held_bytes() for l in self.layers.values()))
         self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
@@ -264,6 +270,18 @@ class EsftModel:
         for index, engine in engine_layers.items():
             engine.experts.esft_paging = (pager, index)
         return pager
+
+    def _start_resident(self, need: KvNeed) -> None:
+        """Keep resident, before vLLM sizes its KV cache, the paged layers that fit beside the KV cache's need
+        (esftctl.runtime.paging.planner.start_resident); the planner starts from them."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        order = self.pager.order
+        count = start_resident(need, free=free, total=total, cap=len(order) - self.pager.window.size,
+                               layer_bytes=max(layer.held_bytes() for layer in self.layers.values()))
+        log.info("paging planner: %d of %d layers resident from the start (the KV cache's need: %s tokens, %s)",
+                 count, len(order), f"{need.tokens:,}", format_bytes(need.tokens * need.bytes_per_token))
+        self.pager.set_resident(spread(order, count))
 
     def _free_once_paged(self, window: int) -> int:
         """GPU memory free once the paged layers gave their experts back (the window's blocks keep as many

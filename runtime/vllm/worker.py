@@ -43,6 +43,7 @@ from esftctl.runtime.engine_status import (
     check_free_slot,
 )
 from esftctl.runtime.host_cache import HostAdapterCache, stage
+from esftctl.runtime.paging.planner import KvNeed
 from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file
 from esftctl.runtime.vllm.model import EsftModel
 from esftctl.runtime.vllm.moe import check_engine
@@ -99,7 +100,7 @@ class EsftWorkerManager:
                                  paging_window=settings.paging_window, paging_store=store,
                                  fixed_tier=settings.compressed_tier == "fixed",
                                  store_experts=settings.store_experts, adaptive=settings.paging_adaptive,
-                                 paging_fetch=settings.paging_fetch,
+                                 kv_need=kv_need(self.vllm_config), paging_fetch=settings.paging_fetch,
                                  base_rows=self.variants.base_rows() if self.variants else None)
         if self.variants:
             for v in range(1, len(self.variants.names)):
@@ -346,6 +347,17 @@ class EsftWorkerManager:
         self._status_written = time.monotonic()
         if self.config.status_file:
             write_json(rank_status_file(self.config.status_file, self.rank[0]), self.status().to_json())
+
+
+def kv_need(vllm_config) -> KvNeed | None:
+    """The most KV cache this engine can use: max_num_seqs sequences of max_model_len tokens, at vLLM's memory
+    share; None where vLLM's KV cache is sized by --kv-cache-memory-bytes (then it does not take the rest) or
+    its bytes per token are unknown."""
+    per_token, cache = kv_bytes_per_token(vllm_config), vllm_config.cache_config
+    if per_token is None or getattr(cache, "kv_cache_memory_bytes", None):
+        return None
+    tokens = vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
+    return KvNeed(tokens=tokens, bytes_per_token=per_token, utilization=cache.gpu_memory_utilization)
 
 
 def kv_bytes_per_token(vllm_config) -> int | None:
