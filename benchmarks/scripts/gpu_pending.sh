@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The GPU work that awaits (2026-11-26, fifth session, its second H100): issue 28's spare regime on DeepSeek-V2-Lite
-# in slices-h100/ (the H200 had every server of it but the adaptive one; an H100 has none): esftctl resident (the
-# anchor), then adaptive (the planner between steps), then the fixed-rate tier; then the fixed-rate decoders on this
-# card (item 5: the single decoder reached 89% of the H100's bound, the row decoder 59% of the H200's).
-# About 20 minutes: the base 1.5 min, the Huffman store of the adaptive server 2-3 min, a spare slice 3-5.5 min.
+# The GPU work that awaits (written 2026-11-26, fifth session, for the next one; a plain call gets an H100, counting
+# half of its held time: two machines a session, about 22 minutes of work each). This is the first, carried with
+# .world (the serving tests need it). Issue 28's adaptive planner now starts with the layers that fit beside the KV
+# cache's need (8024a15), measured on no GPU yet:
+#   1. its GPU test, and every paged mode's serving exactness with CUDA graphs (the adaptive planner is in both
+#      servers of test_paging_with_cuda_graphs_served_exactly); about 8 minutes;
+#   2. the adaptive server in DeepSeek-V2-Lite's spare regime, rounds 0 and 1, in slices-h100/ (resident, fixed
+#      and plain vLLM have two rounds there): the base 1.5 min, its Huffman store 1 min, a slice about 3.5 min.
+# The second machine: issue 29's protocol grid (benchmarks/serve-bench/README.md, `--budget` what is left).
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, and it may be taken back mid-run, so each wait copies what is written so far:
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
@@ -14,11 +18,10 @@
 # Needs ../shared/gpu/README.md's install.
 set -u
 export OUT=/tmp/bgout PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-export PE2E_SLICES=benchmarks/paging-e2e/slices-h100
 mkdir -p $OUT
 pack() { (cd /tmp && tar -czf /tmp/bgout.tgz bgout) 2>/dev/null; }
-spare() { bash benchmarks/scripts/paging_e2e_gpu.sh deepseek-v2-lite --regimes spare --rounds 1 "$@"; }
-spare --servers resident,adaptive --budget 900 > $OUT/spare.log 2>&1; pack
-spare --servers resident,adaptive,fixed --budget 420 > $OUT/spare2.log 2>&1; pack
-timeout 200 python3 benchmarks/scripts/fixed_rate_bench.py > $OUT/decoder_h100.log 2>&1; pack
+bash benchmarks/scripts/gpu_tests.sh start tests/test_vllm_model.py -k "adaptive_paging_starts"; pack
+bash benchmarks/scripts/gpu_tests.sh paged_graphs tests/test_serve.py -k "paging_with_cuda_graphs"; pack
+PE2E_SLICES=benchmarks/paging-e2e/slices-h100 bash benchmarks/scripts/paging_e2e_gpu.sh deepseek-v2-lite \
+  --regimes spare --rounds 2 --servers vllm,resident,fixed,adaptive --budget 600 > $OUT/spare_adaptive.log 2>&1; pack
 echo all done
