@@ -58,7 +58,7 @@ def start_resident(need: KvNeed, *, free: int, total: int, layer_bytes: int, cap
                    margin: float = 0.1) -> int:
     """How many paged layers stay resident from the start: those that fit in the engine's memory share once
     the model is loaded (`free` of `total` now) and the KV cache has its need, keeping `margin` of the share
-    for activations and CUDA graphs. None where memory binds (the need alone exceeds the share)."""
+    for activations and CUDA graphs. 0 where memory binds (the need alone fills the share)."""
     share = need.utilization * total
     room = share - (total - free) - need.tokens * need.bytes_per_token - margin * share
     return max(0, min(cap, int(room // max(1, layer_bytes))))

@@ -68,6 +68,8 @@ from esftctl.runtime.vllm.moe import (
 )
 from esftctl.units import format_bytes
 
+log = logging.getLogger("esftctl.paging")
+
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
 
 
@@ -156,8 +158,6 @@ def engine_layout(engine: EngineMoELayer) -> ExpertLayout:
 def _replace_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
     delattr(module, name)
     module.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-
-log = logging.getLogger("esftctl.paging")
 
 
 class EsftModel:
