@@ -53,11 +53,12 @@ def main() -> None:
     model_dir, request_file, out_file = sys.argv[1:4]
     os.environ.update(engine_env())
     request = json.loads(Path(request_file).read_text())
-    args = (request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5), request.get("engine"))
+    engine = request.get("engine")
+    args = (request["prompts"], request.get("max_tokens", 16), request.get("logprobs", 5), engine)
     models = model_dir.split(",")
     if len(models) == 1:
         results = generate(models[0], *args)
-    elif args[3] is not None and not args[3].get("enforce_eager", True):
+    elif engine is not None and not engine.get("enforce_eager", True):  # CUDA graphs
         results = {m: _generate_apart(m, request_file, out_file) for m in models}
     else:
         results = {m: generate(m, *args) for m in models}

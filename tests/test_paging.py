@@ -23,7 +23,7 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.paging.pager import PagedExperts
-from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed, ResidencyPlanner, start_resident
+from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed, ResidencyPlanner, spread, start_resident
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -410,6 +410,19 @@ def test_layers_stay_resident_from_the_start_past_the_kv_caches_need():
     assert start_resident(spare, free=55 * gib, total=80 * gib, layer_bytes=int(1.07 * gib), cap=24) == 24
     bound = KvNeed(tokens=256 * 4096, bytes_per_token=31_104, utilization=0.3198)
     assert start_resident(bound, free=55 * gib, total=80 * gib, layer_bytes=int(1.07 * gib), cap=24) == 0
+
+
+def test_adaptive_residency_starts_with_the_layers_past_the_kv_caches_need():
+    """The serving planner's start: the layers start_resident allows become resident at once (spread over the
+    stack), the planner counts them, and the outputs stay the resident model's."""
+    weights = make_weights(13)
+    stack = Stack(weights, "cpu", window=1)
+    residency = AdaptiveResidency(stack.pager, layer_bytes=lambda: 4, spare=lambda: 0)
+    residency.start(KvNeed(tokens=10, bytes_per_token=2, utilization=0.5), free=90, total=100)  # room 15: 3 layers
+    assert sorted(stack.pager.resident) == spread(list(range(LAYERS)), 3) and residency.planner.resident == 3
+    x = tokens(4, 5)
+    assert torch.equal(stack.run(x), resident_forward(weights, x, "cpu"))
+    stack.close()
 
 
 def test_planner_uses_the_store_only_while_host_copies_would_show():

@@ -111,17 +111,30 @@ class AdaptiveResidency:
                  spare: Callable[[], int] | None = None):
         """`layer_bytes`: what one more resident layer would take now (adapters change it)."""
         self.pager, self.order, self.every = pager, list(pager.order), every
-        self.measure = measure or pager.times.take
+        self.layer_bytes, self.measure = layer_bytes, measure or pager.times.take
         pager.times.enabled = True
         self.spare = spare or (lambda: spare_layers(pager.device, layer_bytes()))
         self.planner = ResidencyPlanner(len(self.order), self._cap(), resident=len(pager.resident))
         self.steps = 0
         pager.between_steps = self.on_step
 
+    def _outside_window(self) -> int:
+        return len(self.order) - self.pager.window.size
+
     def _cap(self) -> int:
         """What may stay resident: the layers outside the window, as far as those resident now plus what fits
         in free memory now allow (memory can have been taken meanwhile)."""
-        return max(0, min(len(self.order) - self.pager.window.size, len(self.pager.resident) + self.spare()))
+        return max(0, min(self._outside_window(), len(self.pager.resident) + self.spare()))
+
+    def start(self, need: KvNeed, *, free: int, total: int) -> None:
+        """Before vLLM sizes its KV cache (`free` of `total` device bytes now): keep resident the layers that fit
+        beside the KV cache's need (start_resident); the planner goes on from them."""
+        count = start_resident(need, free=free, total=total, layer_bytes=self.layer_bytes(),
+                               cap=self._outside_window())
+        log.info("paging planner: %d of %d layers resident from the start (the KV cache's need: %s tokens)",
+                 count, len(self.order), f"{need.tokens:,}")
+        self.pager.set_resident(spread(self.order, count))
+        self.planner.resident = count
 
     def on_step(self) -> None:
         self.steps += 1

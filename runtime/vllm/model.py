@@ -31,7 +31,6 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
 
 from __future__ import annotations
 
-import logging
 import mmap
 from typing import Callable
 
@@ -47,7 +46,7 @@ from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_experts
 from esftctl.runtime.paging.pager import PagedExperts
-from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed, spread, start_resident
+from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed, tier_split
 from esftctl.runtime.vllm.moe import (
     BIASES,
@@ -67,8 +66,6 @@ from esftctl.runtime.vllm.moe import (
     widen_to_rows,
 )
 from esftctl.units import format_bytes
-
-log = logging.getLogger("esftctl.paging")
 
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
 
@@ -200,10 +197,12 @@ class EsftModel:
                 self._fixed_tier(paging_window) if fixed_tier else None
             self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
             if adaptive:
-                if kv_need is not None and self.pool is not None:
-                    self._start_resident(kv_need)
                 self.residency = AdaptiveResidency(self.pager,
                                                    lambda: max(l.held_bytes() for l in self.layers.values()))
+                if kv_need is not None and self.pool is not None:
+                    torch.cuda.empty_cache()
+                    free, total = torch.cuda.mem_get_info(self.device)
+                    self.residency.start(kv_need, free=free, total=total)
         self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
 
     @property
@@ -270,18 +269,6 @@ class EsftModel:
         for index, engine in engine_layers.items():
             engine.experts.esft_paging = (pager, index)
         return pager
-
-    def _start_resident(self, need: KvNeed) -> None:
-        """Keep resident, before vLLM sizes its KV cache, the paged layers that fit beside the KV cache's need
-        (esftctl.runtime.paging.planner.start_resident); the planner starts from them."""
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        order = self.pager.order
-        count = start_resident(need, free=free, total=total, cap=len(order) - self.pager.window.size,
-                               layer_bytes=max(layer.held_bytes() for layer in self.layers.values()))
-        log.info("paging planner: %d of %d layers resident from the start (the KV cache's need: %s tokens, %s)",
-                 count, len(order), f"{need.tokens:,}", format_bytes(need.tokens * need.bytes_per_token))
-        self.pager.set_resident(spread(order, count))
 
     def _free_once_paged(self, window: int) -> int:
         """GPU memory free once the paged layers gave their experts back (the window's blocks keep as many
