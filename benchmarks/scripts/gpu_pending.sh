@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# The GPU work that awaits (written 2026-11-26, fifth session, for the next one; a plain call gets an H100, counting
-# half of its held time: two machines a session, about 22 minutes of work each). This is the first, carried with
-# .world (the serving tests need it). Issue 28's adaptive planner now starts with the layers that fit beside the KV
-# cache's need (8024a15), measured on no GPU yet:
-#   1. its GPU test, and every paged mode's serving exactness with CUDA graphs (the adaptive planner is in both
-#      servers of test_paging_with_cuda_graphs_served_exactly); about 8 minutes;
-#   2. the adaptive server in DeepSeek-V2-Lite's spare regime, rounds 0 and 1, in slices-h100/ (resident, fixed
-#      and plain vLLM have two rounds there): the base 1.5 min, its Huffman store 1 min, a slice about 3.5 min.
-# The second machine: issue 29's protocol grid (benchmarks/serve-bench/README.md, `--budget` what is left).
+# The GPU work that awaits (written 2026-11-26, sixth session, for its second machine; a plain call gets an H100,
+# counting half of its held time). Issue 28: the memory-bound regime's `+adapters` server (4 adapters loaded, the
+# requests spread over them), never run, on the Qwen3-30B-A3B shape where the H100 has plain vLLM (1 round) and the
+# fixed-rate tier (2): plain vLLM's round 1 and the fixed-rate tier with adapters, rounds 0 and 1 (generating the base
+# 2-3 min, a slice 4-6 min). Then issue 29's protocol grid (benchmarks/serve-bench/README.md) with what is left.
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, and it may be taken back mid-run, so each wait copies what is written so far:
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
@@ -20,8 +16,13 @@ set -u
 export OUT=/tmp/bgout PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 mkdir -p $OUT
 pack() { (cd /tmp && tar -czf /tmp/bgout.tgz bgout) 2>/dev/null; }
-bash benchmarks/scripts/gpu_tests.sh start tests/test_vllm_model.py -k "adaptive_paging_starts"; pack
-bash benchmarks/scripts/gpu_tests.sh paged_graphs tests/test_serve.py -k "paging_with_cuda_graphs"; pack
-PE2E_SLICES=benchmarks/paging-e2e/slices-h100 bash benchmarks/scripts/paging_e2e_gpu.sh deepseek-v2-lite \
-  --regimes spare --rounds 2 --servers vllm,resident,fixed,adaptive --budget 600 > $OUT/spare_adaptive.log 2>&1; pack
+PE2E_SLICES=benchmarks/paging-e2e/slices-h100 bash benchmarks/scripts/paging_e2e_gpu.sh qwen3-30b-a3b \
+  --regimes memory-bound --rounds 2 --servers vllm,fixed+adapters --budget 900 > $OUT/memory_bound.log 2>&1; pack
+left=$((1380 - SECONDS))  # seconds this machine has left for issue 29's grid
+echo "issue 29 budget: $left s" >> $OUT/memory_bound.log
+if [ "$left" -ge 600 ]; then
+  bash benchmarks/scripts/serve_bench_gpu.sh --budget "$left" --adapter-shape deepseek --adapters 0,1,5,10,20 \
+    --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers base,merged,esftctl,lora > $OUT/serve.log 2>&1
+fi
+pack
 echo all done
