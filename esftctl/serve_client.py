@@ -134,7 +134,9 @@ def _memory_table(s: EngineStatus) -> Table:
         p = s.paging
         memory.add_row(f"experts on the device now (paging window {s.paging_window}, fetch {p.fetch})",
                        format_bytes(s.expert_device_bytes))
-        memory.add_row("  the window's blocks", format_bytes(p.window_bytes))
+        parked = f" ({len(p.parked_layers)} layers alone in theirs: parked, fetching nothing)" \
+            if p.parked_layers else ""
+        memory.add_row(f"  the window's blocks{parked}", format_bytes(p.window_bytes))
         memory.add_row(f"  {len(p.resident_layers)} layers kept resident", format_bytes(p.resident_bytes))
         codec = {"huffman": "Huffman store, ", "fixed": "fixed-rate, "}.get(p.store_codec, "")
         memory.add_row(f"  compressed tier on the GPU ({codec}{p.store_experts} base experts per layer)",

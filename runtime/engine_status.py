@@ -58,6 +58,7 @@ class PagingStatus:
     fetched_rows: int  # rows fetched, summed over every fetch since the start
     fetches: int  # fetches of paged layers since the start (one per layer and step)
     resident_layers: list[int]
+    parked_layers: list[int] = field(default_factory=list)  # paged layers alone in their block: filled once, no fetches
     decisions: list[dict]  # the residency planner's last decisions
 
 

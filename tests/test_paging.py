@@ -23,7 +23,14 @@ from esftctl.kernels.reroute import reroute
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.paging.pager import PagedExperts
-from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed, ResidencyPlanner, spread, start_resident
+from esftctl.runtime.paging.planner import (
+    AdaptiveResidency,
+    KvNeed,
+    ResidencyPlanner,
+    resident_choice,
+    spread,
+    start_resident,
+)
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -143,8 +150,11 @@ def test_paging_equals_resident(device, fetch, window, resident, store_rows, tmp
         x = tokens(n, seed)
         assert torch.equal(stack.run(x), resident_forward(weights, x, device)), (n, seed)
     counters = stack.pager.counters()
-    paged = LAYERS - len(resident)
-    assert counters["fetches"] >= 3 * paged  # every paged layer fetched in every step (layer mode: ahead)
+    # A block shared by several paged layers makes them fetch every step (layer mode: ahead); a paged layer alone in
+    # its block is parked there (window 3 with layers 0 and 4 resident: layers 1 and 3 each have a block).
+    assert stack.pager.parked == ({1, 3} if window == 3 else set())
+    paged = LAYERS - len(resident) - len(stack.pager.parked)
+    assert counters["fetches"] >= 3 * paged
     assert counters["fetched_rows"] <= counters["fetches"] * E
     if fetch == "routed":  # the rows tokens route to, never more
         assert counters["fetched_rows"] < counters["fetches"] * E
@@ -207,6 +217,37 @@ def test_adapters_loaded_while_paged_out_are_served_and_unloaded(device, fetch):
     for l in adapter:
         rows = stack.layers[l].detach(1)
         stack.layers[l].release_rows(rows)
+    assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    stack.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_alone_in_its_block_is_parked_there_until_another_shares_it(device):
+    """The adaptive planner with memory to spare pages only the window's layers: each alone in its block keeps its
+    rows there from step to step (no fetches), adapters loaded meanwhile included, and fetches again once the
+    planner pages out a layer of the same block."""
+    weights = make_weights(12)
+    stack = Stack(weights, device, window=2, slots=2, per_slot=3, resident=(0, 1, 2, 3))
+    assert stack.pager.parked == {4, 5}  # positions 4 and 5: blocks 0 and 1, each its only paged layer
+    x, use = tokens(6, 13), torch.tensor([k % 2 == 0 for k in range(6)])
+    assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    assert stack.pager.counters()["fetches"] == 0
+    g = torch.Generator().manual_seed(14)
+    adapter = {4: {e: ((torch.randn(2 * I, H, generator=g) * 0.1).to(torch.bfloat16),
+                       (torch.randn(H, I, generator=g) * 0.1).to(torch.bfloat16)) for e in (1, 4, 6)}}
+    stack.layers[4].load(1, {e: ExpertWeights(w13[:I], w13[I:], w2) for e, (w13, w2) in adapter[4].items()})
+    stack.token_slots = torch.where(use, 1, -1).to(torch.int32).to(stack.device)
+    want = resident_forward(weights, x, device, adapter, use)
+    assert not torch.equal(want, resident_forward(weights, x, device))  # the adapter changes answers
+    assert torch.equal(stack.run(x), want)  # the parked layer's new rows were copied into its block
+    stack.pager.set_resident((0, 1))  # layers 2 and 4 share block 0, 3 and 5 block 1: all four fetch
+    assert stack.pager.parked == set()
+    assert torch.equal(stack.run(x), want) and stack.pager.counters()["fetches"] >= 4
+    stack.pager.set_resident((0, 1, 2, 3))
+    assert stack.pager.parked == {4, 5}
+    before = stack.pager.counters()["fetches"]
+    assert torch.equal(stack.run(x), want) and stack.pager.counters()["fetches"] == before
+    stack.layers[4].release_rows(stack.layers[4].detach(1))
     assert torch.equal(stack.run(x), resident_forward(weights, x, device))
     stack.close()
 
@@ -280,8 +321,9 @@ def replays_follow_changes(stack, weights) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = stack.forward(static)
-    splits = (0, E, 3, 0) if all(l.base_copies for l in stack.layers.values()) else (E,) * 4
-    for step, (resident, store_rows) in enumerate(zip([(2,), (), (0, 1, 4), (5,)], splits)):
+    splits = (0, E, 3, 0, 3) if all(l.base_copies for l in stack.layers.values()) else (E,) * 5
+    # The last residency leaves layers 4 and 5 paged, one a block: parked, their captured fetches idle.
+    for step, (resident, store_rows) in enumerate(zip([(2,), (), (0, 1, 4), (5,), (0, 1, 2, 3)], splits)):
         stack.pager.set_resident(resident)
         stack.pager.set_store_rows(store_rows)
         x = tokens(4, 40 + step)
@@ -425,6 +467,23 @@ def test_adaptive_residency_starts_with_the_layers_past_the_kv_caches_need():
     stack.close()
 
 
+def test_with_memory_to_spare_the_window_keeps_its_layers_parked():
+    """Every layer outside the window resident (memory to spare): the paged ones are the last, one a block, parked
+    there; spread evenly they would share blocks and fetch every step (layers 1 and 3 of 0-3 in 2 blocks)."""
+    assert resident_choice(list(range(4)), 2, window=2) == [0, 1] != spread(list(range(4)), 2)
+    assert resident_choice(list(range(6)), 3, window=2) == spread(list(range(6)), 3)  # 3 paged > 2 blocks: spread
+    assert resident_choice(list(range(6)), 0, window=2) == []
+    weights = make_weights(15)
+    stack = Stack(weights, "cpu", window=2)
+    residency = AdaptiveResidency(stack.pager, layer_bytes=lambda: 1, spare=lambda: 0)
+    residency.start(KvNeed(tokens=1, bytes_per_token=1, utilization=1.0), free=100, total=100)
+    assert sorted(stack.pager.resident) == [0, 1, 2, 3] and stack.pager.parked == {4, 5}
+    x = tokens(4, 6)
+    assert torch.equal(stack.run(x), resident_forward(weights, x, "cpu"))
+    assert stack.pager.counters()["fetches"] == 0
+    stack.close()
+
+
 def test_planner_uses_the_store_only_while_host_copies_would_show():
     assert ResidencyPlanner.store_experts(compute_ms=30.0, host_load_ms=20.0, split=55) == 0
     assert ResidencyPlanner.store_experts(compute_ms=10.0, host_load_ms=20.0, split=55) == 55
@@ -439,7 +498,7 @@ def test_pager_times_fetches_and_kernels_in_eager_steps(device):
     if device == "cuda":
         torch.cuda.synchronize()
     compute, load = stack.pager.times.take()
-    assert len(compute) == len(load) == LAYERS  # every layer runs its (no-op when resident) fetch
+    assert len(compute) == len(load) == LAYERS - 1  # the resident layer's (no-op) fetch is not the planner's input
     assert all(ms >= 0 for ms in compute + load)
     assert stack.pager.times.take() == ([], [])  # each span is handed out once
     stack.close()
@@ -481,7 +540,8 @@ def test_adaptive_residency_follows_rho_within_spare_memory():
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_window_of_every_layer_is_the_machinery_alone(device):
     """Every layer resident from the start (serve --paging-window = the MoE layers): outputs as resident, no block
-    memory mapped and nothing fetched, the pager's launches in the path; a layer paged out later still works."""
+    memory mapped and nothing fetched, the pager's launches in the path; a layer paged out later still works, from
+    its own block, where it is parked: filled once, fetching nothing."""
     weights = make_weights(11)
     stack = Stack(weights, device, window=LAYERS, resident=range(LAYERS))
     assert stack.pager.window.nbytes() == 0 and not stack.pager.window.paged
@@ -492,5 +552,6 @@ def test_a_window_of_every_layer_is_the_machinery_alone(device):
     stack.pager.set_resident(range(1, LAYERS))
     x = tokens(3, 3)
     assert torch.equal(stack.run(x), resident_forward(weights, x, device))
-    assert stack.pager.counters()["fetches"] >= 1
+    assert stack.pager.parked == {0} and stack.pager.window.paged == {0}
+    assert stack.pager.counters() == {"fetched_rows": 0, "fetches": 0}
     stack.close()

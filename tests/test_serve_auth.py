@@ -9,6 +9,7 @@ build with a key and an adapter root and checks the whole path.
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import os
 import signal
@@ -21,11 +22,13 @@ from pathlib import Path
 
 import pytest
 from conftest import engine_settings, run_cli, server_args
+from rich.console import Console
 
 from esftctl.errors import EsftError
 from esftctl.runtime.engine_status import EngineStatus
 from esftctl.runtime.serve_config import ServeConfig, ServeSettings
 from esftctl.serve import ServePlan, Server, free_port, plan, vllm_api_keys
+from esftctl.serve_client import status_table
 
 KEY = "s3cret-key"
 
@@ -135,11 +138,15 @@ def test_the_status_record_reads_and_writes_the_servers_json():
                           paging=PagingStatus(fetch="auto", store_experts=2, window_bytes=4, resident_bytes=2,
                                               store_bytes=1, host_bytes=9, freed_bytes=2, freed_kv_tokens=None,
                                               held_rows=6, fetched_rows=5, fetches=3, resident_layers=[1],
-                                              decisions=[]))
+                                              parked_layers=[2, 3], decisions=[]))
     data = paged.to_json()
     assert data["adapters"][0] == {"name": "a", "lora_id": 1, "slot": 0, "bytes": 8, "retiring": False,
                                    "experts_per_layer": [1, 2], "checked_rows": 0}
     assert data["paging_store_experts"] == 2 and data["paging_resident_layers"] == [1] and "paging" not in data
+    assert data["paging_parked_layers"] == [2, 3]
+    console = Console(file=io.StringIO(), width=200)
+    console.print(status_table(engine_status(paging=paged.paging, adapter_physical_bytes=None)))  # as paged serving
+    assert "2 layers alone in theirs: parked, fetching nothing" in console.file.getvalue()
     assert "per_rank" not in data and "server_pid" not in data and "paging_store_experts" not in \
         engine_status().to_json()
     assert EngineStatus.from_json(json.loads(json.dumps(data | {"server_pid": 7}))) == \

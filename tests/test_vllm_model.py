@@ -144,7 +144,8 @@ def run_layers(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("paging_window", [0, 1, 2])
 def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device, paging_window):
-    """With base experts paged (window 1 or 2 of 3 MoE layers) or not."""
+    """With base experts paged (window 1 or 2 of 3 MoE layers) or not. With 2 blocks, the second layer is alone in
+    its block: parked there, its adapters' rows copied in as they load."""
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
     adapters = {f"a{k}": synthetic_experts(ckpt, seed=k, experts_per_layer=2 + 2 * k, scale=4.0) for k in range(3)}
     served = engine_model(ckpt, None, device)
@@ -163,7 +164,8 @@ def test_tokens_of_each_adapter_get_their_merged_model(tiny_models, device, pagi
                                    rtol=0, atol=0, msg=f"tokens of {name}")
     if paging_window:
         counters = runtime.pager.counters()
-        assert counters["fetches"] == len(runtime.layers) and counters["fetched_rows"] > 0
+        assert runtime.pager.parked == ({2} if paging_window == 2 else set())
+        assert counters["fetches"] == len(runtime.layers) - len(runtime.pager.parked) and counters["fetched_rows"] > 0
         assert runtime.pager.window.size == paging_window
     # The adapters change the outputs, so the comparison above means something.
     assert not torch.equal(run_layers(engine_model(ckpt, adapters["a2"], device), x), run_layers(
@@ -321,8 +323,9 @@ def test_the_kv_need_is_what_the_scheduler_can_hold():
 
 @pytest.mark.gpu
 def test_adaptive_paging_starts_with_the_layers_the_kv_cache_leaves_room_for(tiny_models):
-    """A KV need that leaves the card's share free keeps every layer outside the window resident from the start;
-    one beyond the share keeps none; the tokens stay the merged model's either way."""
+    """A KV need that leaves the card's share free keeps every layer outside the window resident from the start
+    (the window's layer parked in it, the adapter's rows copied in as it loads); one beyond the share keeps none;
+    the tokens stay the merged model's either way."""
     from esftctl.runtime.paging.planner import KvNeed
 
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
@@ -333,6 +336,7 @@ def test_adaptive_paging_starts_with_the_layers_the_kv_cache_leaves_room_for(tin
         runtime = EsftModel(served, ckpt, num_slots=1, experts_per_slot=4, max_tokens=64, paging_window=1,
                             adaptive=True, kv_need=KvNeed(tokens=tokens, bytes_per_token=1, utilization=0.9))
         assert len(runtime.pager.resident) == resident
+        assert len(runtime.pager.parked) == (1 if resident else 0)  # the one paged layer, alone in the window
         slots = {"a0": runtime.slots.load("a0", adapters["a0"])}
         _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, "cuda", seed=5)
         runtime.pager.close()

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The GPU work that awaits (written 2026-11-26, sixth session, for its second machine; a plain call gets an H100,
-# counting half of its held time). Issue 28: the memory-bound regime's `+adapters` server (4 adapters loaded, the
-# requests spread over them), never run, on the Qwen3-30B-A3B shape where the H100 has plain vLLM (1 round) and the
-# fixed-rate tier (2): plain vLLM's round 1 and the fixed-rate tier with adapters, rounds 0 and 1 (generating the base
-# 2-3 min, a slice 4-6 min). Then issue 29's protocol grid (benchmarks/serve-bench/README.md) with what is left.
+# The GPU work that awaits (written 2026-11-26, sixth session, for the next one; a plain call gets an H100, counting
+# half of its held time: two machines a session, about 24 minutes of work each). This is the first, carried with
+# .world (the serving tests need it). Issue 28's parking (a paged layer alone in its block keeps its rows there,
+# fetching nothing; the adaptive planner leaves the window's layers one a block), CPU-tested only:
+#   1. the pager's CUDA cases (graph replays whose last residency parks two layers, adapters loaded while
+#      parked) and the runtime's (the adaptive start now parks the window's layer): about 3 minutes;
+#   2. the serving tests with CUDA graphs on both sides whose assertions changed: DeepSeek-V2 fetching with one
+#      layer parked, Qwen2-MoE adaptive with both window layers parked, the fixed-rate tier; about 20 minutes.
+# The second machine: `--regimes spare --rounds 3 --servers resident,adaptive` in slices-h100/ (the adaptive
+# slices measured before parking are in benchmarks/2026-11-26-h100-f/adaptive-before-parking/; about 12 minutes),
+# then issue 29's protocol grid (benchmarks/serve-bench/README.md) with what is left.
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, and it may be taken back mid-run, so each wait copies what is written so far:
 #   bash benchmarks/scripts/background.sh start pending bash benchmarks/scripts/gpu_pending.sh
@@ -16,13 +22,8 @@ set -u
 export OUT=/tmp/bgout PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 mkdir -p $OUT
 pack() { (cd /tmp && tar -czf /tmp/bgout.tgz bgout) 2>/dev/null; }
-PE2E_SLICES=benchmarks/paging-e2e/slices-h100 bash benchmarks/scripts/paging_e2e_gpu.sh qwen3-30b-a3b \
-  --regimes memory-bound --rounds 2 --servers vllm,fixed+adapters --budget 900 > $OUT/memory_bound.log 2>&1; pack
-left=$((1380 - SECONDS))  # seconds this machine has left for issue 29's grid
-echo "issue 29 budget: $left s" >> $OUT/memory_bound.log
-if [ "$left" -ge 600 ]; then
-  bash benchmarks/scripts/serve_bench_gpu.sh --budget "$left" --adapter-shape deepseek --adapters 0,1,5,10,20 \
-    --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers base,merged,esftctl,lora > $OUT/serve.log 2>&1
-fi
-pack
+bash benchmarks/scripts/gpu_tests.sh parking tests/test_paging.py tests/test_paging_fixed.py \
+  tests/test_vllm_model.py -k "cuda or adaptive_paging_starts"; pack
+bash benchmarks/scripts/gpu_tests.sh paged_graphs tests/test_serve.py \
+  -k "paging_with_cuda_graphs or fixed_rate_tier_served_exactly"; pack
 echo all done

@@ -39,7 +39,7 @@ from esftctl.errors import EsftError
 from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.paging.pager import PagedExperts
-from esftctl.runtime.paging.planner import ResidencyPlanner, spread
+from esftctl.runtime.paging.planner import ResidencyPlanner, resident_choice
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, tier_split
 
 KV_BYTES_PER_TOKEN = 27 * 576 * 2  # DeepSeek-V2-Lite MLA cache, bf16
@@ -173,9 +173,10 @@ def run(shape: MoEShape = DEEPSEEK_V2_LITE, layers: int = 8, *, batches=(1, 4, 3
                     planner.update(compute_ms, load_ms)
                 row = {"mode": mode, "batch": batch, "tokens": tokens, "graphs": graph, "resident_s": resident_s,
                        "planned_resident_layers": planner.resident, "planned_store_experts": store_rows}
+                planned = resident_choice(list(stack.layers), planner.resident, window)
                 for case, resident, rows_from_store in (
                         ("machinery", list(stack.layers), 0), ("host", [], 0), ("compressed", [], e),
-                        ("split", [], split), ("planned", spread(list(stack.layers), planner.resident), store_rows)):
+                        ("split", [], split), ("planned", planned, store_rows)):
                     pager.set_resident(resident)
                     pager.set_store_rows(rows_from_store)
                     before = pager.counters()

@@ -5,7 +5,9 @@ rho = compute / load of a paged layer. Above 1 the load hides under the compute,
 give its memory back; below 0.9 loads show, so one more layer stays resident, up to what the device can
 spare: the memory free once the engine has taken its own (vLLM allocates its KV cache at start-up, before
 any request), less a margin for activations. Resident layers are spread evenly over the stack, so the
-loads between them get the most compute to hide under. Every decision is logged and kept for the status.
+loads between them get the most compute to hide under, until no more layers stay paged than the window has
+blocks: then each has a block of its own and loads nothing (resident_choice). Every decision is logged and kept
+for the status.
 
 vLLM sizes its KV cache once, from what its memory share leaves once the model is loaded, so the layers the
 planner may keep resident are decided then (start_resident): a KV cache beyond max_num_seqs x max_model_len
@@ -34,6 +36,16 @@ def spread(order: Sequence[int], count: int) -> list[int]:
     if count <= 0:
         return []
     return sorted({order[(k * len(order)) // count] for k in range(count)})
+
+
+def resident_choice(order: Sequence[int], count: int, window: int) -> list[int]:
+    """Which `count` layers of `order` stay resident: spread evenly, except that where no more than `window` stay
+    paged, the last ones do, each alone in its block of the window (forward positions mod `window`), where the pager
+    parks it: filled once, fetching nothing (esftctl.runtime.paging.pager). Spread, two of them could share a block
+    and fetch every step: 4 layers, 2 blocks, layers 0 and 2 resident leave 1 and 3 in block 1."""
+    if 0 < len(order) - count <= window:
+        return sorted(order[:count])
+    return spread(order, count)
 
 
 def spare_layers(device: torch.device, layer_bytes: int, margin: float = 0.1) -> int:
@@ -133,7 +145,7 @@ class AdaptiveResidency:
                                cap=self._outside_window())
         log.info("paging planner: %d of %d layers resident from the start (the KV cache's need: %s tokens)",
                  count, len(self.order), f"{need.tokens:,}")
-        self.pager.set_resident(spread(self.order, count))
+        self.pager.set_resident(resident_choice(self.order, count, self.pager.window.size))
         self.planner.resident = count
 
     def on_step(self) -> None:
@@ -152,7 +164,7 @@ class AdaptiveResidency:
                  decision["rho"], decision["compute_ms"], decision["load_ms"], "" if timed else ", untimed",
                  before, after)
         if after != before:
-            self.pager.set_resident(spread(self.order, after))
+            self.pager.set_resident(resident_choice(self.order, after, self.pager.window.size))
 
     @property
     def decisions(self) -> list[dict]:

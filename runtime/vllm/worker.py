@@ -340,7 +340,7 @@ class EsftWorkerManager:
                             freed_bytes=freed, freed_kv_tokens=freed // per_token if per_token else None,
                             held_rows=max(len(l.held_rows()) for l in layers),
                             fetched_rows=counters["fetched_rows"], fetches=counters["fetches"],
-                            resident_layers=sorted(pager.resident),
+                            resident_layers=sorted(pager.resident), parked_layers=sorted(pager.parked),
                             decisions=residency.decisions[-5:] if residency else [])
 
     def write_status(self) -> None:
