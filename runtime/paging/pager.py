@@ -76,7 +76,6 @@ class PagedExperts:
         decode_stream = torch.cuda.Stream(self.device) if self.cuda and store is not None else None
         self.store = store
         self.resident: set[int] = set(resident)  # they keep their own pages from the start: never paged out first
-        self.parked: set[int] = set()  # paged layers alone in their block: filled once, fetching nothing
         self.tiers: dict[int, LayerTiers] = {}
         encodes = isinstance(store, FixedTier)
         for i in self.order:
@@ -146,8 +145,13 @@ class PagedExperts:
         self._joins.add(layer)
 
     def fetches(self, layer: int) -> bool:
-        """Whether the layer's rows come in every step (paged, sharing its block)."""
-        return layer not in self.resident and layer not in self.parked
+        """Whether the layer's rows come in every step (paged, sharing its block): its tiers' active flag."""
+        return self.tiers[layer].active
+
+    @property
+    def parked(self) -> set[int]:
+        """Paged layers alone in their block: filled once, fetching nothing (_park)."""
+        return {i for i in self.window.paged if not self.tiers[i].active}
 
     # ---- between steps ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -179,15 +183,12 @@ class PagedExperts:
         off), and let parked layers that now share their block fetch again. Between steps, no kernel queued."""
         for block in range(len(self.window.blocks)):
             paged = [i for i in self.window.members(block) if i in self.window.paged]
+            alone = len(paged) == 1
             for i in paged:
-                if len(paged) == 1 and i not in self.parked:
-                    self.tiers[i].fill()
-                    self.tiers[i].set_active(False)
-                    self.parked.add(i)
-                elif len(paged) > 1 and i in self.parked:
-                    self.tiers[i].set_active(True)
-                    self.parked.discard(i)
-        self.parked &= self.window.paged
+                if self.tiers[i].active == alone:  # alone but fetching, or parked but sharing now
+                    if alone:
+                        self.tiers[i].fill()
+                    self.tiers[i].set_active(not alone)
 
     def set_store_rows(self, rows: int) -> None:
         """How many base rows of each paged layer the store tier delivers from now on."""
@@ -213,7 +214,7 @@ class PagedExperts:
         if layer in self.window.paged:
             self.window.cover(layer)
         self.tiers[layer].refresh()
-        if layer in self.parked:
+        if layer in self.window.paged and not self.tiers[layer].active:  # parked
             self.layers[layer].copy_in(skip=self.num_experts)
 
     # ---- measurement -----------------------------------------------------------------------------
