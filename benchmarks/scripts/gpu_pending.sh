@@ -18,5 +18,5 @@
 # Needs ../shared/gpu/README.md's install.
 set -u
 bash benchmarks/scripts/serve_bench_gpu.sh --budget "${BUDGET:-1200}" --adapter-shape deepseek \
-  --adapters 0,1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers base,merged,esftctl,lora
+  --adapters 1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers base,merged,esftctl,lora
 echo all done
