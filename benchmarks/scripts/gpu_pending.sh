@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work that awaits (written 2026-11-26, eighth session, for the next one). Issue 28's GPU work is done
 # (RESULTS.md: "Issue 28 as it stands"); what is left is issue 29's protocol grid (benchmarks/serve-bench/README.md),
-# 0 of its 34 slices so far (count 0 left out: its README says why). This starts it: the README's first command, with a machine's budget. Carry nothing
-# beyond the install's three folders (the bench generates its base and adapters on the device).
+# 0 of its 34 slices so far (count 0 left out: that README says why). This starts it: the README's first command,
+# with a machine's budget. Carry nothing beyond the install's three folders (the bench generates its base and
+# adapters on the device).
 # A plain call may get an H100 counting 50-67% of its held time, or a machine counting in full (the lease says
 # which: its key "counts" is there only while a machine counts part): --budget is what the machine has left, at
 # most 30 minutes held less about 6 (start, install, transfers, the last collect), and no more than budget_left_s
