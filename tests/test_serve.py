@@ -351,26 +351,7 @@ def test_adapter_memory_budget_is_reserved_and_enforced(deepseek, world):
     assert (s["reserved_bytes"] >= s["adapter_budget_bytes"]) if has_gpu() else s["reserved_bytes"] == 0
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-# Seen 2026-11-25 on a dev machine whose CPU has AMX (the earlier ones had AVX2 only): with vLLM 0.32's CPU build,
-# plain vLLM serves this Qwen2-MoE model and its merged adapters, but the engine worker of `esftctl serve` (LoRA
-# plumbing on) dies of SIGILL (exit code -4) at the first request; DeepSeek-V2 serves exactly on the same machine.
-# Not yet traced to an instruction; Qwen2-MoE is served exactly on the H100 (test_cuda_graphs_served_exactly).
-# Seen 2026-11-27 on another AMX dev machine: OLMoE's engine worker dies the same way (exit code -4) at the first
-# adapter request, on code that passed on AVX2 machines and in CI.
-AMX_SIGILL = pytest.mark.skipif(not has_gpu() and _cpu_has_amx(),
-                                reason="vLLM 0.32 CPU build: esftctl's engine dies of SIGILL on AMX CPUs here")
-
-
-@pytest.mark.parametrize("architecture", [pytest.param("qwen2_moe", marks=AMX_SIGILL),
-                                          pytest.param("olmoe", marks=AMX_SIGILL), "glm4_moe",
-                                          "deepseek_v3", "qwen3_next", "gpt_oss"])
+@pytest.mark.parametrize("architecture", ["qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_other_architecture_served_exactly(architecture, world, tmp_path):
     serve_exactly(random_base(architecture, world, tmp_path), prompts_of(world)[:4], tmp_path, engine_settings(),
                   seed=20)

