@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 import pytest
 from conftest import run_cli
+from rich.console import Console
 
 from esftctl.bench import serve as bench
 from esftctl.bench import serve_slices as ss
@@ -31,6 +32,8 @@ class FakeBench:
 
     calls: list = []
     fail: set = set()
+    machine = "m0"  # the machine the slices run on (serve_slices.machine_id), and how fast its card is
+    speed = 1.0
 
     def __init__(self, profile, options, *, served, work, scratch, out, gpu, on_step):
         self.profile, self.options, self.served, self.on_step = profile, options, served, on_step
@@ -48,7 +51,7 @@ class FakeBench:
         order = bench.base_runs(self.profile) if server.role == "base" else bench.adapter_runs(self.profile,
                                                                                               server.role)
         runs = [s for s in order if not part or bench.part_of(s) == part]
-        speed = SPEED[server.role] * (1 + 0.1 * round)
+        speed = SPEED[server.role] * (1 + 0.1 * round) * FakeBench.speed
         entries = [{"scenario": asdict(s), "index": order.index(s), "round": round, "drawn": s.draw(round, 12),
                     "seconds": 1.0, "result": {"output_throughput": speed - s.adapters, "mean_ttft_ms": 20.0 + round,
                                                "median_ttft_ms": 20.0 + round, "p99_ttft_ms": 40.0,
@@ -60,8 +63,9 @@ class FakeBench:
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    FakeBench.calls, FakeBench.fail = [], set()
+    FakeBench.calls, FakeBench.fail, FakeBench.machine, FakeBench.speed = [], set(), "m0", 1.0
     monkeypatch.setattr(ss, "Bench", FakeBench)
+    monkeypatch.setattr(ss, "machine_id", lambda: FakeBench.machine)
     monkeypatch.setattr(ss.serve_models, "prepare_base", lambda model, work, on_step: Served(tmp_path / "base"))
     facts = bench.ModelFacts("base", model_bytes=1 << 30, expert_bytes=1 << 10, kv_bytes_per_token=1 << 10,
                              grid_experts=(4, 6), all_experts=10)
@@ -136,8 +140,6 @@ def test_the_budget_stops_before_a_slice_that_would_overrun(fake, tmp_path):
 
 
 def test_the_report_merges_a_partial_grid(fake, tmp_path):
-    from rich.console import Console
-
     profile, options = grid()
     out = tmp_path / "out"
     done = fake(profile, options, out)
@@ -154,7 +156,7 @@ def test_the_report_merges_a_partial_grid(fake, tmp_path):
     lora = rows[("vLLM multi-LoRA", "2 adapters, alpha 1 @ 8 rps")]
     assert lora["rounds"] == [0] and lora["output_throughput"] == pytest.approx(58)
     esft = rows[("esftctl", "base @ 8 rps")]
-    assert esft["rounds"] == [0, 1] and esft["throughput_ratio"] == pytest.approx(94.5 / 110)
+    assert esft["rounds"] == [0, 1] and esft["throughput_ratio"] == pytest.approx(0.9)  # 90 / 100, 99 / 110
     assert len(rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]["shares"]["counts"]) == 2  # drawn over rounds
     servers = {s["server"]: s for s in result["servers"]}
     assert servers["esftctl"]["micro"]["all"]["ttft_ms_ratio"] == {"16": 1.0}
@@ -165,6 +167,61 @@ def test_the_report_merges_a_partial_grid(fake, tmp_path):
     assert "missing: lora: n2.r1, n2.r2; esftctl: n0.r2" in text.getvalue()
     bench.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_every_machine_measures_the_base_first(fake, tmp_path):
+    profile, options = grid(repeats=2)
+    out = tmp_path / "out"
+    done = fake(profile, options, out)
+    folder = out / "slices" / "tiny" / done["grid"]
+
+    def drop(*names):
+        for name in names:
+            (folder / f"{name}.json").unlink()
+
+    def calls_on(machine):
+        FakeBench.calls, FakeBench.machine = [], machine
+        fake(profile, options, out)
+        return FakeBench.calls
+    drop("esftctl/n2.r1", "lora/n2.r1")
+    assert calls_on("B") == [("base", 2, ""), ("esftctl", 1, "n2"), ("lora", 1, "n2")]  # a round more of the base
+    assert slices.read_slice(folder / "base" / "r2.json")["machine"] == "B"
+    drop("lora/n0.r0")
+    assert calls_on("B") == [("lora", 0, "n0")]  # B has its base: no other
+    drop("base/r1", "esftctl/n0.r1")
+    assert calls_on("C") == [("base", 1, ""), ("esftctl", 1, "n0")]  # the base's first missing round
+    assert calls_on("D") == []  # nothing left to run: no base either
+
+
+def test_ratios_are_taken_within_one_machine(fake, tmp_path):
+    profile, options = grid(repeats=2)
+    out = tmp_path / "out"
+    done = fake(profile, options, out)  # machine m0: every slice, the card at full speed
+    folder = out / "slices" / "tiny" / done["grid"]
+    (folder / "esftctl" / "n2.r1.json").unlink()
+    FakeBench.machine, FakeBench.speed = "slow", 0.8  # another lease, a card 20% slower
+    fake(profile, options, out)  # the base (round 2), then esftctl n2.r1
+    (result,) = ss.report(out, profile, options)
+    rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
+    esft = rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]
+    # round 0 on m0 against the base's round 0 there; round 1 on the slow card against the base's round 2 there
+    within = [88 / 100, (90 * 1.1 * 0.8 - 2) / (100 * 1.2 * 0.8)]
+    assert esft["machines"] == ["m0", "slow"] and esft["paired_rounds"] == 2
+    assert esft["throughput_ratio"] == pytest.approx(sum(within) / 2)
+    assert esft["throughput_ratio_range"] == pytest.approx(sorted(within))
+    assert esft["output_throughput"] / rows[("vLLM base", "base @ 8 rps")]["output_throughput"] == pytest.approx(
+        (88 + 77.2) / 2 / 100)  # what the medians across machines would have said instead
+    (folder / "esftctl" / "n0.r1.json").unlink()
+    FakeBench.machine, FakeBench.fail = "broken", {"base"}  # its base fails: its rounds pair with nothing
+    fake(profile, options, out)
+    (result,) = ss.report(out, profile, options)
+    rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
+    alone = rows[("esftctl", "base @ 8 rps")]
+    assert alone["machines"] == ["m0", "broken"] and alone["paired_rounds"] == 1
+    assert alone["throughput_ratio"] == pytest.approx(90 / 100)
+    text = io.StringIO()
+    Console(file=text, width=250).print(bench.tables(result)[0])
+    assert "2 (1 paired)" in text.getvalue()
 
 
 def test_a_slice_too_long_for_what_is_left_is_passed_over_for_shorter_ones(tmp_path):

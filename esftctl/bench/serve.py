@@ -4,7 +4,8 @@ ExpertWeave's protocol (5.2-5.3).
 Servers, one after another on one machine, every load run made by vLLM's own serving benchmark
 (esftctl.bench.load: TTFT, TPOT, ITL, end-to-end latency; mean, median, p99; per-request prefill and decode
 speed):
-- `vLLM base`: plain vLLM serving the base alone, the anchor of every ratio;
+- `vLLM base`: plain vLLM serving the base alone, the anchor of every ratio (taken round by round on the same
+  machine: esftctl.bench.serve_slices runs it first on every machine);
 - `vLLM merged`: plain vLLM serving merged models (a fine-tune served today), as many copies side by side on
   the device as fit (each with its share of the memory; counted, and the count recorded), the requests of
   adapter i going to copy i mod copies, at the largest count and every alpha; one copy serves the base's
@@ -473,10 +474,8 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
     for res in results:
         for r in res["rows"]:
             first.setdefault((res["kind"], r["scenario"]), r)
-            a = anchors.get((res["ranks"], r["rate"]))
-            for key, metric in RATIOS if a else ():
-                if r.get(metric) is not None and a.get(metric):
-                    r[key] = r[metric] / a[metric]
+            if (a := anchors.get((res["ranks"], r["rate"]))) is not None:
+                paired_ratios(r, a)
             r["throughput_vs_first"] = r["output_throughput"] / first[res["kind"], r["scenario"]]["output_throughput"]
     micro_ratios(results)
     settings = {**asdict(profile), "rates": [rate_label(r) for r in profile.rates],
@@ -486,6 +485,32 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
                                              "parallel": parallel, "base": facts.base if facts else None,
                                              "model_bytes": facts.model_bytes if facts else None, "device": device},
             "servers": results, "errors": errors, "kv_cache": kv_room(results, facts)}
+
+
+def paired_ratios(r: dict, base: dict) -> None:
+    """A row's RATIOS against plain vLLM's base row at the same rate, round by round within one machine: each
+    round against the base's runs on its machine (those of the same round where there are any), the median of
+    those ratios with their range. A round whose machine has no base run is left out; a row with none falls back
+    to its median against the base's median, across machines (`paired_rounds` 0)."""
+    def runs(row: dict) -> list[tuple[dict, int, str | None]]:  # a row without its rounds pairs with nothing
+        reps = row.get("repeats", [])
+        return list(zip(reps, row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
+    pairs = []
+    for rep, rnd, machine in runs(r):
+        there = [(b, br) for b, br, bm in runs(base) if bm == machine]
+        same_round = [b for b, br in there if br == rnd]
+        if there:
+            pairs.append((rep, same_round or [b for b, _ in there]))
+    r["paired_rounds"] = len(pairs)
+    for key, metric in RATIOS:
+        if not pairs:
+            if r.get(metric) is not None and base.get(metric):
+                r[key] = r[metric] / base[metric]
+            continue
+        values = [rep[metric] / statistics.median(b[metric] for b in bases) for rep, bases in pairs
+                  if rep.get(metric) is not None and all(b.get(metric) for b in bases)]
+        if values:
+            r[key], r[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
 
 
 def micro_ratios(results: list[dict]) -> None:

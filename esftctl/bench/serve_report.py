@@ -70,7 +70,9 @@ def runs_table(result: dict):
                     f"request; finite rates: {c['duration']:g} s of Gamma arrivals (cv {c['cv']:g}), inf: "
                     f"{c['prompts']} at once; vLLM bench serve; medians over rounds (each a fresh start of the "
                     f"server; 'rounds': those a row has of the {c['repeats']} planned; tok/s with its range); ratios "
-                    "(medians) against plain vLLM serving the base alone at the same rate; shares: the drawn "
+                    "against plain vLLM serving the base alone at the same rate, round by round on the same machine, "
+                    "their median ('k paired': only k of the rounds had a base run on their machine; 0: the "
+                    "medians' ratio across machines); shares: the drawn "
                     "adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
               title_justify="left")
     several = len(c.get("parallel", [1])) > 1
@@ -81,7 +83,7 @@ def runs_table(result: dict):
     for res in result["servers"]:
         for r in res["rows"]:
             shares = r.get("shares")
-            t.add_row(res["server"], r["scenario"], str(r.get("requests", "-")), str(len(r.get("rounds", [0]))),
+            t.add_row(res["server"], r["scenario"], str(r.get("requests", "-")), _rounds(r),
                       _f(r["median_ttft_ms"], ".1f"),
                       _f(r["p99_ttft_ms"], ".1f"), _pct(r.get("ttft_spread")),
                       _f(r["median_tpot_ms"], ".2f"), _f(r["p99_tpot_ms"], ".2f"), _f(r.get("median_prefill_tps"),
@@ -91,6 +93,11 @@ def runs_table(result: dict):
                       f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
                       _f(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
     return t
+
+
+def _rounds(r: dict) -> str:
+    n, paired = len(r.get("rounds", [0])), r.get("paired_rounds")
+    return str(n) if paired is None or paired == n else f"{n} ({paired} paired)"
 
 
 def micro_table(result: dict):

@@ -17,6 +17,11 @@ Layout: OUT/slices/MODEL/GRID/DEVICE/SERVER/[PART.]rROUND.json.
   DeepSeek-sized adapters beside Table 1's), so that a slice fits one device call; plain vLLM's base and the
   merged copies run one count and are never cut. MICRO: a server's microbenchmarks (round 0 only, after every
   server's first round).
+Machines: a device is lent one lease at a time, and two cards of a kind differ by a few percent, as much as the
+3% the low-load target resolves. So on a machine that has written no slice of the grid yet, plain vLLM's base
+runs first (anchored: its first missing round, else one round more), every slice records its machine
+(esftctl.bench.slices.machine_id), and each ratio is taken round by round against the base on the same machine
+(bench.serve.paired_ratios). The base thus gets a round per machine, more than the grid plans.
 A slice that fails is written too, with its error and the time it took, so that a rerun does not spend that time
 again; the report lists it, and deleting the file runs it again. The merged server starts with as many copies as
 its earlier slices ran (else as many as fit) and drops one after a failed start, within the slice.
@@ -57,7 +62,16 @@ from esftctl.bench.serve import (
     finish,
 )
 from esftctl.bench.serve_runs import merge_rounds, part_of, rate_label, slug
-from esftctl.bench.slices import PREPARE_S, Slice, load_slices, pending, read_slice, run_pending, slice_order
+from esftctl.bench.slices import (
+    PREPARE_S,
+    Slice,
+    load_slices,
+    machine_id,
+    pending,
+    read_slice,
+    run_pending,
+    slice_order,
+)
 from esftctl.errors import one_line
 
 # Seconds a server takes to start before one was measured, warm-up included. The H200's `bench serve` of
@@ -155,10 +169,11 @@ def adapters_written(profile: Profile, server: BenchServer, scratch: Path) -> bo
 def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: Path, gpu: bool,
         budget_s: float = math.inf, on_step: Callable[[str], None] = lambda msg: None) -> dict:
     """Run the grid's pending slices on this device that fit `budget_s` seconds; what ran and what is left."""
-    device = device_name(gpu)
+    device, machine = device_name(gpu), machine_id()
     group = f"{grid_key(profile)}/{slug(device)}"
     servers = {s.key: s for s in bench_servers(profile, options)}
-    todo = pending(slice_plan(profile, options, group), out, profile.model)
+    todo = anchored(pending(slice_plan(profile, options, group), out, profile.model), out=out, model=profile.model,
+                    machine=machine, bases=[k for k, s in servers.items() if s.role == "base"])
     bench = functools.cache(lambda: Bench(profile, options, served=serve_models.prepare_base(profile.model, work,
                                                                                              on_step),
                                           work=work, scratch=scratch, out=out, gpu=gpu, on_step=on_step))
@@ -167,8 +182,27 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
                       setup_s=0 if generated else PREPARE_S,
                       estimate_s=lambda sl: estimate_s(sl, servers[sl.server], out=out, profile=profile,
                                                        scratch=scratch),
-                      run=lambda sl: run_slice(bench(), sl, servers[sl.server], device=device, out=out))
+                      run=lambda sl: run_slice(bench(), sl, servers[sl.server], device=device, machine=machine,
+                                               out=out))
     return {"grid": group, "ran": [s.label for s in ran], "left": [s.label for s in pending(todo, out, profile.model)]}
+
+
+def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, bases: list[str]) -> list[Slice]:
+    """`todo` with plain vLLM's base first on a machine that has run no slice of the grid yet: its first missing
+    round, else one round more than it has. Each ratio is then taken against a base measured on the same machine
+    (serve.paired_ratios), not against another lease's card."""
+    if not todo or not bases:
+        return todo
+    group = todo[0].group
+    folder = todo[0].path(out, model).parent.parent
+    if any(read_slice(p).get("machine") == machine for p in folder.glob("*/*.json")):
+        return todo
+    first = []
+    for key in bases:
+        missing = [sl for sl in todo if sl.server == key and sl.part == ""]
+        done = [int(p.stem[1:]) for p in (folder / key).glob("r*.json")]
+        first.append(missing[0] if missing else Slice(group, key, max(done, default=-1) + 1))
+    return first + [sl for sl in todo if sl not in first]
 
 
 def earlier_copies(folder: Path) -> int:
@@ -177,11 +211,11 @@ def earlier_copies(folder: Path) -> int:
     return min(copies, default=0)
 
 
-def run_slice(bench: Bench, sl: Slice, server: BenchServer, *, device: str, out: Path) -> dict:
+def run_slice(bench: Bench, sl: Slice, server: BenchServer, *, device: str, machine: str, out: Path) -> dict:
     """One slice's JSON: what it is, the settings, the server's result (bench.serve.Bench.measure) or its error,
-    the model's facts for the report, and its wall time."""
-    head = {"model": bench.profile.model, "grid": sl.group, "device": device, "server": sl.server, "round": sl.round,
-            "part": sl.part, "role": server.role, "kind": server.kind, "ranks": server.ranks,
+    the model's facts for the report, where it ran and its wall time."""
+    head = {"model": bench.profile.model, "grid": sl.group, "device": device, "machine": machine, "server": sl.server,
+            "round": sl.round, "part": sl.part, "role": server.role, "kind": server.kind, "ranks": server.ranks,
             "label": bench.label(server.kind, server.ranks), "profile": asdict(bench.profile),
             "options": asdict(bench.options)}
     started = time.monotonic()
@@ -254,7 +288,8 @@ def _result(label: str, res: dict, profile: Profile) -> dict:
             "kv_cache_tokens": statistics.median_low(kv) if kv else None,
             "jit_compiles_in_runs": sum(compiled) if compiled else None,
             "rounds": sorted({s["round"] for s in got if s.get("part") != MICRO}),
-            "rows": merge_rounds(label, [r for s in got for r in s.get("runs", [])], profile),
+            "rows": merge_rounds(label, [{**r, "machine": s.get("machine")} for s in got for r in s.get("runs", [])],
+                                 profile),
             **({"groups": merge_groups(groups)} if groups else {})}
 
 

@@ -10,6 +10,10 @@ merges whatever slices are present.
 Rounds interleave the servers (round r starts r servers further down the list): a drift of the machine over
 time spreads over every server instead of landing on whichever ran last.
 
+Each slice records the machine it ran on (machine_id): devices are lent one lease at a time, and two H100s differ
+by a few percent (resident decode 3.82-4.02 ms at batch 1, 2026-11-26), as much as the effects measured, so
+`bench serve` measures plain vLLM's base first on every machine and takes each ratio within one machine.
+
 Used by `esftctl bench paging --serve` (esftctl.bench.serve_paging: GROUP is the regime) and `esftctl bench
 serve` (esftctl.bench.serve_slices: GROUP is the grid's key and the device, PART an adapter count or the
 microbenchmarks).
@@ -45,6 +49,25 @@ class Slice:
 
     def path(self, out: Path, model: str) -> Path:
         return Path(out) / "slices" / model / self.group / self.server / f"{self.name}.json"
+
+
+def machine_id() -> str:
+    """The machine a slice runs on: the GPU's UUID (the host's name on the CPU build) and the host kernel's boot,
+    so that the same card after a reboot counts as another machine, and a lease on another card surely does."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        card = str(getattr(props, "uuid", "") or props.name)
+    else:
+        card = platform.node()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    return f"{card}/{boot}"
 
 
 def slice_order(groups: dict[str, tuple[str, ...]], rounds: int,
