@@ -199,9 +199,15 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     done = fake(profile, options, out)  # machine m0: every slice, the card at full speed
     folder = out / "slices" / "tiny" / done["grid"]
     (folder / "esftctl" / "n2.r1.json").unlink()
+    (folder / "esftctl" / "micro.r0.json").unlink()
     FakeBench.machine, FakeBench.speed = "slow", 0.8  # another lease, a card 20% slower
-    fake(profile, options, out)  # the base (round 2), then esftctl n2.r1
+    fake(profile, options, out)  # the base (round 2), then esftctl's micro.r0 and n2.r1
     (result,) = ss.report(out, profile, options)
+    servers = {s["server"]: s for s in result["servers"]}
+    assert servers["esftctl"]["micro_across"] and not servers["vLLM multi-LoRA"]["micro_across"]
+    text = io.StringIO()
+    Console(file=text, width=250).print(bench.tables(result)[1])
+    assert "esftctl (other machine)" in text.getvalue() and "multi-LoRA (other" not in text.getvalue()
     rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
     esft = rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]
     # round 0 on m0 against the base's round 0 there; round 1 on the slow card against the base's round 2 there

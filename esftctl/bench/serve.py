@@ -514,11 +514,14 @@ def paired_ratios(r: dict, base: dict) -> None:
 
 
 def micro_ratios(results: list[dict]) -> None:
-    """Each microbenchmark number against plain vLLM's base's (same size, same length or batch)."""
-    anchors = {res["ranks"]: next(iter(res["micro"].values())) for res in results
-               if res["kind"] == "vLLM base" and res.get("micro")}
+    """Each microbenchmark number against plain vLLM's base's (same size, same length or batch); `micro_across`
+    where the two ran on different machines (slices of separate leases)."""
+    anchors = {res["ranks"]: res for res in results if res["kind"] == "vLLM base" and res.get("micro")}
     for res in results:
-        anchor = anchors.get(res["ranks"])
+        base = anchors.get(res["ranks"])
+        anchor = next(iter(base["micro"].values())) if base else None
+        if base and res.get("micro"):
+            res["micro_across"] = res.get("micro_machine") != base.get("micro_machine")
         for row in (res.get("micro") or {}).values() if anchor else ():
             for what in ("ttft_ms", "tpot_ms"):
                 row[f"{what}_ratio"] = {k: v / anchor[what][k] for k, v in row[what].items()

@@ -103,7 +103,8 @@ def _rounds(r: dict) -> str:
 def micro_table(result: dict):
     from rich.table import Table
 
-    rows = [(res["server"], k, m) for res in result["servers"] for k, m in (res.get("micro") or {}).items()]
+    rows = [(res["server"] + (" (other machine)" if res.get("micro_across") else ""), k, m)
+            for res in result["servers"] for k, m in (res.get("micro") or {}).items()]
     if not rows:
         return None
     c = result["config"]
@@ -111,7 +112,8 @@ def micro_table(result: dict):
     t = Table(title=f"microbenchmarks (ExpertWeave 5.3): median TTFT at batch 1 by prompt length, {c['micro_runs']} "
                     f"requests each; median TPOT over {c['decode_steps']} steps after a {c['decode_prompt']}-token "
                     "prompt by batch size; requests to the first adapter (or the base) with the given count "
-                    "loaded; x: against plain vLLM's base", title_justify="left")
+                    "loaded; x: against plain vLLM's base (on the same machine unless the server says other)",
+              title_justify="left")
     for col in ("server", "loaded", *(f"TTFT @{n}" for n in lengths), *(f"TPOT @b{b}" for b in batches)):
         t.add_column(col, justify="left" if col in ("server", "loaded") else "right")
     for server, loaded, m in rows:

@@ -275,6 +275,8 @@ def _add(res: dict, s: dict) -> None:
     for key in ("micro", "adapter_load", "copies"):
         if key in s:
             res[key] = s[key]
+    if "micro" in s:
+        res["micro_machine"] = s.get("machine")
 
 
 def _result(label: str, res: dict, profile: Profile) -> dict:
