@@ -56,7 +56,8 @@ def allow_amx() -> None:
     instruction before that dies of SIGILL. oneDNN asks when it first picks an AMX kernel, but vLLM 0.32's CPU
     build has AMX kernels of its own (its attention and MoE kernels pick isa "amx" on such CPUs), and under
     `esftctl serve` one of them ran first: the worker died (exit code -4) at the first adapter request, with
-    Qwen2-MoE and OLMoE bases on two AMX machines. Asking here, in every process, costs one system call.
+    Qwen2-MoE, OLMoE and GPT-OSS bases on AMX machines (CI too). Asking here, in every process, costs one system
+    call.
     """
     import torch
 
