@@ -3,11 +3,14 @@ server gets, the slices' order and resumption, the merged report, and what is pa
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 
 from esftctl.bench import serve_paging as sp
+from esftctl.bench.slices import anchored
 from esftctl.bench.synthetic_model import qwen3_30b_a3b_config, write_model
 
 SMALL_QWEN3 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -36,6 +39,7 @@ def test_every_regime_names_known_servers_and_the_anchors_first():
         specs = [sp.server_spec(s) for s in regime.servers]
         assert specs[0].name in ("vllm", "resident") and all(p.concurrency <= regime.max_num_seqs
                                                              for p in regime.points)
+        assert regime.anchor in regime.servers[:2]
     assert sp.server_spec("host+adapters").adapters == sp.ADAPTERS and sp.server_spec("host").adapters == 0
     for bad in ("vllm+adapters", "nope", "host+other"):
         with pytest.raises(ValueError):
@@ -102,13 +106,16 @@ def test_each_server_gets_its_paging_settings(small_qwen3, tmp_path):
         plan(small_qwen3, [], paging_window=layers, paging_adaptive=True)
 
 
-def _slice(tmp_path, server, rnd, tok_s, *, regime="spare", point="batch 32", kv=1000, tiers=None, device="H100"):
+def _slice(tmp_path, server, rnd, tok_s, *, regime="spare", point="batch 32", kv=1000, tiers=None, device="H100",
+           machine=None):
+    """A slice file as run_slice writes it (with no machine: as written before machines were recorded)."""
     path = sp.Slice(regime, server, rnd).path(tmp_path, "m")
     path.parent.mkdir(parents=True, exist_ok=True)
     metrics = {"output_throughput": tok_s, "median_ttft_ms": 10.0 * rnd, "p99_ttft_ms": 20.0, "median_tpot_ms": 5.0,
                "p99_tpot_ms": 9.0}
     path.write_text(json.dumps({"model": "m", "regime": regime, "server": server, "round": rnd, "device": device,
                                 "kv_cache_tokens": kv, "tiers": tiers or {}, "wall_s": 100,
+                                **({"machine": machine} if machine else {}),
                                 "points": {point: {**metrics, "preemptions": rnd, "fetch": {}}}}))
 
 
@@ -140,6 +147,44 @@ def test_report_sets_no_ratio_across_cards(tmp_path):
     rows = {r["server"]: r for r in sp.report(tmp_path)["rows"]}
     assert rows["resident"]["vs_vllm"] is None and rows["resident"]["device"] == ["H100"]
     assert rows["host"]["vs_resident"] is None and rows["host"]["device"] == ["H100", "H200"]
+
+
+def test_report_pairs_rounds_within_a_machine(tmp_path):
+    _slice(tmp_path, "resident", 0, 200, machine="A")
+    _slice(tmp_path, "resident", 1, 160, machine="B")  # a slower card
+    _slice(tmp_path, "host", 0, 150, machine="A")
+    _slice(tmp_path, "host", 1, 140, machine="B")
+    _slice(tmp_path, "host", 2, 100, machine="C")  # no resident run there: left out
+    _slice(tmp_path, "compressed", 0, 170)  # written before machines were recorded: the medians' ratio
+    result = sp.report(tmp_path)
+    rows = {r["server"]: r for r in result["rows"]}
+    host = rows["host"]
+    assert host["vs_resident"] == pytest.approx((150 / 200 + 140 / 160) / 2) and host["vs_resident_paired"] == 2
+    assert host["vs_resident_range"] == pytest.approx([0.75, 0.875])  # the medians' ratio would be 140 / 180
+    unknown = rows["compressed"]
+    assert unknown["vs_resident"] == pytest.approx(170 / 180) and unknown["vs_resident_paired"] == 0
+    text = io.StringIO()
+    Console(file=text, width=400).print(sp.tables(result)[0])
+    assert "0.81 " in text.getvalue() and "0.94*" in text.getvalue()
+
+
+def test_each_machine_runs_the_anchor_first(tmp_path):
+    _slice(tmp_path, "resident", 0, 200, machine="A")
+    todo = [sp.Slice("spare", "host", 0), sp.Slice("spare", "resident", 1), sp.Slice("spare", "adaptive", 0),
+            sp.Slice("machinery", "machinery", 0)]
+    anchors = {"spare": ("resident",), "machinery": ("resident",)}
+
+    def order(machine):
+        return [(s.group, s.server, s.round) for s in anchored(todo, out=tmp_path, model="m", machine=machine,
+                                                               anchors=anchors)]
+    assert order("A") == [("spare", "host", 0), ("spare", "resident", 1), ("spare", "adaptive", 0),
+                          ("machinery", "resident", 0), ("machinery", "machinery", 0)]  # A has run spare's anchor
+    assert order("B")[:2] == [("spare", "resident", 1), ("spare", "host", 0)]  # its first missing round, first
+    assert anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors)[0] == sp.Slice(
+        "spare", "resident", 1)
+    _slice(tmp_path, "resident", 1, 200, machine="A")
+    assert anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors)[0] == sp.Slice(
+        "spare", "resident", 2)  # every round there: one more
 
 
 def test_what_is_read_from_vllm():

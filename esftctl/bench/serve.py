@@ -78,6 +78,7 @@ from esftctl.bench.disk import evict, read_bandwidth
 from esftctl.bench.serve_models import Served, adapter_bytes, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
+from esftctl.bench.slices import pair_by_machine
 from esftctl.bench.traffic import SLORA_ALPHAS
 from esftctl.errors import one_line
 from esftctl.serve import free_port, plan
@@ -489,18 +490,13 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
 
 def paired_ratios(r: dict, base: dict) -> None:
     """A row's RATIOS against plain vLLM's base row at the same rate, round by round within one machine: each
-    round against the base's runs on its machine (those of the same round where there are any), the median of
-    those ratios with their range. A round whose machine has no base run is left out; a row with none falls back
-    to its median against the base's median, across machines (`paired_rounds` 0)."""
-    def runs(row: dict) -> list[tuple[dict, int, str | None]]:  # a row without its rounds pairs with nothing
+    round against the base's runs on its machine (esftctl.bench.slices.pair_by_machine), the median of those
+    ratios with their range. A round whose machine has no base run is left out; a row with none falls back to its
+    median against the base's median, across machines (`paired_rounds` 0)."""
+    def runs(row: dict) -> list[tuple[int, str | None]]:  # a row without its rounds pairs with nothing
         reps = row.get("repeats", [])
-        return list(zip(reps, row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
-    pairs = []
-    for rep, rnd, machine in runs(r):
-        there = [(b, br) for b, br, bm in runs(base) if bm == machine]
-        same_round = [b for b, br in there if br == rnd]
-        if there:
-            pairs.append((rep, same_round or [b for b, _ in there]))
+        return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
+    pairs = [(r["repeats"][i], [base["repeats"][j] for j in js]) for i, js in pair_by_machine(runs(r), runs(base))]
     r["paired_rounds"] = len(pairs)
     for key, metric in RATIOS:
         if not pairs:

@@ -38,8 +38,13 @@ Slices. One slice is one server started for one round of one regime: its points 
 to OUT/slices/MODEL/REGIME/SERVER/rROUND.json, and existing slice files are skipped, so a run resumes where the
 last stopped (on another machine too, with the folder carried). Slices go round by round, the servers of a round
 in a rotated order (interleaved repeats); `budget_s` passes over a slice its estimate would overrun (the wall
-time of this server's slice measured before, else SLICE_ESTIMATE_S). `report` merges every slice file into
-medians over rounds with ranges, ratios to plain vLLM and to esftctl resident, and the targets of issue 28. The
+time of this server's slice measured before, else SLICE_ESTIMATE_S). On a machine that has run no slice of a
+regime yet, the regime's anchor (the server its target is set against: plain vLLM where memory binds, esftctl
+resident otherwise) runs first, and each slice records its machine: the 2026-11-26 spare-regime ratios set an
+adaptive server against resident rounds of other H100s, which differ by a few percent among themselves.
+`report` merges every slice file into medians over rounds with ranges, ratios to plain vLLM and to esftctl
+resident (round by round on the same machine where the slices say so, else the medians'), and the targets of
+issue 28. The
 slices' machinery (order, resumption, budget, atomic writes) is esftctl.bench.slices, shared with `bench serve`.
 """
 
@@ -55,7 +60,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from esftctl.bench.slices import PREPARE_S, Slice, measured_walls, pending, run_pending, slice_order
+from esftctl.bench.slices import (
+    PREPARE_S,
+    Slice,
+    anchored,
+    machine_id,
+    measured_walls,
+    pair_by_machine,
+    pending,
+    run_pending,
+    slice_order,
+)
 from esftctl.bench.slices import load_slices as _load_slices
 from esftctl.jsonfile import write_json
 from esftctl.runtime.engine_status import STATUS_EVERY_S
@@ -86,6 +101,7 @@ class Regime:
     name: str
     points: tuple[Point, ...]
     servers: tuple[str, ...]  # the default servers, first the anchors
+    anchor: str  # what its target is set against: run first on every machine, ratios taken within a machine
     card_bytes: int | None = None  # emulate a card of this much memory (None: vLLM's default utilization)
     max_num_seqs: int = 64
 
@@ -94,10 +110,10 @@ SPARE_POINTS = (Point("batch 1", 1, 4, 1024, 256), Point("batch 32", 32, 32, 102
 PAGED = ("compressed", "fixed", "host", "adaptive")
 REGIMES = {
     "memory-bound": Regime("memory-bound", (Point("256 in flight", 256, 256, 3584, 512),),
-                           ("vllm", "resident", *PAGED, *(f"{s}+adapters" for s in ("resident", *PAGED))),
+                           ("vllm", "resident", *PAGED, *(f"{s}+adapters" for s in ("resident", *PAGED))), "vllm",
                            card_bytes=CARD_BYTES, max_num_seqs=256),
-    "spare": Regime("spare", SPARE_POINTS, ("vllm", "resident", *PAGED)),
-    "machinery": Regime("machinery", SPARE_POINTS, ("resident", "machinery", "machinery-store")),
+    "spare": Regime("spare", SPARE_POINTS, ("vllm", "resident", *PAGED), "resident"),
+    "machinery": Regime("machinery", SPARE_POINTS, ("resident", "machinery", "machinery-store"), "resident"),
 }
 
 
@@ -266,13 +282,16 @@ def run(model: str, *, out: Path, work: Path, scratch: Path | None = None, regim
     from esftctl.bench import serve_models
 
     chosen = {r: tuple(s for s in REGIMES[r].servers if servers is None or s in servers) for r in regimes}
-    todo = pending(slice_order({r: v for r, v in chosen.items() if v}, rounds), out, model)
+    machine = machine_id()
+    todo = anchored(pending(slice_order({r: v for r, v in chosen.items() if v}, rounds), out, model), out=out,
+                    model=model, machine=machine,
+                    anchors={r: (REGIMES[r].anchor,) for r, v in chosen.items() if REGIMES[r].anchor in v})
     served = functools.cache(lambda: serve_models.prepare_base(model, work, on_step, layers=layers))
     ran = run_pending(todo, out=out, model=model, budget_s=budget_s, on_step=on_step,
                       estimate_s=lambda sl: estimate_s(sl, out, model),
                       setup_s=0 if (Path(work) / "base").exists() else PREPARE_S,
                       run=lambda sl: run_slice(sl, model=model, served=served(), work=work, scratch=scratch or work,
-                                               prompts=prompts, on_step=on_step))
+                                               prompts=prompts, machine=machine, on_step=on_step))
     return {"model": model, "ran": [asdict(s) for s in ran], "left": [asdict(s) for s in pending(todo, out, model)]}
 
 
@@ -288,7 +307,7 @@ def regime_points(regime: Regime, prompts: int | None) -> tuple[Point, ...]:
     return tuple(replace(p, prompts=prompts) for p in regime.points)
 
 
-def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, prompts: int | None,
+def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, prompts: int | None, machine: str,
               on_step: Callable[[str], None]) -> dict:
     """Start the slice's server, warm it up, run every point of its regime once, stop it."""
     import torch
@@ -347,7 +366,7 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
             before = after
         status = _status(p.url)
     return {"model": model, "regime": sl.group, "server": sl.server, "round": sl.round, "spec": asdict(spec),
-            "device": _device(), "vllm_args": args, "command": p.command(), "ready_s": ready_s,
+            "device": _device(), "machine": machine, "vllm_args": args, "command": p.command(), "ready_s": ready_s,
             "kv_cache_tokens": kv if kv is not None else kv_log,
             "kv_cache_tokens_log": kv_log, "tiers": tiers(status), "points": points,
             "wall_s": time.monotonic() - t0, "finished": time.time()}
@@ -405,9 +424,9 @@ def report(out: Path) -> dict:
     index = {(r["model"], r["regime"], r["server"], r["point"]): r for r in rows}
     for r in rows:
         for anchor in ("vllm", "resident"):
-            a = index.get((r["model"], r["regime"], anchor, r["point"]))  # a ratio only between rounds of one card
-            ok = a and a["device"] == r["device"] and a["output_throughput"] and r["output_throughput"] is not None
-            r[f"vs_{anchor}"] = r["output_throughput"] / a["output_throughput"] if ok else None
+            key = (r["model"], r["regime"], anchor, r["point"])
+            r[f"vs_{anchor}"], r[f"vs_{anchor}_range"], r[f"vs_{anchor}_paired"] = versus(
+                groups[(r["model"], r["regime"], r["server"], r["point"])], groups.get(key, []), r, index.get(key))
     targets = []
     for key, (point, anchor, least) in TARGETS.items():
         regime = key.split("/")[0]
@@ -419,6 +438,23 @@ def report(out: Path) -> dict:
     result = {"benchmark": "paging-serve", "rows": sorted(rows, key=_order), "targets": targets}
     write_json(Path(out) / "paging_serve.json", result)
     return result
+
+
+def versus(reps: list[dict], anchors: list[dict], row: dict, anchor: dict | None
+           ) -> tuple[float | None, list[float] | None, int]:
+    """Output tok/s against the anchor server's at the same point: round by round against the anchor's runs on
+    the same machine (esftctl.bench.slices.pair_by_machine), their median and range, and how many rounds had one;
+    where none did (slices from before machines were recorded), the medians' ratio between rounds of one card."""
+    def where(runs: list[dict]) -> list[tuple[int, str | None]]:
+        return [(x["_slice"]["round"], x["_slice"].get("machine")) for x in runs]
+    ratios = [reps[i]["output_throughput"] / statistics.median(anchors[j]["output_throughput"] for j in js)
+              for i, js in pair_by_machine(where(reps), where(anchors))
+              if reps[i].get("output_throughput") is not None and all(anchors[j].get("output_throughput") for j in js)]
+    if ratios:
+        return statistics.median(ratios), [min(ratios), max(ratios)], len(ratios)
+    ok = bool(anchor and anchor["device"] == row["device"] and anchor["output_throughput"]
+              and row["output_throughput"] is not None)
+    return (row["output_throughput"] / anchor["output_throughput"] if ok else None), None, 0
 
 
 def _order(r: dict) -> tuple:
@@ -437,7 +473,8 @@ def tables(result: dict) -> list:
         return "-" if v is None else format_bytes(v)
 
     t = Table(title="FluxMoE's evaluation end to end (vLLM bench serve): medians over rounds \\[range]; x vLLM / x "
-                    "resident: output tok/s against plain vLLM / esftctl resident at the same point",
+                    "resident: output tok/s against plain vLLM / esftctl resident at the same point, round by round "
+                    "on the same machine ('*': across machines, slices from before machines were recorded)",
               title_justify="left")
     for col in ("model", "regime", "point", "server", "rounds", "tok/s \\[range]", "x vLLM", "x resident", "TTFT ms",
                 "TTFT p99", "TPOT ms", "TPOT p99", "KV tokens", "preempt", "experts on GPU", "store tier",
@@ -448,7 +485,7 @@ def tables(result: dict) -> list:
         timed = f.get("planner_load_ms")
         t.add_row(r["model"], r["regime"], r["point"], r["server"], str(r["rounds"]),
                   f"{r['output_throughput']:,.0f} [{rng[0]:,.0f}-{rng[1]:,.0f}]",
-                  *(f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("vs_vllm", "vs_resident")),
+                  *(_versus(r, anchor) for anchor in ("vllm", "resident")),
                   *(f"{r[m]:,.1f}" if r[m] is not None else "-" for m in METRICS[1:]),
                   f"{r['kv_cache_tokens']:,}" if r["kv_cache_tokens"] else "-", f"{r['preemptions']:g}",
                   gb(tr.get("expert_device_bytes")), gb(tr.get("paging_store_bytes")),
@@ -466,6 +503,11 @@ def tables(result: dict) -> list:
                       {True: "yes", False: "NO", None: "-"}[x["met"]])
         out.append(g)
     return out
+
+
+def _versus(r: dict, anchor: str) -> str:
+    ratio = r[f"vs_{anchor}"]
+    return "-" if ratio is None else f"{ratio:.2f}" + ("" if r.get(f"vs_{anchor}_paired") else "*")
 
 
 def plot(result: dict, path) -> None:

@@ -19,8 +19,8 @@ Layout: OUT/slices/MODEL/GRID/DEVICE/SERVER/[PART.]rROUND.json.
   server's first round).
 Machines: a device is lent one lease at a time, and two cards of a kind differ by a few percent, as much as the
 3% the low-load target resolves. So on a machine that has written no slice of the grid yet, plain vLLM's base
-runs first (anchored: its first missing round, else one round more), every slice records its machine
-(esftctl.bench.slices.machine_id), and each ratio is taken round by round against the base on the same machine
+runs first (esftctl.bench.slices.anchored: its first missing round, else one round more), every slice records
+its machine (slices.machine_id), and each ratio is taken round by round against the base on the same machine
 (bench.serve.paired_ratios). The base thus gets a round per machine, more than the grid plans.
 A slice that fails is written too, with its error and the time it took, so that a rerun does not spend that time
 again; the report lists it, and deleting the file runs it again. The merged server starts with as many copies as
@@ -65,6 +65,7 @@ from esftctl.bench.serve_runs import merge_rounds, part_of, rate_label, slug
 from esftctl.bench.slices import (
     PREPARE_S,
     Slice,
+    anchored,
     load_slices,
     machine_id,
     pending,
@@ -173,7 +174,7 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
     group = f"{grid_key(profile)}/{slug(device)}"
     servers = {s.key: s for s in bench_servers(profile, options)}
     todo = anchored(pending(slice_plan(profile, options, group), out, profile.model), out=out, model=profile.model,
-                    machine=machine, bases=[k for k, s in servers.items() if s.role == "base"])
+                    machine=machine, anchors={group: tuple(k for k, s in servers.items() if s.role == "base")})
     bench = functools.cache(lambda: Bench(profile, options, served=serve_models.prepare_base(profile.model, work,
                                                                                              on_step),
                                           work=work, scratch=scratch, out=out, gpu=gpu, on_step=on_step))
@@ -185,24 +186,6 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
                       run=lambda sl: run_slice(bench(), sl, servers[sl.server], device=device, machine=machine,
                                                out=out))
     return {"grid": group, "ran": [s.label for s in ran], "left": [s.label for s in pending(todo, out, profile.model)]}
-
-
-def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, bases: list[str]) -> list[Slice]:
-    """`todo` with plain vLLM's base first on a machine that has run no slice of the grid yet: its first missing
-    round, else one round more than it has. Each ratio is then taken against a base measured on the same machine
-    (serve.paired_ratios), not against another lease's card."""
-    if not todo or not bases:
-        return todo
-    group = todo[0].group
-    folder = todo[0].path(out, model).parent.parent
-    if any(read_slice(p).get("machine") == machine for p in folder.glob("*/*.json")):
-        return todo
-    first = []
-    for key in bases:
-        missing = [sl for sl in todo if sl.server == key and sl.part == ""]
-        done = [int(p.stem[1:]) for p in (folder / key).glob("r*.json")]
-        first.append(missing[0] if missing else Slice(group, key, max(done, default=-1) + 1))
-    return first + [sl for sl in todo if sl not in first]
 
 
 def earlier_copies(folder: Path) -> int:

@@ -70,6 +70,39 @@ def machine_id() -> str:
     return f"{card}/{boot}"
 
 
+def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int, str | None]]
+                    ) -> list[tuple[int, list[int]]]:
+    """Runs and anchor runs as (round, machine): for each run that has anchor runs on its machine, its index and
+    theirs (those of its own round where there are any, else all of that machine's). A run of no known machine
+    (slices written before machines were recorded) pairs with nothing."""
+    out = []
+    for i, (rnd, machine) in enumerate(runs):
+        there = [j for j, (_, m) in enumerate(anchors) if m == machine and machine is not None]
+        same_round = [j for j in there if anchors[j][0] == rnd]
+        if there:
+            out.append((i, same_round or there))
+    return out
+
+
+def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors: dict[str, tuple[str, ...]]
+             ) -> list[Slice]:
+    """`todo` with each group's anchor servers (`anchors`: group -> servers) moved before the group's first slice,
+    where this machine has run no slice of the group yet: each anchor's first missing round, else one round more
+    than it has. The group's ratios can then be taken against an anchor measured on the same machine."""
+    ordered: list[Slice] = []
+    for sl in todo:
+        folder = sl.path(out, model).parent.parent
+        if all(t.group != sl.group for t in ordered) and not any(
+                read_slice(p).get("machine") == machine for p in folder.glob("*/*.json")):
+            for key in anchors.get(sl.group, ()):
+                missing = [t for t in todo if t.group == sl.group and t.server == key and t.part == ""]
+                done = [int(p.stem[1:]) for p in (folder / key).glob("r*.json")]
+                ordered.append(missing[0] if missing else Slice(sl.group, key, max(done, default=-1) + 1))
+        if sl not in ordered:
+            ordered.append(sl)
+    return ordered
+
+
 def slice_order(groups: dict[str, tuple[str, ...]], rounds: int,
                 parts: Callable[[str], tuple[str, ...]] = lambda server: ("",)) -> list[Slice]:
     """Every slice, round by round: in round r each group's servers rotated by r (interleaved repeats), each
