@@ -11,8 +11,9 @@ Rounds interleave the servers (round r starts r servers further down the list): 
 time spreads over every server instead of landing on whichever ran last.
 
 Each slice records the machine it ran on (machine_id): devices are lent one lease at a time, and two H100s differ
-by a few percent (resident decode 3.82-4.02 ms at batch 1, 2026-11-26), as much as the effects measured, so
-`bench serve` measures plain vLLM's base first on every machine and takes each ratio within one machine.
+by a few percent (resident decode 3.82-4.02 ms at batch 1, 2026-11-26), as much as the effects measured. So both
+benches run their anchor (what their ratios are set against) first on every machine (anchored) and take each
+ratio within one machine (pair_by_machine).
 
 Used by `esftctl bench paging --serve` (esftctl.bench.serve_paging: GROUP is the regime) and `esftctl bench
 serve` (esftctl.bench.serve_slices: GROUP is the grid's key and the device, PART an adapter count or the
