@@ -191,6 +191,8 @@ def test_every_machine_measures_the_base_first(fake, tmp_path):
     drop("base/r1", "esftctl/n0.r1")
     assert calls_on("C") == [("base", 1, ""), ("esftctl", 1, "n0")]  # the base's first missing round
     assert calls_on("D") == []  # nothing left to run: no base either
+    drop("esftctl/micro.r0")
+    assert calls_on("E") == [("esftctl", 0, bench.MICRO)]  # microbenchmarks compare with the base's own: no anchor
 
 
 def test_ratios_are_taken_within_one_machine(fake, tmp_path):

@@ -174,7 +174,8 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
     group = f"{grid_key(profile)}/{slug(device)}"
     servers = {s.key: s for s in bench_servers(profile, options)}
     todo = anchored(pending(slice_plan(profile, options, group), out, profile.model), out=out, model=profile.model,
-                    machine=machine, anchors={group: tuple(k for k, s in servers.items() if s.role == "base")})
+                    machine=machine, anchors={group: tuple(k for k, s in servers.items() if s.role == "base")},
+                    needs_anchor=lambda sl: sl.part != MICRO)  # the microbenchmarks compare with the base's own
     bench = functools.cache(lambda: Bench(profile, options, served=serve_models.prepare_base(profile.model, work,
                                                                                              on_step),
                                           work=work, scratch=scratch, out=out, gpu=gpu, on_step=on_step))

@@ -85,15 +85,16 @@ def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int,
     return out
 
 
-def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors: dict[str, tuple[str, ...]]
-             ) -> list[Slice]:
-    """`todo` with each group's anchor servers (`anchors`: group -> servers) moved before the group's first slice,
-    where this machine has run no slice of the group yet: each anchor's first missing round, else one round more
-    than it has. The group's ratios can then be taken against an anchor measured on the same machine."""
+def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors: dict[str, tuple[str, ...]],
+             needs_anchor: Callable[[Slice], bool] = lambda sl: True) -> list[Slice]:
+    """`todo` with each group's anchor servers (`anchors`: group -> servers) moved before the group's first slice
+    that `needs_anchor`, where this machine has run no slice of the group yet: each anchor's first missing round,
+    else one round more than it has. The group's ratios can then be taken against an anchor measured on the same
+    machine."""
     ordered: list[Slice] = []
     for sl in todo:
         folder = sl.path(out, model).parent.parent
-        if all(t.group != sl.group for t in ordered) and not any(
+        if needs_anchor(sl) and all(t.group != sl.group for t in ordered if needs_anchor(t)) and not any(
                 read_slice(p).get("machine") == machine for p in folder.glob("*/*.json")):
             for key in anchors.get(sl.group, ()):
                 missing = [t for t in todo if t.group == sl.group and t.server == key and t.part == ""]
