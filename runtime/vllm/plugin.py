@@ -61,8 +61,9 @@ def allow_amx() -> None:
     """
     import torch
 
-    if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()
+    supported, init = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_init_amx"))
+    if supported and init and supported():  # private names of torch's (2.13 has both; vLLM 0.32 calls the first)
+        init()
 
 
 def register() -> None:
