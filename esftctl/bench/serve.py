@@ -78,7 +78,7 @@ from esftctl.bench.disk import evict, read_bandwidth
 from esftctl.bench.serve_models import Served, adapter_bytes, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
-from esftctl.bench.slices import pair_by_machine
+from esftctl.bench.slices import pair_by_machine, ratios_within_machines
 from esftctl.bench.traffic import SLORA_ALPHAS
 from esftctl.errors import one_line
 from esftctl.serve import free_port, plan
@@ -490,21 +490,21 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
 
 def paired_ratios(r: dict, base: dict) -> None:
     """A row's RATIOS against plain vLLM's base row at the same rate, round by round within one machine: each
-    round against the base's runs on its machine (esftctl.bench.slices.pair_by_machine), the median of those
-    ratios with their range. A round whose machine has no base run is left out; a row with none falls back to its
-    median against the base's median, across machines (`paired_rounds` 0)."""
+    round against the base's runs on its machine (esftctl.bench.slices.ratios_within_machines), the median of
+    those ratios with their range. A round whose machine has no base run is left out; a row with none falls back
+    to its median against the base's median, across machines (`paired_rounds` 0)."""
     def runs(row: dict) -> list[tuple[int, str | None]]:  # a row without its rounds pairs with nothing
         reps = row.get("repeats", [])
         return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
-    pairs = [(r["repeats"][i], [base["repeats"][j] for j in js]) for i, js in pair_by_machine(runs(r), runs(base))]
-    r["paired_rounds"] = len(pairs)
+    where, base_where = runs(r), runs(base)
+    r["paired_rounds"] = len(pair_by_machine(where, base_where))
     for key, metric in RATIOS:
-        if not pairs:
+        if not r["paired_rounds"]:
             if r.get(metric) is not None and base.get(metric):
                 r[key] = r[metric] / base[metric]
             continue
-        values = [rep[metric] / statistics.median(b[metric] for b in bases) for rep, bases in pairs
-                  if rep.get(metric) is not None and all(b.get(metric) for b in bases)]
+        values = ratios_within_machines([(*w, rep.get(metric)) for w, rep in zip(where, r["repeats"])],
+                                        [(*w, b.get(metric)) for w, b in zip(base_where, base["repeats"])])
         if values:
             r[key], r[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
 

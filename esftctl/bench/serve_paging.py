@@ -66,8 +66,8 @@ from esftctl.bench.slices import (
     anchored,
     machine_id,
     measured_walls,
-    pair_by_machine,
     pending,
+    ratios_within_machines,
     run_pending,
     slice_order,
 )
@@ -443,13 +443,12 @@ def report(out: Path) -> dict:
 def versus(reps: list[dict], anchors: list[dict], row: dict, anchor: dict | None
            ) -> tuple[float | None, list[float] | None, int]:
     """Output tok/s against the anchor server's at the same point: round by round against the anchor's runs on
-    the same machine (esftctl.bench.slices.pair_by_machine), their median and range, and how many rounds had one;
-    where none did (slices from before machines were recorded), the medians' ratio between rounds of one card."""
-    def where(runs: list[dict]) -> list[tuple[int, str | None]]:
-        return [(x["_slice"]["round"], x["_slice"].get("machine")) for x in runs]
-    ratios = [reps[i]["output_throughput"] / statistics.median(anchors[j]["output_throughput"] for j in js)
-              for i, js in pair_by_machine(where(reps), where(anchors))
-              if reps[i].get("output_throughput") is not None and all(anchors[j].get("output_throughput") for j in js)]
+    the same machine (esftctl.bench.slices.ratios_within_machines), their median and range, and how many rounds
+    had one; where none did (slices from before machines were recorded), the medians' ratio between rounds of one
+    card."""
+    def where(runs: list[dict]) -> list[tuple[int, str | None, float | None]]:
+        return [(x["_slice"]["round"], x["_slice"].get("machine"), x.get("output_throughput")) for x in runs]
+    ratios = ratios_within_machines(where(reps), where(anchors))
     if ratios:
         return statistics.median(ratios), [min(ratios), max(ratios)], len(ratios)
     ok = bool(anchor and anchor["device"] == row["device"] and anchor["output_throughput"]

@@ -22,6 +22,7 @@ microbenchmarks).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,15 @@ def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int,
         if there:
             out.append((i, same_round or there))
     return out
+
+
+def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
+                           anchors: list[tuple[int, str | None, float | None]]) -> list[float]:
+    """Runs and anchor runs as (round, machine, value): each run's value over the median of the anchor values it
+    pairs with (pair_by_machine), for the runs that pair and whose values are all there."""
+    return [runs[i][2] / statistics.median(anchors[j][2] for j in js)
+            for i, js in pair_by_machine([r[:2] for r in runs], [a[:2] for a in anchors])
+            if runs[i][2] is not None and all(anchors[j][2] for j in js)]
 
 
 def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors: dict[str, tuple[str, ...]],
