@@ -81,17 +81,17 @@ def test_slices_rotate_the_servers_per_round_and_cut_rounds_by_adapter_count():
     profile, options = grid(group_adapters=2)
     plan = ss.slice_plan(profile, options, "g")
     names = [f"{s.server} {s.name}" for s in plan]
-    assert names[:11] == ["base r0", "esftctl n0.r0", "esftctl n2.r0", "grouped-2-8 n0.r0", "grouped-2-8 n2.r0",
-                          "lora n0.r0", "lora n2.r0",
+    assert names[:11] == ["base r0", "esftctl n2.r0", "esftctl n0.r0", "grouped-2-8 n2.r0", "grouped-2-8 n0.r0",
+                          "lora n2.r0", "lora n0.r0",  # the largest count first
                           "base micro.r0", "esftctl micro.r0", "lora micro.r0",  # microbenchmarks: once, not grouped
-                          "esftctl n0.r1"]  # round 1 starts one server further
+                          "esftctl n2.r1"]  # round 1 starts one server further
     assert [s.server for s in plan if s.round == 2 and s.part != bench.MICRO][0] == "grouped-2-8"
     assert len(plan) == 3 * 7 + 3 and len(set(plan)) == len(plan)
     whole, _ = grid(slice_by="server", micro_runs=0)
     assert [f"{s.server} {s.name}" for s in ss.slice_plan(whole, options, "g")][:4] == [
         "base r0", "esftctl r0", "grouped-2-8 r0", "lora r0"]
     path = plan[1].path("OUT", "tiny")
-    assert path.as_posix() == "OUT/slices/tiny/g/esftctl/n0.r0.json"
+    assert path.as_posix() == "OUT/slices/tiny/g/esftctl/n2.r0.json"
     parallel = [s.key for s in bench.bench_servers(profile, bench.Options(servers=("base",), parallel=(1, 2)))]
     assert parallel == ["base", "base-tp2"]
 
@@ -269,7 +269,7 @@ def test_report_only_from_the_command_line(fake, tmp_path):
             "1", "--slice-by", "adapters", "--servers", "base,esftctl,lora")
     proc = run_cli(*args, "--repeats", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "8 of 13 slices" in proc.stdout and "missing: esftctl: n0.r1, n2.r1" in proc.stdout
+    assert "8 of 13 slices" in proc.stdout and "missing: esftctl: n2.r1, n0.r1" in proc.stdout
     (report,) = (tmp_path / "out").glob("serve-*.json")
     assert json.loads(report.read_text())["grid"].startswith(ss.grid_key(profile))
     proc = run_cli(*args, "--cv", "2")  # another grid: none of its slices are there

@@ -18,7 +18,11 @@
 # background.sh joins its arguments into one shell line: pass a compound command as one quoted argument, not
 # through `bash -c '...'` (which then runs an empty bash).
 # Needs ../shared/gpu/README.md's install.
+# SERVERS (2026-11-27, tenth session): the servers this machine measures, base and esftctl unless set. A machine
+# runs two or three slices, and the low-load target (5 to 20 adapters within 3% of the base) needs those two on
+# one machine; merged and multi-LoRA are the same grid's (the servers are not part of its key) and come after:
+# SERVERS=base,merged,esftctl,lora.
 set -u
 bash benchmarks/scripts/serve_bench_gpu.sh --budget "${BUDGET:-1200}" --adapter-shape deepseek \
-  --adapters 1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers base,merged,esftctl,lora
+  --adapters 1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers "${SERVERS:-base,esftctl}"
 echo all done
