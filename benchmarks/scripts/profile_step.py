@@ -21,7 +21,9 @@ would run out):
 Each batch: B requests of 32 prompt tokens, greedy, `--warm` steps, `--timed` steps timed without the profiler
 (the step time to believe: the profiler slows the host), then `--steps` profiled. Mixes: base (no adapter; through
 esftctl's runtime in the esft passes), 1 adapter (all B on one), 20 adapters (the B requests on B distinct ones).
-Writes OUT/results.json, OUT/<pass>.log and OUT/<pass>-<mix>-b<B>.json.gz (the traces), prints rich tables.
+Then the prefill phase (`--prefill` tokens, 0: none): TTFT in-process, one prompt alone and beside 4 decoding
+requests, on the base or on an adapter beside decoders on other adapters, timed and then profiled (prefill_runs).
+Writes OUT/results.json, OUT/<pass>.log and OUT/<pass>-<mix>-b<B>.json.gz (the decode traces), prints rich tables.
 
 A smoke run on vLLM's CPU build (no GPU rows there): `--small --layers 3 --batches 1,4 --warm 1 --timed 3 --steps 2
 --passes esft-eager,plain-eager`, 47 s on 2 cores. Run on the GPU machine (at most `--budget` 330 s):
@@ -32,6 +34,7 @@ A smoke run on vLLM's CPU build (no GPU rows there): `--small --layers 3 --batch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -182,7 +185,81 @@ def run_pass(args) -> None:
             engine.abort_request(ids)
             while engine.has_unfinished_requests():
                 engine.step()
+    if args.prefill:
+        result["runs"] += prefill_runs(engine, requests, args, out, esft)
     (out / f"{args.run_pass}.json").write_text(json.dumps(result, indent=1))
+
+
+def prefill_runs(engine, requests: list, args, out: Path, esft: bool) -> list[dict]:
+    """TTFT in-process: one `--prefill`-token prompt, added alone or beside B requests decoding (B in
+    `--prefill-beside`), timed from its add_request to its first token (`--timed-prefills` times), then profiled
+    (3 more, each step in a STEP scope). Mixes: the prompt on the base, or on adapter 0 with the decoders on
+    adapters 1..B (esft passes). Why: 2026-11-27's protocol grid (H100) put esftctl's median TTFT at 20 adapters at
+    1.14x plain vLLM's at 1 request/s and 2.4x at 2, while TPOT was 1.03x at 1 request/s."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from vllm import SamplingParams
+
+    from esftctl.bench.step_profile import STEP, step_components
+
+    first, long = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=4000, ignore_eos=True,
+                                                                               temperature=0)
+    runs, serial = [], 10_000
+    for beside in (int(b) for b in args.prefill_beside.split(",")):
+        for mix in ("base", "1 adapter") if esft else ("base",):
+            on = requests if mix != "base" else []  # the prompt on on[0], decoder i on on[1 + i]
+            decoders = [f"d{serial + i}" for i in range(beside)]
+            for i, rid in enumerate(decoders):
+                engine.add_request(rid, {"prompt_token_ids": [(i * 31 + t) % 1000 for t in range(PROMPT)]}, long,
+                                   lora_request=on[1 + i] if on else None)
+            tokens: dict[str, int] = dict.fromkeys(decoders, 0)
+
+            def step() -> None:
+                for o in engine.step():
+                    rid = o.request_id if o.request_id in tokens else o.request_id.rsplit("-", 1)[0]
+                    if rid in tokens:
+                        tokens[rid] = len(o.outputs[0].token_ids)
+
+            while decoders and min(tokens[d] for d in decoders) < 2:
+                step()
+
+            def one_prefill(scoped: bool) -> tuple[float, int]:
+                nonlocal serial
+                serial += 1
+                rid = f"p{serial}"
+                tokens[rid] = 0
+                engine.add_request(rid, {"prompt_token_ids": [(serial * 7919 + t) % 1000 for t in range(args.prefill)]},
+                                   first, lora_request=on[0] if on else None)
+                t0, steps = time.perf_counter(), 0
+                while tokens[rid] < 1:
+                    with record_function(STEP) if scoped else contextlib.nullcontext():
+                        step()
+                    steps += 1
+                return (time.perf_counter() - t0) * 1e3, steps
+
+            one_prefill(False)  # warm: this prompt length's first prefill
+            timed = sorted(one_prefill(False) for _ in range(args.timed_prefills))
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=activities) as prof:
+                profiled = [one_prefill(True) for _ in range(3)]
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            trace_file = out / f"{args.run_pass}-prefill-{mix.replace(' ', '')}-b{beside}.json"
+            prof.export_chrome_trace(str(trace_file))
+            trace = json.loads(trace_file.read_text())
+            trace_file.unlink()
+            ms = [t for t, _ in timed]
+            runs.append({"phase": "prefill", "batch": beside, "mix": mix, "prompt": args.prefill,
+                         "ttft_ms_median": ms[len(ms) // 2], "ttft_ms_min": ms[0], "ttft_ms_max": ms[-1],
+                         "steps_per_prefill": sum(n for _, n in profiled) / len(profiled),
+                         "step_ms_unprofiled": ms[len(ms) // 2] / max(1, timed[len(ms) // 2][1]),
+                         **step_components(trace)})
+            print(f"{args.run_pass} prefill {args.prefill} beside {beside} {mix}: TTFT {ms[len(ms) // 2]:.2f} ms "
+                  f"(min {ms[0]:.2f}, max {ms[-1]:.2f}), {runs[-1]['steps_per_prefill']:.1f} steps", flush=True)
+            engine.abort_request(decoders)
+            while engine.has_unfinished_requests():
+                engine.step()
+    return runs
 
 
 def from_log(text: str) -> dict:
@@ -207,6 +284,9 @@ def main() -> None:
     parser.add_argument("--capture-ab", action="store_true", help="also esft-vllm-graphs (vLLM's two graph sets)")
     parser.add_argument("--budget", type=float, default=330, help="seconds for everything; later passes are skipped")
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run on vLLM's CPU build")
+    parser.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill phase (0: none)")
+    parser.add_argument("--prefill-beside", default="0,4", help="requests decoding beside each timed prefill")
+    parser.add_argument("--timed-prefills", type=int, default=10, help="timed prefills per mix (their median)")
     parser.add_argument("--run-pass", help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
     parser.add_argument("--bundles", help=argparse.SUPPRESS)
@@ -227,7 +307,9 @@ def main() -> None:
             continue
         cmd = [sys.executable, __file__, "--out", str(out), "--run-pass", name, "--base", str(base),
                "--bundles", ",".join(map(str, bundles)), "--layers", str(args.layers), "--batches", args.batches,
-               "--warm", str(args.warm), "--timed", str(args.timed), "--steps", str(args.steps)]
+               "--warm", str(args.warm), "--timed", str(args.timed), "--steps", str(args.steps),
+               "--prefill", str(args.prefill), "--prefill-beside", args.prefill_beside,
+               "--timed-prefills", str(args.timed_prefills)]
         log = out / f"{name}.log"
         t0 = time.monotonic()
         with open(log, "w") as f:
@@ -258,12 +340,19 @@ def report(results: dict) -> None:
     for mode in ("graphs", "eager"):
         runs = [(name.split("-")[0], r) for name, res in results.items() if name.endswith(f"-{mode}")
                 for r in res.get("runs", [])]
-        for batch in sorted({r["batch"] for _, r in runs}):
-            cols = [(f"{who} {r['mix']}", r) for who, r in runs if r["batch"] == batch]
-            table = Table(title=f"decode step, batch {batch}, {mode} (ms per step)")
+        for phase, batch in sorted({(r.get("phase", "decode"), r["batch"]) for _, r in runs}):
+            cols = [(f"{who} {r['mix']}", r) for who, r in runs
+                    if r["batch"] == batch and r.get("phase", "decode") == phase]
+            title = (f"decode step, batch {batch}" if phase == "decode" else
+                     f"prefill of {cols[0][1]['prompt']} tokens beside {batch} decoding")
+            table = Table(title=f"{title}, {mode} (ms per step)")
             table.add_column("component")
             for label, _ in cols:
                 table.add_column(label, justify="right")
+            if phase == "prefill":
+                table.add_row("TTFT in-process, median (min-max)", *(
+                    f"{r['ttft_ms_median']:.2f} ({r['ttft_ms_min']:.2f}-{r['ttft_ms_max']:.2f})" for _, r in cols))
+                table.add_row("steps to the first token", *(f"{r['steps_per_prefill']:.1f}" for _, r in cols))
             table.add_row("step (unprofiled)", *(f"{r['step_ms_unprofiled']:.3f}" for _, r in cols))
             for label, key in ROWS:
                 table.add_row(label, *(f"{v:.3f}" if (v := row_value(r, key)) is not None else "-" for _, r in cols))
