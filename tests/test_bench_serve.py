@@ -14,6 +14,7 @@ import torch
 from conftest import run_cli
 from safetensors import safe_open
 
+from esftctl.bench import serve_runs
 from esftctl.bench.lora_peer import lora_modules, write_lora
 from esftctl.bench.synthetic_model import (
     INDEX_FILE,
@@ -212,6 +213,10 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     assert skewed["shares"]["expected"] == pytest.approx([0.5 ** 0.3, 1 - 0.5 ** 0.3]) and sum(
         skewed["shares"]["counts"]) == 4
     assert rows[("esftctl", "base @ 8 rps")]["arrival_cv"] is not None
+    for r in rows.values():  # vLLM's own per-request means: TTFT's parts inside the server, within the client's
+        assert 0 < r["server_prefill_ms"] and 0 <= r["server_queue_ms"] and r["server_decode_ms"] > 0
+        assert r["server_queue_ms"] + r["server_prefill_ms"] <= r["server_ttft_ms"] * 1.01 + 0.1
+        assert r["server_ttft_ms"] <= r["mean_ttft_ms"] * 1.01 + 0.1
     esft_base = rows[("esftctl", "base @ inf rps")]
     assert esft_base["tpot_ratio"] == esft_base["mean_tpot_ms"] / rows[("vLLM base", "base @ inf rps")]["mean_tpot_ms"]
     assert result["kv_cache"]["reported"]["esftctl"] > 0
@@ -350,3 +355,34 @@ def test_grid_adapters_of_either_shape(small_lite, tmp_path, monkeypatch):
     serve_models.write_adapters(served, "deepseek-v2-lite", tmp_path, 20, distinct=10, esft_sized=5)
     assert served.grid == [f"t1-{i:02d}" for i in range(20)] and served.esft_sized == [f"ds-{i}" for i in range(5)]
     assert [name for name, _ in written][10:] == [f"ds-{t}e" for t in (83, 100, 118, 135, 153)]
+
+
+METRICS = """# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_sum{engine="0",model_name="base"} 1.5
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="base"} 3.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="base"} 3.0
+vllm:request_queue_time_seconds_sum{engine="1",model_name="base"} 0.5
+vllm:request_queue_time_seconds_count{engine="1",model_name="base"} 1.0
+vllm:request_queue_time_seconds_created{engine="0",model_name="base"} 1.7e+09
+vllm:request_prefill_time_seconds_sum NaN
+vllm:request_prefill_time_seconds_count 0.0
+vllm:time_to_first_token_seconds_sum{model_name="base"} 2e-1
+vllm:time_to_first_token_seconds_count{model_name="base"} 4
+"""
+
+
+def test_server_times_add_label_sets_and_servers(monkeypatch):
+    """vLLM's histograms from /metrics (Prometheus' text format): _sum and _count added over label sets and
+    servers, buckets and _created left out, NaN skipped; the means between two readings in ms."""
+    class Reply:
+        def read(self):
+            return METRICS.encode()
+    monkeypatch.setattr(serve_runs.urllib.request, "urlopen", lambda url, timeout: Reply())
+    before = serve_runs.server_times(["http://a"])
+    assert before == {"queue": [2.0, 4.0], "prefill": [0.0, 0.0], "ttft": [0.2, 4.0], "decode": [0.0, 0.0]}
+    after = serve_runs.server_times(["http://a", "http://b"])  # two servers side by side: the sums add
+    assert after["queue"] == [4.0, 8.0]
+    means = serve_runs.server_means(before, after)
+    assert means == {"server_queue_ms": 500.0, "server_prefill_ms": None, "server_ttft_ms": 50.0,
+                     "server_decode_ms": None}

@@ -8,6 +8,9 @@ import statistics
 
 def tables(result: dict) -> list:
     out = [runs_table(result)]
+    inside = server_times_table(result)
+    if inside is not None:
+        out.append(inside)
     micro = micro_table(result)
     if micro is not None:
         out.append(micro)
@@ -92,6 +95,29 @@ def runs_table(result: dict):
                       *(_f(r.get(k), ".3f") for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
                       f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
                       _f(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
+    return t
+
+
+def server_times_table(result: dict):
+    """Where the mean TTFT went (esftctl.bench.serve_runs.SERVER_TIMES): waiting to be scheduled, scheduled to
+    first token, and the API server's share (the client's mean less vLLM's); medians over rounds. None before any
+    run carried them."""
+    from rich.table import Table
+
+    rows = [(res["server"], r) for res in result["servers"] for r in res["rows"]
+            if r.get("server_ttft_ms") is not None]
+    if not rows:
+        return None
+    t = Table(title="inside the server (vLLM's per-request histograms, means over each run's requests, medians over "
+                    "rounds): TTFT = queue + prefill + the API server's share (the client's mean TTFT less vLLM's)",
+              title_justify="left")
+    for col in ("server", "scenario", "client TTFT ms", "vLLM TTFT", "queue", "prefill", "API share", "decode ms"):
+        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
+    for server, r in rows:
+        api = r["mean_ttft_ms"] - r["server_ttft_ms"] if r.get("mean_ttft_ms") is not None else None
+        t.add_row(server, r["scenario"], _f(r.get("mean_ttft_ms"), ".1f"), _f(r["server_ttft_ms"], ".1f"),
+                  *(_f(r.get(f"server_{k}_ms"), ".1f") for k in ("queue", "prefill")), _f(api, ".1f"),
+                  _f(r.get("server_decode_ms"), ".0f"))
     return t
 
 

@@ -23,6 +23,7 @@ the CPU build) or DeepSeek's published ESFT adapters on ESFT-vanilla-lite where 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import statistics
@@ -103,6 +104,37 @@ def kv_cache_tokens(url: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# vLLM's per-request histograms (/metrics): where a request's time went inside the server. TTFT = queue (waiting
+# to be scheduled) + prefill (scheduled to first token) + the API server's own share (client TTFT less vLLM's).
+# 2026-11-27's first grid slices (H100) put esftctl's client TTFT at 20 adapters at 2.4x plain vLLM's at 2
+# requests/s, while the engine steps profiled in-process (benchmarks/scripts/profile_step.py) cost the same on
+# the GPU: these say which part of the served path holds the difference.
+SERVER_TIMES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                "ttft": "vllm:time_to_first_token_seconds", "decode": "vllm:request_decode_time_seconds"}
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)_(sum|count)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$", re.M)
+
+
+def server_times(urls: list[str]) -> dict[str, list[float]]:
+    """Sum and count of each SERVER_TIMES histogram, added over the servers and their label sets."""
+    wanted = {name: key for key, name in SERVER_TIMES.items()}
+    out = {key: [0.0, 0.0] for key in SERVER_TIMES}
+    for url in urls:
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        for name, kind, value in _SAMPLE.findall(text):
+            if name in wanted and value != "NaN":
+                out[wanted[name]][kind == "count"] += float(value)
+    return out
+
+
+def server_means(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float | None]:
+    """Each histogram's mean over the requests between two server_times, in ms (server_queue_ms, ...)."""
+    out = {}
+    for key in SERVER_TIMES:
+        count = after[key][1] - before[key][1]
+        out[f"server_{key}_ms"] = (after[key][0] - before[key][0]) * 1e3 / count if count > 0 else None
+    return out
+
+
 def part_of(s: Scenario) -> str:
     """The slice part a scenario belongs to when a server's round is cut by adapter count (n5; ds5: DeepSeek-sized
     adapters beside Table 1's)."""
@@ -127,7 +159,8 @@ def measure_server(label: str, plans: list, *, served, profile, runs: list[Scena
         run = _runner(url, model, served=served, profile=profile, routes=routes, out=out)
         _warm_up(run, label, runs, names, profile, on_step)
         compiled = jit_compiles(plans)
-        measured = _round(run, label, runs, names, profile, round, on_step, order or runs)
+        times = functools.partial(server_times, [p.url for p in plans])
+        measured = _round(run, label, runs, names, profile, round, on_step, order or runs, times)
         compiled = jit_compiles(plans) - compiled
         try:  # a failure here keeps the runs measured above
             extra = after(url) if after else {}
@@ -173,9 +206,10 @@ def jit_compiles(plans: list) -> int:
 
 
 def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile, rnd: int, on_step,
-           order: list[Scenario]) -> list[dict]:
+           order: list[Scenario], times: Callable[[], dict] = lambda: {}) -> list[dict]:
     """Every scenario once, in an order rotated by the round; each run's entry keeps its scenario (and place in
-    `order`), vLLM's numbers, the adapters drawn and the seconds it took."""
+    `order`), vLLM's numbers, the server's own per-request means (`times`: server_times), the adapters drawn
+    and the seconds it took."""
     out = []
     k = rnd % len(runs) if runs else 0
     for s in runs[k:] + runs[:k]:
@@ -183,8 +217,10 @@ def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile
         count = profile.requests(s.rate)
         drawn = s.draw(rnd, count)
         load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
-        started = time.perf_counter()
+        started, before = time.perf_counter(), times()
         result = summary(run(f"{label} {s.name} r{rnd}", load, [names[s.pool][i] for i in drawn]))
+        if before:
+            result.update(server_means(before, times()))
         if math.isinf(s.rate):  # all at once: no gaps to speak of
             result["arrival_cv"] = None
         out.append({"scenario": asdict(s), "index": order.index(s), "round": rnd, "result": result, "drawn": drawn,
