@@ -234,6 +234,8 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     assert micro["ttft_ms_ratio"]["16"] == micro["ttft_ms"]["16"] / base_micro["ttft_ms"]["16"]
     assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 2 + 3 * 6  # vLLM's own result files
     assert report.with_suffix(".png").stat().st_size > 0
+    logs = list((tmp_path / "work" / "state").rglob("vllm.log"))  # every server without the prefix cache
+    assert len(logs) >= 4 and all("enable_prefix_caching=False" in log.read_text(errors="replace") for log in logs)
 
 
 def test_cpu_ranks_are_bound_only_while_a_parallel_server_starts(monkeypatch):

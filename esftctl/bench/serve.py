@@ -121,16 +121,25 @@ class Profile:
         return self.prompts if math.isinf(rate) else max(2, round(rate * self.duration))
 
 
+# Every server runs without vLLM's prefix cache. A server runs several loads (rates, counts, alphas; the
+# microbenchmarks' prompt lengths), and the same seed draws the same prompts in each, so the cache served later
+# runs' prompts from earlier ones: on the H100 (2026-11-27) plain vLLM's base hit it for up to 46% of its prompt
+# tokens at 2 and 5 requests/s, esftctl for 1-2% (a cached block is keyed by its adapter too), which flattered the
+# base's TTFT and TPOT. Random prompts share no prefix a user's would, so no server should gain from the cache here.
+NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
+
 PROFILES = {
     "tiny": Profile("tiny", counts=(0, 1, 2), rates=(8.0, INF), prompts=12, duration=1.5, input_len=24, output_len=8,
-                    repeats=2, alphas=(1.0, 0.3), engine_args=("--max-model-len", "256", "--max-num-seqs", "32"),
+                    repeats=2, alphas=(1.0, 0.3),
+                    engine_args=("--max-model-len", "256", "--max-num-seqs", "32", *NO_PREFIX_CACHE),
                     micro_lengths=(16, 64), micro_batches=(1, 4), micro_loaded=(2, 1), micro_runs=3,
                     decode_prompt=64, decode_steps=16),
     "deepseek-v2-lite": Profile(
         "deepseek-v2-lite", counts=(0, 1, 5, 10, 20), rates=(1.0, 2.0, 5.0, INF), prompts=256, duration=60.0,
         input_len=256, output_len=128, repeats=3, alphas=SLORA_ALPHAS, esft_sized=5, distinct=10,
-        engine_args=("--max-model-len", "4096", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92"),  # 4096:
-        # the microbenchmarks' 2,048-token prompts and their output fit (issue 15's runs had 2048)
+        engine_args=("--max-model-len", "4096", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92",
+                     *NO_PREFIX_CACHE),  # 4096: the microbenchmarks' 2,048-token prompts and their output fit (issue
+        # 15's runs had 2048)
         micro_lengths=(128, 512, 1024, 2048), micro_batches=(1, 8, 32), micro_loaded=(20, 5, 1),
         slice_by="adapters"),  # a whole round of esftctl does not fit one device call (the module says why)
 }
