@@ -2,8 +2,8 @@
 # The GPU work that awaits (written 2026-11-26, eighth session, for the next one). Issue 28's GPU work is done
 # (RESULTS.md: "Issue 28 as it stands"); what is left is issue 29's protocol grid (benchmarks/serve-bench/README.md),
 # 0 of its 34 slices so far (count 0 left out: that README says why; the two H100 slices of 2026-11-27's tenth
-# session ran with vLLM's prefix cache on, which flattered the base, and belong to an older grid key). This starts it: the README's first command,
-# with a machine's budget. Each machine runs plain vLLM's base first (2026-11-27: ratios are taken within one
+# session ran with vLLM's prefix cache on, which flattered the base, and belong to an older grid key). This starts
+# it: the README's first command, with a machine's budget. Each machine runs plain vLLM's base first (2026-11-27: ratios are taken within one
 # machine; the README says why), so a machine's first 7 minutes or so go to the base. Carry nothing beyond the install's three folders (the bench generates its base and
 # adapters on the device).
 # A plain call may get an H100 counting 50-67% of its held time, or a machine counting in full (the lease says

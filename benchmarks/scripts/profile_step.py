@@ -195,7 +195,8 @@ def prefill_runs(engine, requests: list, args, out: Path, esft: bool) -> list[di
     `--prefill-beside`), timed from its add_request to its first token (`--timed-prefills` times), then profiled
     (3 more, each step in a STEP scope). Mixes: the prompt on the base, or on adapter 0 with the decoders on
     adapters 1..B (esft passes). Why: 2026-11-27's protocol grid (H100) put esftctl's median TTFT at 20 adapters at
-    1.14x plain vLLM's at 1 request/s and 2.4x at 2, while TPOT was 1.03x at 1 request/s."""
+    1.14x plain vLLM's at 1 request/s and 2.4x at 2, while TPOT was 1.03x at 1 request/s (most of it was later
+    traced to the base's prefix-cache hits: esftctl.bench.serve.NO_PREFIX_CACHE)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams

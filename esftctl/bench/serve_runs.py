@@ -108,7 +108,8 @@ def kv_cache_tokens(url: str) -> int | None:
 # to be scheduled) + prefill (scheduled to first token) + the API server's own share (client TTFT less vLLM's).
 # 2026-11-27's first grid slices (H100) put esftctl's client TTFT at 20 adapters at 2.4x plain vLLM's at 2
 # requests/s, while the engine steps profiled in-process (benchmarks/scripts/profile_step.py) cost the same on
-# the GPU: these say which part of the served path holds the difference.
+# the GPU; vLLM's logs then showed the base served half those prompts from its prefix cache (serve.NO_PREFIX_CACHE).
+# These means keep each run's split measured, so that a gap left says at once where it sits.
 SERVER_TIMES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
                 "ttft": "vllm:time_to_first_token_seconds", "decode": "vllm:request_decode_time_seconds"}
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)_(sum|count)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$", re.M)
