@@ -28,7 +28,9 @@ Writes OUT/results.json, OUT/<pass>.log and OUT/<pass>-<mix>-b<B>.json.gz (the d
 A smoke run on vLLM's CPU build (no GPU rows there): `--small --layers 3 --batches 1,4 --warm 1 --timed 3 --steps 2
 --passes esft-eager,plain-eager`, 47 s on 2 cores. Run on the GPU machine (at most `--budget` 330 s):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
-  python3 benchmarks/scripts/profile_step.py --out $OUT/profile
+  python3 benchmarks/scripts/profile_step.py --out /tmp/profile; tar -czf $OUT/profile.tgz -C /tmp profile
+(one tarball: a device call brings back at most 8 files, and the traces alone are more; 2026-11-27 lost the
+passes' JSON that way).
 """
 
 from __future__ import annotations
