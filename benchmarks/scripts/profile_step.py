@@ -89,6 +89,16 @@ def prepare(work: Path, layers: int, small: bool) -> tuple[Path, list[Path]]:
     return base, bundles
 
 
+def stepper(engine, tokens: dict[str, int]):
+    """One engine step as a function: it records each tracked request's output tokens in `tokens`."""
+    def step() -> None:
+        for o in engine.step():  # vLLM may suffix the ids it was given
+            rid = o.request_id if o.request_id in tokens else o.request_id.rsplit("-", 1)[0]
+            if rid in tokens:
+                tokens[rid] = len(o.outputs[0].token_ids)
+    return step
+
+
 def mixes(esft: bool, batch: int) -> dict[str, list[int | None]]:
     """Mix name -> the adapter index of each of the batch's requests (None: the base)."""
     out = {"base": [None] * batch}
@@ -148,12 +158,7 @@ def run_pass(args) -> None:
                                    params, lora_request=requests[a] if a is not None else None)
             tokens = dict.fromkeys(ids, 0)
 
-            def step() -> None:
-                for o in engine.step():  # vLLM may suffix the ids it was given
-                    rid = o.request_id if o.request_id in tokens else o.request_id.rsplit("-", 1)[0]
-                    if rid in tokens:
-                        tokens[rid] = len(o.outputs[0].token_ids)
-
+            step = stepper(engine, tokens)
             for _ in range(100):  # every request past its prefill
                 if min(tokens.values()) >= 2:
                     break
@@ -217,12 +222,7 @@ def prefill_runs(engine, requests: list, args, out: Path, esft: bool) -> list[di
                                    lora_request=on[1 + i] if on else None)
             tokens: dict[str, int] = dict.fromkeys(decoders, 0)
 
-            def step() -> None:
-                for o in engine.step():
-                    rid = o.request_id if o.request_id in tokens else o.request_id.rsplit("-", 1)[0]
-                    if rid in tokens:
-                        tokens[rid] = len(o.outputs[0].token_ids)
-
+            step = stepper(engine, tokens)
             while decoders and min(tokens[d] for d in decoders) < 2:
                 step()
 

@@ -55,7 +55,6 @@ import math
 import re
 import statistics
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -208,10 +207,6 @@ def preemptions(metrics: str) -> int:
                                                 metrics, flags=re.M)))
 
 
-def _metrics(url: str) -> str:
-    return urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-
-
 def _status(url: str) -> dict | None:
     from esftctl.serve_client import status
 
@@ -314,7 +309,7 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
 
     from esftctl.bench import serve_models
     from esftctl.bench.load import Load, run_load, summary
-    from esftctl.bench.serve_runs import kv_cache_tokens, slug
+    from esftctl.bench.serve_runs import kv_cache_tokens, metrics_text, slug
     from esftctl.bench.traffic import draw_adapters, run_seed
     from esftctl.serve import Server, free_port
     from esftctl.serve_client import request
@@ -358,10 +353,11 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
         before = settled_status(p.url, nudge)  # each point's counts from the last one's settled status
         for point in regime_points(regime, prompts):
             on_step(f"{label}: {point.name}")
-            pre = preemptions(_metrics(p.url))
+            pre = preemptions(metrics_text(p.url))
             result = summary(load(point, sl.round, point.name))
             after = settled_status(p.url, nudge)
-            points[point.name] = {**result, "point": asdict(point), "preemptions": preemptions(_metrics(p.url)) - pre,
+            points[point.name] = {**result, "point": asdict(point),
+                                  "preemptions": preemptions(metrics_text(p.url)) - pre,
                                   "fetch": fetch_delta(before, after)}
             before = after
         status = _status(p.url)

@@ -97,10 +97,14 @@ def base_runs(profile) -> list[Scenario]:
     return [Scenario(scenario_name(0, 1.0, r), r) for r in profile.rates]
 
 
+def metrics_text(url: str) -> str:
+    """vLLM's /metrics page (Prometheus' text format), any server: plain or esftctl."""
+    return urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+
+
 def kv_cache_tokens(url: str) -> int | None:
     """The KV-cache room vLLM reports (its cache_config_info gauge), any server: plain or esftctl."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    m = re.search(r'kv_cache_size_tokens="(\d+)"', text)
+    m = re.search(r'kv_cache_size_tokens="(\d+)"', metrics_text(url))
     return int(m.group(1)) if m else None
 
 
@@ -120,8 +124,7 @@ def server_times(urls: list[str]) -> dict[str, list[float]]:
     wanted = {name: key for key, name in SERVER_TIMES.items()}
     out = {key: [0.0, 0.0] for key in SERVER_TIMES}
     for url in urls:
-        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-        for name, kind, value in _SAMPLE.findall(text):
+        for name, kind, value in _SAMPLE.findall(metrics_text(url)):
             if name in wanted and value != "NaN":
                 out[wanted[name]][kind == "count"] += float(value)
     return out
