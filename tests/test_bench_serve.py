@@ -190,17 +190,25 @@ def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path
 
 @pytest.mark.vllm
 def test_bench_serve_runs_on_the_cpu_build(tmp_path):
-    """CI size: plain vLLM's base, esftctl serve with two adapters over 0, 1 and 2 of them (and grouped, and under
-    vLLM's --max-loras 1), at 8 requests/s and all at once; the microbenchmarks; vLLM's own results. One slice per
-    server and round (4), and the microbenchmarks' (2: base and esftctl)."""
+    """CI size: plain vLLM's base, esftctl serve with two adapters over 0 and 2 of them (and grouped, and under
+    vLLM's --max-loras 1), at 8 requests/s and all at once; the microbenchmarks; vLLM's own results. Sliced by
+    adapter count as the GPU grid is: one slice per server and count (1 + 3 x 2), the counts of esftctl and of
+    --max-loras each on one server start, and the microbenchmarks' (2: base and esftctl)."""
     proc = run_cli("bench", "serve", "--out", tmp_path / "out", "--work", tmp_path / "work", "--servers",
                    "base,esftctl", "--adapters", "0,2", "--rates", "8,inf", "--duration", "0.5", "--prompts", "4",
-                   "--repeats", "1", "--micro-runs", "2", "--group-adapters", "1", "--max-loras", "1", "--json")
+                   "--repeats", "1", "--micro-runs", "2", "--group-adapters", "1", "--max-loras", "1",
+                   "--slice-by", "adapters", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (report,) = (tmp_path / "out").glob("serve-*.json")  # the grid's report on this device
     result = json.loads(report.read_text())
-    assert result["missing"] == [] and len(list((tmp_path / "out" / "slices").rglob("*.json"))) == 4 + 2
+    sliced = {p.relative_to(p.parents[1]).as_posix(): json.loads(p.read_text())
+              for p in (tmp_path / "out" / "slices").rglob("*.json")}
+    assert result["missing"] == [] and len(sliced) == 1 + 3 * 2 + 2
     assert not result["errors"]
+    for server in ("esftctl", "max-loras-1"):  # one start served both counts, 2 adapters first
+        first, second = sliced[f"{server}/n2.r0.json"], sliced[f"{server}/n0.r0.json"]
+        assert (first["parts_before"], second["parts_before"]) == (0, 1) and first["ready_s"] == second["ready_s"]
+    assert sliced["grouped-1-8/n0.r0.json"]["parts_before"] == 0  # the grouping scheduler's: a start per count
     rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
     esftctl = {f"{n} @ {rate} rps" for rate in ("8", "inf")
                for n in ("base", "2 adapters, alpha 1", "2 adapters, alpha 0.3")}

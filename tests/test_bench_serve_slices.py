@@ -30,7 +30,8 @@ def grid(**over):
 class FakeBench:
     """bench.serve.Bench's face to serve_slices: measure() returns made-up runs, and a `fail` server raises."""
 
-    calls: list = []
+    calls: list = []  # (server, round, part) of each part measured
+    starts: list = []  # (server, round, parts) of each server start
     fail: set = set()
     machine = "m0"  # the machine the slices run on (serve_slices.machine_id), and how fast its card is
     speed = 1.0
@@ -41,12 +42,19 @@ class FakeBench:
     def label(self, kind, ranks):
         return kind + bench.parallel_label(ranks, False)
 
-    def measure(self, server, *, round, part="", copies=0):
-        FakeBench.calls.append((server.key, round, part))
-        if server.key in FakeBench.fail:
-            raise RuntimeError("the server did not start\nsecond line")
+    def measure(self, server, *, round, parts=("",), copies=0):
+        FakeBench.starts.append((server.key, round, parts))
+        for part in parts:
+            FakeBench.calls.append((server.key, round, part))
+            if server.key in FakeBench.fail:
+                raise RuntimeError("the server did not start\nsecond line")
+            yield self.result(server, round, part, first=part == parts[0])
+
+    def result(self, server, round, part, first):
+        head = {"server": server.kind, "kind": server.kind, "ready_s": 4.0 + round, "kv_cache_tokens": 1000,
+                "parts_before": 0 if first else 1, "own_s": 2.0}
         if part == bench.MICRO:
-            return {"server": server.kind, "kind": server.kind, "ready_s": 5.0, "kv_cache_tokens": 900, "runs": [],
+            return {**head, "ready_s": 5.0, "kv_cache_tokens": 900, "runs": [],
                     "micro": {"all": {"ttft_ms": {"16": 10.0 + round}, "tpot_ms": {"1": 2.0}}}}
         order = bench.base_runs(self.profile) if server.role == "base" else bench.adapter_runs(self.profile,
                                                                                               server.role)
@@ -57,13 +65,12 @@ class FakeBench:
                                                "median_ttft_ms": 20.0 + round, "p99_ttft_ms": 40.0,
                                                "mean_tpot_ms": 5.0, "median_tpot_ms": 5.0, "p99_tpot_ms": 9.0,
                                                "arrival_cv": 1.0}} for s in runs]
-        return {"server": server.kind, "kind": server.kind, "ready_s": 4.0 + round, "kv_cache_tokens": 1000,
-                "runs": entries}
+        return {**head, "runs": entries}
 
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    FakeBench.calls, FakeBench.fail, FakeBench.machine, FakeBench.speed = [], set(), "m0", 1.0
+    FakeBench.calls, FakeBench.starts, FakeBench.fail, FakeBench.machine, FakeBench.speed = [], [], set(), "m0", 1.0
     monkeypatch.setattr(ss, "Bench", FakeBench)
     monkeypatch.setattr(ss, "machine_id", lambda: FakeBench.machine)
     monkeypatch.setattr(ss.serve_models, "prepare_base", lambda model, work, on_step: Served(tmp_path / "base"))
@@ -111,6 +118,8 @@ def test_a_rerun_resumes_and_failed_slices_are_kept(fake, tmp_path):
     first = fake(profile, options, tmp_path / "out")
     assert len(first["ran"]) == 2 * 5 + 3 and first["left"] == []
     assert len(FakeBench.calls) == 13
+    assert [p for k, r, p in FakeBench.starts if k == "lora"] == [("n2", "n0"), ("n0",), ("micro",), ("n2", "n0"),
+                                                                  ("n0",)]  # after a failure, a start of its own
     failed = slices.read_slice(tmp_path / "out" / "slices" / "tiny" / first["grid"] / "lora" / "n2.r1.json")
     assert failed["error"] == "the server did not start second line" and failed["wall_s"] >= 0
     FakeBench.calls = []
@@ -125,18 +134,32 @@ def test_the_budget_stops_before_a_slice_that_would_overrun(fake, tmp_path):
     out = tmp_path / "out"
     first = fake(profile, options, out, budget_s=60)
     assert first["ran"] == [] and len(first["left"]) == 5 and FakeBench.calls == []  # base: START_S alone
-    order = ss.slice_plan(profile, options, first["grid"])
+    order = ss.slice_plan(profile, options, first["grid"])  # base, esftctl n2 and n0, lora n2 and n0
     servers = {s.key: s for s in bench.bench_servers(profile, options)}
 
-    def estimate(sl):
-        return ss.estimate_s(sl, servers[sl.server], out=out, profile=profile, scratch=tmp_path)
-    assert estimate(order[0]) == ss.START_S["base"] + profile.duration + ss.RUN_TAIL_S
+    def estimate(sl, warm=False):
+        return ss.estimate_s(sl, servers[sl.server], warm=warm, out=out, profile=profile, scratch=tmp_path)
+    runs = ss.WARM_UP_S + profile.duration + ss.RUN_TAIL_S
+    assert estimate(order[0]) == ss.START_S["base"] + runs
+    assert estimate(order[2], warm=True) == runs  # n0 on the server n2 started
     done = fake(profile, options, out, budget_s=math.inf)
     assert len(done["ran"]) == 5
-    wall = slices.read_slice(order[1].path(out, "tiny"))["wall_s"]
-    assert estimate(order[1]) == wall  # measured: the same server and part's wall time
+    assert estimate(order[1]) == 4.0 + 2.0 and estimate(order[2], warm=True) == 2.0  # measured: start-up, own
     order[2].path(out, "tiny").unlink()
-    assert estimate(order[2]) == pytest.approx(wall - 1.0 + profile.duration + ss.RUN_TAIL_S)  # its start + runs
+    assert estimate(order[2]) == 4.0 + runs  # the server's start measured by n2, the part's defaults
+
+
+def test_the_counts_of_a_round_share_one_start(fake, tmp_path):
+    profile, options = grid(repeats=2, micro_runs=0, group_adapters=2)
+    done = fake(profile, options, tmp_path / "out")
+    assert done["left"] == [] and len(done["ran"]) == 2 * 7
+    assert [(k, p) for k, r, p in FakeBench.starts if r == 0] == [
+        ("base", ("",)), ("esftctl", ("n2", "n0")),
+        ("grouped-2-8", ("n2",)), ("grouped-2-8", ("n0",)),  # its statistics count from its start: one count each
+        ("lora", ("n2", "n0"))]
+    folder = tmp_path / "out" / "slices" / "tiny" / done["grid"] / "esftctl"
+    first, second = (slices.read_slice(folder / f"{p}.r1.json") for p in ("n2", "n0"))
+    assert (first["parts_before"], second["parts_before"]) == (0, 1) and first["ready_s"] == second["ready_s"]
 
 
 def test_the_report_merges_a_partial_grid(fake, tmp_path):
@@ -232,17 +255,63 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     assert "2 (1 paired)" in text.getvalue()
 
 
+def one_by_one(result):
+    return lambda batch: (result(sl) for sl in batch)
+
+
 def test_a_slice_too_long_for_what_is_left_is_passed_over_for_shorter_ones(tmp_path):
     todo = [slices.Slice("g", s, 0) for s in ("a", "b", "c")]
     need = {"a": 100, "b": 1000, "c": 50}
     steps = []
-    ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=200, estimate_s=lambda sl: need[sl.server],
-                             run=lambda sl: {"wall_s": 1}, setup_s=20, on_step=steps.append)
+    ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=200, estimate_s=lambda sl, warm: need[sl.server],
+                             run=one_by_one(lambda sl: {"wall_s": 1}), setup_s=20, on_step=steps.append)
     assert [sl.server for sl in ran] == ["a", "c"] and steps == ["passed over: g/b r0 needs about 1000 s, 200 s left"]
     assert slices.pending(todo, tmp_path, "m") == [todo[1]]  # the next session resumes with it
     ran = slices.run_pending(todo[1:], out=tmp_path / "2", model="m", budget_s=60,
-                             estimate_s=lambda sl: need[sl.server], run=lambda sl: {"wall_s": 1}, setup_s=20)
+                             estimate_s=lambda sl, warm: need[sl.server], run=one_by_one(lambda sl: {"wall_s": 1}),
+                             setup_s=20)
     assert ran == []  # the first slice to run carries the set-up: c needs 70 s of 60
+
+
+def test_slices_of_one_start_run_on_it_until_one_does_not_fit(tmp_path):
+    todo = [slices.Slice("g", "s", 0, p) for p in ("n3", "n2", "n1")] + [slices.Slice("g", "t", 0)]
+    log = []
+
+    def run(batch):
+        log.append(("start", [sl.name for sl in batch]))
+        try:
+            for sl in batch:
+                yield {"wall_s": 1, "part": sl.part}
+        finally:
+            log.append(("stop", batch[0].server))
+    need = {"n3": 100, "n2": 10, "n1": 200, "": 100}  # n1 needs more than is left even on a started server
+    warmth = []
+
+    def estimate(sl, warm):
+        warmth.append((sl.name, warm))
+        return need[sl.part]
+    ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=150, estimate_s=estimate, run=run,
+                             together=lambda a, b: a.server == b.server)
+    assert [sl.name for sl in ran] == ["n3.r0", "n2.r0", "r0"]
+    assert warmth == [("n3.r0", False), ("n2.r0", True), ("n1.r0", True), ("r0", False)]
+    assert log == [("start", ["n3.r0", "n2.r0", "n1.r0"]), ("stop", "s"), ("start", ["r0"]), ("stop", "t")]
+    assert slices.read_slice(todo[1].path(tmp_path, "m"))["part"] == "n2"
+
+
+def test_a_start_that_ends_early_leaves_the_rest_a_start_of_their_own(tmp_path):
+    todo = [slices.Slice("g", "s", 0, p) for p in ("n3", "n2", "n1")]
+    starts = []
+
+    def run(batch):  # every start serves one slice, then stops (as after a failure written as that slice)
+        starts.append([sl.part for sl in batch])
+        yield {"wall_s": 1}
+    ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=math.inf, estimate_s=lambda sl, warm: 0,
+                             run=run, together=lambda a, b: True)
+    assert ran == todo and starts == [["n3", "n2", "n1"], ["n2", "n1"], ["n1"]]
+    never = slices.run_pending([slices.Slice("g", "s", 1, p) for p in ("a", "b")], out=tmp_path, model="m",
+                               budget_s=math.inf, estimate_s=lambda sl, warm: 0, run=lambda batch: (r for r in ()),
+                               together=lambda a, b: True)
+    assert never == []  # a start that serves nothing is not tried again
 
 
 def test_slices_are_written_whole_or_not_at_all(tmp_path):
@@ -253,7 +322,8 @@ def test_slices_are_written_whole_or_not_at_all(tmp_path):
             return {"wall_s": 1, "bad": object()}  # cannot be written: the write fails midway
         return {"wall_s": 1}
     with pytest.raises(TypeError):
-        slices.run_pending(todo, out=tmp_path, model="m", budget_s=math.inf, estimate_s=lambda sl: 0, run=run)
+        slices.run_pending(todo, out=tmp_path, model="m", budget_s=math.inf, estimate_s=lambda sl, warm: 0,
+                           run=one_by_one(run))
     folder = todo[0].path(tmp_path, "m").parent
     assert sorted(p.name for p in folder.iterdir()) == ["r0.json"]  # no half file, no temporary left
     assert slices.pending(todo, tmp_path, "m") == todo[1:]

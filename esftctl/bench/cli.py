@@ -269,10 +269,10 @@ def serve(
                                          help="Sizes above 1 run vLLM's expert parallelism (GPU only: vLLM's CPU "
                                               "MoE kernel ignores expert maps)."),
     slice_by: str = typer.Option(None, metavar="[server|adapters]",
-                                 help="One slice (one start of a server, written as it ends) runs a server's whole "
-                                      "round, or one adapter count of esftctl's and multi-LoRA's round (default: "
-                                      "tiny server; deepseek-v2-lite adapters: a whole round of 15 one-minute runs "
-                                      "does not fit one device call)."),
+                                 help="One slice (one JSON, written as it ends) is a server's whole round, or one "
+                                      "adapter count of esftctl's and multi-LoRA's round, the counts of a round on "
+                                      "one server start (default: tiny server; deepseek-v2-lite adapters: a "
+                                      "machine taken back mid-round keeps the counts it finished)."),
     budget: float = typer.Option(None, min=0, help="Seconds of slices to run now: a slice whose estimate (its "
                                                    "server's longest measured slice, else defaults) would overrun "
                                                    "is left for the next call, later ones that fit still run "

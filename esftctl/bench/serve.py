@@ -35,8 +35,9 @@ all rounds) and the arrivals' measured cv.
 Slices (esftctl.bench.serve_slices, the paging bench's machinery in esftctl.bench.slices): one server started
 for one round, or with `slice_by` "adapters" for one adapter count of its round (a DeepSeek-V2-Lite round of
 esftctl at 5 counts x 3 rates of 60 s is 15 runs, 17 minutes: more than one device call), is one slice, its
-JSON written as it ends; a rerun skips what is there, `budget_s` passes over a slice that would overrun, and
-the report merges whatever slices there are, saying what is missing.
+JSON written as it ends (the counts of one round share one server start: every count is served by the same
+server); a rerun skips what is there, `budget_s` passes over a slice that would overrun, and the report merges
+whatever slices there are, saying what is missing.
 
 Microbenchmarks (ExpertWeave 5.3), each server's own slice (once: round 0, and at the first parallel size):
 batch-1 median TTFT over prompt lengths (`micro_runs` requests each, one at a time) and median TPOT over
@@ -70,7 +71,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from esftctl import serve_client
 from esftctl.bench import serve_models
@@ -279,23 +280,30 @@ class Bench:
     def label(self, kind: str, ranks: int) -> str:
         return kind + parallel_label(ranks, self.options.expert_parallel)
 
-    def measure(self, server: BenchServer, *, round: int, part: str = "", copies: int = 0) -> dict:
-        """Start `server`, run round `round` of its scenarios of `part` ("": all; MICRO: its microbenchmarks
-        instead), stop; `copies`: merged copies to start with (0: the option's, else as many as fit)."""
+    def measure(self, server: BenchServer, *, round: int, parts: tuple[str, ...] = ("",),
+                copies: int = 0) -> Iterator[dict]:
+        """Start `server` once and run round `round` of its scenarios, part by part (a part: "" all of them, an
+        adapter count's, or MICRO: its microbenchmarks instead), yielding each part's result; the server stops
+        when the last is taken or the generator is closed. `copies`: merged copies to start with (0: the
+        option's, else as many as fit); merged copies run one part."""
         if server.role == "merged":
-            return self.merged(server, round=round, part=part, copies=copies)
+            (part,) = parts
+            yield self.merged(server, round=round, part=part, copies=copies)
+            return
         label = self.label(server.kind, server.ranks)
         job = {"base": self.base_job, "esftctl": self.esftctl_job, "lora": self.lora_job}[server.role](server, label)
-        return {**self.start(server, job, label, round=round, part=part), "kind": server.kind}
+        for result in self.start(server, job, label, round=round, parts=parts):
+            yield {**result, "kind": server.kind}
 
-    def start(self, server: BenchServer, job: Job, label: str, *, round: int, part: str) -> dict:
-        runs = [] if part == MICRO else [s for s in job.runs if not part or part_of(s) == part]
-        with environ(**job.env), cpu_ranks_bound(server.ranks, self.gpu):
+    def start(self, server: BenchServer, job: Job, label: str, *, round: int, parts: tuple[str, ...]
+              ) -> Iterator[dict]:
+        runs = [[] if part == MICRO else [s for s in job.runs if not part or part_of(s) == part] for part in parts]
+        with environ(**job.env), cpu_ranks_bound(server.ranks, self.gpu):  # held while the server runs
             plans = job.plans(label, parallel_args(server.ranks, self.options.expert_parallel))
-            return measure_server(label, plans, served=self.served, profile=self.profile, runs=runs, names=job.names,
-                                  routes=job.routes(plans) if job.routes else None, out=self.out, round=round,
-                                  on_step=self.on_step, after=job.micro if part == MICRO else job.after,
-                                  order=job.runs)
+            yield from measure_server(label, plans, served=self.served, profile=self.profile, parts=runs,
+                                      names=job.names, routes=job.routes(plans) if job.routes else None,
+                                      out=self.out, round=round, on_step=self.on_step,
+                                      after=job.micro if MICRO in parts else job.after, order=job.runs)
 
     def plain(self, label: str, model_dir: Path, name: str, args: tuple[str, ...]):
         return plan(model_dir, [], name=name, esft=False, state_dir=self.work / "state" / slug(label),
@@ -330,7 +338,7 @@ class Bench:
                           routes=lambda plans: {p.name: p.url for p in plans} if len(plans) > 1 else None,
                           micro=self.micro_after("merged" if copies == 1 else "merged-0"))
                 try:
-                    result = self.start(server, job, self.label(kind, server.ranks), round=round, part=part)
+                    (result,) = self.start(server, job, self.label(kind, server.ranks), round=round, parts=(part,))
                     return {**result, "kind": kind, "copies": copies, "failed_copies": failed}
                 except Exception as e:
                     if copies == 1:

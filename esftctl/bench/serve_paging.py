@@ -283,10 +283,11 @@ def run(model: str, *, out: Path, work: Path, scratch: Path | None = None, regim
                     anchors={r: (REGIMES[r].anchor,) for r, v in chosen.items() if REGIMES[r].anchor in v})
     served = functools.cache(lambda: serve_models.prepare_base(model, work, on_step, layers=layers))
     ran = run_pending(todo, out=out, model=model, budget_s=budget_s, on_step=on_step,
-                      estimate_s=lambda sl: estimate_s(sl, out, model),
+                      estimate_s=lambda sl, warm: estimate_s(sl, out, model),
                       setup_s=0 if (Path(work) / "base").exists() else PREPARE_S,
-                      run=lambda sl: run_slice(sl, model=model, served=served(), work=work, scratch=scratch or work,
-                                               prompts=prompts, machine=machine, on_step=on_step))
+                      run=lambda batch: (run_slice(sl, model=model, served=served(), work=work,
+                                                   scratch=scratch or work, prompts=prompts, machine=machine,
+                                                   on_step=on_step) for sl in batch))
     return {"model": model, "ran": [asdict(s) for s in ran], "left": [asdict(s) for s in pending(todo, out, model)]}
 
 

@@ -4,8 +4,10 @@ several side by side) measured over them.
 A scenario is (rate, N adapters, alpha, which adapters). Its requests in round r are the same on every server:
 vLLM draws the prompts and the arrival times from seed r, esftctl.bench.traffic draws each request's adapter
 index from the run's own seed, and each server maps index i to its own i-th model name (esftctl's i-th adapter,
-the peer's i-th LoRA, merged copy i mod copies). A server started once runs one round (esftctl.bench.serve_slices
-starts it anew for each, so that the spread over rounds includes the start's own); rows merge the rounds: every
+the peer's i-th LoRA, merged copy i mod copies). A server started once runs one round, whole or in parts (its
+adapter counts: every count is served by the same server, all adapters loaded, so one start serves them in turn;
+esftctl.bench.serve_slices starts it anew for each round, so that the spread over rounds includes the start's
+own); rows merge the rounds: every
 round's numbers, their median, TTFT's spread over them, the arrivals' measured cv and the drawn shares checked
 against alpha over all rounds.
 
@@ -31,7 +33,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from esftctl.bench.load import Load, run_load, summary
 from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_shares
@@ -145,13 +147,17 @@ def part_of(s: Scenario) -> str:
     return f"{'ds' if s.pool == 'esft_sized' else 'n'}{s.adapters}"
 
 
-def measure_server(label: str, plans: list, *, served, profile, runs: list[Scenario], names: dict[str, list[str]],
-                   routes: dict[str, str] | None, out: Path, round: int, on_step: Callable[[str], None],
-                   after: Callable[[str], dict] | None = None, order: list[Scenario] | None = None) -> dict:
-    """Start the server(s), warm up, run every scenario once (round `round`: its seed, and the order rotated by
-    it), then `after`, stop. With several plans (merged copies side by side) `routes` sends each model name to
-    its server; the first takes the rest. `order`: all the server's scenarios when `runs` are a part of them
-    (each run keeps its place there, so that rows merged from several parts keep the server's order)."""
+def measure_server(label: str, plans: list, *, served, profile, parts: list[list[Scenario]],
+                   names: dict[str, list[str]], routes: dict[str, str] | None, out: Path, round: int,
+                   on_step: Callable[[str], None], after: Callable[[str], dict] | None = None,
+                   order: list[Scenario] | None = None) -> Iterator[dict]:
+    """Start the server(s) once, then for each part (scenarios of the round, e.g. one adapter count's) warm up,
+    run every scenario once (round `round`: its seed, and the order rotated by it) and yield the part's result;
+    `after` follows the last part; the server stops when the last result is taken or the caller closes the
+    generator. With several plans (merged copies side by side) `routes` sends each model name to its server; the
+    first takes the rest. `order`: all the server's scenarios (each run keeps its place there, so that rows merged
+    from several parts keep the server's order). Each result says how many parts ran before it on this start
+    (`parts_before`; 0: its start-up is its own) and the seconds of its warm-up, runs and `after` (`own_s`)."""
     on_step(f"{label}: starting vLLM" + (f" ({len(plans)} servers side by side)" if len(plans) > 1 else ""))
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -161,18 +167,23 @@ def measure_server(label: str, plans: list, *, served, profile, runs: list[Scena
         url, model = plans[0].url, plans[0].name
         kv = kv_cache_tokens(url)
         run = _runner(url, model, served=served, profile=profile, routes=routes, out=out)
-        _warm_up(run, label, runs, names, profile, on_step)
-        compiled = jit_compiles(plans)
         times = functools.partial(server_times, [p.url for p in plans])
-        measured = _round(run, label, runs, names, profile, round, on_step, order or runs, times)
-        compiled = jit_compiles(plans) - compiled
-        try:  # a failure here keeps the runs measured above
-            extra = after(url) if after else {}
-        except Exception as e:
-            extra = {"after_error": " ".join(str(e).split())[:500]}
-            on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
-    return {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "runs": measured,
-            "jit_compiles_in_runs": compiled, **extra}
+        for i, runs in enumerate(parts):
+            began = time.perf_counter()
+            _warm_up(run, label, runs, names, profile, on_step)
+            compiled = jit_compiles(plans)
+            measured = _round(run, label, runs, names, profile, round, on_step, order or runs, times)
+            compiled = jit_compiles(plans) - compiled
+            extra = {}
+            if after and i == len(parts) - 1:
+                try:  # a failure here keeps the runs measured above
+                    extra = after(url)
+                except Exception as e:
+                    extra = {"after_error": " ".join(str(e).split())[:500]}
+                    on_step(f"{label}: FAILED after the runs: {extra['after_error']}")
+            yield {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "runs": measured,
+                   "jit_compiles_in_runs": compiled, "parts_before": i, "own_s": time.perf_counter() - began,
+                   **extra}
 
 
 def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:

@@ -14,7 +14,8 @@ Layout: OUT/slices/MODEL/GRID/DEVICE/SERVER/[PART.]rROUND.json.
 - SERVER is bench.serve.BenchServer.key: base, merged, esftctl, grouped-G-W, max-loras-K, lora (-tp2 past one
   rank).
 - PART: with `slice_by` "adapters", one adapter count of esftctl's and multi-LoRA's scenarios (n0, n5; ds5: the
-  DeepSeek-sized adapters beside Table 1's), so that a slice fits one device call; plain vLLM's base and the
+  DeepSeek-sized adapters beside Table 1's), so that a machine taken back mid-round keeps the counts it
+  finished (and a slice fits one device call where a call runs it in the foreground); plain vLLM's base and the
   merged copies run one count and are never cut. MICRO: a server's microbenchmarks (round 0 only, after every
   server's first round).
 Machines: a device is lent one lease at a time, and two cards of a kind differ by a few percent, as much as the
@@ -26,9 +27,15 @@ A slice that fails is written too, with its error and the time it took, so that 
 again; the report lists it, and deleting the file runs it again. The merged server starts with as many copies as
 its earlier slices ran (else as many as fit) and drops one after a failed start, within the slice.
 
-Estimates (the budget): the longest measured slice of the same server and part; else that server's longest
-measured start-up (a slice's wall time less its runs) plus the part's runs at their defaults; else START_S plus
-those; ADAPTERS_S more while this machine has not written the adapters yet (the first slice of a fresh one).
+One start per round: the adapter counts of one round of esftctl or multi-LoRA (every count served by the same
+server, all adapters loaded) run one after another on one server start, each count's slice written as it ends
+(shares_start; each part warmed up anew). On the H100 that saves 3 of 4 starts of about 210 s per round, an hour
+of the grid's 34 slices.
+
+Estimates (the budget): a part's own seconds (warm-up, runs, what follows them) as measured in the longest slice
+of the same server and part, else WARM_UP_S plus its runs at their defaults; on a server not started yet, plus
+that server's longest measured start-up (else START_S), and ADAPTERS_S more while this machine has not written
+the adapters yet (the first slice of a fresh one).
 
 The report: per device, every slice of the grid there merged, each scenario's numbers the median over its rounds
 with their ranges and TTFT's spread (serve_runs.merge_rounds), the ratios against plain vLLM's base
@@ -37,6 +44,7 @@ with their ranges and TTFT's spread (serve_runs.merge_rounds), the ratios agains
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -45,7 +53,7 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from esftctl.bench import serve_models
 from esftctl.bench.serve import (
@@ -75,12 +83,13 @@ from esftctl.bench.slices import (
 )
 from esftctl.errors import one_line
 
-# Seconds a server takes to start before one was measured, warm-up included. The H200's `bench serve` of
-# 2026-11-23 (benchmarks/2026-11-23-h200-serve/*.json, ready_s): plain vLLM 101-158 s, one merged copy 125 s,
-# esftctl with 25 adapters 191 s, multi-LoRA 164 s, each capturing CUDA graphs; merged: two copies one after the
-# other (an H100 holds two) and the 31 GB copy written first (about a minute); each plus 30 s since the warm-up
-# went on at the busiest rate for up to 10 s (serve_runs._warm_up).
-START_S = {"base": 210, "merged": 450, "esftctl": 270, "lora": 270}
+# Seconds a server takes to start before one was measured. The H200's `bench serve` of 2026-11-23
+# (benchmarks/2026-11-23-h200-serve/*.json, ready_s): plain vLLM 101-158 s, one merged copy 125 s, esftctl with 25
+# adapters 191 s, multi-LoRA 164 s, each capturing CUDA graphs; merged: two copies one after the other (an H100
+# holds two) and the 31 GB copy written first (about a minute). The H100's of 2026-11-27: plain vLLM 159 s, esftctl
+# with 20 adapters 207 s (77 s of it loading them).
+START_S = {"base": 180, "merged": 420, "esftctl": 240, "lora": 240}
+WARM_UP_S = 30  # a part's warm-up: a burst over every model name, then up to 10 s of the busiest finite rate
 RUN_TAIL_S = 15  # a finite-rate run past its `duration`: the last requests' decode and vLLM's bench starting
 INF_RUN_S = 30  # a run of `prompts` requests at once: 256 of 256 -> 128 tokens take under 10 s on an H200
 MICRO_S = 300  # microbenchmarks: esftctl's 3 counts loaded x (40 batch-1 prefills + 30 x 128 decode steps at
@@ -147,16 +156,34 @@ def default_runs_s(profile: Profile, server: BenchServer, part: str) -> float:
     return sum(_run_s(profile, s.rate) for s in runs)
 
 
-def estimate_s(sl: Slice, server: BenchServer, *, out: Path, profile: Profile, scratch: Path) -> float:
-    """Seconds the slice should take (the module says how)."""
+def shares_start(a: Slice, b: Slice, server: BenchServer) -> bool:
+    """Whether slice b can follow a on a's server start: two adapter counts of one round of one server (every
+    count is served by the same server, all adapters loaded). Not the microbenchmarks (they unload adapters),
+    nor the grouping scheduler's server (its statistics count from its start)."""
+    return (a.group, a.server, a.round) == (b.group, b.server, b.round) and MICRO not in (a.part, b.part) \
+        and bool(a.part and b.part) and not server.serve
+
+
+def estimate_s(sl: Slice, server: BenchServer, *, warm: bool = False, out: Path, profile: Profile,
+               scratch: Path) -> float:
+    """Seconds the slice should take (the module says how); `warm`: on a server already started."""
     done = [d for d in (read_slice(p) for p in sorted(sl.path(out, profile.model).parent.glob("*.json")))
             if not d.get("error")]
+    own = [_own_s(d) for d in done if d.get("part", "") == sl.part]
+    part_s = max(own) if own else WARM_UP_S + default_runs_s(profile, server, sl.part)
+    if warm:
+        return part_s
+    starts = [d["ready_s"] for d in done if not d.get("parts_before") and d.get("ready_s") is not None]
     fresh = ADAPTERS_S if not adapters_written(profile, server, scratch) else 0
-    same = [d["wall_s"] for d in done if d.get("part", "") == sl.part]
-    if same:
-        return max(same) + fresh
-    starts = [d["wall_s"] - sum(r["seconds"] for r in d.get("runs", [])) for d in done if d.get("part") != MICRO]
-    return max(starts, default=START_S[server.role]) + default_runs_s(profile, server, sl.part) + fresh
+    return max(starts, default=START_S[server.role]) + part_s + fresh
+
+
+def _own_s(d: dict) -> float:
+    """A slice's seconds beside its server's start-up (its warm-up, runs, and what follows them); slices written
+    before they recorded it: their wall time less the start-up's, if theirs."""
+    if "own_s" in d:
+        return d["own_s"]
+    return max(0.0, d["wall_s"] - (0.0 if d.get("parts_before") else d.get("ready_s", 0.0)))
 
 
 def adapters_written(profile: Profile, server: BenchServer, scratch: Path) -> bool:
@@ -184,10 +211,11 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
     generated = profile.model == "tiny" or (Path(work) / "base" / "config.json").exists()
     ran = run_pending(todo, out=out, model=profile.model, budget_s=budget_s, on_step=on_step,
                       setup_s=0 if generated else PREPARE_S,
-                      estimate_s=lambda sl: estimate_s(sl, servers[sl.server], out=out, profile=profile,
-                                                       scratch=scratch),
-                      run=lambda sl: run_slice(bench(), sl, servers[sl.server], device=device, machine=machine,
-                                               out=out))
+                      estimate_s=lambda sl, warm: estimate_s(sl, servers[sl.server], warm=warm, out=out,
+                                                             profile=profile, scratch=scratch),
+                      run=lambda batch: run_slices(bench(), batch, servers[batch[0].server], device=device,
+                                                   machine=machine, out=out),
+                      together=lambda a, b: shares_start(a, b, servers[a.server]))
     return {"grid": group, "ran": [s.label for s in ran], "left": [s.label for s in pending(todo, out, profile.model)]}
 
 
@@ -197,23 +225,32 @@ def earlier_copies(folder: Path) -> int:
     return min(copies, default=0)
 
 
-def run_slice(bench: Bench, sl: Slice, server: BenchServer, *, device: str, machine: str, out: Path) -> dict:
-    """One slice's JSON: what it is, the settings, the server's result (bench.serve.Bench.measure) or its error,
-    the model's facts for the report, where it ran and its wall time."""
-    head = {"model": bench.profile.model, "grid": sl.group, "device": device, "machine": machine, "server": sl.server,
-            "round": sl.round, "part": sl.part, "role": server.role, "kind": server.kind, "ranks": server.ranks,
-            "label": bench.label(server.kind, server.ranks), "profile": asdict(bench.profile),
-            "options": asdict(bench.options)}
-    started = time.monotonic()
+def run_slices(bench: Bench, batch: list[Slice], server: BenchServer, *, device: str, machine: str,
+               out: Path) -> Iterator[dict]:
+    """The JSON of each slice of `batch` (parts of one round of one server, run on one start), as each ends: what
+    it is, the settings, the server's result (bench.serve.Bench.measure) or its error, the model's facts for the
+    report, where it ran and its wall time (the first's includes the start). A failure is its slice's JSON and
+    ends the batch (the slices after it stay pending)."""
+    def head(sl: Slice) -> dict:
+        return {"model": bench.profile.model, "grid": sl.group, "device": device, "machine": machine,
+                "server": sl.server, "round": sl.round, "part": sl.part, "role": server.role, "kind": server.kind,
+                "ranks": server.ranks, "label": bench.label(server.kind, server.ranks),
+                "profile": asdict(bench.profile), "options": asdict(bench.options)}
+    done, started = 0, time.monotonic()
     try:
-        copies = earlier_copies(sl.path(out, bench.profile.model).parent) if server.role == "merged" else 0
-        result = bench.measure(server, round=sl.round, part=sl.part, copies=copies)
+        first = batch[0]
+        copies = earlier_copies(first.path(out, bench.profile.model).parent) if server.role == "merged" else 0
+        with contextlib.closing(bench.measure(server, round=first.round, parts=tuple(s.part for s in batch),
+                                              copies=copies)) as results:  # closed: the server stops
+            for sl, result in zip(batch, results):
+                label = result.pop("server")
+                yield {**head(sl), **result, "label": label, "facts": asdict(ModelFacts.of(bench.served)),
+                       "wall_s": time.monotonic() - started, "finished": time.time()}
+                done, started = done + 1, time.monotonic()
     except Exception as e:  # written as failed: the report says so, and a rerun does not spend the time again
+        sl = batch[done]
         bench.on_step(f"{sl.label}: FAILED: {one_line(e, 500)}")
-        return {**head, "error": one_line(e, 500), "wall_s": time.monotonic() - started, "finished": time.time()}
-    label = result.pop("server")
-    return {**head, **result, "label": label, "facts": asdict(ModelFacts.of(bench.served)),
-            "wall_s": time.monotonic() - started, "finished": time.time()}
+        yield {**head(sl), "error": one_line(e, 500), "wall_s": time.monotonic() - started, "finished": time.time()}
 
 
 # ---- the report ------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ whatever was not written yet. So a long server benchmark is cut into slices, one
 esftctl.jsonfile.write_json) to OUT/slices/MODEL/GROUP/SERVER/[PART.]rROUND.json the moment it ends. A rerun
 skips the slices already there (on another machine too, with the folder carried), `budget_s` passes over a
 slice whose estimate would overrun what is left of the call (later, shorter ones still run), and a report
-merges whatever slices are present.
+merges whatever slices are present. Consecutive slices one server can serve (bench serve: the adapter counts of
+one round of esftctl or multi-LoRA, every count served by the same server) share one start, still each written as
+it ends: a DeepSeek-V2-Lite server takes 160-210 s to start on an H100, a count's runs about 200 s.
 Rounds interleave the servers (round r starts r servers further down the list): a drift of the machine over
 time spreads over every server instead of landing on whichever ran last.
 
@@ -26,7 +28,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Generator, Iterable
 
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json, write_json
@@ -154,22 +156,56 @@ def measured_walls(folder: Path, part: str | None = None) -> list[float]:
             and (part is None or d.get("part", "") == part)]
 
 
-def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float, estimate_s: Callable[[Slice], float],
-                run: Callable[[Slice], dict], setup_s: float = 0.0,
-                on_step: Callable[[str], None] = lambda msg: None) -> list[Slice]:
-    """Run the slices of `todo` in order, each one whose estimate (the first's plus `setup_s`: what its run
-    prepares first) fits what is left of `budget_s`; one that does not is passed over for later ones that do (a
-    device session's minutes are too few to leave idle behind one long slice: the H200's first session of bench
-    serve stopped with 9 of its 10 minutes unused before a 645 s slice). Each result is written atomically to its
-    path as soon as it is there. Returns the slices that ran; a slice that raises stops the run with nothing
-    written for it."""
-    started, ran = time.monotonic(), []
+def batches(todo: list[Slice], together: Callable[[Slice, Slice], bool]) -> list[list[Slice]]:
+    """`todo` cut into runs of consecutive slices that one server start serves (`together(a, b)`: b may follow a
+    on a's server)."""
+    out: list[list[Slice]] = []
     for sl in todo:
-        left = budget_s - (time.monotonic() - started)
-        need = estimate_s(sl) + (0.0 if ran else setup_s)
-        if need > left:
-            on_step(f"passed over: {sl.label} needs about {need:.0f} s, {left:.0f} s left")
-            continue
-        write_json(sl.path(out, model), run(sl))
-        ran.append(sl)
+        if out and together(out[-1][-1], sl):
+            out[-1].append(sl)
+        else:
+            out.append([sl])
+    return out
+
+
+def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float,
+                estimate_s: Callable[[Slice, bool], float], run: Callable[[list[Slice]], Generator[dict, None, None]],
+                setup_s: float = 0.0, on_step: Callable[[str], None] = lambda msg: None,
+                together: Callable[[Slice, Slice], bool] = lambda a, b: False) -> list[Slice]:
+    """Run the slices of `todo` in order, each one whose estimate fits what is left of `budget_s`: estimate_s(sl,
+    warm), warm when its server is up already, and the first to run also `setup_s` (what its run prepares first).
+    One that does not fit is passed over for later ones that do (a device session's minutes are too few to leave
+    idle behind one long slice: the H200's first session of bench serve stopped with 9 of its 10 minutes unused
+    before a 645 s slice). Consecutive slices that `together` pairs share one server start (batches): `run(batch)`
+    yields their results in order and is closed, which stops its server, after the last or before one that does
+    not fit (the rest of its batch then waits for a later call); when it ends early (a slice failed and was
+    written so), the rest of its batch gets a start of its own. Each
+    result is written atomically to its path as soon as it is there. Returns the slices that ran; a slice that
+    raises stops the run with nothing written for it."""
+    started, ran = time.monotonic(), []
+    queue = batches(todo, together)
+    while queue:
+        batch, results, taken = queue.pop(0), None, 0
+        try:
+            for i, sl in enumerate(batch):
+                left = budget_s - (time.monotonic() - started)
+                need = estimate_s(sl, results is not None) + (0.0 if ran else setup_s)
+                if need > left:
+                    on_step(f"passed over: {sl.label} needs about {need:.0f} s, {left:.0f} s left")
+                    if results is None:
+                        continue
+                    break
+                if results is None:
+                    results = run(batch[i:])
+                result = next(results, None)
+                if result is None:  # its server stopped (a failure, written as the slice before): a new start
+                    if taken:
+                        queue.insert(0, batch[i:])
+                    break
+                write_json(sl.path(out, model), result)
+                ran.append(sl)
+                taken += 1
+        finally:
+            if results is not None:
+                results.close()
     return ran
