@@ -10,20 +10,20 @@
 # rebuilds the report without a GPU. A slice that failed is committed too (its error is in the report): delete
 # its file to run it again.
 #
-# Budget: --budget SECONDS is the time this run may spend on slices: a slice starts only if its estimate (the
-# longest measured slice of that server and adapter count, else that server's measured start-up plus its runs,
-# else the defaults in serve_slices.py) fits what is left, plus 120 s to generate the base first on a fresh
-# machine and 90 s to write the adapters; one that does not fit is passed over for later ones that do. Give it
-# what the machine has left: the session's device time (status: budget_left_s; a one-GPU machine may count half
-# its held time) and at most 30 minutes held a machine, less about 6 minutes (the start, the install, the
-# transfers, the last collect): --budget 1200 on a fresh machine. Run it in the background, always on the same
+# Budget: --budget SECONDS is the time this run may spend on slices: a slice starts only if its estimate (its
+# server's measured start-up unless the server is up already, plus the part's own seconds as measured, else the
+# defaults in serve_slices.py) fits what is left, plus 120 s to generate the base first on a fresh machine and
+# 90 s to write the adapters; one that does not fit is passed over for later ones that do. Give it what the
+# machine has left: the session's device time (status: budget_left_s; a one-GPU machine may count half its held
+# time) and at most 30 minutes held a machine, less about 3 minutes (the start, the install, the transfers):
+# gpu_pending.sh says more. Run it in the background, always on the same
 # card (slices of another card go to a grid of their own; the protocol grid began on an H200):
 #   bash benchmarks/scripts/background.sh start serve bash benchmarks/scripts/serve_bench_gpu.sh --budget 1200 ...
 #   bash benchmarks/scripts/background.sh wait serve 540          (again within 30 s, until it says finished)
 #   bash benchmarks/scripts/collect.sh                            (if the last wait did not see it finish)
-# Slices (H100, deepseek-v2-lite): a server's start with CUDA graphs 2-3 min (two merged copies 4-5 min and the
-# 31 GB copy written first), then its runs: about 75 s each at a finite rate of 60 s; one slice per server and
-# adapter count (--slice-by adapters): 5-7 min, the merged copies' whole round 8-9 min.
+# Slices (H100, deepseek-v2-lite): a server's start with CUDA graphs 2.5-3.5 min (two merged copies 4-5 min and
+# the 31 GB copy written first), then a part's warm-up (about 17 s) and runs (about 61 s each at a finite rate of
+# 60 s); one slice per server and adapter count (--slice-by adapters), the counts of one round on one start.
 # Usage: bash benchmarks/scripts/serve_bench_gpu.sh [esftctl bench serve options]   (slices in /tmp/bench/out)
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
