@@ -91,6 +91,8 @@ class EngineStatus:
     host_cache_used_bytes: int
     host_cache_hits: int
     host_cache_misses: int
+    staged_bundles: list[list[list[int]]] = field(default_factory=list)  # file identities (bundle.file_identity)
+    # of the bundles the host cache holds, verified when staged: the middleware does not read them again
     paging_window: int
     paging: PagingStatus | None = None
     per_rank: list[dict | None] | None = None  # the API server's, under tensor parallelism (RANK_FIELDS)

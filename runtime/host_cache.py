@@ -15,7 +15,6 @@ can exceed the capacity.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Mapping
 import torch
 
 from esftctl.errors import EsftError
-from esftctl.formats.bundle import bundle_files
+from esftctl.formats.bundle import file_identity
 from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.moe_layer import VirtualMoELayer
 
@@ -68,12 +67,6 @@ def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[i
     return StagedAdapter(out)
 
 
-def file_identity(bundle: str | Path) -> tuple:
-    """What makes two loads of a bundle the same bytes: the device, inode, size and mtime of its manifest and of
-    the data file that manifest names."""
-    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, bundle_files(bundle)))
-
-
 class HostAdapterCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -98,6 +91,10 @@ class HostAdapterCache:
             self.hits += 1
             self._entries.move_to_end(key)
         return key, staged
+
+    def identities(self) -> list[list[list[int]]]:
+        """The file identities of the bundles held, as JSON lists (EngineStatus.staged_bundles)."""
+        return [[list(part) for part in key] for key in self._entries]
 
     def put(self, key: tuple | None, staged: StagedAdapter) -> None:
         """Keep `staged` (if it fits at all), dropping the least recently used entries to make room."""

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from esftctl.bench.serve_paging import settled_status
 from esftctl.errors import EsftError
-from esftctl.formats.bundle import Bundle
+from esftctl.formats.bundle import Bundle, file_identity
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
@@ -228,7 +228,10 @@ def test_load_and_unload_under_load(deepseek):
             t.join()
     assert not failures, failures[:3]
     assert {"base", "task0", "task1"} <= set(served)
-    assert "extra" not in [a["name"] for a in status(url)["adapters"]]
+    after = status(url)
+    assert "extra" not in [a["name"] for a in after["adapters"]]
+    staged = [list(part) for part in file_identity(deepseek["bundles"]["task2"])]  # staged once and loaded again
+    assert staged in after["staged_bundles"]  # from the engine's host cache: the middleware reads it no more
 
 
 def paged_status(deepseek, world, state: str, **options) -> dict:

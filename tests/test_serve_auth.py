@@ -128,6 +128,36 @@ def engine_status(**fields) -> EngineStatus:
     return EngineStatus(**empty | fields)
 
 
+def test_a_load_is_verified_unless_the_engine_holds_its_files_staged(tiny_models, tmp_path, monkeypatch):
+    """The middleware's check of a load hashes the bundle's data, unless the engine's status lists the same files,
+    unchanged, as staged in its host cache (verified against its base when staged): a warm load of a 2.47 GiB
+    adapter took 3.0 s, 2.9 of them this second hash (H100, 2026-11-27). A changed file is checked again."""
+    from esftctl.formats import bundle as bundle_format
+    from esftctl.formats.bundle import DATA_FILE, file_identity, write_bundle
+    from esftctl.formats.checkpoint import MoECheckpoint
+    from esftctl.runtime.vllm import status as vllm_status
+    from esftctl.world.synthetic import synthetic_experts
+
+    base = MoECheckpoint(tiny_models["deepseek_v2"])
+    b = tmp_path / "b"
+    write_bundle(b, "b", base, synthetic_experts(base, seed=3, experts_per_layer=[1, 2, 1]))
+    hashed = []
+    real = bundle_format.tensors_sha256
+    monkeypatch.setattr(bundle_format, "tensors_sha256", lambda path: hashed.append(path) or real(path))
+    vllm_status._check_load("a", str(b), engine_status(base=str(base.path)))
+    assert len(hashed) == 1
+    staged = engine_status(base=str(base.path), staged_bundles=[[list(part) for part in file_identity(b)]])
+    staged = EngineStatus.from_json(json.loads(json.dumps(staged.to_json())))  # as the status file carries it
+    vllm_status._check_load("a", str(b), staged)
+    assert len(hashed) == 1  # not read again
+    data = bytearray((b / DATA_FILE).read_bytes())
+    data[-1] ^= 0xFF
+    (b / DATA_FILE).write_bytes(bytes(data))
+    os.utime(b / DATA_FILE, ns=(1, 1))  # another modification time, whatever the clock's granularity
+    with pytest.raises(EsftError, match="checksum mismatch"):
+        vllm_status._check_load("a", str(b), staged)
+
+
 def test_the_status_record_reads_and_writes_the_servers_json():
     """Issue 30: one typed record; on the wire the flat JSON clients have always read (paging keys only while
     paging, the API server's additions only when it adds them)."""

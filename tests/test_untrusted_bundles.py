@@ -209,7 +209,8 @@ def test_base_identity_is_compared_whole(tiny, tmp_path):
 
 def test_host_cache_keys_by_the_data_file_the_manifest_names(tiny, tmp_path):
     """The key follows the manifest's `file`, not experts.safetensors (a decoy beside it stays unchanged)."""
-    from esftctl.runtime.host_cache import HostAdapterCache, file_identity
+    from esftctl.formats.bundle import file_identity
+    from esftctl.runtime.host_cache import HostAdapterCache
 
     b = crafted(tiny[1], tmp_path / "b", _set("file", "data.safetensors"))
     shutil.copy(b / DATA_FILE, b / "data.safetensors")

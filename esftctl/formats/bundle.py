@@ -281,6 +281,12 @@ def bundle_files(path: str | Path) -> tuple[Path, Path]:
     return manifest_file, data_file_of(Path(path), m, manifest_file)
 
 
+def file_identity(path: str | Path) -> tuple[tuple[int, int, int, int], ...]:
+    """What makes two reads of a bundle the same bytes: the device, inode, size and mtime of its manifest and of
+    the data file that manifest names (the engine's host cache keys its staged rows by it)."""
+    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, bundle_files(path)))
+
+
 @dataclass
 class PackReport:
     """What `esftctl pack` (or an ESFT adapter's import) wrote: the bundle's experts per layer, and what it left out."""

@@ -11,7 +11,8 @@ as vLLM reads them), this middleware checks it first, on every path, in constant
   and under tensor parallelism adds every rank's memory from the rank's own file (`per_rank`).
 - POST /v1/load_lora_adapter: checked here first, so an expected refusal is a 4xx with its real message (vLLM
   answers an engine-side failure with HTTP 500, a traceback in its log, and file paths masked as `<path>`): a bad
-  name or a bundle that is not this base's servable adapter (corrupt, another base, non-expert tensors) is 400,
+  name or a bundle that is not this base's servable adapter (corrupt, another base, non-expert tensors) is 400
+  (a bundle whose unchanged files the engine holds staged, verified, is not read again),
   and no free slot (by the engine's last status, unloaded adapters making room) is 507, as vLLM's own LoRA
   endpoints answer a full cache. With `serve --adapter-root DIR` a path outside DIR, symbolic links resolved, is
   403 before anything is opened.
@@ -174,8 +175,23 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
     from esftctl.runtime.serve_config import open_servable_bundle
 
     check_name(name)
-    open_servable_bundle(path, MoECheckpoint(status.base, fp8=True))
+    if not _staged(path, status):
+        open_servable_bundle(path, MoECheckpoint(status.base, fp8=True))
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
+
+
+def _staged(path: str, status: EngineStatus) -> bool:
+    """Whether the engine holds this bundle's files, unchanged, staged in its host cache (verified against its
+    base when staged; it copies those rows without reading the files): opening it here would only hash its data
+    again, 2.9 of a warm load's 3.0 s for a 2.47 GiB adapter (H100, 2026-11-27)."""
+    from esftctl.errors import EsftError
+    from esftctl.formats.bundle import file_identity
+
+    try:
+        identity = [list(part) for part in file_identity(path)]
+    except (OSError, EsftError):
+        return False
+    return identity in status.staged_bundles
 
 
 async def _unknown_model(request, response):

@@ -305,7 +305,8 @@ class EsftWorkerManager:
             padded_bytes=len(adapters) * widest * expert_bytes, merged_bytes=len(adapters) * self.base.total_nbytes,
             kv_cache_tokens=blocks * cache.block_size if blocks else None,
             host_cache_used_bytes=self.host_cache.nbytes, host_cache_hits=self.host_cache.hits,
-            host_cache_misses=self.host_cache.misses, paging_window=settings.paging_window,
+            host_cache_misses=self.host_cache.misses, staged_bundles=self.host_cache.identities(),
+            paging_window=settings.paging_window,
             paging=paging)
 
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
