@@ -49,7 +49,7 @@ from esftctl.serve_client import request
 from esftctl.units import format_bytes
 from esftctl.variants import VariantSet
 
-STATUS_MIDDLEWARE = "esftctl.runtime.vllm.status.status_middleware"
+STATUS_MIDDLEWARE = "esftctl.runtime.vllm.status.StatusMiddleware"
 
 
 @dataclass

@@ -51,7 +51,7 @@ def app(tmp_path, monkeypatch):
         api.post(path)(lambda path=path: calls.append(path) or {"ok": path})
     api.get("/v1/models")(lambda: calls.append("/v1/models") or {"data": []})
     api.get("/health")(lambda: calls.append("/health") or {})
-    api.middleware("http")(vllm_status.status_middleware)
+    api.add_middleware(vllm_status.StatusMiddleware)
 
     root = tmp_path / "root"
     (root / "bundle").mkdir(parents=True)
@@ -89,6 +89,53 @@ def test_without_a_valid_key_nothing_answers_and_nothing_is_read(app):
     assert client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(root / "bundle")},
                        headers=bearer()).status_code == 200
     assert calls == ["read status.json", "read status.json", f"open {root / 'bundle'}", "/v1/load_lora_adapter"]
+
+
+def test_completions_stream_straight_through_and_an_unknown_model_is_named(monkeypatch):
+    """The middleware is plain ASGI: a completion's stream goes to the client without status_middleware (Starlette's
+    function middleware, which wraps every streamed chunk), and vLLM's 404 for an unknown model comes back naming
+    every servable model; a 404 that is not vLLM's error passes unchanged."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.testclient import TestClient
+
+    from esftctl.runtime.vllm import status as vllm_status
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    dispatched = []
+    function = vllm_status.status_middleware
+    monkeypatch.setattr(vllm_status, "status_middleware",
+                        lambda request, call_next: dispatched.append(request.url.path) or function(request, call_next))
+    api = FastAPI()
+
+    async def chat(request):  # a Starlette route: the request as it comes
+        model = (await request.json())["model"]
+        if model == "nope":
+            return JSONResponse({"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                                           "code": 404}}, status_code=404)
+        if model == "garbled":
+            return PlainTextResponse("not json", status_code=404)
+
+        async def tokens():
+            for k in range(3):
+                yield f"data: {k}\n\n".encode()
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+    api.router.add_route("/v1/chat/completions", chat, methods=["POST"])
+    api.add_middleware(vllm_status.StatusMiddleware)
+    api.state.openai_serving_models = SimpleNamespace(base_model_paths=[SimpleNamespace(name="base")],
+                                                      lora_requests={"b": 1, "a": 2})
+    client = TestClient(api)
+    reply = client.post("/v1/chat/completions", json={"model": "a"})
+    assert reply.status_code == 200 and reply.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    reply = client.post("/v1/chat/completions", json={"model": "nope"})
+    assert reply.status_code == 404
+    assert reply.json()["error"]["message"] == "The model `nope` does not exist. Servable models: base, a, b."
+    reply = client.post("/v1/chat/completions", json={"model": "garbled"})
+    assert (reply.status_code, reply.text) == (404, "not json")
+    assert dispatched == []
+    assert client.get("/esftctl/status").status_code == 503 and dispatched == ["/esftctl/status"]  # no engine yet
 
 
 def test_keys_given_to_vllm_are_the_ones_checked(app, monkeypatch):
