@@ -139,7 +139,7 @@ def test_the_budget_stops_before_a_slice_that_would_overrun(fake, tmp_path):
 
     def estimate(sl, warm=False):
         return ss.estimate_s(sl, servers[sl.server], warm=warm, out=out, profile=profile, scratch=tmp_path)
-    runs = ss.WARM_UP_S + profile.duration + ss.RUN_TAIL_S
+    runs = ss.PART_WARM_UP_S + profile.duration + ss.RUN_TAIL_S
     assert estimate(order[0]) == ss.START_S["base"] + runs
     assert estimate(order[2], warm=True) == runs  # n0 on the server n2 started
     done = fake(profile, options, out, budget_s=math.inf)

@@ -33,7 +33,7 @@ server, all adapters loaded) run one after another on one server start, each cou
 of the grid's 34 slices.
 
 Estimates (the budget): a part's own seconds (warm-up, runs, what follows them) as measured in the longest slice
-of the same server and part, else WARM_UP_S plus its runs at their defaults; on a server not started yet, plus
+of the same server and part, else PART_WARM_UP_S plus its runs at their defaults; on a server not started yet, plus
 that server's longest measured start-up (else START_S), and ADAPTERS_S more while this machine has not written
 the adapters yet (the first slice of a fresh one).
 
@@ -53,7 +53,7 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
 from esftctl.bench import serve_models
 from esftctl.bench.serve import (
@@ -89,7 +89,7 @@ from esftctl.errors import one_line
 # holds two) and the 31 GB copy written first (about a minute). The H100's of 2026-11-27: plain vLLM 159 s, esftctl
 # with 20 adapters 207 s (77 s of it loading them).
 START_S = {"base": 180, "merged": 420, "esftctl": 240, "lora": 240}
-WARM_UP_S = 30  # a part's warm-up: a burst over every model name, then up to 10 s of the busiest finite rate
+PART_WARM_UP_S = 30  # a part's warm-up: a burst over every model name, then up to 10 s of the busiest finite rate
 RUN_TAIL_S = 15  # a finite-rate run past its `duration`: the last requests' decode and vLLM's bench starting
 INF_RUN_S = 30  # a run of `prompts` requests at once: 256 of 256 -> 128 tokens take under 10 s on an H200
 MICRO_S = 300  # microbenchmarks: esftctl's 3 counts loaded x (40 batch-1 prefills + 30 x 128 decode steps at
@@ -170,7 +170,7 @@ def estimate_s(sl: Slice, server: BenchServer, *, warm: bool = False, out: Path,
     done = [d for d in (read_slice(p) for p in sorted(sl.path(out, profile.model).parent.glob("*.json")))
             if not d.get("error")]
     own = [_own_s(d) for d in done if d.get("part", "") == sl.part]
-    part_s = max(own) if own else WARM_UP_S + default_runs_s(profile, server, sl.part)
+    part_s = max(own) if own else PART_WARM_UP_S + default_runs_s(profile, server, sl.part)
     if warm:
         return part_s
     starts = [d["ready_s"] for d in done if not d.get("parts_before") and d.get("ready_s") is not None]
@@ -226,11 +226,11 @@ def earlier_copies(folder: Path) -> int:
 
 
 def run_slices(bench: Bench, batch: list[Slice], server: BenchServer, *, device: str, machine: str,
-               out: Path) -> Iterator[dict]:
+               out: Path) -> Generator[dict, None, None]:
     """The JSON of each slice of `batch` (parts of one round of one server, run on one start), as each ends: what
     it is, the settings, the server's result (bench.serve.Bench.measure) or its error, the model's facts for the
     report, where it ran and its wall time (the first's includes the start). A failure is its slice's JSON and
-    ends the batch (the slices after it stay pending)."""
+    ends the batch (slices.run_pending gives the rest a start of their own)."""
     def head(sl: Slice) -> dict:
         return {"model": bench.profile.model, "grid": sl.group, "device": device, "machine": machine,
                 "server": sl.server, "round": sl.round, "part": sl.part, "role": server.role, "kind": server.kind,

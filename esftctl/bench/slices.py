@@ -179,9 +179,9 @@ def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float,
     before a 645 s slice). Consecutive slices that `together` pairs share one server start (batches): `run(batch)`
     yields their results in order and is closed, which stops its server, after the last or before one that does
     not fit (the rest of its batch then waits for a later call); when it ends early (a slice failed and was
-    written so), the rest of its batch gets a start of its own. Each
-    result is written atomically to its path as soon as it is there. Returns the slices that ran; a slice that
-    raises stops the run with nothing written for it."""
+    written so), the rest of its batch gets a start of its own. Each result is written atomically to its path as
+    soon as it is there. Returns the slices that ran; a slice that raises stops the run with nothing written for
+    it."""
     started, ran = time.monotonic(), []
     queue = batches(todo, together)
     while queue:
