@@ -7,9 +7,8 @@ index from the run's own seed, and each server maps index i to its own i-th mode
 the peer's i-th LoRA, merged copy i mod copies). A server started once runs one round, whole or in parts (its
 adapter counts: every count is served by the same server, all adapters loaded, so one start serves them in turn;
 esftctl.bench.serve_slices starts it anew for each round, so that the spread over rounds includes the start's
-own); rows merge the rounds: every
-round's numbers, their median, TTFT's spread over them, the arrivals' measured cv and the drawn shares checked
-against alpha over all rounds.
+own); rows merge the rounds: every round's numbers, their median, TTFT's spread over them, the arrivals' measured
+cv and the drawn shares checked against alpha over all rounds.
 
 Routing: the generated DeepSeek-V2-Lite-shaped base routes about uniformly, and its adapters replace experts
 chosen at random, so a token of adapter a reaches a's experts only as often as chance has it. Trained ESFT
