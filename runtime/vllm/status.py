@@ -51,8 +51,8 @@ class StatusMiddleware:
     """The middleware vLLM installs (`--middleware` adds a class with `app.add_middleware`), as plain ASGI.
 
     Starlette's function middleware (`BaseHTTPMiddleware`) would wrap every response, each streamed token
-    included, in a task and a memory stream: on the dev CPU (FastAPI streaming 128 chunks 4 ms apart) that added
-    0.24-0.40 ms to a stream's first chunk and 0.01-0.02 ms to each later one, which plain vLLM does not pay.
+    included, in a task and a memory stream: on the dev CPU (benchmarks/scripts/middleware_cost.py) that added
+    0.18-0.55 ms to a stream's first chunk and 0.02-0.07 ms to each later one, which plain vLLM does not pay.
     Here the key is checked on every HTTP request first; the three paths this module answers or reads (status,
     load, unload) and a request without a valid key go through `status_middleware`; everything else, streams
     included, goes straight to vLLM, a completion's 404 rewritten to name the servable models."""
@@ -253,7 +253,7 @@ def _naming_models(scope, receive, send):
 
 def _unknown_model(scope, body: bytes) -> JSONResponse | None:
     """vLLM's 404 for an unknown model, naming every model this server answers to (None: not vLLM's error)."""
-    known = getattr(scope["app"].state, "openai_serving_models", None)
+    known = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
     try:
         error = json.loads(body)["error"]
         message = error["message"]
