@@ -78,9 +78,9 @@ def fake(monkeypatch, tmp_path):
                              grid_experts=(4, 6), all_experts=10)
     monkeypatch.setattr(ss.ModelFacts, "of", classmethod(lambda cls, served: facts))
 
-    def run(profile, options, out, budget_s=math.inf):
+    def run(profile, options, out, budget_s=math.inf, rounds=None):
         return ss.run(profile, options, out=out, work=tmp_path / "work", scratch=tmp_path / "work", gpu=False,
-                      budget_s=budget_s)
+                      budget_s=budget_s, rounds=rounds)
     return run
 
 
@@ -147,6 +147,24 @@ def test_the_budget_stops_before_a_slice_that_would_overrun(fake, tmp_path):
     assert estimate(order[1]) == 4.0 + 2.0 and estimate(order[2], warm=True) == 2.0  # measured: start-up, own
     order[2].path(out, "tiny").unlink()
     assert estimate(order[2]) == 4.0 + runs  # the server's start measured by n2, the part's defaults
+
+
+def test_the_cards_of_a_host_each_take_their_own_rounds(fake, tmp_path):
+    """`--only-rounds`: each card runs the base's round first, then its own round of every server, and pairs with
+    that base; the cards' slices together are the grid (benchmarks/scripts/gpu_cards.sh merges them)."""
+    profile, options = grid(repeats=3, micro_runs=0)
+    out = tmp_path / "out"
+    for card, rounds in (("card1", (1,)), ("card2", (0, 2))):
+        FakeBench.machine, FakeBench.calls = card, []
+        done = fake(profile, options, out, rounds=rounds)
+        assert {c[1] for c in FakeBench.calls} == set(rounds) and FakeBench.calls[0] == ("base", rounds[0], "")
+    assert done["left"] == []
+    (result,) = ss.report(out, profile, options)
+    assert result["missing"] == []
+    row = next(r for s in result["servers"] if s["kind"] == "esftctl" for r in s["rows"] if r["adapters"] == 2)
+    assert row["paired_rounds"] == 3  # every round against the base on its own card
+    proc = run_cli("bench", "serve", "--out", out, "--only-rounds", "2")  # the tiny grid's default: 2 rounds
+    assert proc.returncode == 1 and "--only-rounds 2: the grid has rounds 0 to 1" in proc.stderr
 
 
 def test_the_counts_of_a_round_share_one_start(fake, tmp_path):

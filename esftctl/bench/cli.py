@@ -277,6 +277,11 @@ def serve(
                                                    "server's longest measured slice, else defaults) would overrun "
                                                    "is left for the next call, later ones that fit still run "
                                                    "(default: no limit)."),
+    only_rounds: str = typer.Option(None, metavar="R[,R]",
+                                    help="Run only these rounds of the grid here (0-based; the microbenchmarks "
+                                         "belong to round 0), the base's too: the cards of one host each take "
+                                         "their own, and each pairs with a base round on its own card "
+                                         "(benchmarks/scripts/gpu_cards.sh). Default: every round."),
     report_only: bool = typer.Option(False, "--report", metavar="",
                                      help="Only merge the slices of this grid found under --out into the report "
                                           "(no GPU needed): the same options as the run that wrote them."),
@@ -326,12 +331,15 @@ def serve(
         shape=adapter_shape, micro_runs=micro_runs, slice_by=slice_by, servers=chosen, group_adapters=group_adapters,
         group_wait=group_wait, max_loras=max_loras, merged_copies=merged_copies, parallel=sizes,
         expert_parallel=expert_parallel)
+    rounds = tuple(_counts("--only-rounds", only_rounds, minimum=0)) if only_rounds else None
+    if rounds and max(rounds) >= profile.repeats:
+        raise EsftError(f"--only-rounds {only_rounds}: the grid has rounds 0 to {profile.repeats - 1} (--repeats)")
     _serve_slices(bench, profile, options, out=out, work=work, scratch=scratch, gpu=gpu, budget=budget,
-                  report_only=report_only, as_json=as_json)
+                  rounds=rounds, report_only=report_only, as_json=as_json)
 
 
 def _serve_slices(bench, profile, options, *, out: Path, work: Path | None, scratch: Path | None, gpu: bool,
-                  budget: float | None, report_only: bool, as_json: bool) -> None:
+                  budget: float | None, rounds: tuple[int, ...] | None, report_only: bool, as_json: bool) -> None:
     """Run the grid's pending slices (unless `report_only`), then merge the slices there into one report per
     device: tables (or JSON), serve-GRID-DEVICE.json and .png."""
     import math
@@ -345,7 +353,7 @@ def _serve_slices(bench, profile, options, *, out: Path, work: Path | None, scra
             print(time.strftime("%H:%M:%S"), msg, file=sys.stderr if as_json else sys.stdout, flush=True)
         work = work or default_work(profile.model)
         done = serve_slices.run(profile, options, out=out, work=work, scratch=scratch or work, gpu=gpu,
-                                budget_s=math.inf if budget is None else budget, on_step=step)
+                                budget_s=math.inf if budget is None else budget, rounds=rounds, on_step=step)
         step(f"{len(done['ran'])} slices ran, {len(done['left'])} left")
     results = serve_slices.report(out, profile, options)
     if not results:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 29's grid on a machine of several GPUs (nvidia-h100-x2 or -x4): one `esftctl bench serve` per card, each
+# with its own rounds (--only-rounds), base, adapters and output folder, so that each card runs plain vLLM's base
+# first and pairs its own rounds with it (ratios stay within one card: esftctl/bench/serve_slices.py). Why: a
+# machine of several GPUs counts its held time in full, one of one GPU 50-67% (2026-11-27), so four cards run
+# the grid about twice as fast per second of device time as one. What it does not give: the cards share a host
+# (CPU, memory, PCIe), and a card's neighbours are busy while it measures; compare a round run here with one run
+# alone before trusting a 3% difference.
+# Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl bash benchmarks/scripts/gpu_cards.sh
+#   ROUNDS: one entry per card, each the --only-rounds of that card (e.g. "1 2 0 1"; a comma list gives a card
+#   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
+#   slices and logs); it takes the grid's options from gpu_pending.sh.
+# Needs ../shared/gpu/README.md's install.
+set -u
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+read -r -a rounds <<< "${ROUNDS:?ROUNDS: one --only-rounds per card, e.g. ROUNDS=\"1 2\"}"
+cards=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+if [ "${#rounds[@]}" -gt "$cards" ]; then echo "ROUNDS names ${#rounds[@]} cards, this machine has $cards"; exit 2; fi
+mkdir -p /tmp/bench && [ -f /tmp/bench/slices.stamp ] || touch /tmp/bench/slices.stamp
+df -B1G /dev/shm /tmp; free -g; nvidia-smi --query-gpu=index,name,uuid --format=csv,noheader
+pids=()
+for card in "${!rounds[@]}"; do
+  out=/tmp/bench/out-$card work=/dev/shm/bench-$card
+  [ "$(df -B1G --output=avail /dev/shm | tail -1)" -ge $(( 40 * (${#rounds[@]} - card) )) ] || work=/tmp/bench/work-$card
+  mkdir -p "$out" "/tmp/bench/scratch-$card"
+  [ -d benchmarks/serve-bench/slices ] && cp -rn benchmarks/serve-bench/slices "$out/"
+  CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
+    --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" --adapter-shape deepseek \
+    --adapters 1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers "${SERVERS:-base,esftctl}" \
+    --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1 &
+  pids+=($!)
+  echo "card $card: rounds ${rounds[$card]}, work $work, log /tmp/bench/card-$card.log"
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+tail -n 3 /tmp/bench/card-*.log
+bash benchmarks/scripts/collect.sh
