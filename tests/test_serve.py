@@ -187,6 +187,13 @@ def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp
     data.write_bytes(bytes(raw))
     with pytest.raises(EsftError, match=f"{data}: checksum mismatch.*HTTP 400"):
         load(url, "corrupt", corrupt)
+    copy = tmp_path / "copy"
+    shutil.copytree(bundles["task1"], copy)  # new files, not staged: the middleware verifies them and says so
+    load(url, "copy1", copy)
+    assert_same_answer(complete(url, "copy1", deepseek["prompts"][0]), deepseek["ref"]["task1"][0], "copy1")
+    record = json.loads((deepseek["tmp"] / "state" / "verified.json").read_text())
+    assert [list(p) for p in file_identity(copy)] in record and [list(p) for p in file_identity(corrupt)] not in record
+    unload(url, "copy1")
     free = deepseek["plan"].slots - 3
     for k in range(free):
         load(url, f"spare{k}", bundles["task0"])

@@ -178,10 +178,12 @@ def engine_status(**fields) -> EngineStatus:
 def test_a_load_is_verified_unless_the_engine_holds_its_files_staged(tiny_models, tmp_path, monkeypatch):
     """The middleware's check of a load hashes the bundle's data, unless the engine's status lists the same files,
     unchanged, as staged in its host cache (verified against its base when staged): a warm load of a 2.47 GiB
-    adapter took 3.0 s, 2.9 of them this second hash (H100, 2026-11-27). A changed file is checked again."""
+    adapter took 3.0 s, 2.9 of them this second hash (H100, 2026-11-27). A changed file is checked again. What it
+    hashes it records as verified, so that the engine reading it next does not hash it again."""
     from esftctl.formats import bundle as bundle_format
     from esftctl.formats.bundle import DATA_FILE, file_identity, write_bundle
     from esftctl.formats.checkpoint import MoECheckpoint
+    from esftctl.runtime.serve_config import was_verified
     from esftctl.runtime.vllm import status as vllm_status
     from esftctl.world.synthetic import synthetic_experts
 
@@ -191,8 +193,12 @@ def test_a_load_is_verified_unless_the_engine_holds_its_files_staged(tiny_models
     hashed = []
     real = bundle_format.tensors_sha256
     monkeypatch.setattr(bundle_format, "tensors_sha256", lambda path: hashed.append(path) or real(path))
+    status_file = tmp_path / "status.json"
+    config = ServeConfig(settings=ServeSettings(base=base.path), slots=4, experts_per_slot=2,
+                         status_file=str(status_file))
+    monkeypatch.setenv("ESFTCTL_SERVE", config.to_env()["ESFTCTL_SERVE"])
     vllm_status._check_load("a", str(b), engine_status(base=str(base.path)))
-    assert len(hashed) == 1
+    assert len(hashed) == 1 and was_verified(status_file, file_identity(b))  # the engine need not hash it again
     staged = engine_status(base=str(base.path), staged_bundles=[[list(part) for part in file_identity(b)]])
     staged = EngineStatus.from_json(json.loads(json.dumps(staged.to_json())))  # as the status file carries it
     vllm_status._check_load("a", str(b), staged)
@@ -203,6 +209,7 @@ def test_a_load_is_verified_unless_the_engine_holds_its_files_staged(tiny_models
     os.utime(b / DATA_FILE, ns=(1, 1))  # another modification time, whatever the clock's granularity
     with pytest.raises(EsftError, match="checksum mismatch"):
         vllm_status._check_load("a", str(b), staged)
+    assert not was_verified(status_file, file_identity(b))
 
 
 def test_the_status_record_reads_and_writes_the_servers_json():

@@ -223,6 +223,42 @@ def test_host_cache_keys_by_the_data_file_the_manifest_names(tiny, tmp_path):
     assert cache.lookup(crafted(tiny[1], tmp_path / "bad", _set("file", "../x")))[0] is None
 
 
+def test_bytes_verified_already_are_not_hashed_again_but_still_checked(tiny, tmp_path):
+    """A server's record of the bundles its middleware verified (runtime.serve_config), by file identity: the
+    engine then opens such a bundle with every check but the data's checksum (Bundle.open(hash_data=False)); a
+    changed file has another identity and is hashed again. The record keeps the newest VERIFIED_KEEP."""
+    from esftctl.formats.bundle import file_identity
+    from esftctl.runtime.serve_config import VERIFIED_KEEP, record_verified, verified_record, was_verified
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny[1], b)
+    status_file = tmp_path / "state" / "status.json"
+    status_file.parent.mkdir()
+    identity = file_identity(b)
+    assert not was_verified(status_file, identity)
+    record_verified(status_file, identity)
+    assert was_verified(status_file, identity) and not was_verified(status_file, None)
+    raw = bytearray((b / DATA_FILE).read_bytes())
+    raw[-1] ^= 0xFF
+    (b / DATA_FILE).write_bytes(bytes(raw))
+    os.utime(b / DATA_FILE, ns=(1, 1))  # another modification time, whatever the clock's granularity
+    assert not was_verified(status_file, file_identity(b))
+    with pytest.raises(EsftError, match="checksum mismatch"):
+        Bundle.open(b)
+    Bundle.open(b, hash_data=False)  # what it skips is the data's checksum alone:
+
+    def other_experts(m):
+        m["experts"]["1"] = [e for e in range(16) if e not in m["experts"]["1"]][:len(m["experts"]["1"])]
+    with pytest.raises(EsftError, match="is missing"):
+        Bundle.open(crafted(tiny[1], tmp_path / "moved", other_experts), hash_data=False)
+    for k in range(VERIFIED_KEEP + 5):
+        record_verified(status_file, ((k, 0, 0, 0),))
+    kept = json.loads(verified_record(status_file).read_text())
+    assert len(kept) == VERIFIED_KEEP and kept[-1] == [[VERIFIED_KEEP + 4, 0, 0, 0]]
+    verified_record(status_file).write_text("{half")
+    assert not was_verified(status_file, ((1, 0, 0, 0),))  # an unreadable record verifies nothing
+
+
 # ---- fuzz --------------------------------------------------------------------------------------------------
 
 VALUES = [None, True, False, 0, -1, 1, 3, 15, 16, 2**31, 2**64, 1.5, "", "x", "1", "-dash", "../x", "/dev/zero",

@@ -44,7 +44,7 @@ from esftctl.runtime.engine_status import (
 )
 from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.paging.planner import KvNeed
-from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file
+from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file, was_verified
 from esftctl.runtime.vllm.model import EsftModel
 from esftctl.runtime.vllm.moe import check_engine
 from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
@@ -145,7 +145,10 @@ class EsftWorkerManager:
             if not slots.free_slots() and not self.retiring:  # refused at once, before reading anything
                 check_free_slot(slots.num_slots, self.status().taken_by())
             key, staged = self.host_cache.lookup(lora_request.lora_path)
-            bundle = open_servable_bundle(lora_request.lora_path, self.base) if staged is None else None
+            bundle = None
+            if staged is None:  # its data hashed unless the middleware has just verified these very files
+                verified = was_verified(self.config.status_file, key)
+                bundle = open_servable_bundle(lora_request.lora_path, self.base, hash_data=not verified)
             count = staged.num_experts if staged is not None else bundle.num_experts
             while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
                 self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
