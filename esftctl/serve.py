@@ -41,7 +41,9 @@ from esftctl.runtime.serve_config import (
     VLLM_API_KEY_ENV,
     ServeConfig,
     ServeSettings,
+    bundle_identity,
     open_servable_bundle,
+    record_verified,
     vllm_api_keys,
 )
 from esftctl.runtime.vllm.moe import KERNEL_MAX_ROWS, check_rows
@@ -66,6 +68,7 @@ class ServePlan:
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once; memory reserved at start
     variant_names: list[str] = field(default_factory=list)  # every variant's served name, the home one first
     variant_paths: list[Path] = field(default_factory=list)
+    verified: list = field(default_factory=list)  # file identities of the bundles the plan verified (hashed)
 
     state_dir: Path | None = field(default=None, init=False)  # made on first use when the settings give none
     temporary_state: bool = field(default=False, init=False)
@@ -213,6 +216,7 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
     clash = sorted(set(adapters) & set(vset.names if vset is not None else []))
     if clash:
         raise EsftError(f"adapter name {clash[0]!r} is also a variant's name; pick another")
+    verified = [i for i in map(bundle_identity, adapters.values()) if i is not None]  # before reading them
     bundles = {n: open_servable_bundle(p, base) for n, p in adapters.items()}
     # A variant other than the home one holds at most its map's unloaded positions (per layer, in all).
     misses = [] if vset is None else [(vset.emap.owner < 0).sum(axis=1).tolist()] * (len(vset.names) - 1)
@@ -223,7 +227,8 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
     if vset is not None:
         settings = replace(settings, variants=vset.map_dir.resolve(), variant_names=tuple(vset.names))
     return ServePlan(settings, base.path.resolve(), name, adapters, slots, experts_per_slot, budget,
-                     variant_names=list(vset.names) if vset else [], variant_paths=list(vset.paths) if vset else [])
+                     variant_names=list(vset.names) if vset else [], variant_paths=list(vset.paths) if vset else [],
+                     verified=verified)
 
 
 def _size_slots(settings: ServeSettings, base: MoECheckpoint, bundles: dict, misses: list) -> tuple[int, int]:
@@ -356,6 +361,8 @@ class Server:
 
     def start(self) -> None:
         self.plan.state.mkdir(parents=True, exist_ok=True)
+        if self.plan.esft and self.plan.verified:  # the engine loads these next: hashed once, here
+            record_verified(self.plan.config().status_file, self.plan.verified)
         log = open(self.plan.log_file, "ab")
         self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)

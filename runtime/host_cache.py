@@ -23,9 +23,9 @@ from typing import Mapping
 import torch
 
 from esftctl.errors import EsftError
-from esftctl.formats.bundle import file_identity
 from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.moe_layer import VirtualMoELayer
+from esftctl.runtime.serve_config import bundle_identity
 
 
 @dataclass
@@ -80,9 +80,8 @@ class HostAdapterCache:
     def lookup(self, bundle: str | Path) -> tuple[tuple | None, StagedAdapter | None]:
         """The bundle's identity, taken before anything reads it (the key to `put` its staged rows under), and
         its staged rows if the cache holds them."""
-        try:
-            key = file_identity(bundle)
-        except (OSError, EsftError):
+        key = bundle_identity(bundle)
+        if key is None:
             return None, None  # the bundle's own checks will say what is wrong with it
         staged = self._entries.get(key)
         if staged is None:

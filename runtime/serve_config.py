@@ -176,20 +176,32 @@ VERIFIED_KEEP = 64  # file identities a server's record of verified bundles keep
 
 
 def verified_record(status_file: str | Path) -> Path:
-    """The server's record of bundles its middleware verified against its base, by file identity, beside the status
-    file in its own state folder: the engine, reading such a bundle right after, does not hash it again (a cold
-    load of a 2.47 GiB adapter hashed it twice: 9.4 s against a 1.8 s disk floor, H100, 2026-11-27)."""
+    """The server's record of the bundles its launcher (those given at start) and its middleware (those loaded
+    later) verified, by file identity, beside the status file in its own state folder: the engine, reading such a
+    bundle right after, does not hash it again (a cold load of a 2.47 GiB adapter hashed it twice: 9.4 s against a
+    1.8 s disk floor, H100, 2026-11-27)."""
     return Path(status_file).with_name("verified.json")
 
 
-def record_verified(status_file: str | Path, identity) -> None:
-    """Add a bundle's file identity (taken before it was read) to the record (atomically; a lost race only makes
-    the engine hash again)."""
+def record_verified(status_file: str | Path, identities) -> None:
+    """Add bundles' file identities (each taken before the bundle was read) to the record (atomically; a lost race
+    only makes the engine hash again)."""
     from esftctl.jsonfile import write_json
 
-    entry = [list(part) for part in identity]
-    kept = [e for e in _verified(status_file) if e != entry]
-    write_json(verified_record(status_file), (kept + [entry])[-VERIFIED_KEEP:])
+    entries = [[list(part) for part in identity] for identity in identities]
+    kept = [e for e in _verified(status_file) if e not in entries]
+    write_json(verified_record(status_file), (kept + entries)[-VERIFIED_KEEP:])
+
+
+def bundle_identity(path: str | Path) -> tuple | None:
+    """A bundle's file identity (esftctl.formats.bundle.file_identity); None where its files cannot say (opening
+    it then says what is wrong)."""
+    from esftctl.formats.bundle import file_identity
+
+    try:
+        return file_identity(path)
+    except (OSError, EsftError):
+        return None
 
 
 def was_verified(status_file: str | Path, identity) -> bool:

@@ -193,6 +193,7 @@ def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp
     assert_same_answer(complete(url, "copy1", deepseek["prompts"][0]), deepseek["ref"]["task1"][0], "copy1")
     record = json.loads((deepseek["tmp"] / "state" / "verified.json").read_text())
     assert [list(p) for p in file_identity(copy)] in record and [list(p) for p in file_identity(corrupt)] not in record
+    assert all([list(p) for p in file_identity(b)] in record for b in bundles.values())  # verified by the launcher
     unload(url, "copy1")
     free = deepseek["plan"].slots - 3
     for k in range(free):

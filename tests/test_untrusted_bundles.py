@@ -236,7 +236,7 @@ def test_bytes_verified_already_are_not_hashed_again_but_still_checked(tiny, tmp
     status_file.parent.mkdir()
     identity = file_identity(b)
     assert not was_verified(status_file, identity)
-    record_verified(status_file, identity)
+    record_verified(status_file, [identity])
     assert was_verified(status_file, identity) and not was_verified(status_file, None)
     raw = bytearray((b / DATA_FILE).read_bytes())
     raw[-1] ^= 0xFF
@@ -252,7 +252,7 @@ def test_bytes_verified_already_are_not_hashed_again_but_still_checked(tiny, tmp
     with pytest.raises(EsftError, match="is missing"):
         Bundle.open(crafted(tiny[1], tmp_path / "moved", other_experts), hash_data=False)
     for k in range(VERIFIED_KEEP + 5):
-        record_verified(status_file, ((k, 0, 0, 0),))
+        record_verified(status_file, [((k, 0, 0, 0),)])
     kept = json.loads(verified_record(status_file).read_text())
     assert len(kept) == VERIFIED_KEEP and kept[-1] == [[VERIFIED_KEEP + 4, 0, 0, 0]]
     verified_record(status_file).write_text("{half")

@@ -211,27 +211,16 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
     file identity taken before reading, so that the engine reading it next does not hash it again."""
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
-    from esftctl.runtime.serve_config import open_servable_bundle, record_verified
+    from esftctl.runtime.serve_config import bundle_identity, open_servable_bundle, record_verified
 
     check_name(name)
-    identity = _identity(path)
+    identity = bundle_identity(path)
     if identity is None or [list(part) for part in identity] not in status.staged_bundles:
         open_servable_bundle(path, MoECheckpoint(status.base, fp8=True))
         config = ServeConfig.from_env()
         if identity is not None and config is not None:
-            record_verified(config.status_file, identity)
+            record_verified(config.status_file, [identity])
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
-
-
-def _identity(path: str) -> tuple | None:
-    """The bundle's file identity (esftctl.formats.bundle.file_identity), None where its files cannot say."""
-    from esftctl.errors import EsftError
-    from esftctl.formats.bundle import file_identity
-
-    try:
-        return file_identity(path)
-    except (OSError, EsftError):
-        return None
 
 
 def _naming_models(scope, receive, send):
