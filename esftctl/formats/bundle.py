@@ -311,7 +311,7 @@ class Bundle:
     @classmethod
     def open(cls, path: str | Path, *, hash_data: bool = True) -> "Bundle":
         """`hash_data` False: every check but the data's checksum, for bytes verified already (the same file
-        identity, file_identity, hashed by this server's middleware moments before)."""
+        identity, file_identity, hashed by this server's launcher or load check just before)."""
         path = Path(path)
         manifest_file = path / MANIFEST
         m = _check_manifest(read_manifest(path), _Fields(manifest_file))
