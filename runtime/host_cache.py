@@ -23,6 +23,7 @@ from typing import Mapping
 import torch
 
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import identity_json
 from esftctl.formats.checkpoint import ExpertWeights
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.serve_config import bundle_identity
@@ -93,7 +94,7 @@ class HostAdapterCache:
 
     def identities(self) -> list[list[list[int]]]:
         """The file identities of the bundles held, as JSON lists (EngineStatus.staged_bundles)."""
-        return [[list(part) for part in key] for key in self._entries]
+        return [identity_json(key) for key in self._entries]
 
     def put(self, key: tuple | None, staged: StagedAdapter) -> None:
         """Keep `staged` (if it fits at all), dropping the least recently used entries to make room."""

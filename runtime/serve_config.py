@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field, fields
 from itertools import takewhile
 from pathlib import Path
@@ -173,24 +174,27 @@ def rank_status_file(status_file: str | Path, rank: int) -> Path:
 
 
 VERIFIED_KEEP = 64  # file identities a server's record of verified bundles keeps, newest last
+VERIFIED_FOR_S = 1800  # how long an entry spares the engine its hash: past a start-up's adapter loads, not longer
 
 
 def verified_record(status_file: str | Path) -> Path:
     """The server's record of the bundles its launcher (those given at start) and its middleware (those loaded
-    later) verified, by file identity, beside the status file in its own state folder: the engine, reading such a
-    bundle right after, does not hash it again (a cold load of a 2.47 GiB adapter hashed it twice: 9.4 s against a
-    1.8 s disk floor, H100, 2026-11-27)."""
+    later) verified, by file identity and when, beside the status file in its own state folder: the engine, reading
+    such a bundle within VERIFIED_FOR_S, does not hash it again (a cold load of a 2.47 GiB adapter hashed it
+    twice: 9.4 s against a 1.8 s disk floor, H100, 2026-11-27); a reload later on, from the files, hashes them."""
     return Path(status_file).with_name("verified.json")
 
 
 def record_verified(status_file: str | Path, identities) -> None:
-    """Add bundles' file identities (each taken before the bundle was read) to the record (atomically; a lost race
-    only makes the engine hash again)."""
+    """Add bundles' file identities (each taken before the bundle was read), verified now, to the record
+    (atomically; a lost race only makes the engine hash again)."""
+    from esftctl.formats.bundle import identity_json
     from esftctl.jsonfile import write_json
 
-    entries = [[list(part) for part in identity] for identity in identities]
-    kept = [e for e in _verified(status_file) if e not in entries]
-    write_json(verified_record(status_file), (kept + entries)[-VERIFIED_KEEP:])
+    entries = [identity_json(identity) for identity in identities]
+    kept = [e for e in _verified(status_file) if e[0] not in entries]
+    now = time.time()
+    write_json(verified_record(status_file), (kept + [[e, now] for e in entries])[-VERIFIED_KEEP:])
 
 
 def bundle_identity(path: str | Path) -> tuple | None:
@@ -205,16 +209,24 @@ def bundle_identity(path: str | Path) -> tuple | None:
 
 
 def was_verified(status_file: str | Path, identity) -> bool:
-    """Whether the record holds this file identity (a changed file has another)."""
-    return identity is not None and [list(part) for part in identity] in _verified(status_file)
+    """Whether the record holds this file identity (a changed file has another), verified within VERIFIED_FOR_S."""
+    from esftctl.formats.bundle import identity_json
+
+    if identity is None:
+        return False
+    wanted, now = identity_json(identity), time.time()
+    return any(e[0] == wanted and 0 <= now - e[1] <= VERIFIED_FOR_S for e in _verified(status_file))
 
 
 def _verified(status_file: str | Path) -> list:
+    """The record's [identity, time] entries; none where it is missing or not a record."""
     try:
         found = json.loads(verified_record(status_file).read_text())
     except (OSError, ValueError):
         return []
-    return found if isinstance(found, list) else []
+    if not isinstance(found, list):
+        return []
+    return [e for e in found if isinstance(e, list) and len(e) == 2 and isinstance(e[1], (int, float))]
 
 
 def open_servable_bundle(path: str | Path, base, *, hash_data: bool = True):

@@ -30,6 +30,7 @@ from esftctl.formats.bundle import Bundle, file_identity
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
 from esftctl.merge import merge
+from esftctl.runtime.serve_config import was_verified
 from esftctl.serve import Server, free_port, plan
 from esftctl.serve_client import load, models, request, status, status_table, unload
 from esftctl.world.synthetic import experts_used_by, write_synthetic_adapter
@@ -191,9 +192,9 @@ def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp
     shutil.copytree(bundles["task1"], copy)  # new files, not staged: the middleware verifies them and says so
     load(url, "copy1", copy)
     assert_same_answer(complete(url, "copy1", deepseek["prompts"][0]), deepseek["ref"]["task1"][0], "copy1")
-    record = json.loads((deepseek["tmp"] / "state" / "verified.json").read_text())
-    assert [list(p) for p in file_identity(copy)] in record and [list(p) for p in file_identity(corrupt)] not in record
-    assert all([list(p) for p in file_identity(b)] in record for b in bundles.values())  # verified by the launcher
+    status_file = deepseek["tmp"] / "state" / "status.json"
+    assert was_verified(status_file, file_identity(copy)) and not was_verified(status_file, file_identity(corrupt))
+    assert all(was_verified(status_file, file_identity(b)) for b in bundles.values())  # verified by the launcher
     unload(url, "copy1")
     free = deepseek["plan"].slots - 3
     for k in range(free):

@@ -224,11 +224,18 @@ def test_host_cache_keys_by_the_data_file_the_manifest_names(tiny, tmp_path):
 
 
 def test_bytes_verified_already_are_not_hashed_again_but_still_checked(tiny, tmp_path):
-    """A server's record of the bundles its middleware verified (runtime.serve_config), by file identity: the
-    engine then opens such a bundle with every check but the data's checksum (Bundle.open(hash_data=False)); a
-    changed file has another identity and is hashed again. The record keeps the newest VERIFIED_KEEP."""
+    """A server's record of the bundles its launcher and middleware verified (runtime.serve_config), by file
+    identity: the engine then opens such a bundle with every check but the data's checksum
+    (Bundle.open(hash_data=False)); a changed file has another identity and is hashed again, and so is one verified
+    more than VERIFIED_FOR_S ago. The record keeps the newest VERIFIED_KEEP."""
     from esftctl.formats.bundle import file_identity
-    from esftctl.runtime.serve_config import VERIFIED_KEEP, record_verified, verified_record, was_verified
+    from esftctl.runtime.serve_config import (
+        VERIFIED_FOR_S,
+        VERIFIED_KEEP,
+        record_verified,
+        verified_record,
+        was_verified,
+    )
 
     b = tmp_path / "b"
     shutil.copytree(tiny[1], b)
@@ -238,6 +245,11 @@ def test_bytes_verified_already_are_not_hashed_again_but_still_checked(tiny, tmp
     assert not was_verified(status_file, identity)
     record_verified(status_file, [identity])
     assert was_verified(status_file, identity) and not was_verified(status_file, None)
+    [[entry, at]] = json.loads(verified_record(status_file).read_text())
+    verified_record(status_file).write_text(json.dumps([[entry, at - VERIFIED_FOR_S - 1]]))
+    assert not was_verified(status_file, identity)  # verified too long ago: hashed again
+    record_verified(status_file, [identity])
+    assert was_verified(status_file, identity)
     raw = bytearray((b / DATA_FILE).read_bytes())
     raw[-1] ^= 0xFF
     (b / DATA_FILE).write_bytes(bytes(raw))
@@ -254,7 +266,7 @@ def test_bytes_verified_already_are_not_hashed_again_but_still_checked(tiny, tmp
     for k in range(VERIFIED_KEEP + 5):
         record_verified(status_file, [((k, 0, 0, 0),)])
     kept = json.loads(verified_record(status_file).read_text())
-    assert len(kept) == VERIFIED_KEEP and kept[-1] == [[VERIFIED_KEEP + 4, 0, 0, 0]]
+    assert len(kept) == VERIFIED_KEEP and kept[-1][0] == [[VERIFIED_KEEP + 4, 0, 0, 0]]
     verified_record(status_file).write_text("{half")
     assert not was_verified(status_file, ((1, 0, 0, 0),))  # an unreadable record verifies nothing
 

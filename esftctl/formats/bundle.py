@@ -287,6 +287,11 @@ def file_identity(path: str | Path) -> tuple[tuple[int, int, int, int], ...]:
     return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, bundle_files(path)))
 
 
+def identity_json(identity: tuple) -> list[list[int]]:
+    """A file identity as JSON has it (lists): how the status and a server's record of verified bundles hold it."""
+    return [list(part) for part in identity]
+
+
 @dataclass
 class PackReport:
     """What `esftctl pack` (or an ESFT adapter's import) wrote: the bundle's experts per layer, and what it left out."""

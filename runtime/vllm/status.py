@@ -209,13 +209,14 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
     cache, verified against its base when staged) is not read: opening it would only hash its data again, 2.9 of a
     warm load's 3.0 s for a 2.47 GiB adapter (H100, 2026-11-27). One opened here is recorded as verified, by its
     file identity taken before reading, so that the engine reading it next does not hash it again."""
+    from esftctl.formats.bundle import identity_json
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
     from esftctl.runtime.serve_config import bundle_identity, open_servable_bundle, record_verified
 
     check_name(name)
     identity = bundle_identity(path)
-    if identity is None or [list(part) for part in identity] not in status.staged_bundles:
+    if identity is None or identity_json(identity) not in status.staged_bundles:
         open_servable_bundle(path, MoECheckpoint(status.base, fp8=True))
         config = ServeConfig.from_env()
         if identity is not None and config is not None:
