@@ -9,9 +9,10 @@
 # Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl bash benchmarks/scripts/gpu_cards.sh
 #   ROUNDS: one entry per card, each the --only-rounds of that card (e.g. "1 2 0 1"; a comma list gives a card
 #   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
-#   slices and logs); it takes the grid's options from gpu_pending.sh.
+#   slices and logs); the grid's options are grid_args.sh's, as gpu_pending.sh's are.
 # Needs ../shared/gpu/README.md's install.
 set -u
+source benchmarks/scripts/grid_args.sh
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 read -r -a rounds <<< "${ROUNDS:?ROUNDS: one --only-rounds per card, e.g. ROUNDS=\"1 2\"}"
 cards=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
@@ -25,9 +26,8 @@ for card in "${!rounds[@]}"; do
   mkdir -p "$out" "/tmp/bench/scratch-$card"
   [ -d benchmarks/serve-bench/slices ] && cp -rn benchmarks/serve-bench/slices "$out/"
   CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
-    --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" --adapter-shape deepseek \
-    --adapters 1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers "${SERVERS:-base,esftctl}" \
-    --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1 &
+    --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" "${GRID_ARGS[@]}" \
+    --servers "${SERVERS:-base,esftctl}" --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1 &
   pids+=($!)
   echo "card $card: rounds ${rounds[$card]}, work $work, log /tmp/bench/card-$card.log"
 done

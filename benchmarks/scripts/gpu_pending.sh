@@ -22,6 +22,7 @@
 # within 3% of the base, needs those two on one machine); merged copies and multi-LoRA are the same grid's (the
 # servers are not part of its key) and come after: SERVERS=base,merged,esftctl,lora.
 set -u
-bash benchmarks/scripts/serve_bench_gpu.sh --budget "${BUDGET:-1600}" --adapter-shape deepseek \
-  --adapters 1,5,10,20 --rates 1,2,5 --alphas 1 --duration 60 --repeats 3 --servers "${SERVERS:-base,esftctl}"
+source benchmarks/scripts/grid_args.sh
+bash benchmarks/scripts/serve_bench_gpu.sh --budget "${BUDGET:-1600}" "${GRID_ARGS[@]}" \
+  --servers "${SERVERS:-base,esftctl}"
 echo all done
