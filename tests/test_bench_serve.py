@@ -225,6 +225,18 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
         assert 0 < r["server_prefill_ms"] and 0 <= r["server_queue_ms"] and r["server_decode_ms"] > 0
         assert r["server_queue_ms"] + r["server_prefill_ms"] <= r["server_ttft_ms"] * 1.01 + 0.1
         assert r["server_ttft_ms"] <= r["mean_ttft_ms"] * 1.01 + 0.1
+    for r in rows.values():  # TTFT by what each prompt met (load.prefill_modes), each request kept in its slice
+        assert 0 <= r["alone_share"] <= 1 and (r["median_ttft_alone_ms"] or r["median_ttft_beside_ms"])
+    assert rows[("esftctl", "base @ inf rps")]["alone_share"] == 0  # all at once: none alone
+    kept = sliced["esftctl/n2.r0.json"]["runs"][0]
+    assert len(kept["requests"]["ttft_ms"]) == len(kept["drawn"]) == kept["result"]["completed"]
+    from rich.console import Console
+
+    from esftctl.bench.serve_report import tables
+    text = io.StringIO()
+    for table in tables(result):
+        Console(file=text, width=250).print(table)
+    assert "TTFT by what the prompt met" in text.getvalue()
     esft_base = rows[("esftctl", "base @ inf rps")]
     assert esft_base["tpot_ratio"] == esft_base["mean_tpot_ms"] / rows[("vLLM base", "base @ inf rps")]["mean_tpot_ms"]
     assert result["kv_cache"]["reported"]["esftctl"] > 0

@@ -91,8 +91,11 @@ def test_slices_rotate_the_servers_per_round_and_cut_rounds_by_adapter_count():
     assert names[:11] == ["base r0", "esftctl n2.r0", "esftctl n0.r0", "grouped-2-8 n2.r0", "grouped-2-8 n0.r0",
                           "lora n2.r0", "lora n0.r0",  # the largest count first
                           "base micro.r0", "esftctl micro.r0", "lora micro.r0",  # microbenchmarks: once, not grouped
-                          "esftctl n2.r1"]  # round 1 starts one server further
+                          "esftctl n0.r1"]  # round 1 starts one server further, its counts rotated too
     assert [s.server for s in plan if s.round == 2 and s.part != bench.MICRO][0] == "grouped-2-8"
+    for server in ("esftctl", "lora"):  # no count is always the first after its server's start
+        assert [[s.part for s in plan if (s.server, s.round) == (server, r) and s.part != bench.MICRO]
+                for r in range(3)] == [["n2", "n0"], ["n0", "n2"], ["n2", "n0"]]
     assert len(plan) == 3 * 7 + 3 and len(set(plan)) == len(plan)
     whole, _ = grid(slice_by="server", micro_runs=0)
     assert [f"{s.server} {s.name}" for s in ss.slice_plan(whole, options, "g")][:4] == [
@@ -118,9 +121,9 @@ def test_a_rerun_resumes_and_failed_slices_are_kept(fake, tmp_path):
     first = fake(profile, options, tmp_path / "out")
     assert len(first["ran"]) == 2 * 5 + 3 and first["left"] == []
     assert len(FakeBench.calls) == 13
-    assert [p for k, r, p in FakeBench.starts if k == "lora"] == [("n2", "n0"), ("n0",), ("micro",), ("n2", "n0"),
-                                                                  ("n0",)]  # after a failure, a start of its own
-    failed = slices.read_slice(tmp_path / "out" / "slices" / "tiny" / first["grid"] / "lora" / "n2.r1.json")
+    assert [p for k, r, p in FakeBench.starts if k == "lora"] == [("n2", "n0"), ("n0",), ("micro",), ("n0", "n2"),
+                                                                  ("n2",)]  # after a failure, a start of its own
+    failed = slices.read_slice(tmp_path / "out" / "slices" / "tiny" / first["grid"] / "lora" / "n0.r1.json")
     assert failed["error"] == "the server did not start second line" and failed["wall_s"] >= 0
     FakeBench.calls = []
     again = fake(profile, options, tmp_path / "out")  # everything there, the failed slices too: nothing runs
@@ -176,7 +179,7 @@ def test_the_counts_of_a_round_share_one_start(fake, tmp_path):
         ("grouped-2-8", ("n2",)), ("grouped-2-8", ("n0",)),  # its statistics count from its start: one count each
         ("lora", ("n2", "n0"))]
     folder = tmp_path / "out" / "slices" / "tiny" / done["grid"] / "esftctl"
-    first, second = (slices.read_slice(folder / f"{p}.r1.json") for p in ("n2", "n0"))
+    first, second = (slices.read_slice(folder / f"{p}.r1.json") for p in ("n0", "n2"))  # round 1: rotated
     assert (first["parts_before"], second["parts_before"]) == (0, 1) and first["ready_s"] == second["ready_s"]
 
 
@@ -357,7 +360,7 @@ def test_report_only_from_the_command_line(fake, tmp_path):
             "1", "--slice-by", "adapters", "--servers", "base,esftctl,lora")
     proc = run_cli(*args, "--repeats", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "8 of 13 slices" in proc.stdout and "missing: esftctl: n2.r1, n0.r1" in proc.stdout
+    assert "8 of 13 slices" in proc.stdout and "missing: esftctl: n0.r1, n2.r1" in proc.stdout
     (report,) = (tmp_path / "out").glob("serve-*.json")
     assert json.loads(report.read_text())["grid"].startswith(ss.grid_key(profile))
     proc = run_cli(*args, "--cv", "2")  # another grid: none of its slices are there

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from esftctl.bench.load import Load, bench_args, routed, speeds
+from esftctl.bench.load import Load, alone, bench_args, per_request, prefill_modes, routed, speeds
 from esftctl.bench.traffic import (
     burstiness,
     check_shares,
@@ -139,3 +139,19 @@ def test_speeds_from_per_request_times():
     assert out["median_decode_tps"] == pytest.approx(75) and out["p1_decode_tps"] == pytest.approx(50.5)
     assert out["arrival_cv"] == pytest.approx(np.std([1, 2, 1]) / (4 / 3))
     assert speeds({})["median_prefill_tps"] is None and speeds({})["arrival_cv"] is None
+
+
+def test_ttft_is_split_by_what_each_prompt_met():
+    # r0 alone (r1 comes after its first token); r1 beside r0's decode; r2 alone; r3 beside r2; r4 failed
+    result = {"start_times": [0.0, 0.5, 3.0, 3.2, 10.0], "ttfts": [0.1, 0.3, 0.05, 0.2, 0.0],
+              "latencies": [1.0, 1.0, 0.5, 1.0, 0.0]}
+    assert alone(result) == [True, False, True, False, False]
+    assert prefill_modes(result) == {"alone_share": 0.4, "median_ttft_alone_ms": pytest.approx(75),
+                                     "median_ttft_beside_ms": pytest.approx(250)}
+    kept = per_request({**result, "start_times": [s + 100 for s in result["start_times"]]})
+    assert kept["start_s"] == [0.0, 0.5, 3.0, 3.2, 10.0] and kept["ttft_ms"] == [100.0, 300.0, 50.0, 200.0, 0.0]
+    assert kept["alone"] == [True, False, True, False, False] and kept["latency_ms"][1] == 1000.0
+    assert prefill_modes({"ttfts": [0.1]}) == dict.fromkeys(("alone_share", "median_ttft_alone_ms",
+                                                             "median_ttft_beside_ms"))  # no start times: unknown
+    assert prefill_modes({**result, "ttfts": [0.1, 0.3, 0.05, 0.2, 0.1], "start_times": [0.0] * 5,
+                          "latencies": [1.0] * 5})["alone_share"] == 0.0  # all at once: none alone

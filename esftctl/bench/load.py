@@ -15,6 +15,13 @@ From each run's per-request times we add what vLLM does not print: prefill speed
 decode speed (tokens after the first / the time they took) per request, median and worst 1% (the 1st
 percentile: of a speed, the low tail is the bad one), and the coefficient of variation of the gaps between
 requests as sent (the arrivals' check).
+
+And TTFT split by what the prompt met (prefill_modes): alone (no other request in flight from its arrival to its
+first token) or beside others. Why: at 1-5 requests/s TTFT is two populations. On the H100 (2026-11-27), a
+256-token prompt prefilled alone replays a CUDA graph in about 25 ms, one prefilled in a step beside any decode
+(257 tokens or more, past vLLM's capture sizes) runs eagerly in 60-100 ms; which one a prompt gets depends on the
+other requests' decode times, so a 3% TPOT difference moves a run's median and mean TTFT by 20-30%. Each mode's
+median compares like with like, and the alone share says how much the mixture moved.
 """
 
 from __future__ import annotations
@@ -132,4 +139,43 @@ def speeds(result: dict) -> dict:
     for what, values in (("prefill", prefill), ("decode", decode)):
         out[f"median_{what}_tps"] = float(np.median(values)) if values else None
         out[f"p1_{what}_tps"] = float(np.percentile(values, 1)) if values else None
-    return out
+    return out | prefill_modes(result)
+
+
+def alone(result: dict) -> list[bool]:
+    """Per request: whether no other request was in flight (sent, last token not yet in) between its arrival and
+    its first token, from `--save-detailed`'s start times, TTFTs and latencies (client clock). A failed request
+    (TTFT 0) is in flight for no time and is never alone."""
+    starts, ttfts, latencies = (np.asarray(result.get(k) or [], dtype=np.float64)
+                                for k in ("start_times", "ttfts", "latencies"))
+    if not len(starts) == len(ttfts) == len(latencies):
+        return []
+    firsts, ends = starts + ttfts, starts + latencies
+    overlap = (starts[None, :] < firsts[:, None]) & (ends[None, :] > starts[:, None])  # [i, j]: j in flight in i's
+    np.fill_diagonal(overlap, False)
+    return [bool(t > 0 and not row.any()) for t, row in zip(ttfts, overlap)]
+
+
+def prefill_modes(result: dict) -> dict:
+    """TTFT by what each prompt met (the module says why): the share of requests prefilled alone, and the median
+    TTFT (ms) of those alone and of those beside others (None where a mode has no request)."""
+    ttfts = [t * 1000 for t in result.get("ttfts") or []]
+    flags = alone(result)
+    if not flags:
+        return {"alone_share": None, "median_ttft_alone_ms": None, "median_ttft_beside_ms": None}
+    by = {mode: [t for t, a in zip(ttfts, flags) if a == mode and t > 0] for mode in (True, False)}
+    return {"alone_share": sum(flags) / len(flags),
+            "median_ttft_alone_ms": float(np.median(by[True])) if by[True] else None,
+            "median_ttft_beside_ms": float(np.median(by[False])) if by[False] else None}
+
+
+def per_request(result: dict) -> dict:
+    """A run's requests, in the order sent (the run's `drawn` names their adapters), compact enough to keep in a
+    slice: start (s from the first), TTFT and latency (ms), and whether each was prefilled alone, for what the
+    medians cannot tell (TTFT by adapter, by mode, over time)."""
+    starts = result.get("start_times") or []
+    first = min(starts, default=0.0)
+    return {"start_s": [round(s - first, 4) for s in starts],
+            "ttft_ms": [round(t * 1000, 3) for t in result.get("ttfts") or []],
+            "latency_ms": [round(t * 1000, 2) for t in result.get("latencies") or []],
+            "alone": alone(result)}

@@ -455,7 +455,8 @@ def _share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
 RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),
           ("median_ttft_ratio", "median_ttft_ms"), ("median_tpot_ratio", "median_tpot_ms"),
           ("p99_ttft_ratio", "p99_ttft_ms"), ("p99_tpot_ratio", "p99_tpot_ms"),
-          ("prefill_ratio", "median_prefill_tps"), ("decode_ratio", "median_decode_tps"))
+          ("prefill_ratio", "median_prefill_tps"), ("decode_ratio", "median_decode_tps"),
+          ("ttft_alone_ratio", "median_ttft_alone_ms"), ("ttft_beside_ratio", "median_ttft_beside_ms"))
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,9 @@ import statistics
 
 def tables(result: dict) -> list:
     out = [runs_table(result)]
-    inside = server_times_table(result)
-    if inside is not None:
-        out.append(inside)
-    micro = micro_table(result)
-    if micro is not None:
-        out.append(micro)
-    groups = groups_table(result)
-    if groups is not None:
-        out.append(groups)
+    for table in (server_times_table(result), modes_table(result), micro_table(result), groups_table(result)):
+        if table is not None:
+            out.append(table)
     out.append(kv_table(result))
     load = next((res["adapter_load"] for res in result["servers"] if "adapter_load" in res), None)
     if load:
@@ -118,6 +112,28 @@ def server_times_table(result: dict):
         t.add_row(server, r["scenario"], _f(r.get("mean_ttft_ms"), ".1f"), _f(r["server_ttft_ms"], ".1f"),
                   *(_f(r.get(f"server_{k}_ms"), ".1f") for k in ("queue", "prefill")), _f(api, ".1f"),
                   _f(r.get("server_decode_ms"), ".0f"))
+    return t
+
+
+def modes_table(result: dict):
+    """TTFT by what a prompt met (esftctl.bench.load.prefill_modes): the share prefilled alone, and each mode's
+    median TTFT with its ratio against plain vLLM's base (medians over rounds). None before any run carried
+    them."""
+    from rich.table import Table
+
+    rows = [(res["server"], r) for res in result["servers"] for r in res["rows"] if r.get("alone_share") is not None]
+    if not rows:
+        return None
+    t = Table(title="TTFT by what the prompt met: alone (no other request in flight from its arrival to its first "
+                    "token: a CUDA graph where the prompt fits the captured sizes) or beside others (a step shared "
+                    "with decodes, eager past the captured sizes); medians over rounds, ratios against plain vLLM's "
+                    "base as in the first table", title_justify="left")
+    for col in ("server", "scenario", "alone", "TTFT alone ms", "x", "TTFT beside ms", "x"):
+        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
+    for server, r in rows:
+        t.add_row(server, r["scenario"], _pct(r["alone_share"]), _f(r.get("median_ttft_alone_ms"), ".1f"),
+                  _f(r.get("ttft_alone_ratio"), ".3f"), _f(r.get("median_ttft_beside_ms"), ".1f"),
+                  _f(r.get("ttft_beside_ratio"), ".3f"))
     return t
 
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from esftctl.bench.load import Load, run_load, summary
+from esftctl.bench.load import Load, per_request, run_load, summary
 from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_shares
 from esftctl.serve import Server
 
@@ -222,8 +222,8 @@ def jit_compiles(plans: list) -> int:
 def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile, rnd: int, on_step,
            order: list[Scenario], times: Callable[[], dict] = lambda: {}) -> list[dict]:
     """Every scenario once, in an order rotated by the round; each run's entry keeps its scenario (and place in
-    `order`), vLLM's numbers, the server's own per-request means (`times`: server_times), the adapters drawn
-    and the seconds it took."""
+    `order`), vLLM's numbers, the server's own per-request means (`times`: server_times), the adapters drawn,
+    each request's own times (load.per_request) and the seconds it took."""
     out = []
     k = rnd % len(runs) if runs else 0
     for s in runs[k:] + runs[:k]:
@@ -232,13 +232,14 @@ def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile
         drawn = s.draw(rnd, count)
         load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
         started, before = time.perf_counter(), times()
-        result = summary(run(f"{label} {s.name} r{rnd}", load, [names[s.pool][i] for i in drawn]))
+        raw = run(f"{label} {s.name} r{rnd}", load, [names[s.pool][i] for i in drawn])
+        result = summary(raw)
         if before:
             result.update(server_means(before, times()))
         if math.isinf(s.rate):  # all at once: no gaps to speak of
             result["arrival_cv"] = None
         out.append({"scenario": asdict(s), "index": order.index(s), "round": rnd, "result": result, "drawn": drawn,
-                    "seconds": time.perf_counter() - started})
+                    "requests": per_request(raw), "seconds": time.perf_counter() - started})
     return out
 
 

@@ -112,8 +112,9 @@ def grid_key(profile: Profile) -> str:
 
 def parts(profile: Profile, server: BenchServer) -> tuple[str, ...]:
     """The parts one round of `server` is cut into: its adapter counts (slice_by "adapters", esftctl's and
-    multi-LoRA's servers), largest first, else the whole round (""). Largest first: a device session runs two or
-    three slices, and 20 adapters is the targets' hardest case (issue 29: 5 to 20 within 3% of the base)."""
+    multi-LoRA's servers), largest first, else the whole round (""). Largest first in round 0 (20 adapters is the
+    targets' hardest case, issue 29: 5 to 20 within 3% of the base), then rotated round by round
+    (slices.slice_order)."""
     if profile.slice_by != "adapters" or server.role not in ("esftctl", "lora"):
         return ("",)
     found = dict.fromkeys(part_of(s) for s in adapter_runs(profile, server.role))
