@@ -42,37 +42,9 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights
+from esftctl.kernels.row_checksum import row_checksums
 from esftctl.runtime.address_space import AddressSpace
 from esftctl.runtime.virtual_tensor import VirtualExpertTensor
-
-_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as 16-bit words (a zero byte after an odd count)."""
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    if raw.numel() % 2:
-        raw = torch.cat([raw, raw.new_zeros(1)])
-    return raw.view(torch.int16)
-
-
-def row_checksums(*parts: torch.Tensor) -> torch.Tensor:
-    """A checksum per row of experts in any layout (w13 [n, ...], w2 [n, ...], and for FP8 experts their scales,
-    values of any dtype), the same on any device: each row's 16-bit words weighted by their position
-    (1 + i mod 251) and summed in int64, so a changed, missing or moved value, or another row, changes it. Rows one
-    at a time: the weighted copy of a row is its only temporary."""
-    first = parts[0]
-    out = torch.empty(first.shape[0], dtype=torch.int64, device=first.device)
-    for k in range(first.shape[0]):
-        total = torch.zeros((), dtype=torch.int64, device=first.device)
-        for t in (p[k] for p in parts):
-            words = _words(t)
-            key = (words.numel(), words.device)
-            if key not in _WEIGHTS:
-                _WEIGHTS[key] = (torch.arange(words.numel(), device=words.device) % 251 + 1).to(torch.int32)
-            total += (words.to(torch.int64) * _WEIGHTS[key]).sum()
-        out[k] = total
-    return out
 
 
 def stack_experts(experts: Sequence[ExpertWeights], pin: bool = False) -> tuple[torch.Tensor, ...]:
@@ -372,14 +344,13 @@ class VirtualMoELayer:
         if wrong:
             raise EsftError(f"the expert map sends experts {wrong} elsewhere than their rows")
         held = [k for k, e in enumerate(ids) if self.holds_row(rows[e])]
-        got = []
-        for k in held:
-            row = rows[ids[k]]
-            if self.paged_out:  # the host copies it is fetched from (checked on the device, one row at a time)
-                w13, w2 = (t.to(self.device, non_blocking=True) for t in self.host_row(row))
-                got.append(row_checksums(w13[None], w2[None]))
-            else:  # every part the kernel reads, the scales of FP8 experts and the biases too
-                got.append(row_checksums(*(p.tensor[self.local_row(row)][None] for p in self.parts)))
+        if not held:
+            got = []
+        elif self.paged_out:  # the host copies it is fetched from (checked on the device, one row at a time)
+            got = [row_checksums(*(t.to(self.device, non_blocking=True)[None] for t in self.host_row(rows[ids[k]])))
+                   for k in held]
+        else:  # every part the kernel reads, the scales of FP8 experts and the biases too: one pass over them
+            got = [row_checksums(*(p.tensor for p in self.parts), rows=[self.local_row(rows[ids[k]]) for k in held])]
         got = torch.cat(got).cpu().tolist() if got else []  # one wait for the device, not one per row
         differ = [ids[k] for k, c in zip(held, got) if c != int(checksums[k])]
         if differ:

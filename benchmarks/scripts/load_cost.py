@@ -1,10 +1,11 @@
 """Where a warm adapter load's time goes: DeepSeek-V2-Lite's 26 MoE layers as virtual layers, an adapter of
 `--experts` experts (6 a layer: 156, about a 153-expert DeepSeek-sized one) staged in pinned rows as the host cache
 holds them, loaded and unloaded `--repeats` times each way: rows mapped only; mapped and copied; mapped, copied
-and checked (AdapterSlots.load's `checksums`, what a served load does since 2026-11-25); and row_checksums
-alone over the staged rows on the device. Why: `bench serve` on an H100 (2026-11-27) measured a warm
-`esftctl adapters load` of a 2.47 GiB adapter at 2.98 s, 61x its copy floor, where the H200 of 2026-11-23 took
-0.083 s (1.44x) before loads checked their rows.
+and checked (AdapterSlots.load's `checksums`, what a served load does since 2026-11-25); and the row checksums
+alone over the staged rows on the device, the kernel's (esftctl.kernels.row_checksum, on a GPU) and the
+reference's. Why: `bench serve` on an H100 (2026-11-27) measured a warm `esftctl adapters load` of a 2.47 GiB
+adapter at 2.98 s, 61x its copy floor, where the H200 of 2026-11-23 took 0.083 s (1.44x) before loads checked
+their rows.
 Usage: python3 benchmarks/scripts/load_cost.py [--small] [--repeats 5]   (--small: 4 layers of small experts, CPU)
 """
 
@@ -16,9 +17,10 @@ import torch
 
 from esftctl.bench.shapes import DEEPSEEK_V2_LITE
 from esftctl.formats.checkpoint import ExpertWeights
+from esftctl.kernels.row_checksum import row_checksums, row_checksums_reference
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import CudaAddressSpace, HostAddressSpace, PhysicalPagePool
-from esftctl.runtime.moe_layer import VirtualMoELayer, row_checksums
+from esftctl.runtime.moe_layer import VirtualMoELayer
 
 args = argparse.ArgumentParser()
 args.add_argument("--small", action="store_true")
@@ -66,12 +68,12 @@ def timed(way: str) -> float:
     return took
 
 
-def checksums_alone() -> float:
+def checksums_alone(checksums) -> float:
     on = {l: tuple(t.to("cuda" if cuda else "cpu") for t in r) for l, r in rows.items()}
     sync()
     start = time.perf_counter()
     for r in on.values():
-        row_checksums(*r).cpu()
+        checksums(*r).cpu()
     return time.perf_counter() - start
 
 
@@ -79,5 +81,6 @@ print(f"{'CUDA' if cuda else 'CPU'}: {layers_n} layers x {a.per_layer} experts, 
 for way in ("map", "copy", "check", "map", "copy", "check"):  # twice: the first round warms up
     times = [timed(way) for _ in range(a.repeats)]
     print(f"{way:6s} median {1e3 * statistics.median(times):9.1f} ms  runs {[round(1e3 * t, 1) for t in times]}")
-times = [checksums_alone() for _ in range(a.repeats)]
-print(f"row_checksums alone median {1e3 * statistics.median(times):9.1f} ms  runs {[round(1e3 * t, 1) for t in times]}")
+for name, checksums in (("row_checksums", row_checksums), ("reference", row_checksums_reference)):
+    times = [checksums_alone(checksums) for _ in range(a.repeats)]
+    print(f"{name} alone median {1e3 * statistics.median(times):9.1f} ms  runs {[round(1e3 * t, 1) for t in times]}")
