@@ -14,6 +14,8 @@ sums (no atomics: the same bits every run), with no temporary beyond those sums 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 BLOCK = 4096  # 16-bit words a program sums: a DeepSeek-V2-Lite w13 row (5.8 M words) is 1,408 programs
@@ -49,7 +51,10 @@ try:
     import triton.language as tl
 
     @triton.jit
-    def _row_sums_kernel(words_ptr, rows_ptr, row_stride, n_words, out_ptr, n_blocks, BLOCK: tl.constexpr):
+    def _row_sums_kernel(address_ptr, rows_ptr, row_stride, n_words, out_ptr, n_blocks, BLOCK: tl.constexpr):
+        """Program (r, b): words [b BLOCK, (b + 1) BLOCK) of row rows[r] of the part at *address_ptr (device
+        memory, or pinned host memory read over the bus)."""
+        words_ptr = tl.load(address_ptr).to(tl.pointer_type(tl.int16))
         r, b = tl.program_id(0), tl.program_id(1)
         row = tl.load(rows_ptr + r).to(tl.int64)
         offsets = b * BLOCK + tl.arange(0, BLOCK)
@@ -74,32 +79,44 @@ def _row_words(part: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def row_checksums(*parts: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-    """The checksums (int64 [len(rows)], on the parts' device) of `rows` (default: every row) of parts [n, ...]:
-    the kernel on a GPU, the reference elsewhere or for a part it cannot read as words."""
+def row_checksums(*parts: torch.Tensor, rows: list[int] | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The checksums (int64 [len(rows)], on `device`, default the parts') of `rows` (default: every row) of parts
+    [n, ...]: the kernel on a GPU, which reads parts in pinned host memory over the bus (a load's staged rows: no
+    copy, no device memory), the reference elsewhere or for a part it cannot read as words."""
     first = parts[0]
+    device = torch.device(device) if device is not None else first.device
     chosen = list(range(first.shape[0])) if rows is None else [int(r) for r in rows]
     if any(not 0 <= r < first.shape[0] for r in chosen) or any(p.shape[0] != first.shape[0] for p in parts):
         raise ValueError(f"rows {chosen} of parts with {[p.shape[0] for p in parts]} rows")
-    if first.device.type == "cuda" and triton is not None and chosen and all(_row_words(p) is not None
-                                                                             for p in parts):
-        return row_checksums_kernel(*parts, rows=chosen)
+    if device.type == "cuda" and triton is not None and chosen and all(
+            _row_words(p) is not None and (p.device == device or p.is_pinned()) for p in parts):
+        return row_checksums_kernel(*parts, rows=chosen, device=device, address=_address)
     index = torch.tensor(chosen, dtype=torch.long, device=first.device)
-    return row_checksums_reference(*(p.index_select(0, index) for p in parts))
+    return row_checksums_reference(*(p.index_select(0, index) for p in parts)).to(device)
 
 
-def row_checksums_kernel(*parts: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The kernel's checksums of `rows` (checked, at least one) of parts that _row_words can read: one launch and
-    one sum per part (under TRITON_INTERPRET=1 on CPU tensors too, for the tests)."""
-    device = parts[0].device
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+def _address(t: torch.Tensor) -> int:
+    """Where a GPU kernel reads t: its own address on the device, pinned host memory's mapped one."""
+    from esftctl.kernels.row_fetch import host_device_pointer
+
+    return t.data_ptr() if t.is_cuda else host_device_pointer(t)
+
+
+def row_checksums_kernel(*parts: torch.Tensor, rows: list[int], device: torch.device,
+                         address: Callable[[torch.Tensor], int]) -> torch.Tensor:
+    """The kernel's checksums of `rows` (checked, at least one) of parts that _row_words can read, at
+    `address(words)` from `device`: one launch and one sum per part. Under TRITON_INTERPRET=1 the tests run it on
+    CPU tensors at their host addresses."""
+    words = [_row_words(p) for p in parts]
+    addresses = torch.tensor([address(w) for w in words], dtype=torch.int64).to(device)
+    index = torch.tensor(rows, dtype=torch.int64).to(device)
     total = torch.zeros(len(rows), dtype=torch.int64, device=device)
-    for part in parts:
-        words = _row_words(part)
-        n_words = words.shape[1]
+    for k, w in enumerate(words):
+        n_words = w.shape[1]
         n_blocks = triton.cdiv(max(n_words, 1), BLOCK)
         partial = torch.empty(len(rows) * n_blocks, dtype=torch.int64, device=device)
-        _row_sums_kernel[(len(rows), n_blocks)](words, index, words.stride(0), n_words, partial, n_blocks,
+        _row_sums_kernel[(len(rows), n_blocks)](addresses[k:], index, w.stride(0), n_words, partial, n_blocks,
                                                 BLOCK=BLOCK)
         total += partial.view(len(rows), n_blocks).sum(1)
     return total

@@ -318,13 +318,13 @@ class VirtualMoELayer:
 
     def stage(self, experts: Sequence[ExpertWeights]) -> tuple[torch.Tensor, ...]:
         """Experts as this layer's rows in host memory (pinned beside a GPU): what `load(..., staged=)` copies,
-        and their row checksums (`row_checksums`, on the CPU) for `check_rows`. An engine's conversion may run on
-        its device (vLLM's processing of the kernel layout): the checksums are taken there, and the rows come
-        back to host memory, so that staged adapters never hold device memory outside the budget. Returns the
-        rows (w13, w2, then FP8 experts' scales, experts' biases), then the checksums."""
+        and their row checksums (`row_checksums`, taken by the layer's device) for `check_rows`. An engine's
+        conversion may run on its device (vLLM's processing of the kernel layout): the checksums are taken
+        there, and the rows come back to host memory, so that staged adapters never hold device memory outside
+        the budget. Returns the rows (w13, w2, then FP8 experts' scales, experts' biases), then the checksums."""
         pin = self.device.type == "cuda"
         rows = self.layout.convert(*stack_experts(experts, pin=pin))
-        sums = row_checksums(*rows).cpu()
+        sums = row_checksums(*rows, device=self.device).cpu()  # on a GPU: pinned rows read over the bus
         if all(t.device.type == "cpu" for t in rows):
             return (*rows, sums)
         host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in rows)

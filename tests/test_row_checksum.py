@@ -39,6 +39,7 @@ KERNEL = """
 import torch
 from esftctl.kernels.row_checksum import BLOCK, _row_words, row_checksums_kernel, row_checksums_reference
 device = "{device}"
+at = dict(device=torch.device(device), address=lambda t: t.data_ptr())  # the interpreter reads host addresses
 g = torch.Generator().manual_seed(3)
 w13 = torch.randn(5, 6, 700, generator=g).to(torch.bfloat16).to(device)  # 4,200 words a row: two blocks
 assert w13[0].numel() > BLOCK
@@ -46,13 +47,13 @@ w2 = torch.randint(0, 256, (5, 10, 3), generator=g).to(torch.uint8).to(device)  
 scales = torch.rand(5, 2, 3, generator=g).to(device)
 rows = [4, 0, 2]
 want = row_checksums_reference(*(t[rows] for t in (w13, w2, scales)))
-assert torch.equal(row_checksums_kernel(w13, w2, scales, rows=rows), want)
+assert torch.equal(row_checksums_kernel(w13, w2, scales, rows=rows, **at), want)
 big = torch.randn(10, 6, 700, generator=g).to(torch.bfloat16).to(device)
 strided = big[::2]  # rows two apart: read in place, not copied
 assert _row_words(strided).data_ptr() == big.data_ptr()
-assert torch.equal(row_checksums_kernel(strided, rows=[1, 3]), row_checksums_reference(strided[[1, 3]]))
+assert torch.equal(row_checksums_kernel(strided, rows=[1, 3], **at), row_checksums_reference(strided[[1, 3]]))
 extreme = torch.full((2, 3 * BLOCK), -32768, dtype=torch.int16, device=device)  # the largest sums
-assert torch.equal(row_checksums_kernel(extreme, rows=[1]), row_checksums_reference(extreme[1:]))
+assert torch.equal(row_checksums_kernel(extreme, rows=[1], **at), row_checksums_reference(extreme[1:]))
 assert _row_words(torch.zeros(3, 5, dtype=torch.uint8)) is None  # odd bytes a row: the reference's
 print("ok")
 """
@@ -71,3 +72,10 @@ def test_kernel_equals_the_reference_on_cuda():
     exec(KERNEL.format(device="cuda"), {})
     odd = torch.randint(0, 256, (3, 5), dtype=torch.uint8, device="cuda")  # the dispatch falls back
     assert torch.equal(row_checksums(odd, rows=[2, 0]), row_checksums_reference(odd[[2, 0]]))
+    g = torch.Generator().manual_seed(4)
+    staged = torch.randn(3, 4, 3000, generator=g).to(torch.bfloat16).pin_memory()  # read over the bus, not copied
+    scales = torch.rand(3, 2, 2, generator=g).pin_memory()
+    sums = row_checksums(staged, scales, device="cuda")
+    assert sums.is_cuda and torch.equal(sums.cpu(), row_checksums_reference(staged, scales))
+    plain = torch.randn(3, 8)  # not pinned: the reference, the result on the device asked for
+    assert torch.equal(row_checksums(plain, device="cuda").cpu(), row_checksums_reference(plain))

@@ -2,10 +2,11 @@
 `--experts` experts (6 a layer: 156, about a 153-expert DeepSeek-sized one) staged in pinned rows as the host cache
 holds them, loaded and unloaded `--repeats` times each way: rows mapped only; mapped and copied; mapped, copied
 and checked (AdapterSlots.load's `checksums`, what a served load does since 2026-11-25); and the row checksums
-alone over the staged rows on the device, the kernel's (esftctl.kernels.row_checksum, on a GPU) and the
-reference's. Why: `bench serve` on an H100 (2026-11-27) measured a warm `esftctl adapters load` of a 2.47 GiB
-adapter at 2.98 s, 61x its copy floor, where the H200 of 2026-11-23 took 0.083 s (1.44x) before loads checked
-their rows.
+alone over rows on the device, the kernel's (esftctl.kernels.row_checksum, on a GPU) and the reference's, and
+over the staged rows in pinned host memory (what a cold load's staging takes: the kernel reads them over the bus).
+The staging itself is timed once first. Why: `bench serve` on an H100 (2026-11-27) measured a warm `esftctl
+adapters load` of a 2.47 GiB adapter at 2.98 s, 61x its copy floor, where the H200 of 2026-11-23 took 0.083 s
+(1.44x) before loads checked their rows.
 Usage: python3 benchmarks/scripts/load_cost.py [--small] [--repeats 5]   (--small: 4 layers of small experts, CPU)
 """
 
@@ -42,7 +43,9 @@ layers = {l: VirtualMoELayer(experts, hidden, inter, 2, a.per_layer, torch.bfloa
 slots = AdapterSlots(layers)
 weights = [ExpertWeights(*(torch.full(s, 0.01 * (k + 1), dtype=torch.bfloat16) for s in
                            ((inter, hidden), (inter, hidden), (hidden, inter)))) for k in range(a.per_layer)]
+started = time.perf_counter()
 staged = {l: layer.stage(weights) for l, layer in layers.items()}
+print(f"stage (stack, pin, row checksums) {1e3 * (time.perf_counter() - started):9.1f} ms")
 rows = {l: s[:-1] for l, s in staged.items()}
 sums = {l: s[-1] for l, s in staged.items()}
 ids = {l: {e: None for e in range(a.per_layer)} for l in layers}
@@ -68,8 +71,8 @@ def timed(way: str) -> float:
     return took
 
 
-def checksums_alone(checksums) -> float:
-    on = {l: tuple(t.to("cuda" if cuda else "cpu") for t in r) for l, r in rows.items()}
+def checksums_alone(checksums, where: str = "device") -> float:
+    on = rows if where == "host" else {l: tuple(t.to("cuda" if cuda else "cpu") for t in r) for l, r in rows.items()}
     sync()
     start = time.perf_counter()
     for r in on.values():
@@ -81,6 +84,9 @@ print(f"{'CUDA' if cuda else 'CPU'}: {layers_n} layers x {a.per_layer} experts, 
 for way in ("map", "copy", "check", "map", "copy", "check"):  # twice: the first round warms up
     times = [timed(way) for _ in range(a.repeats)]
     print(f"{way:6s} median {1e3 * statistics.median(times):9.1f} ms  runs {[round(1e3 * t, 1) for t in times]}")
-for name, checksums in (("row_checksums", row_checksums), ("reference", row_checksums_reference)):
-    times = [checksums_alone(checksums) for _ in range(a.repeats)]
+for name, checksums, where in (("row_checksums", row_checksums, "device"),
+                               ("reference", row_checksums_reference, "device"),
+                               ("row_checksums of the staged rows",
+                                lambda *r: row_checksums(*r, device="cuda" if cuda else "cpu"), "host")):
+    times = [checksums_alone(checksums, where) for _ in range(a.repeats)]
     print(f"{name} alone median {1e3 * statistics.median(times):9.1f} ms  runs {[round(1e3 * t, 1) for t in times]}")
