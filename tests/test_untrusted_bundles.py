@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import random
@@ -395,3 +396,31 @@ def test_bounded_reads_allocate_the_file_not_the_bound(tiny):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def test_the_data_hash_is_the_definition_whatever_the_chunk_size(tiny, monkeypatch):
+    """tensors_sha256 is SHA-256 over name, dtype, shape and bytes of each tensor in name order, whatever the
+    chunk size it reads, and a read that fails is one line naming the file, with nothing read past it."""
+    from esftctl.formats import bundle as bundle_format
+    from esftctl.formats.checkpoint import read_header, read_stored
+
+    data = tiny[1] / DATA_FILE
+    tensors = read_header(data)
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        info = tensors[name]
+        h.update(f"{name}|{info.torch_dtype}|{list(info.shape)}|".encode())
+        h.update(read_stored(info, name=name).reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert bundle_format.tensors_sha256(data) == h.hexdigest() == Bundle.open(tiny[1]).manifest["tensors_sha256"]
+    for chunk in (7, 4096):  # many chunks a tensor
+        monkeypatch.setattr(bundle_format, "HASH_CHUNK", chunk)
+        assert bundle_format.tensors_sha256(data) == h.hexdigest()
+    calls = []
+
+    def failing(info, into, start=0, *, name):
+        calls.append(name)
+        raise EsftError(f"tensor {name!r}: short read", info.file)
+    monkeypatch.setattr(bundle_format, "read_stored_bytes", failing)
+    with pytest.raises(EsftError, match=f"{data}: tensor .*short read"):
+        bundle_format.tensors_sha256(data)
+    assert len(calls) == 1  # nothing read past the failure
