@@ -18,7 +18,7 @@ if [ -f /tmp/bench/slices.stamp ]; then
 fi
 (cd /tmp/bench/out 2>/dev/null && ls serve-*.json serve-*.png 2>/dev/null | tar -czf "$out/reports.tgz" -T -)
 tar -czf "$out/logs.tgz" $(ls -d /dev/shm/bench/state /dev/shm/bench-*/state /tmp/bench/work/state \
-  /tmp/bench/work-*/state /tmp/bench/card-*.log 2>/dev/null) 2>/dev/null
+  /tmp/bench/work-*/state /tmp/bench/*.log 2>/dev/null) 2>/dev/null
 results=$(for dir in $folders; do [ -d "$dir/vllm-results" ] && echo "${dir#/tmp/bench/}/vllm-results"; done)
 [ -n "$results" ] && tar -czf "$out/vllm-results.tgz" -C /tmp/bench $results 2>/dev/null
 ls -la "$out"

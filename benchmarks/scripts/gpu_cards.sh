@@ -6,10 +6,14 @@
 # the grid about twice as fast per second of device time as one. What it does not give: the cards share a host
 # (CPU, memory, PCIe), and a card's neighbours are busy while it measures; compare a round run here with one run
 # alone before trusting a 3% difference.
-# Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl bash benchmarks/scripts/gpu_cards.sh
+# Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl [AFTER="..."] bash benchmarks/scripts/gpu_cards.sh
 #   ROUNDS: one entry per card, each the --only-rounds of that card (e.g. "1 2 0 1"; a comma list gives a card
 #   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
 #   slices and logs); the grid's options are grid_args.sh's, as gpu_pending.sh's are.
+#   AFTER: a command the first card to finish its bench runs next, on that card alone, with OUT=/tmp/bench (e.g.
+#   AFTER="bash benchmarks/scripts/gpu_tests.sh kernels tests/test_row_checksum.py": GPU tests in the time the other
+#   card still measures, a busier neighbour for it: prefer kernel tests to vLLM servers; its output in
+#   /tmp/bench/after.log, which collect.sh packs with the logs).
 # Needs ../shared/gpu/README.md's install.
 set -u
 source benchmarks/scripts/grid_args.sh
@@ -25,9 +29,15 @@ for card in "${!rounds[@]}"; do
   [ "$(df -B1G --output=avail /dev/shm | tail -1)" -ge $(( 40 * (${#rounds[@]} - card) )) ] || work=/tmp/bench/work-$card
   mkdir -p "$out" "/tmp/bench/scratch-$card"
   [ -d benchmarks/serve-bench/slices ] && cp -rn benchmarks/serve-bench/slices "$out/"
-  CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
-    --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" "${GRID_ARGS[@]}" \
-    --servers "${SERVERS:-base,esftctl}" --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1 &
+  (
+    CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
+      --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" "${GRID_ARGS[@]}" \
+      --servers "${SERVERS:-base,esftctl}" --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1
+    if [ -n "${AFTER:-}" ] && mkdir /tmp/bench/after.claimed 2>/dev/null; then  # the first card done runs it
+      echo "card $card: $AFTER" > /tmp/bench/after.log
+      CUDA_VISIBLE_DEVICES=$card OUT=/tmp/bench bash -c "$AFTER" >> /tmp/bench/after.log 2>&1
+    fi
+  ) &
   pids+=($!)
   echo "card $card: rounds ${rounds[$card]}, work $work, log /tmp/bench/card-$card.log"
 done
