@@ -244,6 +244,9 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     load = servers["esftctl"]["adapter_load"]
     assert len(load["seconds"]["cold"]) == len(load["seconds"]["warm"]) == 3
     assert load["host_cache_hits"] == 3  # every warm load came from the server's host cache, no cold one did
+    assert [e["from"] for e in load["engine"]["warm"]] == ["host cache"] * 3  # as the engine says, with its phases
+    assert [e["from"] for e in load["engine"]["cold"]] == ["file, verified before"] * 3  # hashed by the middleware
+    assert all(set(e) == {"from", "verify", "stage", "copy"} for e in load["engine"]["cold"])
     assert all(s["jit_compiles_in_runs"] is not None for s in result["servers"])  # counted in every slice
     groups = servers["esftctl, groups of 1"]["groups"]
     assert groups["most"] == groups["most_groups_scheduled"] == 1 and groups["grouped_steps"] > 0

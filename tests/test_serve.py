@@ -169,6 +169,10 @@ def test_status_table_accounts_adapter_memory(deepseek):
     assert proc.returncode == 0, proc.stderr
     assert "task2" in proc.stdout and "saved vs padding" in proc.stdout and "KV cache" in proc.stdout
     assert f"{6 * layers} rows checked" in proc.stdout
+    # every load timed by phase; the adapters given at start were hashed by the launcher, not again by the engine
+    assert {a["loaded_from"] for a in adapters.values()} == {"file, verified before"}
+    assert all(set(a["load_s"]) == {"verify", "stage", "copy"} for a in adapters.values())
+    assert "s from file, verified before (verify" in table_text(s)
 
 
 def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp_path):
@@ -195,10 +199,14 @@ def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp
     status_file = deepseek["tmp"] / "state" / "status.json"
     assert was_verified(status_file, file_identity(copy)) and not was_verified(status_file, file_identity(corrupt))
     assert all(was_verified(status_file, file_identity(b)) for b in bundles.values())  # verified by the launcher
+    loaded = {a["name"]: a for a in status(url)["adapters"]}  # hashed once, by the middleware; each phase timed
+    assert loaded["copy1"]["loaded_from"] == "file, verified before"
+    assert set(loaded["copy1"]["load_s"]) == {"verify", "stage", "copy"}
     unload(url, "copy1")
     free = deepseek["plan"].slots - 3
     for k in range(free):
         load(url, f"spare{k}", bundles["task0"])
+    assert {a["name"]: a["loaded_from"] for a in status(url)["adapters"]}.get("spare0", "host cache") == "host cache"
     with pytest.raises(EsftError, match="no free adapter slot.*HTTP 507"):
         load(url, "one_too_many", bundles["task0"])
     for k in range(free):

@@ -218,19 +218,26 @@ def test_the_status_record_reads_and_writes_the_servers_json():
     from esftctl.runtime.engine_status import AdapterStatus, PagingStatus
 
     paged = engine_status(adapters=[AdapterStatus(name="a", lora_id=1, slot=0, bytes=8, retiring=False,
-                                                  experts_per_layer=[1, 2])],
+                                                  experts_per_layer=[1, 2], load_s={"verify": 0.5, "stage": 1.0,
+                                                                                    "copy": 0.25},
+                                                  loaded_from="file, hashed")],
                           paging=PagingStatus(fetch="auto", store_experts=2, window_bytes=4, resident_bytes=2,
                                               store_bytes=1, host_bytes=9, freed_bytes=2, freed_kv_tokens=None,
                                               held_rows=6, fetched_rows=5, fetches=3, resident_layers=[1],
                                               parked_layers=[2, 3], decisions=[]))
     data = paged.to_json()
     assert data["adapters"][0] == {"name": "a", "lora_id": 1, "slot": 0, "bytes": 8, "retiring": False,
-                                   "experts_per_layer": [1, 2], "checked_rows": 0}
+                                   "experts_per_layer": [1, 2], "checked_rows": 0,
+                                   "load_s": {"verify": 0.5, "stage": 1.0, "copy": 0.25}, "loaded_from": "file, hashed"}
+    assert AdapterStatus(**{k: v for k, v in data["adapters"][0].items() if k not in ("load_s", "loaded_from")}
+                         ).load_s == {}  # a status written before loads were timed still reads
     assert data["paging_store_experts"] == 2 and data["paging_resident_layers"] == [1] and "paging" not in data
     assert data["paging_parked_layers"] == [2, 3]
     console = Console(file=io.StringIO(), width=200)
     console.print(status_table(engine_status(paging=paged.paging, adapter_physical_bytes=None)))  # as paged serving
     assert "2 layers alone in theirs: parked, fetching nothing" in console.file.getvalue()
+    console.print(status_table(paged))
+    assert "1.75 s from file, hashed (verify 0.50, stage 1.00, copy 0.25)" in console.file.getvalue()
     assert "per_rank" not in data and "server_pid" not in data and "paging_store_experts" not in \
         engine_status().to_json()
     assert EngineStatus.from_json(json.loads(json.dumps(data | {"server_pid": 7}))) == \

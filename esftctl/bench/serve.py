@@ -591,14 +591,15 @@ def _kv_bytes_per_token(base) -> int:
 def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable[[str], None]) -> dict:
     """`esftctl adapters load` of the largest adapter: cold (from disk: its file touched, so the server's host
     cache misses, and evicted from the page cache) and warm (again at once: from the server's host cache),
-    against its bytes over the host-to-device copy bandwidth (and, cold, over the disk's read bandwidth)."""
+    against its bytes over the host-to-device copy bandwidth (and, cold, over the disk's read bandwidth); with
+    the engine's own seconds of each load by phase (runtime.engine_status.LOAD_PHASES) and whence it came."""
     from esftctl.formats.bundle import DATA_FILE
 
     name = max(served.grid, key=lambda n: bundle_experts(served.bundles[n]))
     path = served.bundles[name]
     data = path / DATA_FILE
     nbytes = data.stat().st_size
-    times = {"cold": [], "warm": []}
+    times, engine = {"cold": [], "warm": []}, {"cold": [], "warm": []}
     for rep in range(repeats):
         for kind in ("cold", "warm"):
             on_step(f"esftctl: adapter load, {kind} ({rep + 1}/{repeats})")
@@ -609,11 +610,14 @@ def adapter_load_times(url: str, served: Served, repeats: int, on_step: Callable
             start = time.perf_counter()
             serve_client.load(url, name, path)
             times[kind].append(time.perf_counter() - start)
+            loaded = next(a for a in serve_client.engine_status(url).adapters if a.name == name)
+            engine[kind].append({"from": loaded.loaded_from, **loaded.load_s})  # the engine's phases of it
     hits = serve_client.engine_status(url).host_cache_hits
     evict(path)
     disk = read_bandwidth(data)
     copy = serve_models.copy_bandwidth()
-    return {"adapter": name, "bytes": nbytes, "seconds": times, "host_cache_hits": hits, "disk_read_bytes_per_s": disk,
+    return {"adapter": name, "bytes": nbytes, "seconds": times, "engine": engine, "host_cache_hits": hits,
+            "disk_read_bytes_per_s": disk,
             "copy_bytes_per_s": copy, "floor_s": nbytes / copy, "cold_floor_s": max(nbytes / copy, nbytes / disk),
             "warm_over_floor": statistics.median(times["warm"]) / (nbytes / copy),
             "cold_over_floor": statistics.median(times["cold"]) / max(nbytes / copy, nbytes / disk)}

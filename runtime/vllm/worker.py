@@ -64,6 +64,7 @@ class EsftWorkerManager:
         self.runtime: EsftModel | None = None
         self.names: dict[int, str] = {}  # LoRA id -> adapter name; slots are keyed by the id (see _key)
         self.last_used: dict[int, float] = {}
+        self.load_times: dict[int, tuple[dict[str, float], str]] = {}  # LoRA id -> its load's phases, whence
         self.active: set[int] = set()  # LoRA ids of the last step's batch
         self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
         self.host_cache = HostAdapterCache(config.settings.host_cache)
@@ -144,24 +145,31 @@ class EsftWorkerManager:
             check_name(name)
             if not slots.free_slots() and not self.retiring:  # refused at once, before reading anything
                 check_free_slot(slots.num_slots, self.status().taken_by())
+            clock = _Phases()
             key, staged = self.host_cache.lookup(lora_request.lora_path)
-            bundle = None
+            bundle, source = None, "host cache"
             if staged is None:  # its data hashed unless the middleware has just verified these very files
                 verified = was_verified(self.config.status_file, key)
                 bundle = open_servable_bundle(lora_request.lora_path, self.base, hash_data=not verified)
+                source = "file, verified before" if verified else "file, hashed"
+            clock.end("verify")
             count = staged.num_experts if staged is not None else bundle.num_experts
             while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
                 self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
             if not slots.free_slots():
                 check_free_slot(slots.num_slots, self.status().taken_by())
+            clock.skip()  # evictions are the unloads' time, not this load's
             if staged is None:
                 staged = stage(self.runtime.layers, bundle.read_experts())
                 self.host_cache.put(key, staged)
+            clock.end("stage")
             slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums())
             if slots.device.type == "cuda":  # loaded means on the device: the pinned rows' copies have run
                 torch.cuda.current_stream(slots.device).synchronize()
+            clock.end("copy")
         except EsftError as e:
             raise EsftError(f"adapter {name!r}: {e}") from None
+        self.load_times[lora_id] = (clock.seconds, source)
         self.names[lora_id] = lora_request.lora_name
         self.last_used[lora_id] = time.monotonic()
         self.write_status()
@@ -203,6 +211,7 @@ class EsftWorkerManager:
     def _evict(self, lora_id: int) -> None:
         self.names.pop(lora_id)
         self.last_used.pop(lora_id, None)
+        self.load_times.pop(lora_id, None)
         self.retiring.discard(lora_id)
         self.runtime.slots.evict(_key(lora_id))
         self.write_status()
@@ -314,9 +323,11 @@ class EsftWorkerManager:
 
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
         info = self.runtime.slots.adapters[_key(lora_id)]
+        load_s, source = self.load_times.get(lora_id, ({}, ""))
         return AdapterStatus(name=name, lora_id=lora_id, slot=info.slot, bytes=info.nbytes,
                              retiring=lora_id in self.retiring, checked_rows=info.checked_rows,
-                             experts_per_layer=[info.experts_per_layer.get(l, 0) for l in self.runtime.layers])
+                             experts_per_layer=[info.experts_per_layer.get(l, 0) for l in self.runtime.layers],
+                             load_s=load_s, loaded_from=source)
 
     def _variant_statuses(self) -> list[VariantStatus]:
         if self.variants is None:
@@ -384,6 +395,23 @@ def kv_bytes_per_token(vllm_config) -> int | None:
 
 def _variant_key(variant: int) -> str:
     return f"variant-{variant}"
+
+
+class _Phases:
+    """Seconds between marks, by phase name (engine_status.LOAD_PHASES): `end(phase)` closes a phase, `skip()`
+    drops the time since the last mark."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def end(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._mark, 4)
+        self._mark = now
+
+    def skip(self) -> None:
+        self._mark = time.perf_counter()
 
 
 def _key(lora_id: int) -> str:
