@@ -2,14 +2,19 @@
 # Issue 29's grid on a machine of several GPUs (nvidia-h100-x2 or -x4): one `esftctl bench serve` per card, each
 # with its own rounds (--only-rounds), base, adapters and output folder, so that each card runs plain vLLM's base
 # first and pairs its own rounds with it (ratios stay within one card: esftctl/bench/serve_slices.py). Why: a
-# machine of several GPUs counts its held time in full, one of one GPU 50-67% (2026-11-27), so four cards run
-# the grid about twice as fast per second of device time as one. What it does not give: the cards share a host
+# machine of several GPUs counts its held time in full, and one of one GPU counted 50-67% of it in 2026-11-27's
+# eleventh session but all of it in the twelfth: k cards run the grid up to k times as fast per second of device
+# time as one. What it does not give: the cards share a host
 # (CPU, memory, PCIe), and a card's neighbours are busy while it measures; compare a round run here with one run
 # alone before trusting a 3% difference.
-# Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl [AFTER="..."] bash benchmarks/scripts/gpu_cards.sh
+# Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl [BEFORE_1="..."] [AFTER="..."] \
+#          bash benchmarks/scripts/gpu_cards.sh
 #   ROUNDS: one entry per card, each the --only-rounds of that card (e.g. "1 2 0 1"; a comma list gives a card
 #   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
 #   slices and logs); the grid's options are grid_args.sh's, as gpu_pending.sh's are.
+#   BEFORE_k: a command card k runs before its bench, on that card alone, with OUT=/tmp/bench (e.g. the kernel tests
+#   of code the bench has not run on a GPU yet, while the other card generates its base: the bench then starts
+#   later and its budget should leave room for it); its output in /tmp/bench/before-k.log.
 #   AFTER: a command the first card to finish its bench runs next, on that card alone, with OUT=/tmp/bench (e.g.
 #   AFTER="bash benchmarks/scripts/gpu_tests.sh kernels tests/test_row_checksum.py": GPU tests in the time the other
 #   card still measures, a busier neighbour for it: prefer kernel tests to vLLM servers; its output in
@@ -29,7 +34,12 @@ for card in "${!rounds[@]}"; do
   [ "$(df -B1G --output=avail /dev/shm | tail -1)" -ge $(( 40 * (${#rounds[@]} - card) )) ] || work=/tmp/bench/work-$card
   mkdir -p "$out" "/tmp/bench/scratch-$card"
   [ -d benchmarks/serve-bench/slices ] && cp -rn benchmarks/serve-bench/slices "$out/"
+  before="BEFORE_$card"
   (
+    if [ -n "${!before:-}" ]; then  # this card's command first (its bench starts after it)
+      echo "card $card: ${!before}" > "/tmp/bench/before-$card.log"
+      CUDA_VISIBLE_DEVICES=$card OUT=/tmp/bench bash -c "${!before}" >> "/tmp/bench/before-$card.log" 2>&1
+    fi
     CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
       --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" "${GRID_ARGS[@]}" \
       --servers "${SERVERS:-base,esftctl}" --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1
