@@ -214,15 +214,17 @@ def load_table(load: dict):
     t = Table(title=f"`esftctl adapters load` of {load['adapter']} ({format_bytes(load['bytes'])})",
               title_justify="left")
     phases = ("verify", "stage", "copy")  # the engine's part (runtime.engine_status.LOAD_PHASES), medians
-    for col in ("from", "median s", "runs", "floor s", "x floor", *(f"engine {p} s" for p in phases)):
+    for col in ("from", "median s", "runs", "floor s", "x floor", *(f"engine {p} s" for p in phases),
+                "outside the engine s"):
         t.add_column(col, justify="left" if col == "from" else "right")
     for kind, floor in (("cold", load["cold_floor_s"]), ("warm", load["floor_s"])):
         secs, engine = load["seconds"][kind], load.get("engine", {}).get(kind, [])
+        outside = [total - sum(e.get(p, 0.0) for p in phases) for total, e in zip(secs, engine)]  # the load
         t.add_row(f"{kind} ({'disk' if kind == 'cold' else 'host memory'})", f"{statistics.median(secs):.3f}",
                   " ".join(f"{x:.3f}" for x in secs), f"{floor:.3f}", f"{statistics.median(secs) / floor:.1f}",
                   *(_f(statistics.median(v) if (v := [e[p] for e in engine if p in e]) else None, ".3f")
-                    for p in phases))
-    return t
+                    for p in phases), _f(statistics.median(outside) if outside else None, ".3f"))
+    return t  # outside the engine: the load check's hash (middleware), HTTP, vLLM's own handling
 
 
 def plot(result: dict, path) -> None:
