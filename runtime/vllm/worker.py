@@ -35,6 +35,7 @@ from esftctl.formats.store import ExpertStore
 from esftctl.jsonfile import write_json
 from esftctl.names import check_name
 from esftctl.runtime.engine_status import (
+    LOADED_FROM,
     STATUS_EVERY_S,
     AdapterStatus,
     EngineStatus,
@@ -49,6 +50,8 @@ from esftctl.runtime.vllm.model import EsftModel
 from esftctl.runtime.vllm.moe import check_engine
 from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
 from esftctl.variants import HOME, VariantSet
+
+FROM_CACHE, FROM_HASHED_FILE, FROM_VERIFIED_FILE = LOADED_FROM
 
 
 class EsftWorkerManager:
@@ -147,11 +150,11 @@ class EsftWorkerManager:
                 check_free_slot(slots.num_slots, self.status().taken_by())
             clock = _Phases()
             key, staged = self.host_cache.lookup(lora_request.lora_path)
-            bundle, source = None, "host cache"
+            bundle, source = None, FROM_CACHE
             if staged is None:  # its data hashed unless the middleware has just verified these very files
                 verified = was_verified(self.config.status_file, key)
                 bundle = open_servable_bundle(lora_request.lora_path, self.base, hash_data=not verified)
-                source = "file, verified before" if verified else "file, hashed"
+                source = FROM_VERIFIED_FILE if verified else FROM_HASHED_FILE
             clock.end("verify")
             count = staged.num_experts if staged is not None else bundle.num_experts
             while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
