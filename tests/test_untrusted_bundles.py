@@ -424,3 +424,36 @@ def test_the_data_hash_is_the_definition_whatever_the_chunk_size(tiny, monkeypat
     with pytest.raises(EsftError, match=f"{data}: tensor .*short read"):
         bundle_format.tensors_sha256(data)
     assert len(calls) == 1  # nothing read past the failure
+
+
+def test_the_launcher_hashes_each_file_once_and_names_the_first_bad_one(tiny, tmp_path, monkeypatch):
+    """esftctl serve's plan opens every adapter's bundle (esftctl.serve.open_bundles): names that share a file share
+    one verification, files are verified several at a time, and of several bad bundles the error names the first in
+    the adapters' order, as verifying one after another did."""
+    from esftctl import serve
+    from esftctl.formats import bundle as bundle_format
+    from esftctl.runtime.serve_config import bundle_identity
+
+    base, good = MoECheckpoint(tiny[0]), tiny[1]
+    hashed = []
+    real = bundle_format.tensors_sha256
+    monkeypatch.setattr(bundle_format, "tensors_sha256", lambda path: hashed.append(path) or real(path))
+
+    def opened(adapters: dict):
+        return serve.open_bundles(adapters, {n: bundle_identity(p) for n, p in adapters.items()}, base)
+    copy = tmp_path / "copy"
+    shutil.copytree(good, copy)
+    bundles = opened({"a": good, "b": good, "c": copy})
+    assert bundles["a"] is bundles["b"] and bundles["c"] is not bundles["a"] and len(hashed) == 2
+    bad = []
+    for k in range(2):
+        shutil.copytree(good, tmp_path / f"bad{k}")
+        data = tmp_path / f"bad{k}" / DATA_FILE
+        raw = bytearray(data.read_bytes())
+        raw[-1 - k] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        bad.append(data)
+    for first, second in ((0, 1), (1, 0)):
+        with pytest.raises(EsftError, match=f"{bad[first]}: checksum mismatch"):
+            opened({"a": good, "x": bad[first].parent, "y": bad[second].parent})
+    assert opened({}) == {}
