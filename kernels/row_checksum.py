@@ -92,6 +92,8 @@ def row_checksums(*parts: torch.Tensor, rows: list[int] | None = None,
     if device.type == "cuda" and triton is not None and chosen and all(
             _row_words(p) is not None and (p.device == device or p.is_pinned()) for p in parts):
         return row_checksums_kernel(*parts, rows=chosen, device=device, address=_address)
+    if rows is None:  # every row: read in place, one at a time
+        return row_checksums_reference(*parts).to(device)
     index = torch.tensor(chosen, dtype=torch.long, device=first.device)
     return row_checksums_reference(*(p.index_select(0, index) for p in parts)).to(device)
 

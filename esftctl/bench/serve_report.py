@@ -209,11 +209,11 @@ def kv_table(result: dict):
 def load_table(load: dict):
     from rich.table import Table
 
+    from esftctl.runtime.engine_status import LOAD_PHASES as phases  # the engine's part of a load, medians
     from esftctl.units import format_bytes
 
     t = Table(title=f"`esftctl adapters load` of {load['adapter']} ({format_bytes(load['bytes'])})",
               title_justify="left")
-    phases = ("verify", "stage", "copy")  # the engine's part (runtime.engine_status.LOAD_PHASES), medians
     for col in ("from", "median s", "runs", "floor s", "x floor", *(f"engine {p} s" for p in phases),
                 "outside the engine s"):
         t.add_column(col, justify="left" if col == "from" else "right")
