@@ -185,6 +185,10 @@ def test_each_machine_runs_the_anchor_first(tmp_path):
     _slice(tmp_path, "resident", 1, 200, machine="A")
     assert anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors)[0] == sp.Slice(
         "spare", "resident", 2)  # every round there: one more
+    assert [anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors, extra_from=k)[0].round
+            for k in (0, 1, 12)] == [2, 2, 12]  # the cards of one host each number theirs from their own
+    assert anchored(todo[1:2], out=tmp_path, model="m", machine="B", anchors=anchors, extra_from=12)[0] == sp.Slice(
+        "spare", "resident", 1)  # a missing round is still taken first
 
 
 def test_what_is_read_from_vllm():

@@ -12,6 +12,9 @@
 #   ROUNDS: one entry per card, each the --only-rounds of that card (e.g. "1 2 0 1"; a comma list gives a card
 #   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
 #   slices and logs); the grid's options are grid_args.sh's, as gpu_pending.sh's are.
+#   SERVERS_k: card k's servers instead of SERVERS (e.g. SERVERS_2=base,lora ROUNDS="1 2 0": card 2 runs
+#   multi-LoRA's round 0 after a base round of its own). A card whose base rounds are all there already numbers its
+#   new one 10 + k or more (--base-round-from), so that no two cards write the same slice.
 #   BEFORE_k: a command card k runs before its bench, on that card alone, with OUT=/tmp/bench (e.g. the kernel tests
 #   of code the bench has not run on a GPU yet, while the other card generates its base: the bench then starts
 #   later and its budget should leave room for it); its output in /tmp/bench/before-k.log.
@@ -28,12 +31,16 @@ cards=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 if [ "${#rounds[@]}" -gt "$cards" ]; then echo "ROUNDS names ${#rounds[@]} cards, this machine has $cards"; exit 2; fi
 mkdir -p /tmp/bench && [ -f /tmp/bench/slices.stamp ] || touch /tmp/bench/slices.stamp
 df -B1G /dev/shm /tmp; free -g; nvidia-smi --query-gpu=index,name,uuid --format=csv,noheader
-pids=()
+pids=() shm_left=$(df -B1G --output=avail /dev/shm | tail -1)
 for card in "${!rounds[@]}"; do
+  servers="SERVERS_$card"
+  servers=${!servers:-${SERVERS:-base,esftctl}}
+  need=40  # GB a card writes: the base (31) and its adapters; a merged model is one more
+  [[ ",$servers," == *,merged,* ]] && need=75
   out=/tmp/bench/out-$card work=/dev/shm/bench-$card
-  [ "$(df -B1G --output=avail /dev/shm | tail -1)" -ge $(( 40 * (${#rounds[@]} - card) )) ] || work=/tmp/bench/work-$card
+  if [ "$shm_left" -ge "$need" ]; then shm_left=$(( shm_left - need )); else work=/tmp/bench/work-$card; fi
   mkdir -p "$out" "/tmp/bench/scratch-$card"
-  [ -d benchmarks/serve-bench/slices ] && cp -rn benchmarks/serve-bench/slices "$out/"
+  [ -d benchmarks/serve-bench/slices ] && cp -rnp benchmarks/serve-bench/slices "$out/"  # -p: older than the stamp
   before="BEFORE_$card"
   (
     if [ -n "${!before:-}" ]; then  # this card's command first (its bench starts after it)
@@ -42,14 +49,15 @@ for card in "${!rounds[@]}"; do
     fi
     CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
       --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" "${GRID_ARGS[@]}" \
-      --servers "${SERVERS:-base,esftctl}" --only-rounds "${rounds[$card]}" > "/tmp/bench/card-$card.log" 2>&1
+      --servers "$servers" --only-rounds "${rounds[$card]}" --base-round-from $(( 10 + card )) \
+      > "/tmp/bench/card-$card.log" 2>&1
     if [ -n "${AFTER:-}" ] && mkdir /tmp/bench/after.claimed 2>/dev/null; then  # the first card done runs it
       echo "card $card: $AFTER" > /tmp/bench/after.log
       CUDA_VISIBLE_DEVICES=$card OUT=/tmp/bench bash -c "$AFTER" >> /tmp/bench/after.log 2>&1
     fi
   ) &
   pids+=($!)
-  echo "card $card: rounds ${rounds[$card]}, work $work, log /tmp/bench/card-$card.log"
+  echo "card $card: $servers, rounds ${rounds[$card]}, work $work, log /tmp/bench/card-$card.log"
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
 tail -n 3 /tmp/bench/card-*.log

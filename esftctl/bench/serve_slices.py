@@ -198,17 +198,19 @@ def adapters_written(profile: Profile, server: BenchServer, scratch: Path) -> bo
 
 
 def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: Path, gpu: bool,
-        budget_s: float = math.inf, rounds: tuple[int, ...] | None = None,
+        budget_s: float = math.inf, rounds: tuple[int, ...] | None = None, base_round_from: int = 0,
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
     """Run the grid's pending slices on this device that fit `budget_s` seconds (of `rounds` only, if given: the
-    cards of one host each take their own); what ran and what is left."""
+    cards of one host each take their own, and number the base's extra rounds from their own `base_round_from`);
+    what ran and what is left."""
     device, machine = device_name(gpu), machine_id()
     group = f"{grid_key(profile)}/{slug(device)}"
     servers = {s.key: s for s in bench_servers(profile, options)}
     planned = [sl for sl in slice_plan(profile, options, group) if rounds is None or sl.round in rounds]
     todo = anchored(pending(planned, out, profile.model), out=out, model=profile.model,
                     machine=machine, anchors={group: tuple(k for k, s in servers.items() if s.role == "base")},
-                    needs_anchor=lambda sl: sl.part != MICRO)  # the microbenchmarks compare with the base's own
+                    needs_anchor=lambda sl: sl.part != MICRO,  # the microbenchmarks compare with the base's own
+                    extra_from=base_round_from)
     bench = functools.cache(lambda: Bench(profile, options, served=serve_models.prepare_base(profile.model, work,
                                                                                              on_step),
                                           work=work, scratch=scratch, out=out, gpu=gpu, on_step=on_step))

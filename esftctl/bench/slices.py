@@ -98,11 +98,12 @@ def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
 
 
 def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors: dict[str, tuple[str, ...]],
-             needs_anchor: Callable[[Slice], bool] = lambda sl: True) -> list[Slice]:
+             needs_anchor: Callable[[Slice], bool] = lambda sl: True, extra_from: int = 0) -> list[Slice]:
     """`todo` with each group's anchor servers (`anchors`: group -> servers) moved before the group's first slice
     that `needs_anchor`, where this machine has run no slice of the group yet: each anchor's first missing round,
-    else one round more than it has. The group's ratios can then be taken against an anchor measured on the same
-    machine."""
+    else one round more than it has, `extra_from` at least (the cards of one host, each writing its own folder,
+    would otherwise all number theirs alike). The group's ratios can then be taken against an anchor measured on
+    the same machine."""
     ordered: list[Slice] = []
     for sl in todo:
         folder = sl.path(out, model).parent.parent
@@ -111,7 +112,8 @@ def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors:
             for key in anchors.get(sl.group, ()):
                 missing = [t for t in todo if t.group == sl.group and t.server == key and t.part == ""]
                 done = [int(p.stem[1:]) for p in (folder / key).glob("r*.json")]
-                ordered.append(missing[0] if missing else Slice(sl.group, key, max(done, default=-1) + 1))
+                ordered.append(missing[0] if missing else Slice(sl.group, key, max(max(done, default=-1) + 1,
+                                                                                  extra_from)))
         if sl not in ordered:
             ordered.append(sl)
     return ordered
