@@ -24,7 +24,7 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import identity_json
-from esftctl.formats.checkpoint import ExpertWeights
+from esftctl.formats.checkpoint import ExpertWeights, StoredExpert
 from esftctl.runtime.moe_layer import VirtualMoELayer
 from esftctl.runtime.serve_config import bundle_identity
 
@@ -55,7 +55,8 @@ class StagedAdapter:
         return {layer: sums for layer, (_, _, sums) in self.layers.items()}
 
 
-def stage(layers: Mapping[int, VirtualMoELayer], experts: Mapping[int, Mapping[int, ExpertWeights]]) -> StagedAdapter:
+def stage(layers: Mapping[int, VirtualMoELayer],
+          experts: Mapping[int, Mapping[int, ExpertWeights | StoredExpert]]) -> StagedAdapter:
     unknown = sorted(set(experts) - set(layers))
     if unknown:
         raise EsftError(f"the bundle has experts for layers {unknown}, which are not MoE layers of this base")

@@ -155,3 +155,6 @@ def test_ttft_is_split_by_what_each_prompt_met():
                                                              "median_ttft_beside_ms"))  # no start times: unknown
     assert prefill_modes({**result, "ttfts": [0.1, 0.3, 0.05, 0.2, 0.1], "start_times": [0.0] * 5,
                           "latencies": [1.0] * 5})["alone_share"] == 0.0  # all at once: none alone
+    gaps = [[(lat - t) / 4] * 4 for t, lat in zip(result["ttfts"], result["latencies"])]
+    streamed = {k: v for k, v in result.items() if k != "latencies"} | {"itls": gaps}  # vLLM 0.25 keeps no latencies
+    assert alone(streamed) == alone(result) and per_request(streamed)["latency_ms"][1] == 1000.0

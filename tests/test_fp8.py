@@ -337,6 +337,8 @@ def test_vllm_glue_extends_fp8_weights_and_scales_alike(fp8_world, tmp_path, mon
     ckpt = MoECheckpoint(fp8_world["base"], fp8=True)
     pack(ckpt.path, fp8_world["tuned"], tmp_path / "bundle", "glue")  # from the bf16 fine-tune: quantized
     adapter = Bundle.open(tmp_path / "bundle").read_experts()
+    with pytest.raises(ValueError, match="checks their scales"):  # never staged unchecked
+        Bundle.open(tmp_path / "bundle").stored_experts()
     served = fp8_engine_model(ckpt, None)
     runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=64)
     slot = runtime.slots.load("a", adapter)

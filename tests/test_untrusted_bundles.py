@@ -49,6 +49,36 @@ def crafted(src: Path, dst: Path, edit=None, raw: str | None = None) -> Path:
     return dst
 
 
+def test_experts_read_into_place_are_the_experts_read_and_a_cut_file_is_one_line(tiny, tmp_path, monkeypatch):
+    """A served load's staging reads a bundle's experts straight into their stacked rows, on several threads
+    (Bundle.stored_experts, stack_experts): the rows equal those stacked from the experts read one by one, a
+    destination of another dtype is converted, and a data file cut after it was opened is one line naming it."""
+    from esftctl.runtime import moe_layer
+    from esftctl.runtime.moe_layer import stack_experts
+
+    monkeypatch.setattr(moe_layer, "STAGE_THREADED_BYTES", 0)  # these tiny layers on threads too
+    monkeypatch.setattr(moe_layer.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # also on a one-core CI
+    _, src, read = tiny
+    stored = Bundle.open(src).stored_experts()
+    assert {l: sorted(per) for l, per in stored.items()} == {l: sorted(per) for l, per in read.items()}
+    for layer, per in read.items():
+        ids = sorted(per)
+        into_place = stack_experts([stored[layer][e] for e in ids])
+        for got, want in zip(into_place, stack_experts([per[e] for e in ids]), strict=True):
+            assert torch.equal(got, want)
+    part = stored[2][sorted(stored[2])[0]].part("down")
+    wide = torch.empty(part.shape, dtype=torch.float32)
+    part.read_into(wide)
+    assert torch.equal(wide, part.read().float()) and part.read().dtype != torch.float32
+    cut = shutil.copytree(src, tmp_path / "cut")
+    late = Bundle.open(cut).stored_experts()
+    os.truncate(cut / DATA_FILE, (cut / DATA_FILE).stat().st_size // 2)
+    with pytest.raises(EsftError, match=re.escape(f"{cut / DATA_FILE}: the file ends inside tensor")) as failed:
+        for per in late.values():
+            stack_experts(list(per.values()))
+    assert "\n" not in str(failed.value)
+
+
 @contextlib.contextmanager
 def deadline(seconds: int):
     """A blocking read (a FIFO) becomes a failure after `seconds`, not a hung test run."""

@@ -146,14 +146,24 @@ def alone(result: dict) -> list[bool]:
     """Per request: whether no other request was in flight (sent, last token not yet in) between its arrival and
     its first token, from `--save-detailed`'s start times, TTFTs and latencies (client clock). A failed request
     (TTFT 0) is in flight for no time and is never alone."""
-    starts, ttfts, latencies = (np.asarray(result.get(k) or [], dtype=np.float64)
-                                for k in ("start_times", "ttfts", "latencies"))
+    starts, ttfts = (np.asarray(result.get(k) or [], dtype=np.float64) for k in ("start_times", "ttfts"))
+    latencies = np.asarray(latencies_of(result), dtype=np.float64)
     if not len(starts) == len(ttfts) == len(latencies):
         return []
     firsts, ends = starts + ttfts, starts + latencies
     overlap = (starts[None, :] < firsts[:, None]) & (ends[None, :] > starts[:, None])  # [i, j]: j in flight in i's
     np.fill_diagonal(overlap, False)
     return [bool(t > 0 and not row.any()) for t, row in zip(ttfts, overlap)]
+
+
+def latencies_of(result: dict) -> list[float]:
+    """Each request's latency (s): `--save-detailed`'s own where it has them, else its TTFT and inter-token
+    latencies added up (vLLM 0.25's files keep no latencies; a streamed request's latency is its first token's
+    time plus the gaps between its tokens)."""
+    if result.get("latencies"):
+        return list(result["latencies"])
+    ttfts, itls = result.get("ttfts") or [], result.get("itls") or []
+    return [t + sum(gaps or []) for t, gaps in zip(ttfts, itls)] if len(ttfts) == len(itls) else []
 
 
 def prefill_modes(result: dict) -> dict:
@@ -177,5 +187,5 @@ def per_request(result: dict) -> dict:
     first = min(starts, default=0.0)
     return {"start_s": [round(s - first, 4) for s in starts],
             "ttft_ms": [round(t * 1000, 3) for t in result.get("ttfts") or []],
-            "latency_ms": [round(t * 1000, 2) for t in result.get("latencies") or []],
+            "latency_ms": [round(t * 1000, 2) for t in latencies_of(result)],
             "alone": alone(result)}

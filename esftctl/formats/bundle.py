@@ -40,9 +40,10 @@ from esftctl.formats.checkpoint import (
     TORCH_DTYPES,
     ExpertWeights,
     MoECheckpoint,
+    StoredExpert,
+    StoredTensor,
     TensorInfo,
     read_header,
-    read_stored,
     read_stored_bytes,
 )
 from esftctl.formats.fp8 import Fp8Block
@@ -388,9 +389,13 @@ class Bundle:
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """A tensor of the data file by its name there (layers.L.experts.E.W or non_expert.NAME), read, not mapped."""
+        return self.stored_tensor(name).read()
+
+    def stored_tensor(self, name: str) -> StoredTensor:
+        """A tensor of the data file by its name there, not read yet (read_tensor's, to read into place)."""
         if name not in self.tensors:
             raise EsftError(f"bundle has no tensor {name!r}", self.data_file)
-        return read_stored(self.tensors[name], name=name)
+        return StoredTensor(name, self.tensors[name])
 
     @property
     def fp8(self) -> Fp8Block | None:
@@ -408,6 +413,15 @@ class Bundle:
 
     def read_experts(self) -> dict[int, dict[int, ExpertWeights]]:
         return {l: {e: self.read_expert(l, e) for e in ids} for l, ids in self.experts.items()}
+
+    def stored_experts(self) -> dict[int, dict[int, StoredExpert]]:
+        """The experts as where their parts lie in the data file, to be read into place (a served load's staging:
+        one copy of each byte, not two). Plain experts only: FP8 experts' scales are checked as they are read
+        (read_experts)."""
+        if self.fp8 is not None:
+            raise ValueError("FP8 experts are read with read_experts, which checks their scales")
+        return {l: {e: StoredExpert({w: self.stored_tensor(expert_tensor_name(l, e, w)) for w in self.weights})
+                    for e in ids} for l, ids in self.experts.items()}
 
     def read_non_expert(self) -> dict[str, torch.Tensor]:
         return {n: self.read_tensor(NON_EXPERT_PREFIX + n) for n in self.non_expert_tensors}

@@ -189,6 +189,46 @@ def read_stored(info: TensorInfo, *, name: str) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of a safetensors file, not read yet: its name there and where it lives. `read_into` fills a buffer
+    of its shape and dtype with the bytes as stored, so that a stacked, pinned destination needs no tensor of its
+    own in between (an adapter's staging read each expert part into a tensor, then copied it into its rows)."""
+
+    name: str
+    info: TensorInfo
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.info.torch_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.info.torch_dtype
+
+    def read(self) -> torch.Tensor:
+        return read_stored(self.info, name=self.name)
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        """Fill `dst` with this tensor: read straight into it where it is contiguous host memory of this shape and
+        dtype, else read and copied (converting the dtype as `Tensor.copy_` does)."""
+        if dst.shape != self.shape or dst.dtype != self.dtype or dst.device.type != "cpu" or not dst.is_contiguous():
+            dst.copy_(self.read())
+            return
+        read_stored_bytes(self.info, memoryview(dst.view(-1).view(torch.uint8).numpy()), name=self.name)
+
+
+@dataclass(frozen=True)
+class StoredExpert:
+    """One routed expert whose parts are still in their file (ExpertWeights' part names -> StoredTensor), for
+    whoever reads them into place (the runtime's staging: esftctl.runtime.moe_layer.stack_experts)."""
+
+    parts: dict[str, StoredTensor]
+
+    def part(self, name: str) -> StoredTensor | None:
+        return self.parts.get(name)
+
+
 class MoECheckpoint:
     """A Hugging Face MoE checkpoint folder, opened without loading its tensors. A checkpoint with quantized
     experts is refused in one line naming the method, unless `quantized` (only to describe it: its experts are

@@ -163,7 +163,8 @@ class EsftWorkerManager:
                 check_free_slot(slots.num_slots, self.status().taken_by())
             clock.skip()  # evictions are the unloads' time, not this load's
             if staged is None:
-                staged = stage(self.runtime.layers, bundle.read_experts())
+                experts = bundle.read_experts() if bundle.fp8 else bundle.stored_experts()  # read into place
+                staged = stage(self.runtime.layers, experts)
                 self.host_cache.put(key, staged)
             clock.end("stage")
             slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums())
