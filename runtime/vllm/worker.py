@@ -163,7 +163,7 @@ class EsftWorkerManager:
                 check_free_slot(slots.num_slots, self.status().taken_by())
             clock.skip()  # evictions are the unloads' time, not this load's
             if staged is None:
-                experts = bundle.read_experts() if bundle.fp8 else bundle.stored_experts()  # read into place
+                experts = bundle.read_experts() if bundle.fp8 is not None else bundle.stored_experts()  # in place
                 staged = stage(self.runtime.layers, experts)
                 self.host_cache.put(key, staged)
             clock.end("stage")
