@@ -15,8 +15,9 @@
 #   SERVERS_k: card k's servers instead of SERVERS (e.g. SERVERS_2=base,lora ROUNDS="1 2 0": card 2 runs
 #   multi-LoRA's round 0 after a base round of its own). A card whose base rounds are all there already numbers its
 #   new one 10 + k or more (--base-round-from), so that no two cards write the same slice. Two cards may share a
-#   round only where this kind of card has the base's slice of it already: each card first takes the base's missing
-#   rounds among its own (on a kind with none yet, give every card its own round).
+#   round only where this kind of card has the base's slices of it already (round 0's include the base's
+#   microbenchmarks): each card first takes the base's missing slices among its rounds' (on a kind with none yet, give
+#   every card its own round).
 #   BEFORE_k: a command card k runs before its bench, on that card alone, with OUT=/tmp/bench (e.g. the kernel tests
 #   of code the bench has not run on a GPU yet, while the other card generates its base: the bench then starts
 #   later and its budget should leave room for it); its output in /tmp/bench/before-k.log.
