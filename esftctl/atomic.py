@@ -93,9 +93,9 @@ def _fsync(path: str | Path, *, folder: bool = False) -> None:
         os.close(fd)
 
 
-def _finish(tmp: Path) -> None:
+def _finish(tmp: Path, *, durable: bool = True) -> None:
     """The umask's modes for everything written (mkdtemp, mkstemp and some writers, safetensors among them, make
-    things private), and everything on disk: files first, then the folders that name them."""
+    things private), and (if `durable`) everything on disk: files first, then the folders that name them."""
     mask = _umask()
     if tmp.is_dir():
         for folder, dirs, files in os.walk(tmp, topdown=False):
@@ -103,15 +103,18 @@ def _finish(tmp: Path) -> None:
                 path = os.path.join(folder, name)
                 if not os.path.islink(path):
                     os.chmod(path, 0o666 & ~mask)
-                    _fsync(path)
+                    if durable:
+                        _fsync(path)
             for name in dirs:
                 if not os.path.islink(os.path.join(folder, name)):
                     os.chmod(os.path.join(folder, name), 0o777 & ~mask)
-            _fsync(folder, folder=True)
+            if durable:
+                _fsync(folder, folder=True)
         tmp.chmod(0o777 & ~mask)
     else:
         tmp.chmod(0o666 & ~mask)
-        _fsync(tmp)
+        if durable:
+            _fsync(tmp)
 
 
 def _rename2(src: Path, dst: Path, flag: int) -> bool:
@@ -142,8 +145,8 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _place(tmp: Path, target: Path, *, overwrite: bool, created: list[Path]) -> None:
-    """Rename the finished `tmp` to `target` (module docstring), then make the new names durable."""
+def _place(tmp: Path, target: Path, *, overwrite: bool, created: list[Path], durable: bool = True) -> None:
+    """Rename the finished `tmp` to `target` (module docstring), then (if `durable`) make the new names durable."""
     old = None
     try:
         if overwrite and os.path.lexists(target):
@@ -158,7 +161,7 @@ def _place(tmp: Path, target: Path, *, overwrite: bool, created: list[Path]) -> 
     except FileExistsError:
         raise EsftError(f"output appeared while this command ran and was left as it is; the new output is at {tmp}",
                         target) from None
-    for folder in [target.parent, *(f.parent for f in created)]:
+    for folder in [target.parent, *(f.parent for f in created)] if durable else []:
         _fsync(folder, folder=True)
     if old is not None:
         _remove(old)
@@ -184,8 +187,10 @@ def atomic_dir(target: str | Path, *, overwrite: bool = False) -> Iterator[Path]
 
 
 @contextlib.contextmanager
-def atomic_file(target: str | Path, *, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary path beside `target` that replaces it when the block finishes without error."""
+def atomic_file(target: str | Path, *, overwrite: bool = True, durable: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside `target` that replaces it when the block finishes without error. Not
+    `durable`: whole for every reader, but not fsynced, for files that only describe a running process (a crash
+    ends what they describe) and are rewritten where an fsync's milliseconds would be waited on."""
     target = check_output(target, overwrite=overwrite)
     with _parents(target) as created:
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
@@ -193,8 +198,8 @@ def atomic_file(target: str | Path, *, overwrite: bool = True) -> Iterator[Path]
         tmp = Path(name)
         try:
             yield tmp
-            _finish(tmp)
+            _finish(tmp, durable=durable)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _place(tmp, target, overwrite=overwrite, created=created)
+        _place(tmp, target, overwrite=overwrite, created=created, durable=durable)

@@ -70,6 +70,7 @@ def read_json(path: str | Path, limit: int = JSON_LIMIT) -> Any:
         raise EsftError(f"not valid JSON ({one_line(e, 120)})", path) from None
 
 
-def write_json(path: str | Path, obj: Any, indent: int | None = 1, *, overwrite: bool = True) -> None:
-    with atomic_file(path, overwrite=overwrite) as tmp:
+def write_json(path: str | Path, obj: Any, indent: int | None = 1, *, overwrite: bool = True,
+               durable: bool = True) -> None:
+    with atomic_file(path, overwrite=overwrite, durable=durable) as tmp:
         tmp.write_text(json.dumps(obj, indent=indent))

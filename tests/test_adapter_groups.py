@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from esftctl.runtime.adapter_groups import AdapterGroups, Work
+from esftctl.runtime.engine_status import StatusFile
 
 
 def simulate(policy: AdapterGroups, *, groups: int, steps: int, arrive: float, seed: int,
@@ -133,7 +134,7 @@ def test_the_mixin_hides_other_adapters_for_one_call_and_puts_everything_back():
     running = [request("r1", 1), request("r2", 2), request("r3", 2)]
     waiting = [request("w1", 3), request("w2", None), request("w3", 2), request("w4", 3)]
     scheduler = Grouped(running, waiting)
-    scheduler.groups, scheduler.groups_file, scheduler._groups_written = AdapterGroups(most=1, wait=8), None, 0.0
+    scheduler.groups, scheduler.groups_file = AdapterGroups(most=1, wait=8), StatusFile(None)
     out = scheduler.schedule()
     assert set(out.num_scheduled_tokens) == {"r2", "r3", "w3"}  # adapter 2 only: the most running requests
     assert [r.next_decode_eligible_step for r in running] == [0, 0, 0, 0]  # restored

@@ -7,8 +7,9 @@ esftctl.runtime.adapter_groups. This mixin applies it the way the variants' turn
 `grouping_scheduler`), and the groups held back sit out one schedule() call (esftctl.runtime.vllm.scheduling).
 Under continuous batching a group's new requests join as soon as the group runs.
 
-What it did is written beside the server's status file (`adapter_groups.json`, at most once a second): steps,
-steps that held something back, the most adapters vLLM scheduled in one step, the longest a request was held.
+What it did is written beside the server's status file (`adapter_groups.json`, when a maximum grew, else at most
+once a second, off the scheduler's thread: esftctl.runtime.engine_status.StatusFile): steps, steps that held
+something back, the most adapters vLLM scheduled in one step, the longest a request was held.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from dataclasses import asdict
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from esftctl.jsonfile import write_json
 from esftctl.runtime.adapter_groups import AdapterGroups, Work, stats_file
+from esftctl.runtime.engine_status import StatusFile
 from esftctl.runtime.serve_config import ServeConfig
 from esftctl.runtime.vllm.scheduling import holding_back, waiting_queues
 
@@ -37,8 +38,7 @@ class AdapterGroupsMixin:
     def _init_groups(self) -> None:
         config = ServeConfig.from_env()
         self.groups = AdapterGroups(most=config.settings.group_adapters, wait=config.settings.group_wait)
-        self.groups_file = stats_file(config.status_file) if config.status_file else None
-        self._groups_written = 0.0
+        self.groups_file = StatusFile(stats_file(config.status_file) if config.status_file else None)
 
     def schedule(self, *args, **kwargs):
         work = {r.request_id: Work(group_of(r), True) for r in self.running}
@@ -57,12 +57,10 @@ class AdapterGroupsMixin:
         """Count the groups vLLM scheduled; write the statistics when a maximum grew, else at most once a second."""
         self.groups.scheduled({group_of(self.requests[rid]) for rid in output.num_scheduled_tokens
                                if rid in self.requests})
-        now = time.monotonic()
-        if self.groups_file is not None and (self._maxima() != before or now - self._groups_written > STATS_EVERY_S):
-            self._groups_written = now
+        if self._maxima() != before or time.monotonic() - self.groups_file.written > STATS_EVERY_S:
             stats = asdict(self.groups.stats)
             stats["held"] = {str(k): v for k, v in stats["held"].items()}
-            write_json(self.groups_file, {"most": self.groups.most, "wait": self.groups.wait, **stats})
+            self.groups_file.write({"most": self.groups.most, "wait": self.groups.wait, **stats}, wait=False)
 
 
 class GroupingScheduler(AdapterGroupsMixin, Scheduler):

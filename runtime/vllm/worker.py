@@ -16,8 +16,9 @@ Under `serve --variants` (esftctl.variants) it also loads the consolidated exper
 variant's own experts into a slot of its own, and every variant's non-expert weights beside the model
 (esftctl.runtime.vllm.variant_weights); a variant's LoRA name binds to its slot, and each step puts the step's
 variant's non-expert weights in place (vLLM's scheduler runs one variant per step: esftctl.runtime.vllm.variant_turns).
-After every change, and every second while serving, it writes the adapter and memory table to the status
-file `esftctl serve` shows; under tensor parallelism every rank writes its own (`rank_status_file`).
+After every change, and every second while serving (off the steps: esftctl.runtime.engine_status.StatusFile), it
+writes the adapter and memory table to the status file `esftctl serve` shows; under tensor parallelism every rank
+writes its own (`rank_status_file`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,13 @@ import torch
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.store import ExpertStore
-from esftctl.jsonfile import write_json
 from esftctl.names import check_name
 from esftctl.runtime.engine_status import (
     LOADED_FROM,
-    STATUS_EVERY_S,
     AdapterStatus,
     EngineStatus,
     PagingStatus,
+    StatusFile,
     VariantStatus,
     check_free_slot,
 )
@@ -71,7 +71,7 @@ class EsftWorkerManager:
         self.active: set[int] = set()  # LoRA ids of the last step's batch
         self.retiring: set[int] = set()  # unloaded, kept until their running requests finish
         self.host_cache = HostAdapterCache(config.settings.host_cache)
-        self._status_written = 0.0
+        self.status_file = StatusFile(None)  # its path once the rank is known (create_lora_manager)
         self.variants: VariantSet | None = None
         self.variant_weights: VariantWeights | None = None
         self.variant_loras: dict[int, int] = {}  # LoRA id -> variant (never evicted: a variant's slot is fixed)
@@ -90,6 +90,8 @@ class EsftWorkerManager:
             raise EsftError(f"{what} is not supported under tensor or expert parallelism yet (the store decodes whole "
                             "experts, the fixed-rate tier is untested on a rank's shards; variants' non-expert "
                             "weights are not split per rank); serve on one GPU, or page from host memory only")
+        if config.status_file:
+            self.status_file = StatusFile(rank_status_file(config.status_file, self.rank[0]))
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 1024  # + graph padding
         store = ExpertStore(settings.paging_store) if settings.paging_store else None
         if settings.variants:
@@ -254,8 +256,7 @@ class EsftWorkerManager:
         self.active = set(wanted)
         if self.runtime.pager is not None:
             self.runtime.pager.step()  # between steps: where the residency planner acts
-        if now - self._status_written > STATUS_EVERY_S:  # counters (paging fetches, KV cache) stay current
-            self.write_status()
+        self.status_file.tick(self.status)  # counters (paging fetches, KV cache) stay current
         if mapping is None:
             return
         lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)
@@ -363,9 +364,7 @@ class EsftWorkerManager:
                             decisions=residency.decisions[-5:] if residency else [])
 
     def write_status(self) -> None:
-        self._status_written = time.monotonic()
-        if self.config.status_file:
-            write_json(rank_status_file(self.config.status_file, self.rank[0]), self.status().to_json())
+        self.status_file.write(self.status())
 
 
 def kv_need(vllm_config) -> KvNeed | None:
