@@ -7,10 +7,11 @@ along: `to_json` writes exactly those keys (the paging keys only while paging, `
 parallelism, `server_pid` as the API server adds it) and `from_json` reads them back. The rule for a load when the
 slots are full is here too, once (`check_free_slot`), for the engine and the middleware alike.
 
-The engine writes the file through `StatusFile`, off its serving steps: the worker used to rewrite it (JSON, fsync,
-rename) in the first step after every pause of a second, so a prompt that met an idle server paid the write in its
-prefill. An fsync took 1.0-3.8 ms on the dev machine's idle disk, and prompts prefilled alone took esftctl 6-8 ms
-longer than plain vLLM on three H200 cards whose benches were writing tens of GB to the same disk (2026-11-27).
+The engine writes the file through `StatusFile`, off its serving steps. The worker used to rebuild and write it
+(JSON, fsync, rename) in the first step a second after the last write, which after any pause was the step that
+prefilled the prompt arriving at an idle server: 4.5-6.5 ms more TTFT for such prompts on an H100 (2026-11-27,
+benchmarks/scripts/ttft_alone.py), mostly the record summing the base's 5,291 tensor sizes twice (now cached), and
+the grid's low-load TTFT excess on the H200 (+6-8 ms on prompts prefilled alone). An fsync adds 1-4 ms on a disk.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from esftctl.errors import EsftError, one_line
 from esftctl.jsonfile import write_json
 
 STATUS_EVERY_S = 1.0  # the worker rewrites the status file at most this often while serving, between steps
-STATUS_SETTLE_S = 0.1  # ... once steps have run this long without a pause as long: not in a waking prompt's prefill
+STATUS_SETTLE_S = 0.1  # ... in a stretch of steps this old: never where a prompt that woke the server waits
 
 # The fields of each rank's own memory, collected by the API server under tensor parallelism (`per_rank`).
 RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "adapter_physical_bytes",
@@ -162,10 +163,14 @@ class StatusFile:
 
     `write(record, wait=True)` returns once the file holds `record` (an EngineStatus, serialized on the writer's
     thread, or JSON-ready data): after a load, an unload or the start, whoever asked reads the file next.
-    `tick(status_of)` is the refresh between serving steps: at most every `every_s`, only once the steps have run
-    `settle_s` without a pause as long (never in the step that prefills a prompt arriving at an idle server, whose
-    first token would wait for it), without waiting; the record is built on the engine's thread (`status_of`). A
-    write that is not waited on and fails is logged, and serving goes on."""
+    `tick(status_of, prefill=...)` is the refresh between serving steps: at most every `every_s`, without waiting,
+    its record built on the engine's thread (`status_of`), and only in a stretch of steps older than `settle_s`. A
+    stretch starts at a step that prefills after a pause longer than `settle_s` (the prompt that woke an idle
+    server: its first token would wait for the refresh, and with async scheduling so would the next step's); decode
+    steps never start one, however slow (vLLM's CPU build). So a server whose requests all end within `settle_s`
+    keeps the status of its last change; a client wanting fresh counters sends one that decodes longer
+    (esftctl.bench.serve_paging.settled_status). A write that is not waited on and fails is logged, and serving
+    goes on."""
 
     def __init__(self, path: str | Path | None, *, every_s: float = STATUS_EVERY_S, settle_s: float = STATUS_SETTLE_S):
         self.path = Path(path) if path else None
@@ -183,9 +188,9 @@ class StatusFile:
         else:
             done.add_done_callback(self._log_failure)
 
-    def tick(self, status_of) -> None:
+    def tick(self, status_of, *, prefill: bool) -> None:
         now = time.monotonic()
-        if now - self.last_step > self.settle_s:
+        if prefill and now - self.last_step > self.settle_s:
             self.busy_since = now
         self.last_step = now
         if now - self.written > self.every_s and now - self.busy_since >= self.settle_s:

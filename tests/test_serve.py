@@ -24,7 +24,7 @@ import pytest
 from conftest import engine_settings, has_gpu, plain_vllm, run_cli, server_args
 from rich.console import Console
 
-from esftctl.bench.serve_paging import settled_status
+from esftctl.bench.serve_paging import nudge, settled_status
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle, file_identity
 from esftctl.formats.checkpoint import MoECheckpoint
@@ -259,7 +259,7 @@ def paged_status(deepseek, world, state: str, **options) -> dict:
     with Server(serve_plan) as server:
         server.wait_ready()
         serve_concurrently(serve_plan.url, list(deepseek["ref"]), deepseek["prompts"][:4], deepseek["ref"])
-        return settled_status(serve_plan.url, lambda: complete(serve_plan.url, "base", deepseek["prompts"][0]))
+        return settled_status(serve_plan.url, lambda: nudge(serve_plan.url))
 
 
 def table_text(s: dict) -> str:

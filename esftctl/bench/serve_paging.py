@@ -216,13 +216,22 @@ def _status(url: str) -> dict | None:
         return None
 
 
+def nudge(url: str) -> None:
+    """A request that decodes longer than the worker's STATUS_SETTLE_S (64 tokens: 0.25 s and more on a GPU), so that
+    the worker refreshes its status during it (runtime.engine_status.StatusFile: never in a waking prompt's prefill)."""
+    from esftctl.serve_client import request
+
+    request(url, "/v1/completions", {"model": "base", "prompt": "a", "max_tokens": 64, "ignore_eos": True})
+
+
 def settled_status(url: str, nudge: Callable[[], None], *, pause: Callable[[float], None] = time.sleep
                    ) -> dict | None:
     """esftctl's status once its pager counters hold every step so far. The worker publishes them only between
     steps, at most once a second, and each time the copy it started the time before (PagedExperts.counters: serving
     never waits for them), so after a run its last second or two of fetches reach the status only after two more
-    publications: `nudge` (a one-token request) twice, more than a second apart. Without this, as on 2026-11-26,
-    a point's fetch counts took in up to two seconds of the point before it."""
+    publications: `nudge` (`nudge` above: a request long enough to be refreshed in) twice, more than a second
+    apart. Without this, as on 2026-11-26, a point's fetch counts took in up to two seconds of the point before
+    it."""
     status = _status(url)
     if not status or "paging_fetches" not in status:
         return status
@@ -313,7 +322,6 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
     from esftctl.bench.serve_runs import kv_cache_tokens, metrics_text, slug
     from esftctl.bench.traffic import draw_adapters, run_seed
     from esftctl.serve import Server, free_port
-    from esftctl.serve_client import request
 
     regime, spec = REGIMES[sl.group], server_spec(sl.server)
     label = sl.label
@@ -346,17 +354,14 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
                             models=[names[i] for i in drawn], result_dir=work / "vllm-results" / model,
                             name=slug(f"{label} {name}"))
 
-        def nudge() -> None:
-            request(p.url, "/v1/completions", {"model": "base", "prompt": "a", "max_tokens": 1})
-
         on_step(f"{label}: warm-up")  # CUDA graphs, kernels, the planner's first decisions stay out of the numbers
         load(Point("warm-up", regime.max_num_seqs, min(32, regime.max_num_seqs), 512, 32), 99, "warm-up")
-        before = settled_status(p.url, nudge)  # each point's counts from the last one's settled status
+        before = settled_status(p.url, lambda: nudge(p.url))  # each point's counts from the last one's settled status
         for point in regime_points(regime, prompts):
             on_step(f"{label}: {point.name}")
             pre = preemptions(metrics_text(p.url))
             result = summary(load(point, sl.round, point.name))
-            after = settled_status(p.url, nudge)
+            after = settled_status(p.url, lambda: nudge(p.url))
             points[point.name] = {**result, "point": asdict(point),
                                   "preemptions": preemptions(metrics_text(p.url)) - pre,
                                   "fetch": fetch_delta(before, after)}

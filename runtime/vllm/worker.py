@@ -256,7 +256,8 @@ class EsftWorkerManager:
         self.active = set(wanted)
         if self.runtime.pager is not None:
             self.runtime.pager.step()  # between steps: where the residency planner acts
-        self.status_file.tick(self.status)  # counters (paging fetches, KV cache) stay current
+        prefill = mapping is not None and len(mapping.index_mapping) > len(mapping.prompt_mapping)  # a prompt's tokens
+        self.status_file.tick(self.status, prefill=prefill)  # counters (paging fetches, KV cache) stay current
         if mapping is None:
             return
         lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 
-def _step_write(self, status_of) -> None:
+def _step_write(self, status_of, *, prefill: bool = False) -> None:  # the old rule: prefill or not
     from esftctl.jsonfile import write_json
 
     now = time.monotonic()
