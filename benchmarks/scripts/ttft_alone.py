@@ -4,9 +4,10 @@ At 1 request/s on three H200 cards (2026-11-27), prompts prefilled alone took es
 vLLM's 26.5-28.4 ms on the same card, while beside decodes both took the same; in-process the engine's prefill
 step cost the same (profile_step.py). One cost sat exactly there: every serving step first asked whether a second
 had passed since the status file was last written, and after a pause the answer was always yes, so the step that
-prefilled a prompt arriving at an idle server built the status record and wrote it (JSON, fsync, rename) before
-the forward. Since then the file is refreshed off the steps (esftctl.runtime.engine_status.StatusFile). This
-measures what is left, and what the old write cost, with prompts that all meet an idle server.
+prefilled a prompt arriving at an idle server built the status record (summing the base's 5,291 tensor sizes
+twice, 4.2 ms on an H100's host) and wrote it (JSON, fsync, rename) before the forward. Since then the file is
+refreshed off the steps (esftctl.runtime.engine_status.StatusFile) and the sum is cached. This measures what is
+left, and what the old write cost, with prompts that all meet an idle server (RESULTS.md, 2026-11-27).
 
 Arms, one server start each (DeepSeek-V2-Lite-shaped base, `bench serve`'s engine arguments, CUDA graphs, two
 DeepSeek-sized adapters): `plain` (plain vLLM), `esftctl` (its state folder in /tmp, as `esftctl serve` makes it),
@@ -60,6 +61,12 @@ def first_chunk_ms(url: str, model: str, prompt: list[int], output: int) -> floa
     return first
 
 
+def quartiles(v: list[float]) -> list[float]:
+    """The first and third quartile: TTFT here has two modes (about 22 and 27 ms for 128 tokens on an H100), between
+    which a median of 30 can jump."""
+    return statistics.quantiles(v, n=4)[::2] if len(v) > 1 else [v[0], v[0]]
+
+
 def probe(url: str, models: list[str], args, vocab: int) -> dict:
     """Every (length, model) `--prompts` times, interleaved, each after `--gap` s idle: TTFT ms by key."""
     rng = random.Random(0)
@@ -78,6 +85,7 @@ def probe(url: str, models: list[str], args, vocab: int) -> dict:
                 time.sleep(args.gap)
                 out.setdefault(f"{model} {length}", []).append(first_chunk_ms(url, model, prompt(length), args.output))
     summary = {key: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v),
+                     "quartiles_ms": quartiles(v),
                      "ttft_ms": [round(t, 3) for t in v]} for key, v in out.items()}
     return {"ttft": summary, "server": server_means(before, server_times([url]))}
 
@@ -125,8 +133,9 @@ def main() -> None:
         finally:
             os.environ["PYTHONPATH"] = path
         for key, s in result["arms"][arm]["ttft"].items():
-            print(f"{arm:20s} {key:14s} median {s['median_ms']:7.2f} ms  min {s['min_ms']:7.2f}  "
-                  f"max {s['max_ms']:7.2f}", flush=True)
+            q1, q3 = s["quartiles_ms"]
+            print(f"{arm:20s} {key:14s} median {s['median_ms']:7.2f} ms  quartiles {q1:7.2f} {q3:7.2f}  "
+                  f"min {s['min_ms']:7.2f}  max {s['max_ms']:7.2f}", flush=True)
         print(f"{arm:20s} server: {result['arms'][arm]['server']}", flush=True)
         (args.out / "ttft_alone.json").write_text(json.dumps(result, indent=1))
 
