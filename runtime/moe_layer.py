@@ -61,19 +61,19 @@ def stack_experts(experts: Sequence[ExpertWeights | StoredExpert], pin: bool = F
     at a time: one pass over the bytes instead of a read and a copy."""
     first = experts[0]
     pairs = [("gate", "up", "down")]
-    pairs += [("gate_scale", "up_scale", "down_scale")] if _part(first, "gate_scale") is not None else []
-    pairs += [("gate_bias", "up_bias", "down_bias")] if _part(first, "gate_bias") is not None else []
+    pairs += [("gate_scale", "up_scale", "down_scale")] if first.part("gate_scale") is not None else []
+    pairs += [("gate_bias", "up_bias", "down_bias")] if first.part("gate_bias") is not None else []
     out: list[torch.Tensor] = []
     fills: list[Callable[[], None]] = []
     for gate, up, down in pairs:
-        g, d = _part(first, gate), _part(first, down)
+        g, d = first.part(gate), first.part(down)
         rows = g.shape[0]
         w13 = torch.empty(len(experts), 2 * rows, *g.shape[1:], dtype=g.dtype, pin_memory=pin)
         w2 = torch.empty(len(experts), *d.shape, dtype=d.dtype, pin_memory=pin)
         for k, w in enumerate(experts):
-            fills += [functools.partial(_fill, w13[k, :rows], _part(w, gate)),
-                      functools.partial(_fill, w13[k, rows:], _part(w, up)),
-                      functools.partial(_fill, w2[k], _part(w, down))]
+            fills += [functools.partial(_fill, w13[k, :rows], w.part(gate)),
+                      functools.partial(_fill, w13[k, rows:], w.part(up)),
+                      functools.partial(_fill, w2[k], w.part(down))]
         out += [w13, w2]
     threads = min(STAGE_THREADS, len(os.sched_getaffinity(0)), len(fills))
     if threads > 1 and isinstance(first, StoredExpert) and sum(t.nbytes for t in out) >= STAGE_THREADED_BYTES:
@@ -83,10 +83,6 @@ def stack_experts(experts: Sequence[ExpertWeights | StoredExpert], pin: bool = F
         for fill in fills:
             fill()
     return tuple(out)
-
-
-def _part(expert: ExpertWeights | StoredExpert, name: str):
-    return expert.part(name) if isinstance(expert, StoredExpert) else getattr(expert, name)
 
 
 def _fill(dst: torch.Tensor, src: torch.Tensor | StoredTensor) -> None:

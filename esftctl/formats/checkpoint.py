@@ -85,6 +85,10 @@ class ExpertWeights:
     up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
 
+    def part(self, name: str) -> torch.Tensor | None:
+        """A part by its name (gate, up_scale, ...), as StoredExpert.part gives it for an expert still in its file."""
+        return getattr(self, name)
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         parts = EXPERT_WEIGHTS + EXPERT_BIASES + EXPERT_SCALES
         return iter(((w, getattr(self, w)) for w in parts if getattr(self, w) is not None))
