@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from esftctl.bench.load import Load, alone, bench_args, per_request, prefill_modes, routed, speeds
+from esftctl.bench.load import Load, alone, bench_args, per_request, prefill_modes, prefill_stalls, routed, speeds
 from esftctl.bench.traffic import (
     burstiness,
     check_shares,
@@ -139,6 +139,21 @@ def test_speeds_from_per_request_times():
     assert out["median_decode_tps"] == pytest.approx(75) and out["p1_decode_tps"] == pytest.approx(50.5)
     assert out["arrival_cv"] == pytest.approx(np.std([1, 2, 1]) / (4 / 3))
     assert speeds({})["median_prefill_tps"] is None and speeds({})["arrival_cv"] is None
+
+
+def test_a_prompt_prefilled_beside_decodes_stalls_them_by_the_longest_gap_before_its_first_token():
+    # r0 decodes from 0.1 s in 10 ms steps, except an 80 ms one (0.60-0.68 s: r1's prefill, r1 arrived at 0.55 s)
+    # and a 3 ms one after it, before r1's first token at 0.684 s; r3 (sent at 0.12 s, first token at 0.22 s, beside
+    # r0's 10 ms steps) decodes in 5 ms steps and saw that prefill as 40 ms; r2 comes alone later
+    r0_gaps = [0.01] * 50 + [0.08, 0.003] + [0.01] * 20
+    r3_gaps = [0.005] * 84 + [0.04, 0.003] + [0.005] * 20
+    result = {"start_times": [0.0, 0.55, 5.0, 0.12], "ttfts": [0.1, 0.134, 0.1, 0.1],
+              "itls": [r0_gaps, [0.01] * 3, [0.01] * 3, r3_gaps]}
+    assert alone(result) == [True, False, True, False]
+    assert prefill_stalls(result)["median_stall_ms"] == pytest.approx((80.0 + 10.0) / 2)  # r1: 80 (not 40); r3: 10
+    apart = {**result, "start_times": [0.0, 2.0, 5.0, 7.0]}
+    assert prefill_stalls(apart)["median_stall_ms"] is None  # all alone
+    assert prefill_stalls({"ttfts": [0.1]}) == {"median_stall_ms": None}  # no per-request times: unknown
 
 
 def test_ttft_is_split_by_what_each_prompt_met():

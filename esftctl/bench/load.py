@@ -22,6 +22,12 @@ first token) or beside others. Why: at 1-5 requests/s TTFT is two populations. O
 (257 tokens or more, past vLLM's capture sizes) runs eagerly in 60-100 ms; which one a prompt gets depends on the
 other requests' decode times, so a 3% TPOT difference moves a run's median and mean TTFT by 20-30%. Each mode's
 median compares like with like, and the alone share says how much the mixture moved.
+
+And what such a step costs the requests decoding beside it (prefill_stalls): for each prompt prefilled beside
+others, the longest gap between two tokens of any request decoding across its first token, the step that
+prefilled it with their decodes as they saw it. On the H100 (2026-11-27) these stalls were 76-85 ms for plain
+vLLM's base and 88-116 ms for esftctl at every adapter count in one session, against 73-84 ms in the session before;
+at 5 requests/s they are about 40% of a run's time, so they move TPOT more than the decode steps do.
 """
 
 from __future__ import annotations
@@ -139,7 +145,7 @@ def speeds(result: dict) -> dict:
     for what, values in (("prefill", prefill), ("decode", decode)):
         out[f"median_{what}_tps"] = float(np.median(values)) if values else None
         out[f"p1_{what}_tps"] = float(np.percentile(values, 1)) if values else None
-    return out | prefill_modes(result)
+    return out | prefill_modes(result) | prefill_stalls(result)
 
 
 def alone(result: dict) -> list[bool]:
@@ -177,6 +183,30 @@ def prefill_modes(result: dict) -> dict:
     return {"alone_share": sum(flags) / len(flags),
             "median_ttft_alone_ms": float(np.median(by[True])) if by[True] else None,
             "median_ttft_beside_ms": float(np.median(by[False])) if by[False] else None}
+
+
+STALL_AFTER_S = 0.002  # a token of a step reaches the client within this of the others of that step
+
+
+def prefill_stalls(result: dict) -> dict:
+    """The median over prompts prefilled beside others of their stall (ms): the longest gap between two tokens of
+    any other request that ends between the prompt's arrival and its first token (None without such prompts).
+    With vLLM's asynchronous scheduling the step that prefills a prompt beside decodes ends one short decode step
+    before the prompt's first token reaches the client (H100, 2026-11-27: a 70-80 ms gap, then 3 ms)."""
+    starts, ttfts, itls = result.get("start_times") or [], result.get("ttfts") or [], result.get("itls") or []
+    if not starts or not len(starts) == len(ttfts) == len(itls):
+        return {"median_stall_ms": None}
+    times = [s + t + np.concatenate(([0.0], np.cumsum(gaps or []))) for s, t, gaps in zip(starts, ttfts, itls)]
+    stalls = []
+    for i, was_alone in enumerate(alone(result)):
+        if was_alone or ttfts[i] <= 0:
+            continue
+        sent, first = starts[i], starts[i] + ttfts[i] + STALL_AFTER_S
+        gaps = [float(np.max(np.diff(t)[(t[1:] > sent) & (t[1:] <= first)], initial=0.0))
+                for j, t in enumerate(times) if j != i and len(t) > 1]
+        if max(gaps, default=0.0) > 0:
+            stalls.append(max(gaps) * 1000)
+    return {"median_stall_ms": float(np.median(stalls)) if stalls else None}
 
 
 def per_request(result: dict) -> dict:

@@ -456,7 +456,8 @@ RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("thro
           ("median_ttft_ratio", "median_ttft_ms"), ("median_tpot_ratio", "median_tpot_ms"),
           ("p99_ttft_ratio", "p99_ttft_ms"), ("p99_tpot_ratio", "p99_tpot_ms"),
           ("prefill_ratio", "median_prefill_tps"), ("decode_ratio", "median_decode_tps"),
-          ("ttft_alone_ratio", "median_ttft_alone_ms"), ("ttft_beside_ratio", "median_ttft_beside_ms"))
+          ("ttft_alone_ratio", "median_ttft_alone_ms"), ("ttft_beside_ratio", "median_ttft_beside_ms"),
+          ("stall_ratio", "median_stall_ms"))
 
 
 @dataclass(frozen=True)

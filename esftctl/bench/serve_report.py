@@ -126,14 +126,17 @@ def modes_table(result: dict):
         return None
     t = Table(title="TTFT by what the prompt met: alone (no other request in flight from its arrival to its first "
                     "token: a CUDA graph where the prompt fits the captured sizes) or beside others (a step shared "
-                    "with decodes, eager past the captured sizes); medians over rounds, ratios against plain vLLM's "
-                    "base as in the first table", title_justify="left")
-    for col in ("server", "scenario", "alone", "TTFT alone ms", "x", "TTFT beside ms", "x"):
+                    "with decodes, eager past the captured sizes), and the stall such a step costs the requests "
+                    "decoding beside it (their longest gap between tokens across it, esftctl.bench.load."
+                    "prefill_stalls); medians over rounds, ratios against plain vLLM's base as in the first table",
+              title_justify="left")
+    for col in ("server", "scenario", "alone", "TTFT alone ms", "x", "TTFT beside ms", "x", "stall ms", "x"):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for server, r in rows:
         t.add_row(server, r["scenario"], _pct(r["alone_share"]), _f(r.get("median_ttft_alone_ms"), ".1f"),
                   _f(r.get("ttft_alone_ratio"), ".3f"), _f(r.get("median_ttft_beside_ms"), ".1f"),
-                  _f(r.get("ttft_beside_ratio"), ".3f"))
+                  _f(r.get("ttft_beside_ratio"), ".3f"), _f(r.get("median_stall_ms"), ".1f"),
+                  _f(r.get("stall_ratio"), ".3f"))
     return t
 
 
