@@ -1,0 +1,231 @@
+"""The step that prefills a prompt beside decoding requests, plain vLLM against esftctl, to the ms (issue 29.2).
+
+In the H100 grid's slices of 2026-11-27's fifteenth session, every esftctl count (1, 5, 10 and 20 adapters, two
+cards) stalled its decoders longer than plain vLLM whenever a prompt arrived: the gaps over 30 ms between a
+stream's chunks (a 256-token prompt prefilled in a step with the decodes, past the 256 tokens vLLM captures as
+CUDA graphs) had a median of 88-116 ms against the base's 76-85 ms on the same card, at every rate. At 5 requests/s
+those steps are about 40% of the run's time, so this is most of esftctl's TPOT excess there (1.07-1.45x) and of
+its TTFT beside others (1.11-1.32x); its decode steps took 0-8% more. In the fourteenth session's one count (10
+adapters, round 1) the same stalls were 73-84 ms, equal to the base's. So: which is it, and where do those
+milliseconds go?
+
+The probe isolates that step. `--decoders` requests decode (long outputs, 64-token prompts) while every `--gap`
+seconds one prompt of `--length` tokens arrives and streams `--output` tokens. For each arrival: its TTFT (the
+client's) and its stall, the longest gap between two chunks of any decoder from the arrival to its first token
+plus 50 ms; beside, the median gap of the decoders' other steps (a decode step and its streaming). Arms, one
+server start each (DeepSeek-V2-Lite-shaped base, `bench serve`'s engine arguments, CUDA graphs, two DeepSeek-sized
+adapters): `plain`, and `esftctl`, which runs the phase twice, every request on the base, then every request on
+one adapter (as the grid's 1-adapter runs). `--rounds 2` runs the arms twice in turn (plain, esftctl, plain,
+esftctl), so that a drift of the host shows. `--profile` starts each server with vLLM's torch profiler
+(`--profiler-config`) and traces the engine and the API server over the last `--profile-arrivals` arrivals of each
+phase: it prints the CPU ops, CUDA runtime calls and kernels whose time per arrival differs most between phases
+(traces in OUT/trace/ARM-PHASE). Writes OUT/mixed_step.json.
+Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
+  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
+A smoke run on vLLM's CPU build: `--model tiny --length 32 --decoders 2 --arrivals 3 --decode 400`.
+"""
+
+import argparse
+import collections
+import gzip
+import http.client
+import json
+import random
+import statistics
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+from ttft_alone import first_chunk_ms
+
+from esftctl.bench import serve_models
+from esftctl.bench.serve import PROFILES
+from esftctl.serve import Server, free_port, plan
+from esftctl.serve_client import request
+
+WINDOW_S = 0.05  # after an arrival's first token, still its stall: the decoders' chunk of that step comes then
+
+
+class Decoder(threading.Thread):
+    """One streamed completion that decodes until `stop` is set; `times` holds each chunk's arrival."""
+
+    def __init__(self, url: str, model: str, prompt: list[int], tokens: int, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.url, self.model, self.prompt, self.tokens, self.stop = url, model, prompt, tokens, stop
+        self.times: list[float] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
+        body = json.dumps({"model": self.model, "prompt": self.prompt, "max_tokens": self.tokens, "temperature": 0,
+                           "stream": True, "ignore_eos": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            self.error = f"{self.model}: HTTP {response.status}: {response.read()[:300]!r}"
+            return
+        for line in response:
+            if line.startswith(b"data: {"):
+                self.times.append(time.perf_counter())
+            if self.stop.is_set():
+                break
+        conn.close()  # vLLM aborts the request
+
+
+def stalls(decoders: list[Decoder], arrivals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Per arrival (sent at, TTFT ms), the longest chunk gap of any decoder ending in its window; and the gaps
+    that end in no window (decode steps), all in ms."""
+    windows = [(sent, sent + ttft / 1e3 + WINDOW_S) for sent, ttft in arrivals]
+    worst = [0.0] * len(windows)
+    others = []
+    for decoder in decoders:
+        for before, after in zip(decoder.times, decoder.times[1:]):
+            gap = (after - before) * 1e3
+            hit = [i for i, (start, end) in enumerate(windows) if start <= after <= end]
+            for i in hit:
+                worst[i] = max(worst[i], gap)
+            if not hit:
+                others.append(gap)
+    return worst, others
+
+
+def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: bool) -> dict:
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(vocab // 4, vocab) for _ in range(length)]
+
+    first_chunk_ms(url, model, prompt(args.length), args.output)  # warm-up
+    stop = threading.Event()
+    decoders = [Decoder(url, model, prompt(64), args.decode, stop) for _ in range(args.decoders)]
+    for decoder in decoders:
+        decoder.start()
+    time.sleep(1.0)  # all in steady decode
+    arrivals = []
+    profiled_from = args.arrivals - args.profile_arrivals if profile else args.arrivals
+    for i in range(args.arrivals):
+        if i == profiled_from:
+            request(url, "/start_profile", {})
+        time.sleep(args.gap)
+        sent = time.perf_counter()
+        arrivals.append((sent, first_chunk_ms(url, model, prompt(args.length), args.output)))
+    if profile:
+        request(url, "/stop_profile", {})
+    stop.set()
+    for decoder in decoders:
+        decoder.join(timeout=60)
+        if decoder.error or not decoder.times:
+            raise SystemExit(decoder.error or f"{model}: a decoder streamed nothing")
+    if any(len(d.times) >= args.decode for d in decoders):
+        raise SystemExit(f"{model}: a decoder ran out of tokens before the arrivals ended: raise --decode")
+    worst, others = stalls(decoders, arrivals)
+    ttft = [t for _, t in arrivals]
+    return {"stall_ms": worst, "ttft_ms": ttft, "decode_gap_median_ms": statistics.median(others),
+            "stall_median_ms": statistics.median(worst), "ttft_median_ms": statistics.median(ttft),
+            "stall_quartiles_ms": statistics.quantiles(worst, n=4)[::2] if len(worst) > 1 else [worst[0]] * 2}
+
+
+def trace_totals(folder: Path) -> dict[str, dict[str, float]]:
+    """Per trace file kind (engine or front end) and `cat/name`: total ms and count over the traced events."""
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for path in sorted(folder.rglob("*.json*")):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        kind = "engine" if "rank" in path.name.lower() or "worker" in path.name.lower() else "front"
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "kernel", "user_annotation",
+                                                        "python_function", "gpu_memcpy", "cuda_driver"):
+                key = f"{kind}:{e['cat']}/{e['name'][:80]}"
+                totals[key]["ms"] += e.get("dur", 0) / 1e3
+                totals[key]["n"] += 1
+    return totals
+
+
+def compare_traces(phases: dict[str, Path], arrivals: int, top: int) -> dict:
+    """The events whose time per arrival differs most from the first phase's (the plain base)."""
+    per = {name: trace_totals(folder) for name, folder in phases.items() if folder.is_dir()}
+    if len(per) < 2:
+        return {}
+    names = list(per)
+    keys = set().union(*[set(t) for t in per.values()])
+    rows = []
+    for key in keys:
+        ms = [per[n].get(key, {}).get("ms", 0.0) / arrivals for n in names]
+        counts = [per[n].get(key, {}).get("n", 0) / arrivals for n in names]
+        rows.append((max(abs(m - ms[0]) for m in ms[1:]), key, ms, counts))
+    rows.sort(reverse=True)
+    print(f"traced events per arrival (ms, count), the {top} that differ most from {names[0]}:")
+    print(f"{'event':70s} " + " ".join(f"{n:>22s}" for n in names))
+    for _, key, ms, counts in rows[:top]:
+        print(f"{key[:70]:70s} " + " ".join(f"{m:12.3f} {c:9.1f}" for m, c in zip(ms, counts)))
+    return {key: {"ms": ms, "count": counts} for _, key, ms, counts in rows[:top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(PROFILES))
+    parser.add_argument("--work", type=Path, default=Path("/dev/shm/bench-mixed"))
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench/scratch-mixed"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/mixed"))
+    parser.add_argument("--arms", default="plain,esftctl")
+    parser.add_argument("--rounds", type=int, default=1, help="times the arms run, in turn")
+    parser.add_argument("--decoders", type=int, default=6, help="requests decoding while the prompts arrive")
+    parser.add_argument("--decode", type=int, default=3800, help="tokens each decoder may stream (max_tokens)")
+    parser.add_argument("--length", type=int, default=256, help="tokens of each arriving prompt")
+    parser.add_argument("--output", type=int, default=4, help="tokens each arriving prompt streams")
+    parser.add_argument("--arrivals", type=int, default=30, help="prompts per phase")
+    parser.add_argument("--gap", type=float, default=0.4, help="seconds between one arrival's end and the next")
+    parser.add_argument("--profile", action="store_true", help="trace the last --profile-arrivals of each phase")
+    parser.add_argument("--profile-arrivals", type=int, default=3)
+    parser.add_argument("--top", type=int, default=40, help="traced events listed")
+    args = parser.parse_args()
+    served = serve_models.prepare_base(args.model, args.work, print)
+    serve_models.write_adapters(served, args.model, args.scratch, 2, distinct=2, shape="deepseek", on_step=print)
+    vocab = json.loads((served.base / "config.json").read_text())["vocab_size"]
+    adapter = next(iter(served.bundles))
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": {}}
+    traces: dict[str, Path] = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for round_ in range(args.rounds):
+        for arm in args.arms.split(","):
+            esft = arm == "esftctl"
+            engine_args = list(PROFILES[args.model].engine_args)
+            trace = args.out / "trace" / f"{arm}-r{round_}"
+            if args.profile:
+                engine_args += ["--profiler-config", json.dumps({
+                    "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
+                    "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True})]
+            server = plan(served.base, [f"{n}={p}" for n, p in served.bundles.items()] if esft else [], name="base",
+                          esft=esft, port=free_port(), vllm_args=engine_args,
+                          adapter_memory=serve_models.adapter_bytes(served.base, served.bundles.values()) if esft
+                          else None)
+            with Server(server) as running:
+                start = time.perf_counter()
+                running.wait_ready(timeout=1200)
+                print(f"{arm}: ready in {time.perf_counter() - start:.0f} s", flush=True)
+                for model in (["base", adapter] if esft else ["base"]):
+                    name = f"{arm} {'adapter' if model == adapter else 'base'} r{round_}"
+                    before = set(trace.rglob("*")) if trace.is_dir() else set()
+                    out = phase(server.url, model, args, vocab, random.Random(round_), args.profile)
+                    result["phases"][name] = out
+                    if args.profile:  # each phase's files in a folder of its own
+                        folder = trace.parent / name.replace(" ", "-")
+                        folder.mkdir(parents=True, exist_ok=True)
+                        time.sleep(2)  # the engine writes its trace after stop_profile returns
+                        for path in set(trace.rglob("*")) - before:
+                            if path.is_file():
+                                path.rename(folder / path.name)
+                        traces[name] = folder
+                    q1, q3 = out["stall_quartiles_ms"]
+                    print(f"{name:24s} stall median {out['stall_median_ms']:7.2f} ms (quartiles {q1:.2f} {q3:.2f}), "
+                          f"TTFT median {out['ttft_median_ms']:7.2f} ms, decode gap median "
+                          f"{out['decode_gap_median_ms']:6.2f} ms", flush=True)
+            (args.out / "mixed_step.json").write_text(json.dumps(result, indent=1))
+    if args.profile:
+        result["trace_diff"] = compare_traces(traces, args.profile_arrivals, args.top)
+        (args.out / "mixed_step.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
