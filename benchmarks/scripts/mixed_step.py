@@ -1,13 +1,13 @@
 """The step that prefills a prompt beside decoding requests, plain vLLM against esftctl, to the ms (issue 29.2).
 
 In the H100 grid's slices of 2026-11-27's fifteenth session, every esftctl count (1, 5, 10 and 20 adapters, two
-cards) stalled its decoders longer than plain vLLM whenever a prompt arrived: the gaps over 30 ms between a
-stream's chunks (a 256-token prompt prefilled in a step with the decodes, past the 256 tokens vLLM captures as
-CUDA graphs) had a median of 88-116 ms against the base's 76-85 ms on the same card, at every rate. At 5 requests/s
-those steps are about 40% of the run's time, so this is most of esftctl's TPOT excess there (1.07-1.45x) and of
-its TTFT beside others (1.11-1.32x); its decode steps took 0-8% more. In the fourteenth session's one count (10
-adapters, round 1) the same stalls were 73-84 ms, equal to the base's. So: which is it, and where do those
-milliseconds go?
+cards) stalled its decoders longer than plain vLLM whenever a prompt was prefilled beside them (a 256-token prompt
+in a step with the decodes, past the 256 tokens vLLM captures as CUDA graphs): the stall's median
+(esftctl.bench.load.prefill_stalls) was 81-115 ms against the base's 76-86 ms on the same card. At 5 requests/s
+such steps are about 40% of a run's streamed time, so they carry most of esftctl's TPOT excess there (1.09-1.33x a
+slice) and its TTFT beside others (1.11-1.32x); its decode steps took 4-14% more there, and the same at 1 request/s.
+In the fourteenth session's one count (10 adapters, round 1) the stalls were 74-86 ms, equal to the base's. So:
+which is it, esftctl or the host, and where do those milliseconds go?
 
 The probe isolates that step. `--decoders` requests decode (long outputs, 64-token prompts) while every `--gap`
 seconds one prompt of `--length` tokens arrives and streams `--output` tokens. For each arrival: its TTFT (the
@@ -22,7 +22,8 @@ phase: it prints the CPU ops, CUDA runtime calls and kernels whose time per arri
 (traces in OUT/trace/ARM-PHASE). Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
-A smoke run on vLLM's CPU build: `--model tiny --length 32 --decoders 2 --arrivals 3 --decode 400`.
+A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
+--arrivals 3 --gap 0.05 --decode 240 --profile --profile-arrivals 2`, 85 s on 2 cores.
 """
 
 import argparse
