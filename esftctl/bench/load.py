@@ -24,10 +24,11 @@ other requests' decode times, so a 3% TPOT difference moves a run's median and m
 median compares like with like, and the alone share says how much the mixture moved.
 
 And what such a step costs the requests decoding beside it (prefill_stalls): for each prompt prefilled beside
-others, the longest gap between two tokens of any request decoding across its first token, the step that
-prefilled it with their decodes as they saw it. On the H100 (2026-11-27) their medians were 76-86 ms for plain
-vLLM's base, and for esftctl 81-115 ms in one session and 74-86 ms in the session before; at 5 requests/s such steps
-are about 40% of a run's streamed time, so they move TPOT more than the decode steps do.
+others, the longest gap between two tokens of any other request among the gaps that end between its arrival and
+its first token, the step that prefilled it with their decodes as they saw it. On the H100 (2026-11-27) their
+medians were 76-86 ms for plain vLLM's base, and for esftctl 81-115 ms in one session and 74-86 ms in the session
+before; at 5 requests/s such steps are about 40% of a run's streamed time, so they move TPOT more than the decode
+steps do.
 """
 
 from __future__ import annotations
