@@ -11,8 +11,9 @@ which is it, esftctl or the host, and where do those milliseconds go?
 
 The probe isolates that step. `--decoders` requests decode (long outputs, 64-token prompts) while every `--gap`
 seconds one prompt of `--length` tokens arrives and streams `--output` tokens. For each arrival: its TTFT (the
-client's) and its stall, the longest gap between two chunks of any decoder from the arrival to its first token
-plus 50 ms; beside, the median gap of the decoders' other steps (a decode step and its streaming). Arms, one
+client's) and its stall as `bench serve`'s runs measure it (esftctl.bench.load.prefill_stalls: the longest gap
+between two chunks of any decoder among the gaps ending between the arrival and its first token); beside, the
+median gap of the decoders' other steps (a decode step and its streaming). Arms, one
 server start each (DeepSeek-V2-Lite-shaped base, `bench serve`'s engine arguments, CUDA graphs, two DeepSeek-sized
 adapters): `plain`, and `esftctl`, which runs the phase twice, every request on the base, then every request on
 one adapter (as the grid's 1-adapter runs). `--rounds 2` runs the arms twice in turn (plain, esftctl, plain,
@@ -23,10 +24,9 @@ phase: it prints the CPU ops, CUDA runtime calls and kernels whose time per arri
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
 A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
---arrivals 3 --gap 0.05 --decode 240 --profile --profile-arrivals 2`, 85 s on 2 cores.
+--arrivals 3 --gap 0.05 --decode 180 --profile --profile-arrivals 2`, 85 s on 2 cores.
 """
 
-import argparse
 import collections
 import gzip
 import http.client
@@ -38,14 +38,12 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from ttft_alone import first_chunk_ms
+from ttft_alone import arm_plan, first_chunk_ms, prepare, probe_parser, quartiles
 
-from esftctl.bench import serve_models
+from esftctl.bench.load import STALL_AFTER_S, longest_gap
 from esftctl.bench.serve import PROFILES
-from esftctl.serve import Server, free_port, plan
+from esftctl.serve import Server
 from esftctl.serve_client import request
-
-WINDOW_S = 0.05  # after an arrival's first token, still its stall: the decoders' chunk of that step comes then
 
 
 class Decoder(threading.Thread):
@@ -76,19 +74,12 @@ class Decoder(threading.Thread):
 
 
 def stalls(decoders: list[Decoder], arrivals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
-    """Per arrival (sent at, TTFT ms), the longest chunk gap of any decoder ending in its window; and the gaps
-    that end in no window (decode steps), all in ms."""
-    windows = [(sent, sent + ttft / 1e3 + WINDOW_S) for sent, ttft in arrivals]
-    worst = [0.0] * len(windows)
-    others = []
-    for decoder in decoders:
-        for before, after in zip(decoder.times, decoder.times[1:]):
-            gap = (after - before) * 1e3
-            hit = [i for i, (start, end) in enumerate(windows) if start <= after <= end]
-            for i in hit:
-                worst[i] = max(worst[i], gap)
-            if not hit:
-                others.append(gap)
+    """Per arrival (sent at, TTFT ms), its stall (load.longest_gap over the decoders); and the decoders' gaps that
+    end in no arrival's window (decode steps), all in ms."""
+    windows = [(sent, sent + ttft / 1e3 + STALL_AFTER_S) for sent, ttft in arrivals]
+    worst = [longest_gap([d.times for d in decoders], start, end) * 1e3 for start, end in windows]
+    others = [(after - before) * 1e3 for d in decoders for before, after in zip(d.times, d.times[1:])
+              if not any(start < after <= end for start, end in windows)]
     return worst, others
 
 
@@ -101,7 +92,9 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
     decoders = [Decoder(url, model, prompt(64), args.decode, stop) for _ in range(args.decoders)]
     for decoder in decoders:
         decoder.start()
-    time.sleep(1.0)  # all in steady decode
+    deadline = time.perf_counter() + 120
+    while not all(d.times or d.error for d in decoders) and time.perf_counter() < deadline:
+        time.sleep(0.01)  # every decoder past its prefill: in steady decode
     arrivals = []
     profiled_from = args.arrivals - args.profile_arrivals if profile else args.arrivals
     for i in range(args.arrivals):
@@ -117,13 +110,15 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
         decoder.join(timeout=60)
         if decoder.error or not decoder.times:
             raise SystemExit(decoder.error or f"{model}: a decoder streamed nothing")
-    if any(len(d.times) >= args.decode for d in decoders):
-        raise SystemExit(f"{model}: a decoder ran out of tokens before the arrivals ended: raise --decode")
+    last = arrivals[-1][0] + arrivals[-1][1] / 1e3
+    if any(d.times[-1] < last for d in decoders):  # max_tokens, or the context, ended it early
+        raise SystemExit(f"{model}: a decoder finished before the last arrival's first token: raise --decode (its "
+                         "prompt is 64 tokens of the model's context) or lower --arrivals")
     worst, others = stalls(decoders, arrivals)
     ttft = [t for _, t in arrivals]
     return {"stall_ms": worst, "ttft_ms": ttft, "decode_gap_median_ms": statistics.median(others),
             "stall_median_ms": statistics.median(worst), "ttft_median_ms": statistics.median(ttft),
-            "stall_quartiles_ms": statistics.quantiles(worst, n=4)[::2] if len(worst) > 1 else [worst[0]] * 2}
+            "stall_quartiles_ms": quartiles(worst)}
 
 
 def trace_totals(folder: Path) -> dict[str, dict[str, float]]:
@@ -164,12 +159,7 @@ def compare_traces(phases: dict[str, Path], arrivals: int, top: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(PROFILES))
-    parser.add_argument("--work", type=Path, default=Path("/dev/shm/bench-mixed"))
-    parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench/scratch-mixed"))
-    parser.add_argument("--out", type=Path, default=Path("/tmp/mixed"))
-    parser.add_argument("--arms", default="plain,esftctl")
+    parser = probe_parser(__doc__, "mixed", arms="plain,esftctl")
     parser.add_argument("--rounds", type=int, default=1, help="times the arms run, in turn")
     parser.add_argument("--decoders", type=int, default=6, help="requests decoding while the prompts arrive")
     parser.add_argument("--decode", type=int, default=3800, help="tokens each decoder may stream (max_tokens)")
@@ -181,9 +171,7 @@ def main() -> None:
     parser.add_argument("--profile-arrivals", type=int, default=3)
     parser.add_argument("--top", type=int, default=40, help="traced events listed")
     args = parser.parse_args()
-    served = serve_models.prepare_base(args.model, args.work, print)
-    serve_models.write_adapters(served, args.model, args.scratch, 2, distinct=2, shape="deepseek", on_step=print)
-    vocab = json.loads((served.base / "config.json").read_text())["vocab_size"]
+    served, vocab = prepare(args)
     adapter = next(iter(served.bundles))
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": {}}
     traces: dict[str, Path] = {}
@@ -197,10 +185,7 @@ def main() -> None:
                 engine_args += ["--profiler-config", json.dumps({
                     "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
                     "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True})]
-            server = plan(served.base, [f"{n}={p}" for n, p in served.bundles.items()] if esft else [], name="base",
-                          esft=esft, port=free_port(), vllm_args=engine_args,
-                          adapter_memory=serve_models.adapter_bytes(served.base, served.bundles.values()) if esft
-                          else None)
+            server = arm_plan(served, esft, engine_args)
             with Server(server) as running:
                 start = time.perf_counter()
                 running.wait_ready(timeout=1200)

@@ -90,30 +90,46 @@ def probe(url: str, models: list[str], args, vocab: int) -> dict:
     return {"ttft": summary, "server": server_means(before, server_times([url]))}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def probe_parser(doc: str, name: str, *, arms: str) -> argparse.ArgumentParser:
+    """The options this probe and mixed_step.py share: the model, where it is built, where results go, the arms."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(PROFILES))
-    parser.add_argument("--work", type=Path, default=Path("/dev/shm/bench-ttft"))
-    parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench/scratch-ttft"))
-    parser.add_argument("--out", type=Path, default=Path("/tmp/ttft"))
-    parser.add_argument("--arms", default="plain,esftctl,esftctl-step-write")
+    parser.add_argument("--work", type=Path, default=Path(f"/dev/shm/bench-{name}"))
+    parser.add_argument("--scratch", type=Path, default=Path(f"/tmp/bench/scratch-{name}"))
+    parser.add_argument("--out", type=Path, default=Path(f"/tmp/{name}"))
+    parser.add_argument("--arms", default=arms)
+    return parser
+
+
+def prepare(args) -> tuple:
+    """The base and two DeepSeek-sized adapters (`bench serve`'s), and the base's vocabulary size."""
+    served = serve_models.prepare_base(args.model, args.work, print)
+    serve_models.write_adapters(served, args.model, args.scratch, 2, distinct=2, shape="deepseek", on_step=print)
+    return served, json.loads((served.base / "config.json").read_text())["vocab_size"]
+
+
+def arm_plan(served, esft: bool, engine_args: list[str], *, state_dir: Path | None = None):
+    """One arm's server: plain vLLM, or esftctl with the adapters and exactly their memory set aside."""
+    return plan(served.base, [f"{n}={p}" for n, p in served.bundles.items()] if esft else [], name="base",
+                esft=esft, port=free_port(), state_dir=state_dir, vllm_args=engine_args,
+                adapter_memory=serve_models.adapter_bytes(served.base, served.bundles.values()) if esft else None)
+
+
+def main() -> None:
+    parser = probe_parser(__doc__, "ttft", arms="plain,esftctl,esftctl-step-write")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 256])
     parser.add_argument("--prompts", type=int, default=15, help="timed prompts per length and model")
     parser.add_argument("--output", type=int, default=4, help="tokens each prompt streams")
     parser.add_argument("--gap", type=float, default=1.3, help="idle seconds before each prompt")
     args = parser.parse_args()
-    served = serve_models.prepare_base(args.model, args.work, print)
-    serve_models.write_adapters(served, args.model, args.scratch, 2, distinct=2, shape="deepseek", on_step=print)
+    served, vocab = prepare(args)
     engine_args = list(PROFILES[args.model].engine_args)
-    vocab = json.loads((served.base / "config.json").read_text())["vocab_size"]
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "arms": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for arm in args.arms.split(","):
         esft = arm != "plain"
         state = args.work / "state" / arm if arm == "esftctl-step-write" else None  # None: a temporary one in /tmp
-        server = plan(served.base, [f"{n}={p}" for n, p in served.bundles.items()] if esft else [], name="base",
-                      esft=esft, port=free_port(), state_dir=state, vllm_args=engine_args,
-                      adapter_memory=serve_models.adapter_bytes(served.base, served.bundles.values()) if esft else None)
+        server = arm_plan(served, esft, engine_args, state_dir=state)
         path = os.environ.get("PYTHONPATH", "")
         if arm == "esftctl-step-write":
             os.environ["PYTHONPATH"] = f"{SHIM}:{path}" if path else str(SHIM)

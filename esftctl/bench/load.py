@@ -202,12 +202,23 @@ def prefill_stalls(result: dict) -> dict:
     for i, was_alone in enumerate(alone(result)):
         if was_alone or ttfts[i] <= 0:
             continue
-        sent, first = starts[i], starts[i] + ttfts[i] + STALL_AFTER_S
-        gaps = [float(np.max(np.diff(t)[(t[1:] > sent) & (t[1:] <= first)], initial=0.0))
-                for j, t in enumerate(times) if j != i and len(t) > 1]
-        if max(gaps, default=0.0) > 0:
-            stalls.append(max(gaps) * 1000)
+        others = [t for j, t in enumerate(times) if j != i]
+        worst = longest_gap(others, starts[i], starts[i] + ttfts[i] + STALL_AFTER_S)
+        if worst > 0:
+            stalls.append(worst * 1000)
     return {"median_stall_ms": float(np.median(stalls)) if stalls else None}
+
+
+def longest_gap(streams: list, start: float, end: float) -> float:
+    """The longest gap (s) between two consecutive token times of any stream among the gaps ending in (start,
+    end], 0 without one: the stall of a prompt sent at `start` whose first token came at `end` (prefill_stalls,
+    benchmarks/scripts/mixed_step.py)."""
+    worst = 0.0
+    for t in streams:
+        t = np.asarray(t, dtype=np.float64)
+        ends = (t[1:] > start) & (t[1:] <= end)
+        worst = max(worst, float(np.max(np.diff(t)[ends], initial=0.0)))
+    return worst
 
 
 def per_request(result: dict) -> dict:
