@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords and not has_vllm():
             item.add_marker(skip_vllm)
+
+
+FREE_AT_START = pytest.StashKey[float]()
+
+
+def _free_gib(path: Path) -> float:
+    return shutil.disk_usage(path).free / 2**30
+
+
+def pytest_sessionstart(session):
+    session.config.stash[FREE_AT_START] = _free_gib(Path(tempfile.gettempdir()))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The temporary folder's free disk at the start and the end, in the summary (the last lines CI keeps): a run
+    of 2026-11-27 (stop 51) failed 140 tests with ENOSPC on a machine whose disk ran short, and nothing said so."""
+    tmp = Path(tempfile.gettempdir())
+    start = config.stash.get(FREE_AT_START, float("nan"))
+    terminalreporter.write_line(f"free disk under {tmp}: {start:.1f} GiB at the start, {_free_gib(tmp):.1f} GiB now")
 
 
 @pytest.fixture(scope="session")
