@@ -51,7 +51,7 @@ def pytest_sessionstart(session):
 
 def pytest_terminal_summary(terminalreporter, config):
     """The temporary folder's free disk at the start and the end, in the summary (the last lines CI keeps): a run
-    of 2026-11-27 (stop 51) failed 140 tests with ENOSPC on a machine whose disk ran short, and nothing said so."""
+    of 2026-11-27 (stop 51) failed or errored 140 tests with ENOSPC on a disk that ran short, and nothing said so."""
     tmp = Path(tempfile.gettempdir())
     start = config.stash.get(FREE_AT_START, float("nan"))
     terminalreporter.write_line(f"free disk under {tmp}: {start:.1f} GiB at the start, {_free_gib(tmp):.1f} GiB now")
