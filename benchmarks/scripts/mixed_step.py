@@ -17,21 +17,26 @@ median gap of the decoders' other steps (a decode step and its streaming). Arms,
 server start each (DeepSeek-V2-Lite-shaped base, `bench serve`'s engine arguments, CUDA graphs, two DeepSeek-sized
 adapters): `plain`, and `esftctl`, which runs the phase twice, every request on the base, then every request on
 one adapter (as the grid's 1-adapter runs). `--rounds 2` runs the arms twice in turn (plain, esftctl, plain,
-esftctl), so that a drift of the host shows. `--profile` starts each server with vLLM's torch profiler
+esftctl), so that a drift of the host shows. `--profile` starts the last round's servers with vLLM's torch profiler
 (`--profiler-config`) and traces the engine and the API server over the last `--profile-arrivals` arrivals of each
-phase: it prints the CPU ops, CUDA runtime calls and kernels whose time per arrival differs most between phases
-(traces in OUT/trace/ARM-PHASE). Writes OUT/mixed_step.json.
+of its phases (their times are left out of its stalls and TTFTs, so an earlier round shows whether the profiler's
+set-up alone moves them). It prints the engine's steps by kind (a prompt beside decodes, decodes alone), each
+one's host span against its GPU kernels, and the CPU ops, CUDA runtime calls and kernels whose time per arrival
+differs most between phases (traces in OUT/trace/ARM-PHASE). Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
 A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
 --arrivals 3 --gap 0.05 --decode 180 --profile --profile-arrivals 2`, 85 s on 2 cores.
 """
 
+import bisect
 import collections
 import gzip
 import http.client
+import itertools
 import json
 import random
+import re
 import statistics
 import threading
 import time
@@ -99,6 +104,7 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
     profiled_from = args.arrivals - args.profile_arrivals if profile else args.arrivals
     for i in range(args.arrivals):
         if i == profiled_from:
+            traced_from = time.perf_counter()
             request(url, "/start_profile", {})
         time.sleep(args.gap)
         sent = time.perf_counter()
@@ -114,6 +120,10 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
     if any(d.times[-1] < last for d in decoders):  # max_tokens, or the context, ended it early
         raise SystemExit(f"{model}: a decoder finished before the last arrival's first token: raise --decode (its "
                          "prompt is 64 tokens of the model's context) or lower --arrivals")
+    if profile:  # the traced arrivals pay the profiler's cost: time only those before it started
+        arrivals = arrivals[:profiled_from]
+        for decoder in decoders:
+            decoder.times = [t for t in decoder.times if t < traced_from]
     worst, others = stalls(decoders, arrivals)
     ttft = [t for _, t in arrivals]
     return {"stall_ms": worst, "ttft_ms": ttft, "decode_gap_median_ms": statistics.median(others),
@@ -121,21 +131,59 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
             "stall_quartiles_ms": quartiles(worst)}
 
 
-def trace_totals(folder: Path) -> dict[str, dict[str, float]]:
-    """Per trace file kind (engine or front end) and `cat/name`: total ms and count over the traced events."""
-    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+
+
+def trace_events(folder: Path):
+    """(file kind, event) for every complete event of the traces in `folder`: kind "engine" or "front"."""
     for path in sorted(folder.rglob("*.json*")):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
             events = json.load(f).get("traceEvents", [])
         kind = "engine" if "rank" in path.name.lower() or "worker" in path.name.lower() else "front"
         for e in events:
-            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "kernel", "user_annotation",
-                                                        "python_function", "gpu_memcpy", "cuda_driver"):
-                key = f"{kind}:{e['cat']}/{e['name'][:80]}"
-                totals[key]["ms"] += e.get("dur", 0) / 1e3
-                totals[key]["n"] += 1
+            if e.get("ph") == "X":
+                yield kind, e
+
+
+def trace_totals(folder: Path) -> dict[str, dict[str, float]]:
+    """Per trace file kind (engine or front end) and `cat/name`: total ms and count over the traced events."""
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for kind, e in trace_events(folder):
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "kernel", "user_annotation", "python_function", "gpu_memcpy",
+                            "cuda_driver"):
+            key = f"{kind}:{e['cat']}/{e['name'][:80]}"
+            totals[key]["ms"] += e.get("dur", 0) / 1e3
+            totals[key]["n"] += 1
     return totals
+
+
+def step_table(folder: Path) -> dict[str, dict[str, float]]:
+    """The engine's steps by kind (mixed: a prompt beside decodes; decode; prefill alone), from vLLM's step
+    annotations: how many, and the median ms of the annotated host span, of the GPU kernels that start between
+    one step's start and the next's, and of that step-to-step interval. Host span against kernels says whether a
+    step waits on the host or on the GPU."""
+    steps, kernels = [], []
+    for kind, e in trace_events(folder):
+        if kind != "engine":
+            continue
+        if e.get("cat") == "user_annotation" and (m := STEP.search(e["name"])):
+            prompts, decodes = int(m.group(1)), int(m.group(3))
+            label = "mixed" if prompts and decodes else "prefill" if prompts else "decode"
+            steps.append((e["ts"], e.get("dur", 0), label))
+        elif e.get("cat") == "kernel":
+            kernels.append((e["ts"], e.get("dur", 0)))
+    steps.sort()
+    kernels.sort()
+    starts = [k for k, _ in kernels]
+    busy = list(itertools.accumulate((d for _, d in kernels), initial=0))  # busy[i]: the first i kernels' time
+    rows: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+    for (ts, dur, label), nxt in zip(steps, steps[1:]):
+        gpu = busy[bisect.bisect_left(starts, nxt[0])] - busy[bisect.bisect_left(starts, ts)]
+        rows[label].append((dur / 1e3, gpu / 1e3, (nxt[0] - ts) / 1e3))
+    return {label: {"n": len(r), "host_ms": statistics.median(x[0] for x in r),
+                    "kernels_ms": statistics.median(x[1] for x in r),
+                    "interval_ms": statistics.median(x[2] for x in r)} for label, r in rows.items()}
 
 
 def compare_traces(phases: dict[str, Path], arrivals: int, top: int) -> dict:
@@ -167,7 +215,8 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=4, help="tokens each arriving prompt streams")
     parser.add_argument("--arrivals", type=int, default=30, help="prompts per phase")
     parser.add_argument("--gap", type=float, default=0.4, help="seconds between one arrival's end and the next")
-    parser.add_argument("--profile", action="store_true", help="trace the last --profile-arrivals of each phase")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace the last --profile-arrivals of each phase of the last round")
     parser.add_argument("--profile-arrivals", type=int, default=3)
     parser.add_argument("--top", type=int, default=40, help="traced events listed")
     args = parser.parse_args()
@@ -179,9 +228,10 @@ def main() -> None:
     for round_ in range(args.rounds):
         for arm in args.arms.split(","):
             esft = arm == "esftctl"
+            profile = args.profile and round_ == args.rounds - 1
             engine_args = list(PROFILES[args.model].engine_args)
             trace = args.out / "trace" / f"{arm}-r{round_}"
-            if args.profile:
+            if profile:
                 engine_args += ["--profiler-config", json.dumps({
                     "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
                     "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True})]
@@ -193,9 +243,9 @@ def main() -> None:
                 for model in (["base", adapter] if esft else ["base"]):
                     name = f"{arm} {'adapter' if model == adapter else 'base'} r{round_}"
                     before = set(trace.rglob("*")) if trace.is_dir() else set()
-                    out = phase(server.url, model, args, vocab, random.Random(round_), args.profile)
+                    out = phase(server.url, model, args, vocab, random.Random(round_), profile)
                     result["phases"][name] = out
-                    if args.profile:  # each phase's files in a folder of its own
+                    if profile:  # each phase's files in a folder of its own
                         folder = trace.parent / name.replace(" ", "-")
                         folder.mkdir(parents=True, exist_ok=True)
                         time.sleep(2)  # the engine writes its trace after stop_profile returns
@@ -209,6 +259,11 @@ def main() -> None:
                           f"{out['decode_gap_median_ms']:6.2f} ms", flush=True)
             (args.out / "mixed_step.json").write_text(json.dumps(result, indent=1))
     if args.profile:
+        result["steps"] = {name: step_table(folder) for name, folder in traces.items()}
+        print("engine steps in the traced arrivals, median ms (host span / kernels / step to step):")
+        for name, table in result["steps"].items():
+            print(f"  {name:24s} " + "; ".join(f"{label} x{row['n']}: {row['host_ms']:.2f} / {row['kernels_ms']:.2f}"
+                                              f" / {row['interval_ms']:.2f}" for label, row in sorted(table.items())))
         result["trace_diff"] = compare_traces(traces, args.profile_arrivals, args.top)
         (args.out / "mixed_step.json").write_text(json.dumps(result, indent=1))
 
