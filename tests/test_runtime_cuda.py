@@ -196,6 +196,25 @@ def test_reroute_kernel_matches_reference(tokens, top_k, experts, slots, dtype):
     assert torch.equal(in_place, want)
 
 
+def test_reroute_launches_its_kernel_directly_after_the_first_call():
+    """After one call per device and dtypes, `reroute` calls Triton's launcher itself (kernels/reroute.py says
+    why): every later call, at any token count and with an adapter buffer longer than the tokens, still writes
+    exactly the reference's ids."""
+    from esftctl.kernels import reroute as module
+
+    table = torch.randint(0, 1 << 20, (21, 217), dtype=torch.int32, device="cuda")
+    buffer = torch.randint(-1, 20, (20000,), dtype=torch.int32, device="cuda")
+    for tokens in (5, 262, 1, 16384, 17, 262):
+        ids = torch.randint(0, 217, (tokens, 6), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ids, -7)
+        assert torch.equal(module.reroute(ids, buffer, table, out=out),
+                           module.reroute_reference(ids, buffer[:tokens], table))
+    key = (ids.get_device(), torch.int32, torch.int32, torch.int32, torch.int32)
+    assert module._launchers[key] is not None  # the direct launch is what ran after the first call
+    with pytest.raises(AssertionError, match="fewer adapter ids"):
+        module.reroute(ids, buffer[:10], table)
+
+
 def test_reroute_in_cuda_graph():
     from esftctl.kernels.reroute import reroute, reroute_reference
 

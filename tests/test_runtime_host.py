@@ -287,6 +287,9 @@ def test_reroute_reference_semantics(tokens, top_k, experts, slots):
     in_place = ids.clone()
     reroute(in_place, adapter_ids, table, out=in_place)
     assert torch.equal(in_place, out)
+    # the engine passes its whole per-token buffer, planned for the largest step: the first `tokens` entries count
+    buffer = torch.cat([adapter_ids, torch.full((50,), slots - 1, dtype=torch.int32)])
+    assert torch.equal(reroute(ids, buffer, table), out)
 
 
 def test_failed_load_rolls_back_every_layer():

@@ -363,7 +363,7 @@ class EsftModel:
         def reroute_in_place(topk_ids: torch.Tensor) -> None:
             if previous is not None:  # e.g. vLLM's routed-experts capture: it wants logical ids
                 previous(topk_ids)
-            reroute(topk_ids, adapters[: topk_ids.shape[0]], table, out=topk_ids)
+            reroute(topk_ids, adapters, table, out=topk_ids)  # the kernel reads the first tokens' entries
 
         return reroute_in_place
 
