@@ -35,6 +35,7 @@ import gzip
 import http.client
 import itertools
 import json
+import os
 import random
 import re
 import statistics
@@ -47,6 +48,7 @@ from ttft_alone import arm_plan, first_chunk_ms, prepare, probe_parser, quartile
 
 from esftctl.bench.load import STALL_AFTER_S, longest_gap
 from esftctl.bench.serve import PROFILES
+from esftctl.runtime.vllm.profiling import STEP_TIMES_ENV
 from esftctl.serve import Server
 from esftctl.serve_client import request
 
@@ -88,7 +90,35 @@ def stalls(decoders: list[Decoder], arrivals: list[tuple[float, float]]) -> tupl
     return worst, others
 
 
-def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: bool) -> dict:
+def engine_steps(folder: Path) -> dict[str, list[tuple[float, float, int]]]:
+    """The engine's step times that ESFTCTL_STEP_TIMES wrote into `folder` (esftctl.runtime.vllm.profiling):
+    per part, (start, end, tokens) in time order."""
+    parts: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
+    for path in folder.glob("steps-*.tsv"):
+        for line in path.read_text().splitlines():
+            part, start, end, tokens = line.split()
+            parts[part].append((float(start), float(end), int(tokens)))
+    return {part: sorted(rows) for part, rows in parts.items()}
+
+
+def engine_side(steps: dict, arrivals: list[tuple[float, float]], length: int) -> dict:
+    """Per arrival, as the engine saw it: the stall as the client measures it but between the ends of the engine's
+    `update_from_output` calls (when a step's tokens leave the engine core), and the host span of the step that
+    prefilled the prompt (`execute_model` with at least `length` tokens). The client's stall minus the first is
+    what lies outside the engine core: its output thread, the API server, the socket."""
+    outputs = [end for _, end, _ in steps.get("output", [])]
+    mixed = [(start, end) for start, end, tokens in steps.get("execute", []) if tokens >= length]
+    stall, span = [], []
+    for sent, ttft in arrivals:
+        end = sent + ttft / 1e3 + STALL_AFTER_S
+        stall.append(longest_gap([outputs], sent, end) * 1e3)
+        span += [(e - s) * 1e3 for s, e in mixed if sent < s < end][:1]
+    return {"engine_stall_ms": stall, "engine_stall_median_ms": statistics.median(stall) if stall else None,
+            "prefill_step_host_ms": span, "prefill_step_host_median_ms": statistics.median(span) if span else None}
+
+
+def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: bool,
+          steps_dir: Path | None = None) -> dict:
     def prompt(length: int) -> list[int]:
         return [rng.randrange(vocab // 4, vocab) for _ in range(length)]
 
@@ -126,9 +156,14 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
             decoder.times = [t for t in decoder.times if t < traced_from]
     worst, others = stalls(decoders, arrivals)
     ttft = [t for _, t in arrivals]
-    return {"stall_ms": worst, "ttft_ms": ttft, "decode_gap_median_ms": statistics.median(others),
-            "stall_median_ms": statistics.median(worst), "ttft_median_ms": statistics.median(ttft),
-            "stall_quartiles_ms": quartiles(worst)}
+    out = {"stall_ms": worst, "ttft_ms": ttft, "decode_gap_median_ms": statistics.median(others),
+           "stall_median_ms": statistics.median(worst), "ttft_median_ms": statistics.median(ttft),
+           "stall_quartiles_ms": quartiles(worst)}
+    if steps_dir is not None:
+        time.sleep(0.5)  # a pause, then one request: the engine writes the phase's step times at its first step
+        first_chunk_ms(url, model, prompt(8), 1)
+        out |= engine_side(engine_steps(steps_dir), arrivals, args.length)
+    return out
 
 
 STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -235,6 +270,9 @@ def main() -> None:
                 engine_args += ["--profiler-config", json.dumps({
                     "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
                     "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True})]
+            steps_dir = (args.out / "steps" / f"{arm}-r{round_}").resolve()
+            steps_dir.mkdir(parents=True, exist_ok=True)
+            os.environ[STEP_TIMES_ENV] = str(steps_dir)  # the server's processes inherit it
             server = arm_plan(served, esft, engine_args)
             with Server(server) as running:
                 start = time.perf_counter()
@@ -243,7 +281,7 @@ def main() -> None:
                 for model in (["base", adapter] if esft else ["base"]):
                     name = f"{arm} {'adapter' if model == adapter else 'base'} r{round_}"
                     before = set(trace.rglob("*")) if trace.is_dir() else set()
-                    out = phase(server.url, model, args, vocab, random.Random(round_), profile)
+                    out = phase(server.url, model, args, vocab, random.Random(round_), profile, steps_dir)
                     result["phases"][name] = out
                     if profile:  # each phase's files in a folder of its own
                         folder = trace.parent / name.replace(" ", "-")
@@ -254,9 +292,12 @@ def main() -> None:
                                 path.rename(folder / path.name)
                         traces[name] = folder
                     q1, q3 = out["stall_quartiles_ms"]
+                    engine = (f"; engine: stall {out['engine_stall_median_ms']:7.2f} ms, prefill step host "
+                              f"{out['prefill_step_host_median_ms'] or 0:7.2f} ms"
+                              if out.get("engine_stall_median_ms") is not None else "; engine: no step times")
                     print(f"{name:24s} stall median {out['stall_median_ms']:7.2f} ms (quartiles {q1:.2f} {q3:.2f}), "
                           f"TTFT median {out['ttft_median_ms']:7.2f} ms, decode gap median "
-                          f"{out['decode_gap_median_ms']:6.2f} ms", flush=True)
+                          f"{out['decode_gap_median_ms']:6.2f} ms{engine}", flush=True)
             (args.out / "mixed_step.json").write_text(json.dumps(result, indent=1))
     if args.profile:
         result["steps"] = {name: step_table(folder) for name, folder in traces.items()}

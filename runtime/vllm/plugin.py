@@ -1,6 +1,8 @@
 """esftctl's vLLM plugin, loaded by vLLM in every process through the `vllm.general_plugins` entry point.
 
 - In the process esftctl started, it asks for SIGTERM when esftctl dies (esftctl.runtime.launcher).
+- With ESFTCTL_STEP_TIMES set (benchmarks only), it records each engine step's times
+  (esftctl.runtime.vllm.profiling), under `esftctl serve` or not.
 - On the CPU build it installs a fix for vLLM's CPU rotary embedding (esftctl.runtime.vllm.cpu_rope), and
   asks Linux for the AMX tile registers (allow_amx).
 - Under `esftctl serve` (the ESFTCTL_SERVE environment variable, see esftctl.runtime.serve_config) it
@@ -70,8 +72,10 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from esftctl.runtime.launcher import follow_launcher
+    from esftctl.runtime.vllm.profiling import install_step_times
 
     follow_launcher()
+    install_step_times()  # only with ESFTCTL_STEP_TIMES set (a benchmark's), in plain vLLM's processes too
 
     if current_platform.is_cpu():
         check_patched(CPU_PATCHED)
