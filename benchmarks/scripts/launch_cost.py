@@ -1,11 +1,11 @@
 """Host time of one reroute launch, as an eager step pays it per MoE layer (issue 29.2).
 
 On an H100 (2026-11-28, `mixed_step.py --profile`), vLLM's step that prefills a 256-token prompt beside six
-decodes ran eagerly and was bound by the host: 80-100 ms of host time for 21 ms of kernels over 27 layers. In it,
-esftctl's MoE op took 9-10% more host time than plain vLLM's (relative to the step's attention op), and the
-timeline showed where: from the router's last launch to the next op of vLLM's, esftctl spent about 0.26 ms a
-layer where plain vLLM spent 0.06 ms, most of it between the reroute's slice of the adapter ids and its kernel's
-launch (Triton's JITFunction.run: binding and specializing nine arguments, a cache lookup, launch metadata).
+decodes ran eagerly and was bound by the host: 80-100 ms of host time for 21 ms of kernels over 27 layers. In the
+profiler's timeline, from the router's last launch to vLLM's next op, esftctl spent about 0.26 ms a layer where
+plain vLLM spent 0.06 ms, most of it between the reroute's slice of the adapter ids and its kernel's launch
+(Triton's JITFunction.run: binding and specializing nine arguments, a cache lookup, launch metadata). Unprofiled,
+this measured the launch at 18 us, 9-11 us since (kernels/reroute.py): the profiler had inflated it about sevenfold.
 
 This times, per call, with no profiler: the launch as it was (a slice of the adapter ids, then Triton's own
 launch path), `reroute` as it is now (the whole buffer, Triton's launcher called directly after the first call),
