@@ -26,7 +26,7 @@ differs most between phases (traces in OUT/trace/ARM-PHASE). Every server record
 a profiler (ESFTCTL_STEP_TIMES, esftctl.runtime.vllm.profiling; in OUT/steps/ARM-rN): per arrival, the stall
 between the engine core's outputs and the host span of the step that prefilled the prompt. On an H100
 (2026-11-28) the client's stall was the engine's to within 1 ms and the prefill step's host span to within 3 ms,
-in every arm; that span varied 54-116 ms within a phase. Writes OUT/mixed_step.json.
+in every arm; that span varied 54-113 ms within one run. Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
 A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
