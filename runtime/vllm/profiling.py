@@ -56,20 +56,26 @@ def scoped(method, name: str):
     return wrapper
 
 
-def install_scopes() -> list[str]:
-    """Wrap every method of PARTS that this vLLM has; returns "module.Class.method" of those wrapped."""
+def wrap_methods(parts: dict[tuple[str, str, str], str], wrap, marker: str) -> list[str]:
+    """Replace every method of `parts` that this vLLM has by `wrap(method, part)`, unless already wrapped (its
+    attribute `marker`); returns "module.Class.method" of those wrapped."""
     wrapped = []
-    for (module_name, class_name, method), part in PARTS.items():
+    for (module_name, class_name, method), part in parts.items():
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             continue
         original = cls.__dict__.get(method)
-        if original is None or hasattr(original, "esftctl_scope"):
+        if original is None or hasattr(original, marker):
             continue
-        setattr(cls, method, scoped(original, SCOPE + part))
+        setattr(cls, method, wrap(original, part))
         wrapped.append(f"{module_name}.{class_name}.{method}")
     return wrapped
+
+
+def install_scopes() -> list[str]:
+    """Wrap every method of PARTS that this vLLM has in its profiler scope."""
+    return wrap_methods(PARTS, lambda method, part: scoped(method, SCOPE + part), "esftctl_scope")
 
 
 STEP_TIMES_ENV = "ESFTCTL_STEP_TIMES"
@@ -116,15 +122,4 @@ def install_step_times() -> list[str]:
     if not folder:
         return []
     recorder = StepTimes(Path(folder) / f"steps-{os.getpid()}.tsv")
-    wrapped = []
-    for (module_name, class_name, method), part in STEP_PARTS.items():
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue
-        original = cls.__dict__.get(method)
-        if original is None or hasattr(original, "esftctl_step_times"):
-            continue
-        setattr(cls, method, recorder.timed(original, part))
-        wrapped.append(f"{module_name}.{class_name}.{method}")
-    return wrapped
+    return wrap_methods(STEP_PARTS, recorder.timed, "esftctl_step_times")
