@@ -131,6 +131,44 @@ def test_the_base_count_picks_the_path_and_every_row_is_still_computed(layer, to
     assert (got - want).norm() / want.norm() < 1e-2 and (plain - want).norm() / want.norm() < 1e-2
 
 
+def test_a_widened_step_compiles_no_kernel_variant_the_bases_did_not(layer):
+    """A step past the CUDA-graph sizes runs eagerly, and a variant of vLLM's kernel that Triton has not compiled
+    costs a compile in that step. The widened layer's steps at 256 to 263 tokens (every size mod 8, the sizes
+    where the kernel's EM changes class mod 16) compile no variant of `fused_moe_kernel` that the base's steps at
+    those sizes did not; aligned over the rows themselves (34 here, 18 past E) they would."""
+    import triton
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts, fused_moe_kernel
+
+    from esftctl.kernels.reroute import reroute
+    from esftctl.runtime.vllm.moe import base_experts, install_assignment
+
+    install_assignment()
+    w13, w2 = layer.w13.tensor, layer.w2.tensor
+    fused_moe_kernel.device_caches.clear()  # forget the variants the tests before compiled
+    steps = [routed(tokens, seed=300 + tokens) for tokens in range(256, 264)]
+    for x, weights, ids, _ in steps:
+        fused_experts(x, w13, w2, weights, ids, global_num_experts=E)  # the base's steps
+    rerouted = [reroute(ids, adapters, layer.table) for _, _, ids, adapters in steps]
+    compiled: list[str] = []
+
+    def record(*, fn, **_):
+        compiled.append(fn.name)
+
+    def widened() -> list[str]:
+        compiled.clear()
+        triton.knobs.runtime.jit_cache_hook = record  # called before every compile
+        try:
+            for (x, weights, _, _), ids in zip(steps, rerouted):
+                fused_experts(x, w13, w2, weights, ids, global_num_experts=layer.num_rows)
+        finally:
+            triton.knobs.runtime.jit_cache_hook = None
+        return compiled
+
+    with base_experts(E):
+        assert "fused_moe_kernel" not in widened(), compiled
+    assert "fused_moe_kernel" in widened()  # vLLM's own alignment, over the 34 rows
+
+
 @pytest.mark.parametrize("tokens", [3, 512])
 def test_expert_parallel_ranks_compute_each_adapter_row_once(layer, tokens):
     """Expert parallelism over two ranks, both on this GPU: each rank's layer holds its half of the experts

@@ -24,7 +24,8 @@ set-up alone moves them). It prints the engine's steps by kind (a prompt beside 
 one's host span against its GPU kernels, and the CPU ops, CUDA runtime calls and kernels whose time per arrival
 differs most between phases (traces in OUT/trace/ARM-PHASE). Every server records its engine's step times without
 a profiler (ESFTCTL_STEP_TIMES, esftctl.runtime.vllm.profiling; in OUT/steps/ARM-rN): per arrival, the stall
-between the engine core's outputs and the host span of the step that prefilled the prompt. On an H100
+between the engine core's outputs and the host span of the step that prefilled the prompt; and the kernels
+Triton compiled in each phase (before the arrivals, in the first, later). On an H100
 (2026-11-28) the client's stall was the engine's to within 1 ms and the prefill step's host span to within 3 ms,
 in every arm; that span varied 54-113 ms within one run. Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
@@ -121,11 +122,23 @@ def engine_side(steps: dict, arrivals: list[tuple[float, float]], length: int) -
             "prefill_step_host_ms": span, "prefill_step_host_median_ms": statistics.median(span) if span else None}
 
 
+def compiled(since: float) -> list[tuple[float, str]]:
+    """(when, name) of each kernel Triton compiled since `since` (time.time()), in vLLM's compile cache, where
+    vLLM points Triton (its folders named triton_cache), and in Triton's own default (a kernel found in a disk
+    cache writes nothing there)."""
+    roots = (Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")),
+             Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache")))
+    found = ((path.stat().st_mtime, path.stem) for root in roots if root.is_dir() for path in root.rglob("*.json")
+             if not path.name.startswith("__grp__") and path.with_suffix(".cubin").exists())
+    return sorted(k for k in found if k[0] >= since)
+
+
 def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: bool,
           steps_dir: Path | None = None) -> dict:
     def prompt(length: int) -> list[int]:
         return [rng.randrange(vocab // 4, vocab) for _ in range(length)]
 
+    stamps = [time.time()]  # Triton's compiles: in the warm-up and the decoders' prefills, the first arrival, after
     first_chunk_ms(url, model, prompt(args.length), args.output)  # warm-up
     stop = threading.Event()
     decoders = [Decoder(url, model, prompt(64), args.decode, stop) for _ in range(args.decoders)]
@@ -134,6 +147,7 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
     deadline = time.perf_counter() + 120
     while not all(d.times or d.error for d in decoders) and time.perf_counter() < deadline:
         time.sleep(0.01)  # every decoder past its prefill: in steady decode
+    stamps.append(time.time())
     arrivals = []
     profiled_from = args.arrivals - args.profile_arrivals if profile else args.arrivals
     for i in range(args.arrivals):
@@ -143,8 +157,11 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
         time.sleep(args.gap)
         sent = time.perf_counter()
         arrivals.append((sent, first_chunk_ms(url, model, prompt(args.length), args.output)))
+        if i == 0:
+            stamps.append(time.time())
     if profile:
         request(url, "/stop_profile", {})
+    stamps.append(time.time())
     stop.set()
     for decoder in decoders:
         decoder.join(timeout=60)
@@ -159,10 +176,13 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
         for decoder in decoders:
             decoder.times = [t for t in decoder.times if t < traced_from]
     worst, others = stalls(decoders, arrivals)
+    kernels = compiled(stamps[0])
     ttft = [t for _, t in arrivals]
     out = {"stall_ms": worst, "ttft_ms": ttft, "decode_gap_median_ms": statistics.median(others),
            "stall_median_ms": statistics.median(worst), "ttft_median_ms": statistics.median(ttft),
-           "stall_quartiles_ms": quartiles(worst)}
+           "stall_quartiles_ms": quartiles(worst),
+           "compiled": {when: [name for t, name in kernels if start <= t < end]
+                        for when, start, end in zip(("before", "first arrival", "later"), stamps, stamps[1:])}}
     if steps_dir is not None:
         time.sleep(0.5)  # a pause, then one request: the engine writes the phase's step times at its first step
         first_chunk_ms(url, model, prompt(8), 1)
@@ -281,7 +301,8 @@ def main() -> None:
             with Server(server) as running:
                 start = time.perf_counter()
                 running.wait_ready(timeout=1200)
-                print(f"{arm}: ready in {time.perf_counter() - start:.0f} s", flush=True)
+                rows = f", {server.slots} slots x {server.experts_per_slot} expert rows past the base's" if esft else ""
+                print(f"{arm}: ready in {time.perf_counter() - start:.0f} s{rows}", flush=True)
                 for model in (["base", adapter] if esft else ["base"]):
                     name = f"{arm} {'adapter' if model == adapter else 'base'} r{round_}"
                     before = set(trace.rglob("*")) if trace.is_dir() else set()
@@ -302,6 +323,10 @@ def main() -> None:
                     print(f"{name:24s} stall median {out['stall_median_ms']:7.2f} ms (quartiles {q1:.2f} {q3:.2f}), "
                           f"TTFT median {out['ttft_median_ms']:7.2f} ms, decode gap median "
                           f"{out['decode_gap_median_ms']:6.2f} ms{engine}", flush=True)
+                    spans = out.get("prefill_step_host_ms") or [0]
+                    print(f"{'':24s} first arrival: stall {out['stall_ms'][0]:.2f} ms, prefill step host {spans[0]:.2f}"
+                          f" ms; Triton compiled: " + "; ".join(f"{when}: {', '.join(names) or 'nothing'}"
+                                                                for when, names in out["compiled"].items()), flush=True)
             (args.out / "mixed_step.json").write_text(json.dumps(result, indent=1))
     if args.profile:
         result["steps"] = {name: step_table(folder) for name, folder in traces.items()}

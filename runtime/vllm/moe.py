@@ -21,6 +21,13 @@ kernel computes every row an id names, and vLLM's kernels differ:
   the MoE kernels took 0.421 ms a step at batch 4 and 0.810 ms at batch 8 against plain vLLM's 0.380 and 0.581
   (benchmarks/RESULTS.md, 2026-11-25, fourth session). `assignment` decides the path by the base's E (set per
   call by the experts layer, `base_experts`), so a step takes the path plain vLLM takes, and still aligns over R.
+- Triton's variants: the kernel takes EM = tokens x top_k + experts x (BLOCK_SIZE_M - 1) as an integer, which
+  Triton specializes on divisibility by 16, and compiles each new class on first use (the two GEMMs of a step:
+  two compiles). Aligned over R, EM fell in classes plain vLLM's E never makes: on an H100 with R = 100, the first
+  eager step of 262 tokens (6 decodes beside a 256-token prompt: 262 = 6 mod 8, a size CUDA-graph capture never
+  runs) took 863 ms of host time against plain vLLM's 102 (benchmarks/RESULTS.md, 2026-11-28, seventeenth
+  session). `aligned_count` pads the count it aligns over to the base's class mod 16: BLOCK_SIZE_M is a power of
+  two, so EM lands in plain vLLM's class at every size, and the padded experts get no tokens, so no blocks.
 - Tuned tile configs: TritonExperts looks its config up by w2's row count and N (files named
   `E=..,N=..,device_name=...json`), and R matches no file, so widening alone would drop a model's tuned
   config for vLLM's default one. `kernel_config` looks the config up for the base's E and the layer uses it
@@ -90,6 +97,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Where vLLM's Triton kernels look `_prepare_expert_assignment` up (the modular kernel imports it by name).
 ASSIGNMENT_MODULES = ("vllm.model_executor.layers.fused_moe.fused_moe",
                       "vllm.model_executor.layers.fused_moe.experts.triton_moe")
+TRITON_DIVISIBILITY = 16  # Triton specializes integer kernel arguments on divisibility by this
 SPARSITY = 4  # vLLM's margin: tokens x top_k x 4 <= experts takes the low-latency path (0.25 and 0.32)
 _base_experts: contextvars.ContextVar[int | None] = contextvars.ContextVar("esft_base_experts", default=None)
 
@@ -325,18 +333,26 @@ def base_experts(count: int):
 def assignment(original, align):
     """vLLM's `_prepare_expert_assignment` deciding the low-latency path by the base's expert count inside
     `base_experts` (and as before outside it); where the base's count says align, `align` (vLLM's
-    moe_align_block_size) aligns over every row the kernel computes."""
+    moe_align_block_size) aligns over every row the kernel computes, padded to the base's class (`aligned_count`)."""
 
     @functools.wraps(original)
     def prepare(topk_ids, config, num_tokens, top_k_num, global_num_experts, expert_map, **kwargs):
         base = _base_experts.get()
         if base is None or expert_map is not None or num_tokens * top_k_num * SPARSITY <= base:
             return original(topk_ids, config, num_tokens, top_k_num, global_num_experts, expert_map, **kwargs)
-        return align(topk_ids, config["BLOCK_SIZE_M"], global_num_experts, expert_map,
+        return align(topk_ids, config["BLOCK_SIZE_M"], aligned_count(global_num_experts, base), expert_map,
                      ignore_invalid_experts=kwargs.get("ignore_invalid_experts", False))
 
     prepare.esft = True
     return prepare
+
+
+def aligned_count(rows: int, base: int) -> int:
+    """The expert count to align `rows` rows over: `rows` padded until it is the base's count mod 16 (so the
+    kernel's EM is where plain vLLM's is mod 16: Triton compiles no variant plain vLLM does not), or `rows` where
+    the padded count would pass KERNEL_MAX_ROWS."""
+    padded = base + -(-(rows - base) // TRITON_DIVISIBILITY) * TRITON_DIVISIBILITY
+    return padded if padded <= KERNEL_MAX_ROWS else rows
 
 
 def install_assignment() -> None:
