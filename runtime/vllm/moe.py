@@ -23,11 +23,13 @@ kernel computes every row an id names, and vLLM's kernels differ:
   call by the experts layer, `base_experts`), so a step takes the path plain vLLM takes, and still aligns over R.
 - Triton's variants: the kernel takes EM = tokens x top_k + experts x (BLOCK_SIZE_M - 1) as an integer, which
   Triton specializes on divisibility by 16, and compiles each new class on first use (the two GEMMs of a step:
-  two compiles). Aligned over R, EM fell in classes plain vLLM's E never makes: on an H100 with R = 100, the first
-  eager step of 262 tokens (6 decodes beside a 256-token prompt: 262 = 6 mod 8, a size CUDA-graph capture never
-  runs) took 863 ms of host time against plain vLLM's 102 (benchmarks/RESULTS.md, 2026-11-28, seventeenth
-  session). `aligned_count` pads the count it aligns over to the base's class mod 16: BLOCK_SIZE_M is a power of
-  two, so EM lands in plain vLLM's class at every size, and the padded experts get no tokens, so no blocks.
+  two compiles). Aligned over R, EM fell in classes plain vLLM's E never makes: on an H100 with R = 64 + 4 x 9 =
+  100, the first eager step of 262 tokens (6 decodes beside a 256-token prompt: 262 = 6 mod 8, where EM = 6 x 262
+  + 100 x 63 is divisible by 16 and the token count is not, a class CUDA-graph capture never runs) took 863 ms of
+  host time against plain vLLM's 102. `aligned_count` pads the count it aligns over to the base's class mod 16:
+  BLOCK_SIZE_M is a power of two, so EM lands in plain vLLM's class at every size, and the padded experts get no
+  tokens, so no blocks. Since, that step took 98 and 107 ms, plain vLLM's 71 and 106, and Triton compiled nothing
+  at it (benchmarks/RESULTS.md, 2026-11-28, seventeenth and eighteenth sessions).
 - Tuned tile configs: TritonExperts looks its config up by w2's row count and N (files named
   `E=..,N=..,device_name=...json`), and R matches no file, so widening alone would drop a model's tuned
   config for vLLM's default one. `kernel_config` looks the config up for the base's E and the layer uses it
