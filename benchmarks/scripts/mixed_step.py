@@ -25,7 +25,8 @@ one's host span against its GPU kernels, and the CPU ops, CUDA runtime calls and
 differs most between phases (traces in OUT/trace/ARM-PHASE). Every server records its engine's step times without
 a profiler (ESFTCTL_STEP_TIMES, esftctl.runtime.vllm.profiling; in OUT/steps/ARM-rN): per arrival, the stall
 between the engine core's outputs and the host span of the step that prefilled the prompt; and the kernels
-Triton compiled in each phase (before the arrivals, in the first, later). On an H100
+Triton compiled in each phase (before the arrivals, in the first, later). `--capture-size 512` has vLLM capture
+CUDA graphs past 256 tokens in both arms (in steps of 16), so that the mixed step is graphed too. On an H100
 (2026-11-28) the client's stall was the engine's to within 1 ms and the prefill step's host span to within 3 ms,
 in every arm; that span varied 54-113 ms within one run. Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
@@ -278,6 +279,9 @@ def main() -> None:
                         help="trace the last --profile-arrivals of each phase of the last round")
     parser.add_argument("--profile-arrivals", type=int, default=3)
     parser.add_argument("--top", type=int, default=40, help="traced events listed")
+    parser.add_argument("--capture-size", type=int, default=0,
+                        help="vLLM's --max-cudagraph-capture-size for both arms (0: vLLM's default, here 256): a "
+                             "mixed step up to it runs as a CUDA graph")
     args = parser.parse_args()
     served, vocab = prepare(args)
     adapter = next(iter(served.bundles))
@@ -289,6 +293,8 @@ def main() -> None:
             esft = arm == "esftctl"
             profile = args.profile and round_ == args.rounds - 1
             engine_args = list(PROFILES[args.model].engine_args)
+            if args.capture_size:
+                engine_args += ["--max-cudagraph-capture-size", str(args.capture_size)]
             trace = args.out / "trace" / f"{arm}-r{round_}"
             if profile:
                 engine_args += ["--profiler-config", json.dumps({
