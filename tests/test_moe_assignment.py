@@ -45,9 +45,9 @@ def fakes():
 def test_the_base_count_decides_and_every_row_is_aligned(tokens, path):
     prepare, calls = fakes()
     ids = torch.zeros(tokens, TOP_K, dtype=torch.int32)
+    experts = ALIGNED if path == "aligned" else ROWS  # what the path was handed
     with base_experts(E):
-        assert prepare(ids, {"BLOCK_SIZE_M": 16}, tokens, TOP_K, ROWS, None) == (path, ALIGNED if path == "aligned"
-                                                                                else ROWS)
+        assert prepare(ids, {"BLOCK_SIZE_M": 16}, tokens, TOP_K, ROWS, None) == (path, experts)
     assert tokens * TOP_K * 4 <= E or path == "aligned"
 
 

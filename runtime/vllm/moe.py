@@ -28,7 +28,7 @@ kernel computes every row an id names, and vLLM's kernels differ:
   + 100 x 63 is divisible by 16 and the token count is not, a class CUDA-graph capture never runs) took 863 ms of
   host time against plain vLLM's 102. `aligned_count` pads the count it aligns over to the base's class mod 16:
   BLOCK_SIZE_M is a power of two, so EM lands in plain vLLM's class at every size, and the padded experts get no
-  tokens, so no blocks. Since, that step took 98 and 107 ms, plain vLLM's 71 and 106, and Triton compiled nothing
+  tokens, so no blocks. Since then, that step took 98 and 107 ms, plain vLLM's 71 and 106, and Triton compiled nothing
   at it (benchmarks/RESULTS.md, 2026-11-28, seventeenth and eighteenth sessions).
 - Tuned tile configs: TritonExperts looks its config up by w2's row count and N (files named
   `E=..,N=..,device_name=...json`), and R matches no file, so widening alone would drop a model's tuned
