@@ -25,8 +25,9 @@ one's host span against its GPU kernels, and the CPU ops, CUDA runtime calls and
 differs most between phases (traces in OUT/trace/ARM-PHASE). Every server records its engine's step times without
 a profiler (ESFTCTL_STEP_TIMES, esftctl.runtime.vllm.profiling; in OUT/steps/ARM-rN): per arrival, the stall
 between the engine core's outputs and the host span of the step that prefilled the prompt; and the kernels
-Triton compiled in each phase (before the arrivals, in the first, later). `--capture-size 512` has vLLM capture
-CUDA graphs past 256 tokens in both arms (in steps of 16), so that the mixed step is graphed too. On an H100
+Triton compiled in each phase (before the arrivals, in the first, later). `--capture-sizes 0,512` runs the arms
+at vLLM's default capture sizes (up to 256 tokens here) and again capturing CUDA graphs up to 512 (in steps of 16
+past 256), so that the mixed step is graphed too, alternating within each round (arms named ARM-cSIZE). On an H100
 (2026-11-28) the client's stall was the engine's to within 1 ms and the prefill step's host span to within 3 ms,
 in every arm; that span varied 54-113 ms within one run. Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
@@ -279,28 +280,30 @@ def main() -> None:
                         help="trace the last --profile-arrivals of each phase of the last round")
     parser.add_argument("--profile-arrivals", type=int, default=3)
     parser.add_argument("--top", type=int, default=40, help="traced events listed")
-    parser.add_argument("--capture-size", type=int, default=0,
-                        help="vLLM's --max-cudagraph-capture-size for both arms (0: vLLM's default, here 256): a "
-                             "mixed step up to it runs as a CUDA graph")
+    parser.add_argument("--capture-sizes", default="0",
+                        help="comma-separated values of vLLM's --max-cudagraph-capture-size, each run with every arm "
+                             "in each round (0: vLLM's default, here 256): a mixed step up to it runs as a CUDA graph")
     args = parser.parse_args()
     served, vocab = prepare(args)
     adapter = next(iter(served.bundles))
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": {}}
     traces: dict[str, Path] = {}
     args.out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in args.capture_sizes.split(",")]
     for round_ in range(args.rounds):
-        for arm in args.arms.split(","):
+        for size, arm in itertools.product(sizes, args.arms.split(",")):
             esft = arm == "esftctl"
+            label = arm if len(sizes) == 1 else f"{arm}-c{size}"  # (a file name $OUT brings back)
             profile = args.profile and round_ == args.rounds - 1
             engine_args = list(PROFILES[args.model].engine_args)
-            if args.capture_size:
-                engine_args += ["--max-cudagraph-capture-size", str(args.capture_size)]
-            trace = args.out / "trace" / f"{arm}-r{round_}"
+            if size:
+                engine_args += ["--max-cudagraph-capture-size", str(size)]
+            trace = args.out / "trace" / f"{label}-r{round_}"
             if profile:
                 engine_args += ["--profiler-config", json.dumps({
                     "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
                     "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True})]
-            steps_dir = (args.out / "steps" / f"{arm}-r{round_}").resolve()
+            steps_dir = (args.out / "steps" / f"{label}-r{round_}").resolve()
             steps_dir.mkdir(parents=True, exist_ok=True)
             os.environ[STEP_TIMES_ENV] = str(steps_dir)  # the server's processes inherit it
             server = arm_plan(served, esft, engine_args)
@@ -308,9 +311,9 @@ def main() -> None:
                 start = time.perf_counter()
                 running.wait_ready(timeout=1200)
                 rows = f", {server.slots} slots x {server.experts_per_slot} expert rows past the base's" if esft else ""
-                print(f"{arm}: ready in {time.perf_counter() - start:.0f} s{rows}", flush=True)
+                print(f"{label}: ready in {time.perf_counter() - start:.0f} s{rows}", flush=True)
                 for model in (["base", adapter] if esft else ["base"]):
-                    name = f"{arm} {'adapter' if model == adapter else 'base'} r{round_}"
+                    name = f"{label} {'adapter' if model == adapter else 'base'} r{round_}"
                     before = set(trace.rglob("*")) if trace.is_dir() else set()
                     out = phase(server.url, model, args, vocab, random.Random(round_), profile, steps_dir)
                     result["phases"][name] = out
