@@ -115,6 +115,22 @@ def test_grid_key_keeps_grids_apart_but_not_rounds():
     assert ss.grid_key(grid(rates=(8,), alphas=(1,))[0]) == key  # however the numbers were written
 
 
+def test_the_capture_size_names_its_own_grid_and_zero_finds_the_old_one():
+    """deepseek-v2-lite's servers capture CUDA graphs up to 512 tokens; --capture-size 0 gives back vLLM's default and
+    the key of the grid measured with it (benchmarks/serve-bench/slices), so its slices stay reachable."""
+    options = dict(counts=(1, 5, 10, 20), rates=(1.0, 2.0, 5.0), alphas=(1.0,), duration=60.0, repeats=3,
+                   shape="deepseek")
+    default, _ = bench.configure("deepseek-v2-lite", gpu=True, **options)
+    assert default.engine_args[-2:] == ("--max-cudagraph-capture-size", "512")
+    old, _ = bench.configure("deepseek-v2-lite", gpu=True, capture_size=0, **options)
+    assert "--max-cudagraph-capture-size" not in old.engine_args
+    assert ss.grid_key(old) == "deepseek-n1.5.10.20-r1.2.5-a1-5434421a"
+    again, _ = bench.configure("deepseek-v2-lite", gpu=True, capture_size=512, **options)
+    assert again.engine_args == default.engine_args and ss.grid_key(default) != ss.grid_key(old)
+    assert bench.with_capture_size(old.engine_args, 1024)[-1] == "1024"
+    assert bench.with_capture_size(default.engine_args, 1024).count("--max-cudagraph-capture-size") == 1
+
+
 def test_a_rerun_resumes_and_failed_slices_are_kept(fake, tmp_path):
     profile, options = grid(repeats=2)
     FakeBench.fail = {"lora"}

@@ -245,6 +245,12 @@ def serve(
                                                      "microbenchmarks (batch-1 TTFT by prompt length, TPOT after a "
                                                      "long prompt by batch size; 0 skips them; default: tiny 3, "
                                                      "deepseek-v2-lite 10)."),
+    capture_size: int = typer.Option(None, min=0, help="vLLM's --max-cudagraph-capture-size for every server: "
+                                                       "steps of up to this many tokens replay CUDA graphs, longer "
+                                                       "ones run eagerly (0: vLLM's default, twice --max-num-seqs "
+                                                       "up to 512; default: tiny 0, deepseek-v2-lite 512, so that "
+                                                       "a 256-token prompt's prefill beside decodes is graphed). "
+                                                       "Part of the grid's key."),
     servers: str = typer.Option(None, help="Comma-separated servers to measure, of base (plain vLLM, the anchor: "
                                            "always), merged, esftctl and lora (vLLM multi-LoRA, GPU only: vLLM's "
                                            "CPU build has no MoE LoRA kernel; --max-loras is the largest "
@@ -334,9 +340,9 @@ def serve(
     profile, options = bench.configure(
         model, gpu=gpu or (report_only and model != "tiny"), counts=counts, rates=_rates(rates) if rates else None,
         duration=duration, prompts=prompts, repeats=repeats, alphas=_alphas(alphas) if alphas else None, cv=cv,
-        shape=adapter_shape, micro_runs=micro_runs, slice_by=slice_by, servers=chosen, group_adapters=group_adapters,
-        group_wait=group_wait, max_loras=max_loras, merged_copies=merged_copies, parallel=sizes,
-        expert_parallel=expert_parallel)
+        shape=adapter_shape, micro_runs=micro_runs, slice_by=slice_by, capture_size=capture_size, servers=chosen,
+        group_adapters=group_adapters, group_wait=group_wait, max_loras=max_loras, merged_copies=merged_copies,
+        parallel=sizes, expert_parallel=expert_parallel)
     rounds = tuple(_counts("--only-rounds", only_rounds, minimum=0)) if only_rounds else None
     if rounds and max(rounds) >= profile.repeats:
         raise EsftError(f"--only-rounds {only_rounds}: the grid has rounds 0 to {profile.repeats - 1} (--repeats)")

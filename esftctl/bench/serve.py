@@ -129,6 +129,22 @@ class Profile:
 # base's TTFT and TPOT. Random prompts share no prefix a user's would, so no server should gain from the cache here.
 NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 
+# vLLM's CUDA graphs cover steps of up to twice --max-num-seqs tokens (256 at 128); a step that prefills a 256-token
+# prompt beside a few decodes is past that and runs eagerly, host-bound: on an H200 (2026-11-29,
+# benchmarks/scripts/mixed_step.py) it stalled the decodes beside it 61-76 ms in plain vLLM and esftctl alike, and its
+# host time drifts +-20% between runs, more than the 3% issue 29 asks to resolve. Captured up to 512 tokens, the same
+# step stalled them 10-14 ms in both servers. So the GPU profile captures up to 512 for every server (`bench serve
+# --capture-size`, which is part of the grid's key through the engine arguments; 0 is vLLM's default).
+CAPTURE_SIZE = "--max-cudagraph-capture-size"
+
+
+def with_capture_size(engine_args: tuple[str, ...], size: int) -> tuple[str, ...]:
+    """`engine_args` capturing CUDA graphs up to `size` tokens, last (0: vLLM's default, the flag left out)."""
+    flagged = {i for i, a in enumerate(engine_args) if a == CAPTURE_SIZE}
+    args = tuple(a for i, a in enumerate(engine_args) if i not in flagged and i - 1 not in flagged)
+    return (*args, CAPTURE_SIZE, str(size)) if size else args
+
+
 PROFILES = {
     "tiny": Profile("tiny", counts=(0, 1, 2), rates=(8.0, INF), prompts=12, duration=1.5, input_len=24, output_len=8,
                     repeats=2, alphas=(1.0, 0.3),
@@ -139,8 +155,8 @@ PROFILES = {
         "deepseek-v2-lite", counts=(0, 1, 5, 10, 20), rates=(1.0, 2.0, 5.0, INF), prompts=256, duration=60.0,
         input_len=256, output_len=128, repeats=3, alphas=SLORA_ALPHAS, esft_sized=5, distinct=10,
         engine_args=("--max-model-len", "4096", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.92",
-                     *NO_PREFIX_CACHE),  # 4096: the microbenchmarks' 2,048-token prompts and their output fit (issue
-        # 15's runs had 2048)
+                     *NO_PREFIX_CACHE, CAPTURE_SIZE, "512"),  # 4096: the microbenchmarks' 2,048-token prompts and
+        # their output fit (issue 15's runs had 2048)
         micro_lengths=(128, 512, 1024, 2048), micro_batches=(1, 8, 32), micro_loaded=(20, 5, 1),
         slice_by="adapters"),  # a whole round of esftctl does not fit one device call (the module says why)
 }
@@ -203,12 +219,15 @@ def configure(model: str = "tiny", *, gpu: bool, counts: tuple[int, ...] | None 
               rates: tuple[float, ...] | None = None, prompts: int | None = None, duration: float | None = None,
               repeats: int | None = None, alphas: tuple[float, ...] | None = None, cv: float | None = None,
               shape: str | None = None, micro_runs: int | None = None, slice_by: str | None = None,
-              servers: tuple[str, ...] | None = None, **options) -> tuple[Profile, Options]:
+              capture_size: int | None = None, servers: tuple[str, ...] | None = None,
+              **options) -> tuple[Profile, Options]:
     """The profile (the model's, with the choices given) and the options of one `bench serve`; without
     `servers`, every server there is (multi-LoRA only on a GPU)."""
     given = dict(counts=counts, rates=rates, prompts=prompts, duration=duration, repeats=repeats, alphas=alphas,
                  cv=cv, shape=shape, micro_runs=micro_runs, slice_by=slice_by)
     profile = replace(PROFILES[model], **{k: v for k, v in given.items() if v is not None})
+    if capture_size is not None:
+        profile = replace(profile, engine_args=with_capture_size(profile.engine_args, capture_size))
     return profile, Options(servers=servers or (SERVERS if gpu else SERVERS[:-1]), **options)
 
 
