@@ -29,7 +29,9 @@ Triton compiled in each phase (before the arrivals, in the first, later). `--cap
 at vLLM's default capture sizes (up to 256 tokens here) and again capturing CUDA graphs up to 512 (in steps of 16
 past 256), so that the mixed step is graphed too, alternating within each round (arms named ARM-cSIZE). On an H100
 (2026-11-28) the client's stall was the engine's to within 1 ms and the prefill step's host span to within 3 ms,
-in every arm; that span varied 54-113 ms within one run. Writes OUT/mixed_step.json.
+in every arm; that span varied 54-113 ms within one run. On an H200 (2026-11-29) captured up to 512 the step
+stalled the decodes 10-14 ms by the median in both servers, against 61-76 ms eager, so `bench serve`'s profile
+now captures up to 512 (here 0 is still vLLM's default). Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
 A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
@@ -54,7 +56,7 @@ from pathlib import Path
 from ttft_alone import arm_plan, first_chunk_ms, prepare, probe_parser, quartiles
 
 from esftctl.bench.load import STALL_AFTER_S, longest_gap
-from esftctl.bench.serve import PROFILES
+from esftctl.bench.serve import PROFILES, with_capture_size
 from esftctl.runtime.vllm.profiling import STEP_TIMES_ENV
 from esftctl.serve import Server
 from esftctl.serve_client import request
@@ -282,7 +284,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="traced events listed")
     parser.add_argument("--capture-sizes", default="0",
                         help="comma-separated values of vLLM's --max-cudagraph-capture-size, each run with every arm "
-                             "in each round (0: vLLM's default, here 256): a mixed step up to it runs as a CUDA graph")
+                             "in each round (0: vLLM's default, here 256, in place of the profile's 512): a mixed "
+                             "step up to it runs as a CUDA graph")
     args = parser.parse_args()
     served, vocab = prepare(args)
     adapter = next(iter(served.bundles))
@@ -295,9 +298,7 @@ def main() -> None:
             esft = arm == "esftctl"
             label = arm if len(sizes) == 1 else f"{arm}-c{size}"  # (a file name $OUT brings back)
             profile = args.profile and round_ == args.rounds - 1
-            engine_args = list(PROFILES[args.model].engine_args)
-            if size:
-                engine_args += ["--max-cudagraph-capture-size", str(size)]
+            engine_args = list(with_capture_size(PROFILES[args.model].engine_args, size))
             trace = args.out / "trace" / f"{label}-r{round_}"
             if profile:
                 engine_args += ["--profiler-config", json.dumps({
