@@ -9,7 +9,11 @@ model; each adapter replaces Table 1's per-layer count of experts; requests draw
 esftctl.bench.traffic) and prints rows / base rows, beside the measured TPOT ratio of the JSON given on the
 command line (its rows at inf, median TPOT).
 
-Usage: python benchmarks/scripts/rows_model.py [serve.json]
+`--groups G` adds the rows of steps that hold at most G adapters' requests (`esftctl serve --group-adapters G`,
+or vLLM's `--max-loras G` among the running requests; which G adapters a step holds drawn by their shares, its
+sequences among those): the rows issue 29's item 3 expects grouping to save, before its queueing costs.
+
+Usage: python benchmarks/scripts/rows_model.py [--groups G] [serve.json]
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from esftctl.bench.traffic import SLORA_ALPHAS, slora_shares
 E, TOP_K, SEQS, LAYERS = 64, 6, 64, 26
 
 
-def distinct_rows(n: int, alpha: float, trials: int = 400, seed: int = 0) -> float:
-    """Mean distinct rows per layer and step with requests over n Table 1 adapters (0: the base)."""
+def distinct_rows(n: int, alpha: float, trials: int = 400, seed: int = 0, groups: int = 0) -> float:
+    """Mean distinct rows per layer and step with requests over n Table 1 adapters (0: the base), at most
+    `groups` adapters a step (0: no bound)."""
     rng = random.Random(seed)
     names = list(range(n))
     pool, weights = (names, slora_shares(n, alpha)) if n else ([None], [1.0])
@@ -37,9 +42,16 @@ def distinct_rows(n: int, alpha: float, trials: int = 400, seed: int = 0) -> flo
     for t in range(trials):
         layer = t % LAYERS
         replaced = {a: set(rng.sample(range(E), counts[a][layer])) for a in names}
+        step_pool, step_weights = pool, weights
+        if groups and n > groups:  # the step's adapters, drawn by share without replacement
+            chosen: list[int] = []
+            while len(chosen) < groups:
+                a = rng.choices(pool, weights)[0]
+                chosen += [a] if a not in chosen else []
+            step_pool, step_weights = chosen, [weights[a] for a in chosen]
         rows = set()
         for _ in range(SEQS):
-            a = rng.choices(pool, weights)[0]
+            a = rng.choices(step_pool, step_weights)[0]
             for e in rng.sample(range(E), TOP_K):
                 rows.add((a, e) if a is not None and e in replaced[a] else (None, e))
         total += len(rows)
@@ -47,21 +59,26 @@ def distinct_rows(n: int, alpha: float, trials: int = 400, seed: int = 0) -> flo
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    groups = int(args.pop(args.index("--groups") + 1)) if "--groups" in args else 0
+    args = [a for a in args if a != "--groups"]
     base = distinct_rows(0, 1.0)
     measured = {}
-    if len(sys.argv) > 1:
-        result = json.loads(open(sys.argv[1]).read())
+    if args:
+        result = json.loads(open(args[0]).read())
         for s in result["servers"]:
             if s["server"] == "esftctl":
                 measured = {r["scenario"]: r.get("median_tpot_ratio") for r in s["rows"] if r["rate"] == "inf rps"}
     print(f"base: {base:.1f} distinct rows per layer and step (of {E})")
-    print(f"{'scenario':36} {'rows':>6} {'rows x':>7} {'TPOT x':>7}")
+    grouped = f" {f'G={groups} rows x':>12}" if groups else ""
+    print(f"{'scenario':36} {'rows':>6} {'rows x':>7} {'TPOT x':>7}{grouped}")
     for n in (1, 5, 10, 20):
         for alpha in SLORA_ALPHAS if n > 1 else SLORA_ALPHAS[:1]:
             rows = distinct_rows(n, alpha)
             name = scenario_name(n, alpha, math.inf)
             tpot = measured.get(name)
-            print(f"{name:36} {rows:6.1f} {rows / base:7.3f} {tpot if tpot is None else f'{tpot:.3f}':>7}")
+            bounded = f" {distinct_rows(n, alpha, groups=groups) / base:12.3f}" if groups else ""
+            print(f"{name:36} {rows:6.1f} {rows / base:7.3f} {'-' if tpot is None else f'{tpot:.3f}':>7}{bounded}")
 
 
 if __name__ == "__main__":
