@@ -17,7 +17,7 @@
 # into benchmarks/serve-bench/ and commit it (the next machine skips those slices).
 # background.sh joins its arguments into one shell line: pass a compound command as one quoted argument, not
 # through `bash -c '...'` (which then runs an empty bash).
-# Needs ../shared/gpu/README.md's install.
+# Needs ../shared/gpu/README.md's install (its payload re-split by benchmarks/scripts/payload_split.sh).
 # SERVERS: the servers this machine measures, base and esftctl unless set (the low-load target, 5 to 20 adapters
 # within 3% of the base, needs those two on one machine); merged copies and multi-LoRA are the same grid's (the
 # servers are not part of its key) and come after: SERVERS=base,merged,esftctl,lora.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU serving tests on the device machine, once ../shared/gpu/README.md's install has put vLLM's CUDA
-# build in /tmp/site. The tiny world comes carried in .world (built here: ESFTCTL_WORLD=.world python
+# build in /tmp/site (on a new checkout: build_payload.sh, then benchmarks/scripts/payload_split.sh for the
+# transfers). The tiny world comes carried in .world (built here: ESFTCTL_WORLD=.world python
 # recipes/tiny_world.py --root .world), so the device does not rebuild it.
 # Usage: bash benchmarks/scripts/gpu_tests.sh NAME PYTEST_ARGS...   (log in $OUT/NAME.log, vLLM logs beside)
 set -uo pipefail
