@@ -138,11 +138,16 @@ NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 CAPTURE_SIZE = "--max-cudagraph-capture-size"
 
 
-def with_capture_size(engine_args: tuple[str, ...], size: int) -> tuple[str, ...]:
-    """`engine_args` capturing CUDA graphs up to `size` tokens, last (0: vLLM's default, the flag left out)."""
-    flagged = {i for i, a in enumerate(engine_args) if a == CAPTURE_SIZE}
+def with_flag(engine_args: tuple[str, ...], flag: str, value: str | None) -> tuple[str, ...]:
+    """`engine_args` with `flag` set to `value`, last (None: the flag and its value left out)."""
+    flagged = {i for i, a in enumerate(engine_args) if a == flag}
     args = tuple(a for i, a in enumerate(engine_args) if i not in flagged and i - 1 not in flagged)
-    return (*args, CAPTURE_SIZE, str(size)) if size else args
+    return args if value is None else (*args, flag, value)
+
+
+def with_capture_size(engine_args: tuple[str, ...], size: int) -> tuple[str, ...]:
+    """`engine_args` capturing CUDA graphs up to `size` tokens (0: vLLM's default, the flag left out)."""
+    return with_flag(engine_args, CAPTURE_SIZE, str(size) if size else None)
 
 
 PROFILES = {
@@ -467,8 +472,7 @@ def _share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
     flag = "--gpu-memory-utilization"
     if flag not in engine_args:
         return list(engine_args)
-    args = [a for i, a in enumerate(engine_args) if a != flag and (i == 0 or engine_args[i - 1] != flag)]
-    return [*args, flag, f"{_utilization(engine_args) / copies:.3f}"]
+    return list(with_flag(engine_args, flag, f"{_utilization(engine_args) / copies:.3f}"))
 
 
 RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),
