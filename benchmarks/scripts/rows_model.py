@@ -18,10 +18,10 @@ Usage: python benchmarks/scripts/rows_model.py [--groups G] [serve.json]
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
-import sys
 
 from esftctl.bench.serve_runs import scenario_name
 from esftctl.bench.shapes import TABLE1_ADAPTERS, per_layer_counts
@@ -47,7 +47,8 @@ def distinct_rows(n: int, alpha: float, trials: int = 400, seed: int = 0, groups
             chosen: list[int] = []
             while len(chosen) < groups:
                 a = rng.choices(pool, weights)[0]
-                chosen += [a] if a not in chosen else []
+                if a not in chosen:
+                    chosen.append(a)
             step_pool, step_weights = chosen, [weights[a] for a in chosen]
         rows = set()
         for _ in range(SEQS):
@@ -59,13 +60,15 @@ def distinct_rows(n: int, alpha: float, trials: int = 400, seed: int = 0, groups
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    groups = int(args.pop(args.index("--groups") + 1)) if "--groups" in args else 0
-    args = [a for a in args if a != "--groups"]
+    parser = argparse.ArgumentParser(description="Expert rows a decode step reads, base vs ESFT adapters.")
+    parser.add_argument("serve_json", nargs="?", help="a bench serve report whose measured TPOT ratios to print beside")
+    parser.add_argument("--groups", type=int, default=0, help="also the rows with at most this many adapters a step")
+    args = parser.parse_args()
+    groups = args.groups
     base = distinct_rows(0, 1.0)
     measured = {}
-    if args:
-        result = json.loads(open(args[0]).read())
+    if args.serve_json:
+        result = json.loads(open(args.serve_json).read())
         for s in result["servers"]:
             if s["server"] == "esftctl":
                 measured = {r["scenario"]: r.get("median_tpot_ratio") for r in s["rows"] if r["rate"] == "inf rps"}
