@@ -9,6 +9,12 @@
 # held time in full spends a session's 1,800 s with it), less about 3 for the start, install and transfers; a
 # slice cut off when the machine goes back is lost alone (the ones before it came back with the last collect), so
 # the budget may run to the machine's end, with the last wait returning before it.
+# What a BUDGET buys on a machine that has written no slice (estimates: esftctl/bench/serve_slices.py's START_S and
+# the slices' own seconds): its base round about 435 s, then esftctl's first count with the server's start and the
+# adapters' writing about 585 s, each further count about 255 s; so 1,020 s for the base and one count, 1,530 for
+# three. A count that does not fit is passed over and the rest of the budget goes to more base rounds and the
+# base's microbenchmarks (2026-11-29: BUDGET=900 gave base r0, micro and r1, no esftctl). Run nothing else on the
+# GPU until it prints "all done" (gpu_tests.sh refuses to).
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, so each wait packs what is written so far:
 #   bash benchmarks/scripts/background.sh start pending "BUDGET=1600 bash benchmarks/scripts/gpu_pending.sh"

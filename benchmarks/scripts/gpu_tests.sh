@@ -4,12 +4,23 @@
 # transfers). The tiny world comes carried in .world (built here: ESFTCTL_WORLD=.world python
 # recipes/tiny_world.py --root .world), so the device does not rebuild it.
 # Usage: bash benchmarks/scripts/gpu_tests.sh NAME PYTEST_ARGS...   (log in $OUT/NAME.log, vLLM logs beside)
+# It lists the tests it selected first: -k matches substrings, so 'cuda_graphs_served_exactly' also selects
+# test_paging_with_cuda_graphs_served_exactly (2026-11-29: a call meant for one test ran out of time in the second;
+# name a test by its whole name, 'test_cuda_graphs_served_exactly'). It refuses to start while another process
+# holds the GPU (a background bench's server leaves the tests' engines too little memory to start).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 ESFTCTL_WORLD=$PWD/.world PYTHONUNBUFFERED=1
 name=$1; shift
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee "$out/$name.log"
+busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null)
+if [ -n "$busy" ]; then
+  echo "gpu_tests.sh: the GPU is held by another process ($(echo "$busy" | tr '\n' ' ')); wait for it or stop it first"
+  exit 1
+fi
+python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>&1 | grep '::' | sed 's/^/selected: /' \
+  | tee "$out/$name.log"
+python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee -a "$out/$name.log"
 status=${PIPESTATUS[0]}
 find /tmp/pytest-of-root -name vllm.log -mmin -15 2>/dev/null \
   | tar -czf "$out/$name-vllm-logs.tgz" -T - 2>/dev/null
