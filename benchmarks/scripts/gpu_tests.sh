@@ -7,15 +7,16 @@
 # It lists the tests it selected first: -k matches substrings, so 'cuda_graphs_served_exactly' also selects
 # test_paging_with_cuda_graphs_served_exactly (2026-11-29: a call meant for one test ran out of time in the second;
 # name a test by its whole name, 'test_cuda_graphs_served_exactly'). It refuses to start while another process
-# holds the GPU (a background bench's server leaves the tests' engines too little memory to start).
+# holds GPU memory (a background bench's server leaves the tests' engines too little memory to start).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 ESFTCTL_WORLD=$PWD/.world PYTHONUNBUFFERED=1
 name=$1; shift
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null)
-if [ -n "$busy" ]; then
-  echo "gpu_tests.sh: the GPU is held by another process ($(echo "$busy" | tr '\n' ' ')); wait for it or stop it first"
+card=${CUDA_VISIBLE_DEVICES:-0}; card=${card%%,*}  # the card the tests get (gpu_cards.sh sets one a card)
+used=$(nvidia-smi -i "$card" --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null)
+if [ "${used:-0}" -gt 4096 ]; then  # idle: about 0.6 GiB; a bench's server: nearly all of it
+  echo "gpu_tests.sh: $used MiB of GPU $card's memory is held by another process; wait for it or stop it first"
   exit 1
 fi
 python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>&1 | grep '::' | sed 's/^/selected: /' \
