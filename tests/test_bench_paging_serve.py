@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from esftctl.bench import serve_paging as sp
+from esftctl.bench import slices
 from esftctl.bench.slices import anchored
 from esftctl.bench.synthetic_model import qwen3_30b_a3b_config, write_model
 
@@ -107,9 +108,9 @@ def test_each_server_gets_its_paging_settings(small_qwen3, tmp_path):
 
 
 def _slice(tmp_path, server, rnd, tok_s, *, regime="spare", point="batch 32", kv=1000, tiers=None, device="H100",
-           machine=None):
+           machine=None, part=""):
     """A slice file as run_slice writes it (with no machine: as written before machines were recorded)."""
-    path = sp.Slice(regime, server, rnd).path(tmp_path, "m")
+    path = sp.Slice(regime, server, rnd, part).path(tmp_path, "m")
     path.parent.mkdir(parents=True, exist_ok=True)
     metrics = {"output_throughput": tok_s, "median_ttft_ms": 10.0 * rnd, "p99_ttft_ms": 20.0, "median_tpot_ms": 5.0,
                "p99_tpot_ms": 9.0}
@@ -168,27 +169,39 @@ def test_report_pairs_rounds_within_a_machine(tmp_path):
     assert "0.81 " in text.getvalue() and "0.94*" in text.getvalue()
 
 
-def test_each_machine_runs_the_anchor_first(tmp_path):
+def test_each_machine_runs_the_anchor_of_each_round_first(tmp_path):
+    """A slice follows its anchor's run of the same round (the same traffic) on the same machine: the anchor's own
+    slice of the round where it is not written yet, else the round once more (on-<machine>); rounds whose anchor
+    runs anyway go first."""
     _slice(tmp_path, "resident", 0, 200, machine="A")
     todo = [sp.Slice("spare", "host", 0), sp.Slice("spare", "resident", 1), sp.Slice("spare", "adaptive", 0),
             sp.Slice("machinery", "machinery", 0)]
     anchors = {"spare": ("resident",), "machinery": ("resident",)}
 
-    def order(machine):
-        return [(s.group, s.server, s.round) for s in anchored(todo, out=tmp_path, model="m", machine=machine,
-                                                               anchors=anchors)]
-    assert order("A") == [("spare", "host", 0), ("spare", "resident", 1), ("spare", "adaptive", 0),
-                          ("machinery", "resident", 0), ("machinery", "machinery", 0)]  # A has run spare's anchor
-    assert order("B")[:2] == [("spare", "resident", 1), ("spare", "host", 0)]  # its first missing round, first
-    assert anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors)[0] == sp.Slice(
-        "spare", "resident", 1)
-    _slice(tmp_path, "resident", 1, 200, machine="A")
-    assert anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors)[0] == sp.Slice(
-        "spare", "resident", 2)  # every round there: one more
-    assert [anchored(todo[:1], out=tmp_path, model="m", machine="B", anchors=anchors, extra_from=k)[0].round
-            for k in (0, 1, 12)] == [2, 2, 12]  # the cards of one host each number theirs from their own
-    assert anchored(todo[1:2], out=tmp_path, model="m", machine="B", anchors=anchors, extra_from=12)[0] == sp.Slice(
-        "spare", "resident", 1)  # a missing round is still taken first
+    def order(machine, todo=todo):
+        return [(s.group, s.server, s.round, s.part) for s in anchored(todo, out=tmp_path, model="m",
+                                                                       machine=machine, anchors=anchors)]
+    assert order("A") == [("spare", "host", 0, ""), ("spare", "resident", 1, ""), ("spare", "adaptive", 0, ""),
+                          ("machinery", "resident", 0, ""), ("machinery", "machinery", 0, "")]  # A ran spare's r0
+    again = ("spare", "resident", 0, slices.copy_part("B"))
+    assert order("B") == [("spare", "resident", 1, ""),  # its round's anchor runs anyway: first
+                          again, ("spare", "host", 0, ""), ("spare", "adaptive", 0, ""),  # round 0 once more on B
+                          ("machinery", "resident", 0, ""), ("machinery", "machinery", 0, "")]
+    assert again[3].startswith("on-") and slices.copy_part("B") != slices.copy_part("C")
+    assert slices.measured_part(again[3]) == "" and slices.measured_part("n20") == "n20"
+    late = [sp.Slice("spare", "host", 1), sp.Slice("spare", "host", 0), sp.Slice("spare", "resident", 1)]
+    assert order("B", late) == [("spare", "resident", 1, ""), ("spare", "host", 1, ""),  # the cheap round first
+                                again, ("spare", "host", 0, "")]
+    _slice(tmp_path, "resident", 0, 190, machine="B", part=again[3])
+    assert order("B", todo[:1]) == [("spare", "host", 0, "")]  # B has its run of round 0 now
+    _slice(tmp_path, "host", 2, 100, machine="C")
+    _slice(tmp_path, "resident", 2, 200, machine="A")  # round 2's anchor ran, but elsewhere
+    _slice(tmp_path, "resident", 1, 220, machine="C")  # C ran the anchor, on another round's traffic
+    rows = {r["server"]: r for r in sp.report(tmp_path)["rows"]}
+    assert rows["host"]["vs_resident_paired"] == 0 and rows["resident"]["rounds"] == 4  # the copy is a run too
+    _slice(tmp_path, "resident", 2, 125, machine="C", part=slices.copy_part("C"))
+    rows = {r["server"]: r for r in sp.report(tmp_path)["rows"]}
+    assert rows["host"]["vs_resident_paired"] == 1 and rows["host"]["vs_resident"] == pytest.approx(100 / 125)
 
 
 def test_what_is_read_from_vllm():

@@ -244,15 +244,24 @@ def test_every_machine_measures_the_base_first(fake, tmp_path):
         fake(profile, options, out)
         return FakeBench.calls
     drop("esftctl/n2.r1", "lora/n2.r1")
-    assert calls_on("B") == [("base", 2, ""), ("esftctl", 1, "n2"), ("lora", 1, "n2")]  # a round more of the base
-    assert slices.read_slice(folder / "base" / "r2.json")["machine"] == "B"
+    assert calls_on("B") == [("base", 1, ""), ("esftctl", 1, "n2"), ("lora", 1, "n2")]  # round 1's traffic on B
+    again = slices.read_slice(folder / "base" / f"{slices.copy_part('B')}.r1.json")  # beside m0's base/r1
+    assert (again["machine"], again["round"]) == ("B", 1) and again["runs"][0]["round"] == 1
+    drop("lora/n0.r1")
+    assert calls_on("B") == [("lora", 1, "n0")]  # B has its base's round 1: no other
     drop("lora/n0.r0")
-    assert calls_on("B") == [("lora", 0, "n0")]  # B has its base: no other
-    drop("base/r1", "esftctl/n0.r1")
-    assert calls_on("C") == [("base", 1, ""), ("esftctl", 1, "n0")]  # the base's first missing round
+    assert calls_on("B") == [("base", 0, ""), ("lora", 0, "n0")]  # round 0 is other traffic: its base once more
+    drop("base/r1", "esftctl/n0.r1", "lora/n2.r0")
+    assert calls_on("C") == [("base", 1, ""), ("esftctl", 1, "n0"),  # the base's own round 1, first: it runs anyway
+                             ("base", 0, ""), ("lora", 0, "n2")]
+    assert slices.read_slice(folder / "base" / "r1.json")["machine"] == "C"
     assert calls_on("D") == []  # nothing left to run: no base either
     drop("esftctl/micro.r0")
     assert calls_on("E") == [("esftctl", 0, bench.MICRO)]  # microbenchmarks compare with the base's own: no anchor
+    drop("base/micro.r0")
+    assert calls_on("E") == [("base", 0, bench.MICRO)]
+    drop("lora/n2.r0")
+    assert calls_on("E") == [("base", 0, ""), ("lora", 0, "n2")]  # E's base microbenchmarks are not round 0's traffic
 
 
 def test_ratios_are_taken_within_one_machine(fake, tmp_path):
@@ -263,7 +272,10 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     (folder / "esftctl" / "n2.r1.json").unlink()
     (folder / "esftctl" / "micro.r0.json").unlink()
     FakeBench.machine, FakeBench.speed = "slow", 0.8  # another lease, a card 20% slower
-    fake(profile, options, out)  # the base (round 2), then esftctl's micro.r0 and n2.r1
+    FakeBench.calls = []
+    fake(profile, options, out)
+    assert FakeBench.calls == [("esftctl", 0, bench.MICRO),  # the plan's order: it needs no base run here
+                               ("base", 1, ""), ("esftctl", 1, "n2")]  # round 1 once more, on this card
     (result,) = ss.report(out, profile, options)
     servers = {s["server"]: s for s in result["servers"]}
     assert servers["esftctl"]["micro_across"] and not servers["vLLM multi-LoRA"]["micro_across"]
@@ -272,8 +284,8 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     assert "esftctl (other machine)" in text.getvalue() and "multi-LoRA (other" not in text.getvalue()
     rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
     esft = rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]
-    # round 0 on m0 against the base's round 0 there; round 1 on the slow card against the base's round 2 there
-    within = [88 / 100, (90 * 1.1 * 0.8 - 2) / (100 * 1.2 * 0.8)]
+    # round 0 on m0 against the base's round 0 there; round 1 on the slow card against the base's round 1 there
+    within = [88 / 100, (90 * 1.1 * 0.8 - 2) / (100 * 1.1 * 0.8)]
     assert esft["machines"] == ["m0", "slow"] and esft["paired_rounds"] == 2
     assert esft["throughput_ratio"] == pytest.approx(sum(within) / 2)
     assert esft["throughput_ratio_range"] == pytest.approx(sorted(within))

@@ -13,11 +13,11 @@
 #   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
 #   slices and logs); the grid's options are grid_args.sh's, as gpu_pending.sh's are.
 #   SERVERS_k: card k's servers instead of SERVERS (e.g. SERVERS_2=base,lora ROUNDS="1 2 0": card 2 runs
-#   multi-LoRA's round 0 after a base round of its own). A card whose base rounds are all there already numbers its
-#   new one 10 + k or more (--base-round-from), so that no two cards write the same slice. Two cards may share a
-#   round only where this kind of card has the base's slices of it already (round 0's include the base's
-#   microbenchmarks): each card first takes the base's missing slices among its rounds' (on a kind with none yet, give
-#   every card its own round).
+#   multi-LoRA's round 0 after a base round of its own). Each card runs the base's round on itself before that
+#   round's other slices: the base's slice of the round where it is missing, else the round once more under a name
+#   of its card's (on-<hash>.rN.json), so no two cards write the same copy. Two cards may share a round only where
+#   this kind of card has the base's slices of it already (round 0's include the base's microbenchmarks): each card
+#   first takes the base's missing slices among its rounds' (on a kind with none yet, give every card its own round).
 #   BEFORE_k: a command card k runs before its bench, on that card alone, with OUT=/tmp/bench (e.g. the kernel tests
 #   of code the bench has not run on a GPU yet, while the other card generates its base: the bench then starts
 #   later and its budget should leave room for it); its output in /tmp/bench/before-k.log.
@@ -52,7 +52,7 @@ for card in "${!rounds[@]}"; do
     fi
     CUDA_VISIBLE_DEVICES=$card python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" \
       --scratch "/tmp/bench/scratch-$card" --out "$out" --budget "${BUDGET:-1500}" "${GRID_ARGS[@]}" \
-      --servers "$servers" --only-rounds "${rounds[$card]}" --base-round-from $(( 10 + card )) \
+      --servers "$servers" --only-rounds "${rounds[$card]}" \
       > "/tmp/bench/card-$card.log" 2>&1
     if [ -n "${AFTER:-}" ] && mkdir /tmp/bench/after.claimed 2>/dev/null; then  # the first card done runs it
       echo "card $card: $AFTER" > /tmp/bench/after.log

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work that awaits: issue 29's protocol grid (benchmarks/serve-bench/README.md), the README's first
-# command with one machine's budget. A machine that has written no slice of the grid runs plain vLLM's base first
-# (ratios are taken within one machine), about 6 minutes; then each server's round, its adapter counts on one
+# command with one machine's budget. A machine runs plain vLLM's base on a round before that round's other slices
+# (ratios are taken within one machine and one round's traffic; rounds whose base slice is missing go first, where
+# the base runs anyway), about 6 minutes; then each server's round, its adapter counts on one
 # server start (since 2026-11-27's eleventh session: about 210 s of start-up, then about 200 s per count), each
 # count's slice written as it ends. Carry nothing beyond the install's three folders (the bench generates its base
 # and adapters on the device).

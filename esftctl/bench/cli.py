@@ -286,14 +286,8 @@ def serve(
     only_rounds: str = typer.Option(None, metavar="R[,R]",
                                     help="Run only these rounds of the grid here (0-based; the microbenchmarks "
                                          "belong to round 0), the base's too: the cards of one host each take "
-                                         "their own, and each pairs with a base round on its own card "
-                                         "(benchmarks/scripts/gpu_cards.sh). Default: every round."),
-    base_round_from: int = typer.Option(0, min=0, metavar="N",
-                                        help="Where this card needs a base round to pair with and the base has "
-                                             "every round of the grid already, number the new one N or more "
-                                             "(default: one more than the base has): the cards of one host, each "
-                                             "writing its own folder, each take their own N "
-                                             "(benchmarks/scripts/gpu_cards.sh)."),
+                                         "their own, and each pairs with the base's run of the same round on "
+                                         "its own card (benchmarks/scripts/gpu_cards.sh). Default: every round."),
     report_only: bool = typer.Option(False, "--report", metavar="",
                                      help="Only merge the slices of this grid found under --out into the report "
                                           "(no GPU needed): the same options as the run that wrote them."),
@@ -347,11 +341,11 @@ def serve(
     if rounds and max(rounds) >= profile.repeats:
         raise EsftError(f"--only-rounds {only_rounds}: the grid has rounds 0 to {profile.repeats - 1} (--repeats)")
     _serve_slices(bench, profile, options, out=out, work=work, scratch=scratch, gpu=gpu, budget=budget,
-                  rounds=rounds, base_round_from=base_round_from, report_only=report_only, as_json=as_json)
+                  rounds=rounds, report_only=report_only, as_json=as_json)
 
 
 def _serve_slices(bench, profile, options, *, out: Path, work: Path | None, scratch: Path | None, gpu: bool,
-                  budget: float | None, rounds: tuple[int, ...] | None, base_round_from: int, report_only: bool,
+                  budget: float | None, rounds: tuple[int, ...] | None, report_only: bool,
                   as_json: bool) -> None:
     """Run the grid's pending slices (unless `report_only`), then merge the slices there into one report per
     device: tables (or JSON), serve-GRID-DEVICE.json and .png."""
@@ -367,7 +361,7 @@ def _serve_slices(bench, profile, options, *, out: Path, work: Path | None, scra
         work = work or default_work(profile.model)
         done = serve_slices.run(profile, options, out=out, work=work, scratch=scratch or work, gpu=gpu,
                                 budget_s=math.inf if budget is None else budget, rounds=rounds,
-                                base_round_from=base_round_from, on_step=step)
+                                on_step=step)
         step(f"{len(done['ran'])} slices ran, {len(done['left'])} left")
     results = serve_slices.report(out, profile, options)
     if not results:

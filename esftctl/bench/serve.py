@@ -531,10 +531,10 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
 
 
 def paired_ratios(r: dict, base: dict) -> None:
-    """A row's RATIOS against plain vLLM's base row at the same rate, round by round within one machine: each
-    round against the base's runs on its machine (esftctl.bench.slices.ratios_within_machines), the median of
-    those ratios with their range. A round whose machine has no base run is left out; a row with none falls back
-    to its median against the base's median, across machines (`paired_rounds` 0)."""
+    """A row's RATIOS against plain vLLM's base row at the same rate, like with like: each round against the
+    base's runs of the same round (the same traffic) on its machine (esftctl.bench.slices.ratios_within_machines),
+    the median of those ratios with their range. A round with no such base run is left out; a row with none falls
+    back to its median against the base's median, across machines and rounds (`paired_rounds` 0)."""
     def runs(row: dict) -> list[tuple[int, str | None]]:  # a row without its rounds pairs with nothing
         reps = row.get("repeats", [])
         return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))

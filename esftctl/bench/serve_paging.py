@@ -38,9 +38,10 @@ Slices. One slice is one server started for one round of one regime: its points 
 to OUT/slices/MODEL/REGIME/SERVER/rROUND.json, and existing slice files are skipped, so a run resumes where the
 last stopped (on another machine too, with the folder carried). Slices go round by round, the servers of a round
 in a rotated order (interleaved repeats); `budget_s` passes over a slice its estimate would overrun (the wall
-time of this server's slice measured before, else SLICE_ESTIMATE_S). On a machine that has run no slice of a
-regime yet, the regime's anchor (the server its target is set against: plain vLLM where memory binds, esftctl
-resident otherwise) runs first, and each slice records its machine: the 2026-11-26 spare-regime ratios set an
+time of this server's slice measured before, else SLICE_ESTIMATE_S). A slice runs after the regime's anchor (the
+server its target is set against: plain vLLM where memory binds, esftctl resident otherwise) ran its round on
+the same machine (esftctl.bench.slices.anchored: the anchor's slice of the round, else the round once more,
+`on-<machine>.rROUND.json`), and each slice records its machine: the 2026-11-26 spare-regime ratios set an
 adaptive server against resident rounds of other H100s, which differ by a few percent among themselves.
 `report` merges every slice file into medians over rounds with ranges, ratios to plain vLLM and to esftctl
 resident (round by round on the same machine where the slices say so, else the medians'), and the targets of
@@ -399,7 +400,7 @@ TARGETS = {  # (regime, point, what it is set against, the least ratio of output
 
 
 def load_slices(out: Path) -> list[dict]:
-    return _load_slices(Path(out) / "slices", "*/*/*/r*.json")
+    return _load_slices(Path(out) / "slices", "*/*/*/*.json")  # planned rounds and anchors' copies (on-*)
 
 
 def report(out: Path) -> dict:

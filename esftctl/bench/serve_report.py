@@ -66,10 +66,11 @@ def runs_table(result: dict):
     t = Table(title=f"serving on {c['device']}: {c['model']}, {c['input_len']} -> {c['output_len']} tokens per "
                     f"request; finite rates: {c['duration']:g} s of Gamma arrivals (cv {c['cv']:g}), inf: "
                     f"{c['prompts']} at once; vLLM bench serve; medians over rounds (each a fresh start of the "
-                    f"server; 'rounds': those a row has of the {c['repeats']} planned; tok/s with its range); ratios "
-                    "against plain vLLM serving the base alone at the same rate, round by round on the same machine, "
-                    "their median ('k paired': only k of the rounds had a base run on their machine; 0: the "
-                    "medians' ratio across machines); shares: the drawn "
+                    f"server; 'rounds': the runs a row has, of {c['repeats']} planned rounds, the base's once more "
+                    "on each further machine; tok/s with its range); ratios against plain vLLM serving the base "
+                    "alone at the same rate, each round against the base's run of the same round (the same "
+                    "traffic) on the same machine, their median ('k paired': only k of the rounds had one; 0: the "
+                    "medians' ratio across machines and rounds); shares: the drawn "
                     "adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
               title_justify="left")
     several = len(c.get("parallel", [1])) > 1

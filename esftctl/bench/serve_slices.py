@@ -18,11 +18,12 @@ Layout: OUT/slices/MODEL/GRID/DEVICE/SERVER/[PART.]rROUND.json.
   finished (and a slice fits one device call where a call runs it in the foreground); plain vLLM's base and the
   merged copies run one count and are never cut. MICRO: a server's microbenchmarks (round 0 only, after every
   server's first round).
-Machines: a device is lent one lease at a time, and two cards of a kind differ by a few percent, as much as the
-3% the low-load target resolves. So on a machine that has written no slice of the grid yet, plain vLLM's base
-runs first (esftctl.bench.slices.anchored: its first missing round, else one round more), every slice records
-its machine (slices.machine_id), and each ratio is taken round by round against the base on the same machine
-(bench.serve.paired_ratios). The base thus gets a round per machine, more than the grid plans.
+Machines and rounds: a device is lent one lease at a time, and two cards of a kind differ by a few percent, as much
+as the 3% the low-load target resolves; and a round is its traffic, whose draw moves a 60-request run by more than
+that. So every slice records its machine (slices.machine_id), a slice runs after plain vLLM's base ran its round on
+its machine (esftctl.bench.slices.anchored: the base's slice of that round if it is still to run, else the round
+once more, part `on-<machine>`; rounds whose base slice is still to run go first), and each ratio is taken
+against that run (bench.serve.paired_ratios). The base thus runs each round once per machine that measures it.
 A slice that fails is written too, with its error and the time it took, so that a rerun does not spend that time
 again; the report lists it, and deleting the file runs it again. The merged server starts with as many copies as
 its earlier slices ran (else as many as fit) and drops one after a failed start, within the slice.
@@ -76,6 +77,7 @@ from esftctl.bench.slices import (
     anchored,
     load_slices,
     machine_id,
+    measured_part,
     pending,
     read_slice,
     run_pending,
@@ -170,8 +172,9 @@ def estimate_s(sl: Slice, server: BenchServer, *, warm: bool = False, out: Path,
     """Seconds the slice should take (the module says how); `warm`: on a server already started."""
     done = [d for d in (read_slice(p) for p in sorted(sl.path(out, profile.model).parent.glob("*.json")))
             if not d.get("error")]
-    own = [_own_s(d) for d in done if d.get("part", "") == sl.part]
-    part_s = max(own) if own else PART_WARM_UP_S + default_runs_s(profile, server, sl.part)
+    part = measured_part(sl.part)
+    own = [_own_s(d) for d in done if measured_part(d.get("part", "")) == part]
+    part_s = max(own) if own else PART_WARM_UP_S + default_runs_s(profile, server, part)
     if warm:
         return part_s
     starts = [d["ready_s"] for d in done if not d.get("parts_before") and d.get("ready_s") is not None]
@@ -198,19 +201,17 @@ def adapters_written(profile: Profile, server: BenchServer, scratch: Path) -> bo
 
 
 def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: Path, gpu: bool,
-        budget_s: float = math.inf, rounds: tuple[int, ...] | None = None, base_round_from: int = 0,
+        budget_s: float = math.inf, rounds: tuple[int, ...] | None = None,
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
     """Run the grid's pending slices on this device that fit `budget_s` seconds (of `rounds` only, if given: the
-    cards of one host each take their own, and number the base's extra rounds from their own `base_round_from`);
-    what ran and what is left."""
+    cards of one host each take their own); what ran and what is left."""
     device, machine = device_name(gpu), machine_id()
     group = f"{grid_key(profile)}/{slug(device)}"
     servers = {s.key: s for s in bench_servers(profile, options)}
     planned = [sl for sl in slice_plan(profile, options, group) if rounds is None or sl.round in rounds]
     todo = anchored(pending(planned, out, profile.model), out=out, model=profile.model,
                     machine=machine, anchors={group: tuple(k for k, s in servers.items() if s.role == "base")},
-                    needs_anchor=lambda sl: sl.part != MICRO,  # the microbenchmarks compare with the base's own
-                    extra_from=base_round_from)
+                    needs_anchor=lambda sl: sl.part != MICRO)  # the microbenchmarks compare with the base's own
     bench = functools.cache(lambda: Bench(profile, options, served=serve_models.prepare_base(profile.model, work,
                                                                                              on_step),
                                           work=work, scratch=scratch, out=out, gpu=gpu, on_step=on_step))
@@ -246,7 +247,8 @@ def run_slices(bench: Bench, batch: list[Slice], server: BenchServer, *, device:
     try:
         first = batch[0]
         copies = earlier_copies(first.path(out, bench.profile.model).parent) if server.role == "merged" else 0
-        with contextlib.closing(bench.measure(server, round=first.round, parts=tuple(s.part for s in batch),
+        parts = tuple(measured_part(s.part) for s in batch)  # a copy of the base's round runs all of it
+        with contextlib.closing(bench.measure(server, round=first.round, parts=parts,
                                               copies=copies)) as results:  # closed: the server stops
             for sl, result in zip(batch, results):
                 label = result.pop("server")

@@ -13,9 +13,13 @@ Rounds interleave the servers (round r starts r servers further down the list): 
 time spreads over every server instead of landing on whichever ran last.
 
 Each slice records the machine it ran on (machine_id): devices are lent one lease at a time, and two H100s differ
-by a few percent (resident decode 3.82-4.02 ms at batch 1, 2026-11-26), as much as the effects measured. So both
-benches run their anchor (what their ratios are set against) first on every machine (anchored) and take each
-ratio within one machine (pair_by_machine).
+by a few percent (resident decode 3.82-4.02 ms at batch 1, 2026-11-26), as much as the effects measured. And a
+round is its traffic (vLLM's seed for the prompts and arrivals, ours for the adapters): at 1 request/s two rounds
+of 60 requests differ by more than the servers do (2026-11-29, H200: plain vLLM's median TPOT 3.68 ms in round 1
+against 3.31 in round 0, 52% of its prompts prefilled alone against 68%). So both benches pair like with like: a
+slice runs after its anchor (what its ratios are set against) ran the same round on the same machine (anchored:
+the anchor's planned slice of that round, or a run of it once more on this machine, part copy_part), and each
+ratio is taken against that run only (pair_by_machine).
 
 Used by `esftctl bench paging --serve` (esftctl.bench.serve_paging: GROUP is the regime) and `esftctl bench
 serve` (esftctl.bench.serve_slices: GROUP is the grid's key and the device, PART an adapter count or the
@@ -24,6 +28,7 @@ microbenchmarks).
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -76,16 +81,12 @@ def machine_id() -> str:
 
 def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int, str | None]]
                     ) -> list[tuple[int, list[int]]]:
-    """Runs and anchor runs as (round, machine): for each run that has anchor runs on its machine, its index and
-    theirs (those of its own round where there are any, else all of that machine's). A run of no known machine
-    (slices written before machines were recorded) pairs with nothing."""
-    out = []
-    for i, (rnd, machine) in enumerate(runs):
-        there = [j for j, (_, m) in enumerate(anchors) if m == machine and machine is not None]
-        same_round = [j for j in there if anchors[j][0] == rnd]
-        if there:
-            out.append((i, same_round or there))
-    return out
+    """Runs and anchor runs as (round, machine): for each run that has anchor runs of its own round on its machine
+    (the same traffic on the same card), its index and theirs. A run of no known machine (slices written before
+    machines were recorded) pairs with nothing, and neither does one whose machine ran the anchor on other rounds
+    only: another round's traffic differs by more than the servers do at low load."""
+    return [(i, same) for i, (rnd, machine) in enumerate(runs)
+            if machine is not None and (same := [j for j, a in enumerate(anchors) if a == (rnd, machine)])]
 
 
 def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
@@ -97,23 +98,48 @@ def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
             if runs[i][2] is not None and all(anchors[j][2] for j in js)]
 
 
+COPY = "on-"  # the part of an anchor's run of a round it has already: the same traffic on one more machine
+
+
+def copy_part(machine: str) -> str:
+    """The part that names an anchor's run of a round on `machine`, beside the round's planned slice (which ran
+    elsewhere): `on-` and a hash of the machine, so that the cards of one host never write the same file."""
+    return COPY + hashlib.sha256(machine.encode()).hexdigest()[:8]
+
+
+def measured_part(part: str) -> str:
+    """What a slice's part runs: a copy runs its whole round, like the planned slice it repeats."""
+    return "" if part.startswith(COPY) else part
+
+
 def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors: dict[str, tuple[str, ...]],
-             needs_anchor: Callable[[Slice], bool] = lambda sl: True, extra_from: int = 0) -> list[Slice]:
-    """`todo` with each group's anchor servers (`anchors`: group -> servers) moved before the group's first slice
-    that `needs_anchor`, where this machine has run no slice of the group yet: each anchor's first missing round,
-    else one round more than it has, `extra_from` at least (the cards of one host, each writing its own folder,
-    would otherwise all number theirs alike). The group's ratios can then be taken against an anchor measured on
-    the same machine."""
+             needs_anchor: Callable[[Slice], bool] = lambda sl: True) -> list[Slice]:
+    """`todo` so ordered that every slice that `needs_anchor` follows a run of its round by its group's anchor
+    servers (`anchors`: group -> servers) on this machine: where this machine has none (written, or earlier in
+    the order), the anchor's planned slice of that round is put before it if it is not written yet, else a run of
+    the round once more (part copy_part(machine)). Rounds whose anchor runs here anyway (its slice still to run,
+    or run here) go first, in their order: a machine that measures them pays for no extra anchor run."""
+    here = {(group, key, d.get("round")) for group, keys in anchors.items() for key in keys
+            for d in map(read_slice, sorted(Slice(group, key, 0).path(out, model).parent.glob("*.json")))
+            if d.get("machine") == machine and measured_part(d.get("part", "")) == ""}  # not the microbenchmarks
+    planned = {(t.group, t.server, t.round) for t in todo if t.server in anchors.get(t.group, ()) and not t.part}
+
+    def cheap(sl: Slice) -> bool:
+        return all((sl.group, key, sl.round) in here | planned for key in anchors.get(sl.group, ()))
+
     ordered: list[Slice] = []
-    for sl in todo:
-        folder = sl.path(out, model).parent.parent
-        if needs_anchor(sl) and all(t.group != sl.group for t in ordered if needs_anchor(t)) and not any(
-                read_slice(p).get("machine") == machine for p in folder.glob("*/*.json")):
-            for key in anchors.get(sl.group, ()):
-                missing = [t for t in todo if t.group == sl.group and t.server == key and t.part == ""]
-                done = [int(p.stem[1:]) for p in (folder / key).glob("r*.json")]
-                ordered.append(missing[0] if missing else Slice(sl.group, key, max(max(done, default=-1) + 1,
-                                                                                  extra_from)))
+    for sl in sorted(todo, key=lambda sl: not cheap(sl)):  # stable
+        keys = anchors.get(sl.group, ())
+        if sl.server in keys:
+            if measured_part(sl.part) == "":
+                here.add((sl.group, sl.server, sl.round))
+        elif needs_anchor(sl):
+            for key in keys:
+                if (sl.group, key, sl.round) not in here:
+                    own = Slice(sl.group, key, sl.round)
+                    written = own.path(out, model).exists()
+                    ordered.append(Slice(sl.group, key, sl.round, copy_part(machine)) if written else own)
+                    here.add((sl.group, key, sl.round))
         if sl not in ordered:
             ordered.append(sl)
     return ordered
