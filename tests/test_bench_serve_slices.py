@@ -304,6 +304,30 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     assert "2 (1 paired)" in text.getvalue()
 
 
+def test_a_row_with_no_base_on_its_machine_pairs_by_round(fake, tmp_path):
+    """Rounds whose machine has no base run are set against the base's same rounds elsewhere (the same traffic),
+    not against the medians of other rounds' traffic."""
+    profile, options = grid(repeats=2, micro_runs=0)
+    out = tmp_path / "out"
+    done = fake(profile, options, out)
+    folder = out / "slices" / "tiny" / done["grid"]
+    for r in (0, 1):
+        (folder / "esftctl" / f"n2.r{r}.json").unlink()
+    FakeBench.machine, FakeBench.speed, FakeBench.fail = "B", 0.8, {"base"}  # B's base runs fail
+    fake(profile, options, out)
+    (result,) = ss.report(out, profile, options)
+    rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
+    esft = rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]
+    assert esft["machines"] == ["B", "B"] and esft["paired_rounds"] == 0 and esft["paired_across"] == 2
+    by_round = [(90 * 0.8 - 2) / 100, (99 * 0.8 - 2) / 110]  # each against m0's base of its round
+    assert esft["throughput_ratio_range"] == pytest.approx(by_round)
+    assert esft["throughput_ratio"] == pytest.approx(sum(by_round) / 2)
+    text = io.StringIO()
+    Console(file=text, width=300).print(bench.tables(result)[0])
+    assert "2 (2 by round)" in text.getvalue()
+    assert "paired_across" not in rows[("esftctl", "base @ 8 rps")]  # paired on m0
+
+
 def one_by_one(result):
     return lambda batch: (result(sl) for sl in batch)
 

@@ -79,7 +79,7 @@ from esftctl.bench.disk import evict, read_bandwidth
 from esftctl.bench.serve_models import Served, adapter_bytes, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
-from esftctl.bench.slices import pair_by_machine, ratios_within_machines
+from esftctl.bench.slices import pair_by_machine, pair_by_round, ratios_within_machines
 from esftctl.bench.traffic import SLORA_ALPHAS
 from esftctl.errors import one_line
 from esftctl.serve import free_port, plan
@@ -533,22 +533,26 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
 def paired_ratios(r: dict, base: dict) -> None:
     """A row's RATIOS against plain vLLM's base row at the same rate, like with like: each round against the
     base's runs of the same round (the same traffic) on its machine (esftctl.bench.slices.ratios_within_machines),
-    the median of those ratios with their range. A round with no such base run is left out; a row with none falls
-    back to its median against the base's median, across machines and rounds (`paired_rounds` 0)."""
+    the median of those ratios with their range; a round with no such base run is left out. A row with none is
+    paired by round across machines where it can be (`paired_across`: the same traffic on another card; a run's
+    TPOT follows its traffic more than its card, 2026-11-29), else its median against the base's median, across
+    machines and rounds (`paired_rounds` 0)."""
     def runs(row: dict) -> list[tuple[int, str | None]]:  # a row without its rounds pairs with nothing
         reps = row.get("repeats", [])
         return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
     where, base_where = runs(r), runs(base)
     r["paired_rounds"] = len(pair_by_machine(where, base_where))
+    pairs = pair_by_machine
+    if not r["paired_rounds"] and pair_by_round(where, base_where):
+        pairs, r["paired_across"] = pair_by_round, len(pair_by_round(where, base_where))
     for key, metric in RATIOS:
-        if not r["paired_rounds"]:
-            if r.get(metric) is not None and base.get(metric):
-                r[key] = r[metric] / base[metric]
-            continue
-        values = ratios_within_machines([(*w, rep.get(metric)) for w, rep in zip(where, r["repeats"])],
-                                        [(*w, b.get(metric)) for w, b in zip(base_where, base["repeats"])])
+        values = ratios_within_machines([(*w, rep.get(metric)) for w, rep in zip(where, r.get("repeats", []))],
+                                        [(*w, b.get(metric)) for w, b in zip(base_where, base.get("repeats", []))],
+                                        pairs)
         if values:
             r[key], r[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
+        elif not r["paired_rounds"] and r.get(metric) is not None and base.get(metric):
+            r[key] = r[metric] / base[metric]
 
 
 def micro_ratios(results: list[dict]) -> None:

@@ -69,8 +69,9 @@ def runs_table(result: dict):
                     f"server; 'rounds': the runs a row has, of {c['repeats']} planned rounds, the base's once more "
                     "on each further machine; tok/s with its range); ratios against plain vLLM serving the base "
                     "alone at the same rate, each round against the base's run of the same round (the same "
-                    "traffic) on the same machine, their median ('k paired': only k of the rounds had one; 0: the "
-                    "medians' ratio across machines and rounds); shares: the drawn "
+                    "traffic) on the same machine, their median ('k paired': only k of the rounds had one; 'k by "
+                    "round': none had, k against the base's same round on another machine; 0 paired: the medians' "
+                    "ratio across machines and rounds); shares: the drawn "
                     "adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
               title_justify="left")
     several = len(c.get("parallel", [1])) > 1
@@ -142,7 +143,9 @@ def modes_table(result: dict):
 
 
 def _rounds(r: dict) -> str:
-    n, paired = len(r.get("rounds", [0])), r.get("paired_rounds")
+    n, paired, across = len(r.get("rounds", [0])), r.get("paired_rounds"), r.get("paired_across")
+    if across:
+        return f"{n} ({across} by round)"
     return str(n) if paired is None or paired == n else f"{n} ({paired} paired)"
 
 

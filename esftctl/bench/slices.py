@@ -89,12 +89,22 @@ def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int,
             if machine is not None and (same := [j for j, a in enumerate(anchors) if a == (rnd, machine)])]
 
 
+def pair_by_round(runs: list[tuple[int, str | None]], anchors: list[tuple[int, str | None]]
+                  ) -> list[tuple[int, list[int]]]:
+    """Runs and anchor runs as (round, machine): for each run, the anchor runs of its round on any machine (the same
+    traffic on another card): the next best pairing where a row has none on its own machine."""
+    return [(i, same) for i, (rnd, _) in enumerate(runs)
+            if (same := [j for j, (r, _) in enumerate(anchors) if r == rnd])]
+
+
 def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
-                           anchors: list[tuple[int, str | None, float | None]]) -> list[float]:
+                           anchors: list[tuple[int, str | None, float | None]],
+                           pairs: Callable = pair_by_machine) -> list[float]:
     """Runs and anchor runs as (round, machine, value): each run's value over the median of the anchor values it
-    pairs with (pair_by_machine), for the runs that pair and whose values are all there."""
+    pairs with (`pairs`: pair_by_machine, or pair_by_round), for the runs that pair and whose values are all
+    there."""
     return [runs[i][2] / statistics.median(anchors[j][2] for j in js)
-            for i, js in pair_by_machine([r[:2] for r in runs], [a[:2] for a in anchors])
+            for i, js in pairs([r[:2] for r in runs], [a[:2] for a in anchors])
             if runs[i][2] is not None and all(anchors[j][2] for j in js)]
 
 
