@@ -542,9 +542,9 @@ def paired_ratios(r: dict, base: dict) -> None:
         return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
     where, base_where = runs(r), runs(base)
     r["paired_rounds"] = len(pair_by_machine(where, base_where))
-    pairs = pair_by_machine
-    if not r["paired_rounds"] and pair_by_round(where, base_where):
-        pairs, r["paired_across"] = pair_by_round, len(pair_by_round(where, base_where))
+    pairs, across = pair_by_machine, None if r["paired_rounds"] else pair_by_round(where, base_where)
+    if across:
+        pairs, r["paired_across"] = pair_by_round, len(across)
     for key, metric in RATIOS:
         values = ratios_within_machines([(*w, rep.get(metric)) for w, rep in zip(where, r.get("repeats", []))],
                                         [(*w, b.get(metric)) for w, b in zip(base_where, base.get("repeats", []))],

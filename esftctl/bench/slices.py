@@ -79,22 +79,22 @@ def machine_id() -> str:
     return f"{card}/{boot}"
 
 
+def pair_by_round(runs: list[tuple[int, str | None]], anchors: list[tuple[int, str | None]], *,
+                  same_machine: bool = False) -> list[tuple[int, list[int]]]:
+    """Runs and anchor runs as (round, machine): for each run that has anchor runs of its round (the same traffic),
+    on its own machine where `same_machine` (pair_by_machine), its index and theirs."""
+    def pairs(rnd: int, machine: str | None, r: int, m: str | None) -> bool:
+        return r == rnd and (not same_machine or (machine is not None and m == machine))
+    return [(i, same) for i, (rnd, machine) in enumerate(runs)
+            if (same := [j for j, (r, m) in enumerate(anchors) if pairs(rnd, machine, r, m)])]
+
+
 def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int, str | None]]
                     ) -> list[tuple[int, list[int]]]:
-    """Runs and anchor runs as (round, machine): for each run that has anchor runs of its own round on its machine
-    (the same traffic on the same card), its index and theirs. A run of no known machine (slices written before
-    machines were recorded) pairs with nothing, and neither does one whose machine ran the anchor on other rounds
-    only: another round's traffic differs by more than the servers do at low load."""
-    return [(i, same) for i, (rnd, machine) in enumerate(runs)
-            if machine is not None and (same := [j for j, a in enumerate(anchors) if a == (rnd, machine)])]
-
-
-def pair_by_round(runs: list[tuple[int, str | None]], anchors: list[tuple[int, str | None]]
-                  ) -> list[tuple[int, list[int]]]:
-    """Runs and anchor runs as (round, machine): for each run, the anchor runs of its round on any machine (the same
-    traffic on another card): the next best pairing where a row has none on its own machine."""
-    return [(i, same) for i, (rnd, _) in enumerate(runs)
-            if (same := [j for j, (r, _) in enumerate(anchors) if r == rnd])]
+    """pair_by_round on each run's own machine (the same traffic on the same card). A run of no known machine
+    (slices written before machines were recorded) pairs with nothing, and neither does one whose machine ran the
+    anchor on other rounds only: another round's traffic differs by more than the servers do at low load."""
+    return pair_by_round(runs, anchors, same_machine=True)
 
 
 def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
@@ -133,9 +133,10 @@ def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors:
             for d in map(read_slice, sorted(Slice(group, key, 0).path(out, model).parent.glob("*.json")))
             if d.get("machine") == machine and measured_part(d.get("part", "")) == ""}  # not the microbenchmarks
     planned = {(t.group, t.server, t.round) for t in todo if t.server in anchors.get(t.group, ()) and not t.part}
+    anyway = here | planned
 
     def cheap(sl: Slice) -> bool:
-        return all((sl.group, key, sl.round) in here | planned for key in anchors.get(sl.group, ()))
+        return all((sl.group, key, sl.round) in anyway for key in anchors.get(sl.group, ()))
 
     ordered: list[Slice] = []
     for sl in sorted(todo, key=lambda sl: not cheap(sl)):  # stable
