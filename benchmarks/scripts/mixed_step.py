@@ -24,7 +24,8 @@ set-up alone moves them). It prints the engine's steps by kind (a prompt beside 
 one's host span against its GPU kernels, and the CPU ops, CUDA runtime calls and kernels whose time per arrival
 differs most between phases (traces in OUT/trace/ARM-PHASE). Every server records its engine's step times without
 a profiler (ESFTCTL_STEP_TIMES, esftctl.runtime.vllm.profiling; in OUT/steps/ARM-rN): per arrival, the stall
-between the engine core's outputs and the host span of the step that prefilled the prompt; and the kernels
+between the engine core's outputs and the host span of the step that prefilled the prompt; the decode steps away
+from the arrivals (`decode_steps`: their period, and the host span of each part of them); and the kernels
 Triton compiled in each phase (before the arrivals, in the first, later). `--capture-sizes 0,512` runs the arms
 at vLLM's default capture sizes (up to 256 tokens here) and again capturing CUDA graphs up to 512 (in steps of 16
 past 256), so that the mixed step is graphed too, alternating within each round (arms named ARM-cSIZE). On an H100
@@ -34,6 +35,9 @@ stalled the decodes 10-14 ms by the median in both servers, against 61-76 ms eag
 now captures up to 512 (here 0 is still vLLM's default). Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
+The decode step at low load (the grid's 1 request/s, where esftctl's decode steps took 0.10-0.13 ms more than plain
+vLLM's on one H200, 2026-11-29): `--decoders 2 --arrivals 6 --gap 1.5 --capture-sizes 512 --rounds 2` (about 2,500
+such steps a phase).
 A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
 --arrivals 3 --gap 0.05 --decode 180 --profile --profile-arrivals 2`, 85 s on 2 cores.
 """
@@ -126,6 +130,38 @@ def engine_side(steps: dict, arrivals: list[tuple[float, float]], length: int) -
             "prefill_step_host_ms": span, "prefill_step_host_median_ms": statistics.median(span) if span else None}
 
 
+def decode_steps(steps: dict, arrivals: list[tuple[float, float]], decoders: int) -> dict:
+    """The engine's decode steps away from every arrival, as the engine saw them: the median period between the
+    ends of consecutive `update_from_output` calls, and each part's median host span (schedule, execute, sample,
+    output). Kept: the steps whose `execute_model` scheduled exactly `decoders` tokens and started outside each
+    arrival's window (from its sending to its first token), with the parts that follow such an execute. A period
+    longer than the parts' spans together is the step waiting on the GPU; two servers' difference in period
+    against their difference in spans says whether what one adds per decode step is host time or GPU time."""
+    windows = [(sent, sent + ttft / 1e3 + STALL_AFTER_S) for sent, ttft in arrivals]
+
+    def quiet(t: float) -> bool:
+        return not any(start <= t <= end for start, end in windows)
+
+    executes = steps.get("execute", [])
+    starts = [start for start, _, _ in executes]
+
+    def after_decode(t: float) -> bool:  # the last execute started before t was a quiet decode step
+        i = bisect.bisect_right(starts, t) - 1
+        return i >= 0 and executes[i][2] == decoders and quiet(executes[i][0])
+
+    def kept(part: str, start: float, tokens: int) -> bool:
+        return quiet(start) and (tokens == decoders if part in ("schedule", "execute") else after_decode(start))
+
+    spans = {part: [(end - start) * 1e3 for start, end, tokens in steps.get(part, []) if kept(part, start, tokens)]
+             for part in ("schedule", "execute", "sample", "output")}
+    ends = [end for start, end, _ in steps.get("output", []) if quiet(start) and after_decode(start)]
+    periods = [(b - a) * 1e3 for a, b in zip(ends, ends[1:]) if b - a < 0.1]  # consecutive steps of one stretch
+    out = {"decode_steps": len(periods),
+           "decode_period_median_ms": statistics.median(periods) if periods else None}
+    out |= {f"decode_{part}_host_median_ms": statistics.median(v) if v else None for part, v in spans.items()}
+    return out
+
+
 def compiled(since: float) -> list[tuple[float, str]]:
     """(when, name) of each kernel Triton compiled since `since` (time.time()), in vLLM's compile cache, where
     vLLM points Triton (its folders named triton_cache), and in Triton's own default (a kernel found in a disk
@@ -190,7 +226,8 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
     if steps_dir is not None:
         time.sleep(0.5)  # a pause, then one request: the engine writes the phase's step times at its first step
         first_chunk_ms(url, model, prompt(8), 1)
-        out |= engine_side(engine_steps(steps_dir), arrivals, args.length)
+        steps = engine_steps(steps_dir)
+        out |= engine_side(steps, arrivals, args.length) | decode_steps(steps, arrivals, args.decoders)
     return out
 
 
@@ -333,6 +370,13 @@ def main() -> None:
                     print(f"{name:24s} stall median {out['stall_median_ms']:7.2f} ms (quartiles {q1:.2f} {q3:.2f}), "
                           f"TTFT median {out['ttft_median_ms']:7.2f} ms, decode gap median "
                           f"{out['decode_gap_median_ms']:6.2f} ms{engine}", flush=True)
+                    if out.get("decode_period_median_ms") is not None:
+                        host = ", ".join(f"{part} {out[f'decode_{part}_host_median_ms'] or 0:.3f}"
+                                         for part in ("schedule", "execute", "sample", "output"))
+                        print(f"{'':24s} decode steps of {args.decoders} away from the arrivals: "
+                              f"{out['decode_steps']}, period median {out['decode_period_median_ms']:.3f} ms; "
+                              f"host spans, median ms: {host}",
+                              flush=True)
                     spans = out.get("prefill_step_host_ms") or [0]
                     print(f"{'':24s} first arrival: stall {out['stall_ms'][0]:.2f} ms, prefill step host {spans[0]:.2f}"
                           f" ms; Triton compiled: " + "; ".join(f"{when}: {', '.join(names) or 'nothing'}"

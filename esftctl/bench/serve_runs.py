@@ -227,7 +227,7 @@ def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile
     out = []
     k = rnd % len(runs) if runs else 0
     for s in runs[k:] + runs[:k]:
-        on_step(f"{label}: {s.name} (round {rnd + 1})")
+        on_step(f"{label}: {s.name} (round r{rnd})")
         count = profile.requests(s.rate)
         drawn = s.draw(rnd, count)
         load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
