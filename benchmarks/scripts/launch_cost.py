@@ -12,6 +12,17 @@ launch path), `reroute` as it is now (the whole buffer, Triton's launcher called
 and an aten op (`torch.add(..., out=)`) for the host's speed. The shapes are the mixed step's: 262 tokens, top 6,
 a table of 21 rows (20 adapters and the base) by 64 + 153 experts. Calls go in batches of `--calls` with a
 synchronize between batches (outside the timing); the GPU keeps up (each kernel takes about 2 us).
+Two more questions of a decode step at low load, where esftctl's steps took 0.10-0.13 ms more than plain vLLM's
+on one H200 (2026-11-29, the grid's round 2 at 1 request/s; 1 adapter as much as 20):
+- the GPU's share: 26 reroutes (one per MoE layer of DeepSeek-V2-Lite) captured in a CUDA graph, as a decode
+  step replays them, against 26 aten adds of the same size (a trivial kernel node), timed with CUDA events over
+  `--replays` replays, at 3 and 262 tokens;
+- the host's share of the slots' copy (`EsftModel.set_token_adapters`, written when a step's requests change): the
+  host time of `copy_(non_blocking=True)` of that many int32 slots from a pageable array (as today) and from a
+  pinned one, issued while the stream is still busy with 5 ms of earlier work (`torch.cuda._sleep`). CUDA lets a
+  pageable host-to-device copy wait for the stream ("the driver may synchronize with the stream", the runtime
+  API's synchronization behaviour): a pageable copy that takes about 5 ms here does, and then such a step loses
+  what asynchronous scheduling overlaps.
 Usage (device; needs only torch and Triton, no install): python3 benchmarks/scripts/launch_cost.py
 """
 
@@ -42,11 +53,60 @@ def per_call_us(fn, calls: int, batches: int) -> list[float]:
     return times
 
 
+def graph_us_per_node(fn, nodes: int, replays: int) -> float:
+    """GPU time per node of a CUDA graph of `nodes` calls of `fn`, by CUDA events over `replays` replays."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compiled and cached before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(nodes):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays / nodes
+
+
+def sleep_cycles(ms: float) -> int:
+    """The `torch.cuda._sleep` cycles that keep the stream busy about `ms` (timed with CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return int(10_000_000 * ms / start.elapsed_time(end))
+
+
+def copy_host_us(tokens: int, pinned: bool, cycles: int) -> float:
+    """Host time of the slots' copy issued behind `cycles` of GPU work on the same stream."""
+    target = torch.full((8192,), -1, dtype=torch.int32, device="cuda")
+    source = torch.arange(tokens, dtype=torch.int32) % 20
+    if pinned:
+        source = source.pin_memory()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    start = time.perf_counter()
+    target[:tokens].copy_(source if pinned else torch.from_numpy(source.numpy()), non_blocking=True)
+    host = (time.perf_counter() - start) * 1e6
+    torch.cuda.synchronize()
+    assert torch.equal(target[:tokens].cpu(), source), "the copy differs"
+    return host
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=262)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=2000, help="replays of each 26-node CUDA graph")
     args = parser.parse_args()
     torch.manual_seed(0)
     experts, top_k, slots = 64 + 153, 6, 20
@@ -74,6 +134,22 @@ def main() -> None:
     got = rr.reroute(fresh, adapters, table)
     assert torch.equal(got, rr.reroute_reference(fresh, adapters[: args.tokens], table)), "fast path differs"
     print("fast path launches cached:", {str(k): v is not None for k, v in rr._launchers.items()})
+
+    layers = 26  # DeepSeek-V2-Lite's MoE layers: one reroute each per step
+    for tokens in (3, args.tokens):
+        step_ids = torch.randint(0, 64, (tokens, top_k), dtype=torch.int32, device="cuda")
+        a, b = torch.zeros(tokens, top_k, device="cuda"), torch.empty(tokens, top_k, device="cuda")
+        reroutes = graph_us_per_node(lambda: rr.reroute(step_ids, adapters, table, out=step_ids), layers, args.replays)
+        adds = graph_us_per_node(lambda: torch.add(a, 1, out=b), layers, args.replays)
+        print(f"in a CUDA graph, {tokens} tokens: reroute {reroutes:.2f} us a node, aten add {adds:.2f} us; "
+              f"{layers} reroutes {reroutes * layers:.1f} us a step", flush=True)
+    cycles = sleep_cycles(5.0)
+    for tokens in (3, args.tokens):
+        times = {kind: [copy_host_us(tokens, kind == "pinned", cycles) for _ in range(20)]
+                 for kind in ("pageable", "pinned")}
+        print(f"slots' copy of {tokens} tokens behind 5 ms of GPU work, host us (min / median / max): " + "; ".join(
+            f"{kind} {min(t):.0f} / {statistics.median(t):.0f} / {max(t):.0f}" for kind, t in times.items()),
+            flush=True)
 
 
 if __name__ == "__main__":
