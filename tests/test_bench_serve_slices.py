@@ -60,11 +60,15 @@ class FakeBench:
                                                                                               server.role)
         runs = [s for s in order if not part or bench.part_of(s) == part]
         speed = SPEED[server.role] * (1 + 0.1 * round) * FakeBench.speed
+        tokens = self.profile.output_len - 1
         entries = [{"scenario": asdict(s), "index": order.index(s), "round": round, "drawn": s.draw(round, 12),
                     "seconds": 1.0, "result": {"output_throughput": speed - s.adapters, "mean_ttft_ms": 20.0 + round,
                                                "median_ttft_ms": 20.0 + round, "p99_ttft_ms": 40.0,
                                                "mean_tpot_ms": 5.0, "median_tpot_ms": 5.0, "p99_tpot_ms": 9.0,
-                                               "arrival_cv": 1.0}} for s in runs]
+                                               "arrival_cv": 1.0},
+                    # the requests a slice keeps (load.per_request): TPOT 500 / speed ms, TTFT as the round's
+                    "requests": {"ttft_ms": [20.0 + round] * 4, "alone": [True, True, False, False],
+                                 "latency_ms": [20.0 + round + tokens * 500 / speed] * 4}} for s in runs]
         return {**head, "runs": entries}
 
 
@@ -280,7 +284,7 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     servers = {s["server"]: s for s in result["servers"]}
     assert servers["esftctl"]["micro_across"] and not servers["vLLM multi-LoRA"]["micro_across"]
     text = io.StringIO()
-    Console(file=text, width=250).print(bench.tables(result)[1])
+    Console(file=text, width=250).print(*bench.tables(result))
     assert "esftctl (other machine)" in text.getvalue() and "multi-LoRA (other" not in text.getvalue()
     rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
     esft = rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]
@@ -291,6 +295,13 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     assert esft["throughput_ratio_range"] == pytest.approx(sorted(within))
     assert esft["output_throughput"] / rows[("vLLM base", "base @ 8 rps")]["output_throughput"] == pytest.approx(
         (88 + 77.2) / 2 / 100)  # what the medians across machines would have said instead
+    # the fastest tenth, from each run's kept requests (load.floors), paired like every ratio: TPOT 500 / speed
+    assert esft["p10_tpot_ratio"] == pytest.approx(100 / 90) and esft["p10_tpot_ratio_range"] == pytest.approx(
+        [100 / 90] * 2)
+    assert esft["p10_ttft_alone_ratio"] == pytest.approx(1.0)
+    text = io.StringIO()
+    Console(file=text, width=250).print(bench.tables(result)[1])  # right after the main table
+    assert "the fastest tenth" in text.getvalue() and "1.111" in text.getvalue()
     (folder / "esftctl" / "n0.r1.json").unlink()
     FakeBench.machine, FakeBench.fail = "broken", {"base"}  # its base fails: its rounds pair with nothing
     fake(profile, options, out)

@@ -11,7 +11,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from esftctl.bench.load import Load, alone, bench_args, per_request, prefill_modes, prefill_stalls, routed, speeds
+from esftctl.bench.load import (
+    Load,
+    alone,
+    bench_args,
+    floors,
+    per_request,
+    prefill_modes,
+    prefill_stalls,
+    routed,
+    speeds,
+)
 from esftctl.bench.traffic import (
     burstiness,
     check_shares,
@@ -173,3 +183,15 @@ def test_ttft_is_split_by_what_each_prompt_met():
     gaps = [[(lat - t) / 4] * 4 for t, lat in zip(result["ttfts"], result["latencies"])]
     streamed = {k: v for k, v in result.items() if k != "latencies"} | {"itls": gaps}  # vLLM 0.25 keeps no latencies
     assert alone(streamed) == alone(result) and per_request(streamed)["latency_ms"][1] == 1000.0
+
+
+def test_the_fastest_tenth_of_a_run_comes_from_its_kept_requests():
+    # ten requests of 5 tokens (4 gaps): TPOT 1..10 ms; lone prompts' TTFT 20, 22, 24, 26; one failed request
+    ttfts = [20.0, 30.0, 22.0, 31.0, 24.0, 32.0, 26.0, 33.0, 34.0, 35.0, 0.0]
+    kept = {"ttft_ms": ttfts, "latency_ms": [t + 4 * (i + 1) for i, t in enumerate(ttfts[:10])] + [0.0],
+            "alone": [True, False] * 3 + [True] + [False] * 3 + [True]}
+    out = floors(kept, output_len=5)
+    assert out["p10_tpot_ms"] == pytest.approx(np.percentile(range(1, 11), 10))  # 1.9: the failed one left out
+    assert out["p10_ttft_alone_ms"] == pytest.approx(np.percentile([20, 22, 24, 26], 10))
+    assert floors({}, output_len=5) == {"p10_tpot_ms": None, "p10_ttft_alone_ms": None}  # slices that kept none
+    assert floors(kept, output_len=1)["p10_tpot_ms"] is None  # one token: no TPOT

@@ -29,6 +29,14 @@ its first token, the step that prefilled it with their decodes as they saw it. O
 medians were 76-86 ms for plain vLLM's base, and for esftctl 81-115 ms in one session and 74-86 ms in the session
 before; at 5 requests/s such steps are about 40% of a run's streamed time, so they move TPOT more than the decode
 steps do.
+
+And the fastest tenth (floors), from the requests each slice keeps: the 10th percentile of the requests' TPOT and
+of the TTFT of prompts prefilled alone. At 1-2 requests/s a run's medians move with its traffic and with the
+machine (H200, 2026-11-29): the median TPOT sits where per-request TPOTs jump from lone decoders to those that
+shared steps with a prefill, and the same lone 256-token prompt took 21-33 ms within every run, so a run's median
+moved by about 1 ms from sampling alone. The fastest tenth is the requests that decoded alone and the prompts that
+met an idle engine: the same work in both servers, so a fixed cost per step shows there undiluted (esftctl's
++0.09 ms a decode step in that round, with 1 adapter as with 20).
 """
 
 from __future__ import annotations
@@ -184,6 +192,17 @@ def prefill_modes(result: dict) -> dict:
     return {"alone_share": sum(flags) / len(flags),
             "median_ttft_alone_ms": float(np.median(by[True])) if by[True] else None,
             "median_ttft_beside_ms": float(np.median(by[False])) if by[False] else None}
+
+
+def floors(requests: dict, output_len: int) -> dict:
+    """The fastest tenth of a run (the module says why), from its kept requests (per_request): the 10th percentile
+    of the requests' TPOT (ms a token after the first) and of the TTFT (ms) of those prefilled alone; None where a
+    run kept no requests (slices before 2026-11-27) or has none of a kind."""
+    ttfts, latencies, flags = (requests.get(k) or [] for k in ("ttft_ms", "latency_ms", "alone"))
+    tpots = [(lat - t) / (output_len - 1) for t, lat in zip(ttfts, latencies) if 0 < t < lat] if output_len > 1 else []
+    lone = [t for t, a in zip(ttfts, flags) if a and t > 0]
+    return {"p10_tpot_ms": float(np.percentile(tpots, 10)) if tpots else None,
+            "p10_ttft_alone_ms": float(np.percentile(lone, 10)) if lone else None}
 
 
 STALL_AFTER_S = 0.002  # a token of a step reaches the client within this of the others of that step

@@ -480,7 +480,8 @@ RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("thro
           ("p99_ttft_ratio", "p99_ttft_ms"), ("p99_tpot_ratio", "p99_tpot_ms"),
           ("prefill_ratio", "median_prefill_tps"), ("decode_ratio", "median_decode_tps"),
           ("ttft_alone_ratio", "median_ttft_alone_ms"), ("ttft_beside_ratio", "median_ttft_beside_ms"),
-          ("stall_ratio", "median_stall_ms"))
+          ("stall_ratio", "median_stall_ms"), ("decode_time_ratio", "server_decode_ms"),
+          ("p10_tpot_ratio", "p10_tpot_ms"), ("p10_ttft_alone_ratio", "p10_ttft_alone_ms"))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import statistics
 
 def tables(result: dict) -> list:
     out = [runs_table(result)]
-    for table in (server_times_table(result), modes_table(result), micro_table(result), groups_table(result)):
+    for table in (floors_table(result), server_times_table(result), modes_table(result), micro_table(result),
+                  groups_table(result)):
         if table is not None:
             out.append(table)
     out.append(kv_table(result))
@@ -91,6 +92,30 @@ def runs_table(result: dict):
                       *(_f(r.get(k), ".3f") for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
                       f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
                       _f(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
+    return t
+
+
+def floors_table(result: dict):
+    """The fastest tenth (esftctl.bench.load.floors: where a fixed cost per step shows at low load, undiluted by
+    traffic) and vLLM's own decode time per token, with their ratios; None before any run kept its requests."""
+    from rich.table import Table
+
+    rows = [(res["server"], r) for res in result["servers"] for r in res["rows"] if r.get("p10_tpot_ms") is not None]
+    if not rows:
+        return None
+    tokens = result["config"]["output_len"] - 1
+    t = Table(title="the fastest tenth: the 10th percentile of the requests' TPOT (at low load, those that decoded "
+                    "alone) and of the TTFT of prompts prefilled alone, and vLLM's decode time per token (its "
+                    "histogram, engine-core timestamps: the engine's share of TPOT); medians over rounds, ratios "
+                    "against plain vLLM's base as in the first table",
+              title_justify="left")
+    for col in ("server", "scenario", "TPOT p10 ms", "x", "vLLM decode ms/token", "x", "TTFT alone p10 ms", "x"):
+        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
+    for server, r in rows:
+        decode = r["server_decode_ms"] / tokens if r.get("server_decode_ms") is not None and tokens > 0 else None
+        t.add_row(server, r["scenario"], _f(r["p10_tpot_ms"], ".3f"), _f(r.get("p10_tpot_ratio"), ".3f"),
+                  _f(decode, ".3f"), _f(r.get("decode_time_ratio"), ".3f"), _f(r.get("p10_ttft_alone_ms"), ".1f"),
+                  _f(r.get("p10_ttft_alone_ratio"), ".3f"))
     return t
 
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from esftctl.bench.load import Load, per_request, run_load, summary
+from esftctl.bench.load import Load, floors, per_request, run_load, summary
 from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_shares
 from esftctl.serve import Server
 
@@ -245,11 +245,12 @@ def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile
 
 def merge_rounds(label: str, entries: list[dict], profile) -> list[dict]:
     """One server's rows from its runs' entries (_round's, of any rounds and parts): per scenario, in the order
-    of the server's scenarios, its rounds merged (row)."""
+    of the server's scenarios, its rounds merged (row), each run's numbers with its fastest tenth (load.floors)."""
     by_name: dict[str, list[dict]] = {}
     for e in sorted(entries, key=lambda e: (e["index"], e["round"])):
         by_name.setdefault(e["scenario"]["name"], []).append(e)
-    return [row(label, Scenario(**reps[0]["scenario"]), [e["result"] for e in reps],
+    return [row(label, Scenario(**reps[0]["scenario"]),
+                [e["result"] | floors(e.get("requests") or {}, profile.output_len) for e in reps],
                 [i for e in reps for i in e["drawn"]], profile, rounds=[e["round"] for e in reps],
                 machines=[e.get("machine") for e in reps])
             for reps in by_name.values()]
