@@ -57,7 +57,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from ttft_alone import arm_plan, first_chunk_ms, prepare, probe_parser, quartiles
+from ttft_alone import arm_plan, engine_steps, first_chunk_ms, prepare, probe_parser, quartiles
 
 from esftctl.bench.load import STALL_AFTER_S, longest_gap
 from esftctl.bench.serve import PROFILES, with_capture_size
@@ -101,17 +101,6 @@ def stalls(decoders: list[Decoder], arrivals: list[tuple[float, float]]) -> tupl
     others = [(after - before) * 1e3 for d in decoders for before, after in zip(d.times, d.times[1:])
               if not any(start < after <= end for start, end in windows)]
     return worst, others
-
-
-def engine_steps(folder: Path) -> dict[str, list[tuple[float, float, int]]]:
-    """The engine's step times that ESFTCTL_STEP_TIMES wrote into `folder` (esftctl.runtime.vllm.profiling):
-    per part, (start, end, tokens) in time order."""
-    parts: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
-    for path in folder.glob("steps-*.tsv"):
-        for line in path.read_text().splitlines():
-            part, start, end, tokens = line.split()
-            parts[part].append((float(start), float(end), int(tokens)))
-    return {part: sorted(rows) for part, rows in parts.items()}
 
 
 def engine_side(steps: dict, arrivals: list[tuple[float, float]], length: int) -> dict:

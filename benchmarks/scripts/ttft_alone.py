@@ -15,13 +15,22 @@ DeepSeek-sized adapters): `plain` (plain vLLM), `esftctl` (its state folder in /
 state in --work as `bench serve` had it: /dev/shm on the grid's cards). Each prompt (random token ids, so no cache
 can help) goes after `--gap` seconds of idle (more than the status file's second), streams `--output` tokens, and
 its TTFT is the client's (request sent to first chunk). esftctl's arms send to the base's name and to an adapter's
-in turn. Also vLLM's own split from /metrics (queue, scheduled to first token, its TTFT). Writes OUT/ttft_alone.json.
+in turn. Also vLLM's own split from /metrics (queue, scheduled to first token, its TTFT), and each prompt's split
+from the engine's step times without a profiler (ESFTCTL_STEP_TIMES, esftctl.runtime.vllm.profiling; in
+OUT/steps/ARM): before the engine (sent to the scheduler's first step that schedules the prompt: the API server,
+tokenizing, the hop to the engine core), the engine (that step's schedule to the end of the first `update_from_output`
+after it: the prefill step and its first token; with the host span of its `execute_model`), and after (the first
+token's way back to the client). On one H200 (2026-11-29, the grid's round 2) a lone 256-token prompt's floor was
+0.6-1.7 ms later in esftctl than in plain vLLM, of which the reroute explains 0.07 ms; this says where the rest is.
+Writes OUT/ttft_alone.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start and 1.3 s a prompt):
   PYTHONPATH=/tmp/site python3 benchmarks/scripts/ttft_alone.py --out $OUT
 A smoke run on vLLM's CPU build: `--model tiny --lengths 16 --prompts 2 --gap 1.1` (the tiny world's base).
 """
 
 import argparse
+import bisect
+import collections
 import http.client
 import json
 import os
@@ -34,6 +43,7 @@ from pathlib import Path
 from esftctl.bench import serve_models
 from esftctl.bench.serve import PROFILES
 from esftctl.bench.serve_runs import server_means, server_times
+from esftctl.runtime.vllm.profiling import STEP_TIMES_ENV
 from esftctl.serve import Server, free_port, plan
 from esftctl.serve_client import request
 
@@ -67,8 +77,38 @@ def quartiles(v: list[float]) -> list[float]:
     return statistics.quantiles(v, n=4)[::2] if len(v) > 1 else [v[0], v[0]]
 
 
-def probe(url: str, models: list[str], args, vocab: int) -> dict:
-    """Every (length, model) `--prompts` times, interleaved, each after `--gap` s idle: TTFT ms by key."""
+def engine_steps(folder: Path) -> dict[str, list[tuple[float, float, int]]]:
+    """The engine's step times that ESFTCTL_STEP_TIMES wrote into `folder` (esftctl.runtime.vllm.profiling):
+    per part, (start, end, tokens) in time order."""
+    parts: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
+    for path in folder.glob("steps-*.tsv"):
+        for line in path.read_text().splitlines():
+            part, start, end, tokens = line.split()
+            parts[part].append((float(start), float(end), int(tokens)))
+    return {part: sorted(rows) for part, rows in parts.items()}
+
+
+def split_ttft(steps: dict, sent: float, ttft_ms: float, length: int) -> dict | None:
+    """One lone prompt's TTFT as the engine's step times place it (ms): before the engine (sent to the start of the
+    first `schedule` of at least `length` tokens after it), in the engine (that schedule's start to the end of the
+    first `update_from_output` after it), the host span of the `execute_model` of those tokens, and after (to the
+    client's first chunk). None where the steps do not show the prompt (no step times, or not alone)."""
+    schedules, outputs = steps.get("schedule", []), steps.get("output", [])
+    first = next((row for row in schedules[bisect.bisect_left(schedules, (sent,)):] if row[2] >= length), None)
+    if first is None:
+        return None
+    end = next((e for s_, e, _ in outputs[bisect.bisect_left(outputs, (first[0],)):]), None)
+    execute = next((e - s_ for s_, e, t in steps.get("execute", []) if s_ >= first[0] and t >= length), None)
+    arrived = sent + ttft_ms / 1e3
+    if end is None or execute is None or end > arrived:
+        return None
+    return {"before_ms": (first[0] - sent) * 1e3, "engine_ms": (end - first[0]) * 1e3, "execute_ms": execute * 1e3,
+            "after_ms": (arrived - end) * 1e3}
+
+
+def probe(url: str, models: list[str], args, vocab: int, steps_dir: Path | None = None) -> dict:
+    """Every (length, model) `--prompts` times, interleaved, each after `--gap` s idle: TTFT ms by key, and with
+    `steps_dir` (the server's ESFTCTL_STEP_TIMES) each prompt's split (split_ttft), medians by key."""
     rng = random.Random(0)
 
     def prompt(length: int) -> list[int]:
@@ -79,15 +119,28 @@ def probe(url: str, models: list[str], args, vocab: int) -> dict:
             first_chunk_ms(url, model, prompt(length), args.output)
     before = server_times([url])
     out: dict[str, list[float]] = {}
+    sent: dict[str, list[tuple[float, int]]] = {}
     for _ in range(args.prompts):
         for length in args.lengths:
             for model in models:
                 time.sleep(args.gap)
-                out.setdefault(f"{model} {length}", []).append(first_chunk_ms(url, model, prompt(length), args.output))
+                key = f"{model} {length}"
+                sent.setdefault(key, []).append((time.perf_counter(), length))  # the client's clock is the engine's
+                out.setdefault(key, []).append(first_chunk_ms(url, model, prompt(length), args.output))
+    server = server_means(before, server_times([url]))
     summary = {key: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v),
                      "quartiles_ms": quartiles(v),
                      "ttft_ms": [round(t, 3) for t in v]} for key, v in out.items()}
-    return {"ttft": summary, "server": server_means(before, server_times([url]))}
+    if steps_dir is not None:
+        time.sleep(0.5)  # a pause, then one request: the engine writes the last prompt's step times at its first step
+        first_chunk_ms(url, models[0], prompt(8), 1)
+        steps = engine_steps(steps_dir)
+        for key, v in out.items():
+            splits = [x for (at, length), t in zip(sent[key], v) if (x := split_ttft(steps, at, t, length))]
+            summary[key]["engine_split"] = {part: statistics.median(x[part] for x in splits) for part in
+                                            ("before_ms", "engine_ms", "execute_ms", "after_ms")} if splits else None
+            summary[key]["engine_split_n"] = len(splits)
+    return {"ttft": summary, "server": server}
 
 
 def probe_parser(doc: str, name: str, *, arms: str) -> argparse.ArgumentParser:
@@ -130,6 +183,9 @@ def main() -> None:
         esft = arm != "plain"
         state = args.work / "state" / arm if arm == "esftctl-step-write" else None  # None: a temporary one in /tmp
         server = arm_plan(served, esft, engine_args, state_dir=state)
+        steps_dir = (args.out / "steps" / arm).resolve()
+        steps_dir.mkdir(parents=True, exist_ok=True)
+        os.environ[STEP_TIMES_ENV] = str(steps_dir)  # the server's processes inherit it
         path = os.environ.get("PYTHONPATH", "")
         if arm == "esftctl-step-write":
             os.environ["PYTHONPATH"] = f"{SHIM}:{path}" if path else str(SHIM)
@@ -139,7 +195,7 @@ def main() -> None:
                 running.wait_ready(timeout=1200)
                 print(f"{arm}: ready in {time.perf_counter() - start:.0f} s; state {server.state}", flush=True)
                 models = ["base", *list(served.bundles)[:1]] if esft else ["base"]
-                result["arms"][arm] = probe(server.url, models, args, vocab)
+                result["arms"][arm] = probe(server.url, models, args, vocab, steps_dir)
                 result["arms"][arm]["state"] = str(server.state)
                 if esft:  # the engine's last refresh says which write it ran
                     written = request(server.url, "/esftctl/status").get("status_write", "off the steps")
@@ -152,6 +208,9 @@ def main() -> None:
             q1, q3 = s["quartiles_ms"]
             print(f"{arm:20s} {key:14s} median {s['median_ms']:7.2f} ms  quartiles {q1:7.2f} {q3:7.2f}  "
                   f"min {s['min_ms']:7.2f}  max {s['max_ms']:7.2f}", flush=True)
+            if s.get("engine_split"):
+                print(f"{'':20s} {'':14s} medians of {s['engine_split_n']}: " + ", ".join(
+                    f"{part[:-3]} {ms:.2f}" for part, ms in s["engine_split"].items()) + " ms", flush=True)
         print(f"{arm:20s} server: {result['arms'][arm]['server']}", flush=True)
         (args.out / "ttft_alone.json").write_text(json.dumps(result, indent=1))
 
