@@ -93,10 +93,16 @@ class Decoder(threading.Thread):
         conn.close()  # vLLM aborts the request
 
 
+def arrival_windows(arrivals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Per arrival (sent at, TTFT ms), its window (s): from its sending to its first token, and the others of that
+    step (load.STALL_AFTER_S)."""
+    return [(sent, sent + ttft / 1e3 + STALL_AFTER_S) for sent, ttft in arrivals]
+
+
 def stalls(decoders: list[Decoder], arrivals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
     """Per arrival (sent at, TTFT ms), its stall (load.longest_gap over the decoders); and the decoders' gaps that
     end in no arrival's window (decode steps), all in ms."""
-    windows = [(sent, sent + ttft / 1e3 + STALL_AFTER_S) for sent, ttft in arrivals]
+    windows = arrival_windows(arrivals)
     worst = [longest_gap([d.times for d in decoders], start, end) * 1e3 for start, end in windows]
     others = [(after - before) * 1e3 for d in decoders for before, after in zip(d.times, d.times[1:])
               if not any(start < after <= end for start, end in windows)]
@@ -111,8 +117,7 @@ def engine_side(steps: dict, arrivals: list[tuple[float, float]], length: int) -
     outputs = [end for _, end, _ in steps.get("output", [])]
     mixed = [(start, end) for start, end, tokens in steps.get("execute", []) if tokens >= length]
     stall, span = [], []
-    for sent, ttft in arrivals:
-        end = sent + ttft / 1e3 + STALL_AFTER_S
+    for sent, end in arrival_windows(arrivals):
         stall.append(longest_gap([outputs], sent, end) * 1e3)
         span += [(e - s) * 1e3 for s, e in mixed if sent < s < end][:1]
     return {"engine_stall_ms": stall, "engine_stall_median_ms": statistics.median(stall) if stall else None,
@@ -123,10 +128,10 @@ def decode_steps(steps: dict, arrivals: list[tuple[float, float]], decoders: int
     """The engine's decode steps away from every arrival, as the engine saw them: the median period between the
     ends of consecutive `update_from_output` calls, and each part's median host span (schedule, execute, sample,
     output). Kept: the steps whose `execute_model` scheduled exactly `decoders` tokens and started outside each
-    arrival's window (from its sending to its first token), with the parts that follow such an execute. A period
-    longer than the parts' spans together is the step waiting on the GPU; two servers' difference in period
-    against their difference in spans says whether what one adds per decode step is host time or GPU time."""
-    windows = [(sent, sent + ttft / 1e3 + STALL_AFTER_S) for sent, ttft in arrivals]
+    arrival's window (arrival_windows), with the parts that follow such an execute. A period longer than the parts'
+    spans together is the step waiting on the GPU; two servers' difference in period against their difference in
+    spans says whether what one adds per decode step is host time or GPU time."""
+    windows = arrival_windows(arrivals)
 
     def quiet(t: float) -> bool:
         return not any(start <= t <= end for start, end in windows)

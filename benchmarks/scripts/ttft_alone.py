@@ -93,12 +93,15 @@ def split_ttft(steps: dict, sent: float, ttft_ms: float, length: int) -> dict | 
     first `schedule` of at least `length` tokens after it), in the engine (that schedule's start to the end of the
     first `update_from_output` after it), the host span of the `execute_model` of those tokens, and after (to the
     client's first chunk). None where the steps do not show the prompt (no step times, or not alone)."""
-    schedules, outputs = steps.get("schedule", []), steps.get("output", [])
-    first = next((row for row in schedules[bisect.bisect_left(schedules, (sent,)):] if row[2] >= length), None)
+    def after(part: str, t: float) -> list[tuple[float, float, int]]:  # the part's rows that start at t or later
+        rows = steps.get(part, [])
+        return rows[bisect.bisect_left(rows, (t,)):]
+
+    first = next((row for row in after("schedule", sent) if row[2] >= length), None)
     if first is None:
         return None
-    end = next((e for s_, e, _ in outputs[bisect.bisect_left(outputs, (first[0],)):]), None)
-    execute = next((e - s_ for s_, e, t in steps.get("execute", []) if s_ >= first[0] and t >= length), None)
+    end = next((e for _, e, _ in after("output", first[0])), None)
+    execute = next((e - s_ for s_, e, t in after("execute", first[0]) if t >= length), None)
     arrived = sent + ttft_ms / 1e3
     if end is None or execute is None or end > arrived:
         return None
