@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from esftctl.bench.step_profile import STEP, kernel_component, step_components
+from esftctl.bench.step_profile import STEP, kernel_component, kernel_diff, step_components
 
 
 def X(name, cat, ts, dur, tid=1, **args):
@@ -47,7 +47,8 @@ def test_two_steps_split_into_components():
     assert gpu["router"] == gpu["dense_gemm"] == gpu["other_gpu"] == 0
     assert split["cpu"] == pytest.approx({"scheduler": 0.1, "lora_mapping": 0.03, "esftctl_worker": 0.015})
     assert split["graph_kernels_seen"] and split["graph_launches_per_step"] == 1
-    assert split["top_kernels"][0]["name"] == "fused_moe_kernel" and split["top_kernels"][0]["per_step"] == 1
+    first, record = next(iter(split["kernels"].items()))  # the kernels by time, most first
+    assert first == "fused_moe_kernel" and record["per_step"] == 1 and record["component"] == "moe_kernel"
 
 
 def test_a_trace_without_graph_kernels_says_so_and_without_steps_is_refused():
@@ -58,10 +59,38 @@ def test_a_trace_without_graph_kernels_says_so_and_without_steps_is_refused():
         step_components({"traceEvents": [e for e in events if e["name"] != STEP]})
 
 
+def shaped(events: list[dict], name: str, dur: float, regs: int, block: list[int]) -> list[dict]:
+    """The steps' events with kernel `name` lasting `dur` us and launched with `regs` registers and `block`."""
+    out = []
+    for e in events:
+        if e["name"] == name:
+            e = {**e, "dur": dur, "args": {**e["args"], "registers per thread": regs, "block": block}}
+        out.append(e)
+    return out
+
+
+def test_kernel_diff_lines_two_splits_up_by_name_with_their_launch_shapes():
+    """Plain vLLM's steps (no reroute; attention 38 us with 28 registers x 256 threads) against esftctl's (the
+    reroute's 2 us; attention 41 us with 52 x 128: the same kernel compiled with another tile)."""
+    steps = one_step(0, 10) + one_step(1000, 20)
+    plain = step_components({"traceEvents": shaped([e for e in steps if e["name"] != "_reroute_kernel"],
+                                                   "flash_fwd_splitkv_mla_kernel", 38, 28, [256, 1, 1])})
+    esft = step_components({"traceEvents": shaped(steps, "flash_fwd_splitkv_mla_kernel", 41, 52, [128, 1, 1])})
+    rows = kernel_diff(plain, esft)
+    assert [r["name"] for r in rows[:2]] == ["flash_fwd_splitkv_mla_kernel", "_reroute_kernel"]
+    attention, reroute = rows[0], rows[1]
+    assert attention["delta_ms"] == pytest.approx(0.003) and attention["shapes_differ"]
+    assert (attention["base_shape"], attention["other_shape"]) == ("28 regs x 256 threads", "52 regs x 128 threads")
+    assert reroute["base_ms"] == 0 and reroute["other_ms"] == pytest.approx(0.002) and not reroute["shapes_differ"]
+    assert all(r["delta_ms"] == 0 for r in rows[2:]) and len(kernel_diff(plain, esft, limit=1)) == 1
+
+
 @pytest.mark.parametrize("name, component", [
     ("_reroute_kernel", "reroute"), ("void moe::topkGatingSoftmax<float, 8>", "router"),
     ("fused_moe_kernel", "moe_kernel"), ("void vllm::moe::moe_align_block_size_kernel<int>", "moe_kernel"),
     ("void flash::flash_fwd_splitkv_mla_kernel<>", "attention"), ("vllm::concat_and_cache_mla_kernel", "attention"),
-    ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT", "dense_gemm"), ("triton_red_fused_rms_norm_0", "other_gpu")])
+    ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT", "dense_gemm"), ("triton_red_fused_rms_norm_0", "other_gpu"),
+    ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>", "router"),
+    ("triton_red_fused__softmax_exp_max_prepare_softmax_online_sub_view_0", "router")])
 def test_kernel_names_map_to_components(name, component):
     assert kernel_component(name) == component

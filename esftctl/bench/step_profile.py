@@ -15,6 +15,13 @@ model predicts almost no extra expert rows at such batches. This splits a step i
 Under CUDA graphs the kernels of a replay are correlated with `cudaGraphLaunch`; if the trace holds none of
 them (a profiler that does not trace graph nodes), `graph_kernels_seen` is False and only the step, the busy
 time and the host gap stand: an eager run gives the split.
+
+Components hide what changed inside them, so each kernel name's time and launch shape (registers a thread and
+threads a block) is kept too, and `kernel_diff` lines two splits up by name. On an H200 (2026-11-29) that showed
+the one kernel besides the reroute where esftctl's decode step differed from plain vLLM's: the `int32` cast at
+the end of vLLM's compiled `grouped_topk`, the same source in both processes, 1.15 us with 28 registers and 256
+threads in plain vLLM and 2.9 us with 52 and 128 in esftctl. Inductor autotunes such kernels on their first
+call and keeps the pick per process's cache, so a pick is luck, and it is made once per layer's kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ SCOPE = "esftctl: "  # esftctl.runtime.vllm.profiling.SCOPE (this module imports
 STEP, MODEL_STEP = SCOPE + "engine_step", SCOPE + "execute_model"
 GPU_RULES = (  # (component, kernel name pattern): the first that matches
     ("reroute", r"reroute"),
-    ("router", r"topk_softmax|topkGating|grouped_topk|moeSoftmax|moeTopK|topk_sigmoid"),
+    ("router", r"topk_softmax|topkGating|grouped_topk|moeSoftmax|moeTopK|topk_sigmoid|gatherTopK|sbtopk|"
+               r"triton_\w*_softmax"),  # vLLM's compiled grouped_topk: Inductor's softmax, then torch.topk
     ("moe_kernel", r"fused_moe|moe_align|moe_sum|sort_expert|count_and_sort|moe_lora"),
     ("attention", r"flash|mla|attn|attention|fmha|concat_and_cache|reshape_and_cache|rotary|rope"),
     ("dense_gemm", r"gemm|gemv|nvjet|cutlass|xmma|matmul|splitk|cublas"),
@@ -82,7 +90,7 @@ def step_components(trace: dict) -> dict:
         return any(s["tid"] == launch["tid"] and s["ts"] <= launch["ts"] <= s["ts"] + s["dur"] for s in sampling)
 
     gpu = defaultdict(float)
-    kernels = defaultdict(lambda: [0.0, 0, ""])
+    kernels = defaultdict(lambda: [0.0, 0, "", ""])  # name -> time, count, component, launch shape
     busy, graph_kernels = [], 0
     for e in events:
         kind = GPU_CATEGORIES.get(e.get("cat"))
@@ -101,6 +109,8 @@ def step_components(trace: dict) -> dict:
         gpu[component] += span[1] - span[0]
         k = kernels[e["name"]]
         k[0], k[1], k[2] = k[0] + span[1] - span[0], k[1] + 1, component
+        if kind == "kernel":
+            k[3] = launch_shape(e.get("args", {}))
     cpu = {}
     for component, parts in CPU_PARTS.items():
         names = {SCOPE + p for p in parts}
@@ -108,14 +118,39 @@ def step_components(trace: dict) -> dict:
                                  if (s := _clip(e["ts"], e["ts"] + e["dur"], lo, hi))]) / n / 1e3
     graph_launches = sum(1 for e in launches.values() if "GraphLaunch" in e["name"] and lo <= e["ts"] <= hi)
     step_ms, busy_ms = (hi - lo) / n / 1e3, _union(busy) / n / 1e3
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
     return {
         "steps": n, "step_ms": step_ms, "gpu_busy_ms": busy_ms, "host_gap_ms": step_ms - busy_ms,
         "gpu": {c: gpu.get(c, 0.0) / n / 1e3 for c in GPU_COMPONENTS}, "cpu": cpu,
         "graph_launches_per_step": graph_launches / n, "graph_kernels_seen": graph_kernels > 0,
-        "top_kernels": [{"name": name[:90], "ms": t / n / 1e3, "per_step": c / n, "component": comp}
-                        for name, (t, c, comp) in top],
+        "kernels": {name[:90]: {"ms": t / n / 1e3, "per_step": c / n, "component": comp, "shape": shape}
+                    for name, (t, c, comp, shape) in sorted(kernels.items(), key=lambda kv: -kv[1][0])},
     }
+
+
+def launch_shape(args: dict) -> str:
+    """A kernel's launch as the profiler records it: "R regs x T threads" (the same source compiled with another
+    tile shows here), or "" where the trace does not say."""
+    regs, block = args.get("registers per thread"), args.get("block")
+    if regs is None or not block:
+        return ""
+    threads = 1
+    for b in block:
+        threads *= b
+    return f"{regs} regs x {threads} threads"
+
+
+def kernel_diff(base: dict, other: dict, limit: int = 10) -> list[dict]:
+    """The kernels whose time per step differs most between two splits (`other` minus `base`, ms), by name; a
+    kernel in one split only counts 0 in the other. `shapes_differ`: both ran it, with different launch shapes."""
+    a, b = base.get("kernels", {}), other.get("kernels", {})
+    rows = []
+    for name in a.keys() | b.keys():
+        x, y = a.get(name, {}), b.get(name, {})
+        rows.append({"name": name, "base_ms": x.get("ms", 0.0), "other_ms": y.get("ms", 0.0),
+                     "delta_ms": y.get("ms", 0.0) - x.get("ms", 0.0), "base_shape": x.get("shape", ""),
+                     "other_shape": y.get("shape", ""),
+                     "shapes_differ": bool(x.get("shape") and y.get("shape") and x["shape"] != y["shape"])})
+    return sorted(rows, key=lambda r: (-abs(r["delta_ms"]), r["name"]))[:limit]
 
 
 ROWS = (("step (profiled)", "step_ms"), ("GPU busy", "gpu_busy_ms"), ("host gap (GPU idle)", "host_gap_ms"),
