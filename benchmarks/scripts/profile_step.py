@@ -17,7 +17,11 @@ would run out):
 - esft-eager / plain-eager: the same eagerly, where every kernel is launched by name (the per-kernel split if the
   profiler does not trace graph nodes; and what graphs save);
 - esft-vllm-graphs (`--capture-ab`): esftctl with vLLM's own LoRA graph sets (two), for the capture time and graph
-  memory vLLM logs, against esft-graphs.
+  memory vLLM logs, against esft-graphs;
+- fold-graphs (only when named in `--passes`): esft-graphs with the reroute folded into vLLM's compiled top-k
+  (ESFTCTL_FOLD_REROUTE=1, esftctl.runtime.vllm.topk), which should launch no reroute kernel.
+Beside each table, every esftctl column's kernels that differ most from plain vLLM's, with their launch shapes
+where those differ (esftctl.bench.step_profile.kernel_diff: Inductor's autotuned picks are per process).
 Each batch: B requests of 32 prompt tokens, greedy, `--warm` steps, `--timed` steps timed without the profiler
 (the step time to believe: the profiler slows the host), then `--steps` profiled. Mixes: base (no adapter; through
 esftctl's runtime in the esft passes), 1 adapter (all B on one), 20 adapters (the B requests on B distinct ones).
@@ -51,9 +55,11 @@ PASSES = {  # name -> (esftctl's runtime, eager, esftctl's one set of graphs); t
     "plain-graphs": (False, False, True),
     "esft-eager": (True, True, True),
     "plain-eager": (False, True, True),
+    "fold-graphs": (True, False, True),  # esft-graphs with the reroute folded into vLLM's top-k (FOLD_ENV)
     "esft-vllm-graphs": (True, False, False),
 }
-PASS_SECONDS = {"esft-graphs": 100, "plain-graphs": 80, "esft-eager": 60, "plain-eager": 50, "esft-vllm-graphs": 90}
+PASS_SECONDS = {"esft-graphs": 100, "plain-graphs": 80, "esft-eager": 60, "plain-eager": 50, "fold-graphs": 100,
+                "esft-vllm-graphs": 90}
 ADAPTERS, PROMPT = 20, 32
 LOG_PATTERNS = {"graph_capture_s": r"Graph capturing finished in ([\d.]+) secs", "graph_gib":
                 r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB", "init_engine_s":
@@ -283,7 +289,8 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=5)
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch and mix")
-    parser.add_argument("--passes", default=",".join(p for p in PASSES if p != "esft-vllm-graphs"))
+    parser.add_argument("--passes", default=",".join(p for p in PASSES if p not in ("esft-vllm-graphs", "fold-graphs")),
+                        help="of " + ", ".join(PASSES) + " (fold-graphs: esft-graphs with ESFTCTL_FOLD_REROUTE=1)")
     parser.add_argument("--capture-ab", action="store_true", help="also esft-vllm-graphs (vLLM's two graph sets)")
     parser.add_argument("--budget", type=float, default=330, help="seconds for everything; later passes are skipped")
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run on vLLM's CPU build")
@@ -301,6 +308,8 @@ def main() -> None:
     started = time.monotonic()
     base, bundles = prepare(Path(args.work), args.layers, args.small)
     print(f"model and adapters ready in {time.monotonic() - started:.0f} s", flush=True)
+    from esftctl.runtime.vllm.topk import FOLD_ENV
+
     passes = args.passes.split(",") + (["esft-vllm-graphs"] if args.capture_ab else [])
     results, skipped = {}, []
     for name in passes:
@@ -317,7 +326,8 @@ def main() -> None:
         t0 = time.monotonic()
         with open(log, "w") as f:
             try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left).returncode
+                env = {**os.environ, FOLD_ENV: "1"} if name.startswith("fold") else None
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left, env=env).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         text = log.read_text(errors="replace")
@@ -331,6 +341,22 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     report(results)
     print(f"skipped for the budget: {skipped}" if skipped else "every pass ran", f"; {summary['total_s']:.0f} s")
+
+
+def diff_table(title: str, plain: dict, other: dict):
+    """The kernels whose time differs most from plain vLLM's (esftctl.bench.step_profile.kernel_diff)."""
+    from rich.table import Table
+
+    from esftctl.bench.step_profile import kernel_diff
+
+    table = Table(title=f"{title} (us per step; the kernels that differ most)")
+    for c in ("kernel", "plain", "esftctl", "delta", "launch shapes, where they differ"):
+        table.add_column(c, justify="left" if c[0] in "kl" else "right")
+    for d in kernel_diff(plain, other, limit=6):
+        shapes = f"{d['base_shape']} / {d['other_shape']}" if d["shapes_differ"] else ""
+        table.add_row(d["name"][:70], f"{d['base_ms'] * 1e3:.1f}", f"{d['other_ms'] * 1e3:.1f}",
+                      f"{d['delta_ms'] * 1e3:+.1f}", shapes)
+    return table
 
 
 def report(results: dict) -> None:
@@ -361,6 +387,10 @@ def report(results: dict) -> None:
                 table.add_row(label, *(f"{v:.3f}" if (v := row_value(r, key)) is not None else "-" for _, r in cols))
             table.add_row("graph kernels seen", *(str(r["graph_kernels_seen"]) for _, r in cols))
             console.print(table)
+            plain = next((r for label, r in cols if label.startswith("plain ") and r.get("kernels")), None)
+            for label, r in cols:
+                if plain is not None and r is not plain and r.get("kernels"):
+                    console.print(diff_table(f"{title}, {mode}: {label} against plain vLLM", plain, r))
     capture = Table(title="engine start-up (vLLM's log)")
     for c in ("pass", "capture s", "graph GiB", "V2 runner", "rc"):
         capture.add_column(c)

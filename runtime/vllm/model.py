@@ -23,10 +23,13 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
   some adapter row would be dropped or mis-mapped (esftctl.runtime.vllm.moe);
 - sets device memory aside for the adapter budget (or the paging window) before vLLM sizes its KV cache
   from the memory left free: adapters load after that sizing;
-- sets the router's capture callback, which vLLM calls with the logical top-k ids before it uses them, to
-  rewrite them in place: ids[t, j] = table[adapter(t), ids[t, j]] (esftctl.kernels.reroute). The per-token
-  adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it each
-  step. Static shapes, no host synchronization: CUDA graphs replay it as they replay the router.
+- reroutes each token's top-k ids to its adapter's rows, ids[t, j] = table[adapter(t), ids[t, j]]
+  (esftctl.kernels.reroute): with ESFTCTL_FOLD_REROUTE=1 inside vLLM's compiled grouped top-k where the router
+  computes one (DeepSeek's: esftctl.runtime.vllm.topk, no kernel of its own), else through the router's capture
+  callback, which vLLM
+  calls with the logical ids before it uses them, rewriting them in place. The per-token adapter slots live in
+  one persistent buffer shared by all layers; `set_token_adapters` fills it each step. Static shapes, no host
+  synchronization: CUDA graphs replay it as they replay the router.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ from esftctl.runtime.vllm.moe import (
     set_scales,
     widen_to_rows,
 )
+from esftctl.runtime.vllm.topk import enabled as fold_enabled
+from esftctl.runtime.vllm.topk import fold_reroute
 from esftctl.units import format_bytes
 
 HOST_PAGE = 16 * mmap.PAGESIZE  # 64 KiB: small experts (the tiny models' are ~100 KB) still share pages
@@ -354,7 +359,8 @@ class EsftModel:
             set_expert_map(engine, layer.expert_map)
         engine.experts.esft_kernel_config = kernel_config(engine, layer.base_rows)
         engine.experts.esft_base_experts = layer.base_rows
-        engine.router.set_capture_fn(self._rerouter(layer.table, engine.router.capture_fn))
+        if not (fold_enabled() and fold_reroute(engine.router, self.token_adapters, layer.table)):
+            engine.router.set_capture_fn(self._rerouter(layer.table, engine.router.capture_fn))
         return layer
 
     def _rerouter(self, table: torch.Tensor, previous: Callable | None) -> Callable[[torch.Tensor], None]:
