@@ -66,6 +66,10 @@ def test_folded_routing_gives_vllms_weights_and_the_rerouted_ids(name, device):
     table[0] = torch.arange(E)  # slot 0 unloaded in place: its tokens route to the base rows
     weights, ids = routed(plain, device, 7)
     assert torch.equal(routed(folded, device, 7)[1], reroute_reference(ids, adapters[:TOKENS], table))
+    other = table.clone()
+    other[2, 0] = 1  # the base row changed, so the fold below must read this table, and only it, once
+    assert fold_reroute(folded, adapters, other)
+    assert torch.equal(routed(folded, device, 7)[1], reroute_reference(ids, adapters[:TOKENS], other))
 
 
 def test_routing_that_bypasses_the_compiled_top_k_is_rerouted_after_it(monkeypatch):

@@ -132,7 +132,8 @@ def fold_reroute(router, adapter_ids: torch.Tensor, table: torch.Tensor) -> bool
     it). A call whose routing does not pass through `grouped_topk` after all is rerouted after it, by the kernel."""
     if not folds(router) or not install():
         return False
-    compute = router._compute_routing
+    compute = getattr(router, "_esft_unfolded", None) or router._compute_routing  # folded again: the table anew
+    router._esft_unfolded = compute
 
     @functools.wraps(compute)
     def compute_rerouted(hidden_states, router_logits, indices_type, **kwargs):
