@@ -18,10 +18,11 @@ time and the host gap stand: an eager run gives the split.
 
 Components hide what changed inside them, so each kernel name's time and launch shape (registers a thread and
 threads a block) is kept too, and `kernel_diff` lines two splits up by name. On an H200 (2026-11-29) that showed
-the one kernel besides the reroute where esftctl's decode step differed from plain vLLM's: the `int32` cast at
-the end of vLLM's compiled `grouped_topk`, the same source in both processes, 1.15 us with 28 registers and 256
-threads in plain vLLM and 2.9 us with 52 and 128 in esftctl. Inductor autotunes such kernels on their first
-call and keeps the pick per process's cache, so a pick is luck, and it is made once per layer's kernel.
+that, besides the reroute, the kernels where esftctl's decode step differed from plain vLLM's were ones Inductor
+compiled from the same source in both processes and launched with another shape, some faster, some slower: e.g.
+the `int32` cast at the end of vLLM's compiled `grouped_topk`, 1.15 us with 28 registers and 256 threads in plain
+vLLM and 2.9 us with 52 and 128 in esftctl. Inductor autotunes such kernels on their first call and each process
+keeps its own pick, so a pick is luck, made once for a kernel that may run once a layer.
 """
 
 from __future__ import annotations
