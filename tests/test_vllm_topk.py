@@ -17,7 +17,7 @@ from esftctl.kernels.reroute import reroute_reference
 from esftctl.runtime.vllm import topk
 from esftctl.runtime.vllm.topk import fold_reroute, folds
 
-E, K, TOKENS, BUFFER = 16, 4, 5, 8
+E, K, TOKENS = 16, 4, 5  # and an adapter buffer of 8 (table_and_adapters)
 ROUTERS = {  # name -> GroupedTopKRouter's arguments past top_k and global_num_experts
     "deepseek_v2": dict(num_expert_group=1, topk_group=1, renormalize=False),
     "deepseek_v3": dict(num_expert_group=4, topk_group=2, renormalize=True, scoring_func="sigmoid",
