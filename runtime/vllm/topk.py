@@ -13,7 +13,8 @@ the lookup does not touch (it reads the ids after torch.topk, an extern kernel t
 across), and the ids are integers. Routers that compute elsewhere (fused_topk's CUDA kernel: Qwen, Mixtral,
 OLMoE; vLLM 0.32's DeepSeek-V2 with one group, which it routes as fused_topk; ROCm's AITER; vLLM's CPU router)
 keep the capture callback: `fold_reroute` says which, and a call that did not pass through the compiled top-k is
-rerouted after it all the same.
+rerouted after it all the same. Unlike the plugin's patches (PATCHED, refused at start-up when vLLM lacks a name),
+a vLLM without `grouped_topk` or `_compute_routing` where this looks for them only loses the fold.
 
 Off unless ESFTCTL_FOLD_REROUTE=1 is in the server's environment (`enabled`), until the GPU's serving exactness
 tests and step profile have run with it: the CPU build routes with its own router, so only the unit tests
@@ -114,7 +115,8 @@ def enabled() -> bool:
 def folds(router) -> bool:
     """Whether `router` computes its routing in vLLM's compiled `grouped_topk`: a GroupedTopKRouter whose experts
     divide into more than one expert each per group (vLLM's `valid_grouping`), off ROCm's AITER."""
-    if type(router).__name__ != "GroupedTopKRouter" or getattr(router, "capture_fn", None) is not None:
+    if (type(router).__name__ != "GroupedTopKRouter" or getattr(router, "capture_fn", None) is not None
+            or not hasattr(router, "_compute_routing")):  # a vLLM that renamed it reroutes as before
         return False
     experts, groups = getattr(router, "global_num_experts", 0), getattr(router, "num_expert_group", None) or 0
     if groups <= 0 or experts <= groups or experts % groups:
