@@ -19,7 +19,10 @@ would run out):
 - esft-vllm-graphs (`--capture-ab`): esftctl with vLLM's own LoRA graph sets (two), for the capture time and graph
   memory vLLM logs, against esft-graphs;
 - fold-graphs (only when named in `--passes`): esft-graphs with the reroute folded into vLLM's compiled top-k
-  (ESFTCTL_FOLD_REROUTE=1, esftctl.runtime.vllm.topk), which should launch no reroute kernel.
+  (ESFTCTL_FOLD_REROUTE=1, esftctl.runtime.vllm.topk), which should launch no reroute kernel;
+- plain2-graphs (only when named): plain-graphs again. With `--fresh-caches` every pass compiles in a compile cache
+  of its own (VLLM_CACHE_ROOT), so Inductor draws its autotuned picks afresh: `--passes plain-graphs,plain2-graphs
+  --fresh-caches` measures how far two starts of plain vLLM alone differ by them (kernel diff below).
 Beside each table, every esftctl column's kernels that differ most from plain vLLM's, with their launch shapes
 where those differ (esftctl.bench.step_profile.kernel_diff: Inductor's autotuned picks are per process).
 Each batch: B requests of 32 prompt tokens, greedy, `--warm` steps, `--timed` steps timed without the profiler
@@ -56,12 +59,14 @@ PASSES = {  # name -> (esftctl's runtime, eager, esftctl's one set of graphs); t
     "esft-eager": (True, True, True),
     "plain-eager": (False, True, True),
     "fold-graphs": (True, False, True),  # esft-graphs with the reroute folded into vLLM's top-k (FOLD_ENV)
+    "plain2-graphs": (False, False, True),  # plain-graphs again (with --fresh-caches: its own picks)
     "esft-vllm-graphs": (True, False, False),
 }
 # A pass's seconds at the default steps, with a margin: on an H200 (2026-11-29) esft-graphs took 105 s and
 # plain-graphs 86 at batches 1,2 (the engine's start is most of it); a pass started with less left is cut.
 PASS_SECONDS = {"esft-graphs": 120, "plain-graphs": 100, "esft-eager": 60, "plain-eager": 50, "fold-graphs": 120,
-                "esft-vllm-graphs": 110}
+                "plain2-graphs": 100, "esft-vllm-graphs": 110}
+OPT_IN_PASSES = ("esft-vllm-graphs", "fold-graphs", "plain2-graphs")  # run only when named (or --capture-ab)
 ADAPTERS, PROMPT = 20, 32
 LOG_PATTERNS = {"graph_capture_s": r"Graph capturing finished in ([\d.]+) secs", "graph_gib":
                 r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB", "init_engine_s":
@@ -291,8 +296,11 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=5)
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch and mix")
-    parser.add_argument("--passes", default=",".join(p for p in PASSES if p not in ("esft-vllm-graphs", "fold-graphs")),
-                        help="of " + ", ".join(PASSES) + " (fold-graphs: esft-graphs with ESFTCTL_FOLD_REROUTE=1)")
+    parser.add_argument("--passes", default=",".join(p for p in PASSES if p not in OPT_IN_PASSES),
+                        help="of " + ", ".join(PASSES) + " (fold-graphs: esft-graphs with ESFTCTL_FOLD_REROUTE=1; "
+                             "plain2-graphs: plain-graphs again)")
+    parser.add_argument("--fresh-caches", action="store_true",
+                        help="each pass compiles in its own new cache (Inductor's autotuned picks drawn afresh)")
     parser.add_argument("--capture-ab", action="store_true", help="also esft-vllm-graphs (vLLM's two graph sets)")
     parser.add_argument("--budget", type=float, default=330, help="seconds for everything; later passes are skipped")
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run on vLLM's CPU build")
@@ -328,7 +336,11 @@ def main() -> None:
         t0 = time.monotonic()
         with open(log, "w") as f:
             try:
-                env = {**os.environ, FOLD_ENV: "1"} if name.startswith("fold") else None
+                env = dict(os.environ)
+                if name.startswith("fold"):
+                    env[FOLD_ENV] = "1"
+                if args.fresh_caches:
+                    env["VLLM_CACHE_ROOT"] = str(Path(args.work).resolve() / f"cache-{name}-{os.getpid()}")
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left, env=env).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -345,15 +357,16 @@ def main() -> None:
     print(f"skipped for the budget: {skipped}" if skipped else "every pass ran", f"; {summary['total_s']:.0f} s")
 
 
-def diff_table(title: str, plain: dict, other: dict):
-    """The kernels whose time differs most from plain vLLM's (esftctl.bench.step_profile.kernel_diff)."""
+def diff_table(title: str, plain: dict, other: dict, label: str):
+    """The kernels whose time differs most from plain vLLM's (esftctl.bench.step_profile.kernel_diff); `label`
+    names the other column."""
     from rich.table import Table
 
     from esftctl.bench.step_profile import kernel_diff
 
     table = Table(title=f"{title} (us per step; the kernels that differ most)")
-    for c in ("kernel", "plain", "esftctl", "delta", "launch shapes, where they differ"):
-        table.add_column(c, justify="left" if c[0] in "kl" else "right")
+    for c in ("kernel", "plain", label, "delta", "launch shapes, where they differ"):
+        table.add_column(c, justify="left" if c in ("kernel", "launch shapes, where they differ") else "right")
     for d in kernel_diff(plain, other, limit=6):
         shapes = f"{d['base_shape']} / {d['other_shape']}" if d["shapes_differ"] else ""
         table.add_row(d["name"][:70], f"{d['base_ms'] * 1e3:.1f}", f"{d['other_ms'] * 1e3:.1f}",
@@ -392,7 +405,7 @@ def report(results: dict) -> None:
             plain = next((r for label, r in cols if label.startswith("plain ") and r.get("kernels")), None)
             for label, r in cols:
                 if plain is not None and r is not plain and r.get("kernels"):
-                    console.print(diff_table(f"{title}, {mode}: {label} against plain vLLM", plain, r))
+                    console.print(diff_table(f"{title}, {mode}: {label} against plain vLLM", plain, r, label))
     capture = Table(title="engine start-up (vLLM's log)")
     for c in ("pass", "capture s", "graph GiB", "V2 runner", "rc"):
         capture.add_column(c)
