@@ -60,7 +60,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from ttft_alone import arm_plan, engine_steps, first_chunk_ms, prepare, probe_parser, quartiles
+from ttft_alone import arm_plan, first_chunk_ms, prepare, probe_parser, quartiles, steps_so_far
 
 from esftctl.bench.load import STALL_AFTER_S, longest_gap
 from esftctl.bench.serve import PROFILES, with_capture_size
@@ -222,9 +222,7 @@ def phase(url: str, model: str, args, vocab: int, rng: random.Random, profile: b
            "compiled": {when: [name for t, name in kernels if start <= t < end]
                         for when, start, end in zip(("before", "first arrival", "later"), stamps, stamps[1:])}}
     if steps_dir is not None:
-        time.sleep(0.5)  # a pause, then one request: the engine writes the phase's step times at its first step
-        first_chunk_ms(url, model, prompt(8), 1)
-        steps = engine_steps(steps_dir)
+        steps = steps_so_far(url, model, prompt(8), steps_dir)
         out |= engine_side(steps, arrivals, args.length) | decode_steps(steps, arrivals, args.decoders)
     return out
 

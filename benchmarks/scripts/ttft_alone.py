@@ -88,6 +88,14 @@ def engine_steps(folder: Path) -> dict[str, list[tuple[float, float, int]]]:
     return {part: sorted(rows) for part, rows in parts.items()}
 
 
+def steps_so_far(url: str, model: str, prompt: list[int], folder: Path) -> dict[str, list[tuple[float, float, int]]]:
+    """engine_steps after a pause and one more request (`prompt`, one token): the engine writes the step times
+    before a pause at its next step."""
+    time.sleep(0.5)
+    first_chunk_ms(url, model, prompt, 1)
+    return engine_steps(folder)
+
+
 def split_ttft(steps: dict, sent: float, ttft_ms: float, length: int) -> dict | None:
     """One lone prompt's TTFT as the engine's step times place it (ms): before the engine (sent to the start of the
     first `schedule` of at least `length` tokens after it), in the engine (that schedule's start to the end of the
@@ -135,9 +143,7 @@ def probe(url: str, models: list[str], args, vocab: int, steps_dir: Path | None 
                      "quartiles_ms": quartiles(v),
                      "ttft_ms": [round(t, 3) for t in v]} for key, v in out.items()}
     if steps_dir is not None:
-        time.sleep(0.5)  # a pause, then one request: the engine writes the last prompt's step times at its first step
-        first_chunk_ms(url, models[0], prompt(8), 1)
-        steps = engine_steps(steps_dir)
+        steps = steps_so_far(url, models[0], prompt(8), steps_dir)
         for key, v in out.items():
             splits = [x for (at, length), t in zip(sent[key], v) if (x := split_ttft(steps, at, t, length))]
             summary[key]["engine_split"] = {part: statistics.median(x[part] for x in splits) for part in
