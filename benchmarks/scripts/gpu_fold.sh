@@ -24,8 +24,9 @@ pack "tests: exit $tests"
 
 python3 benchmarks/scripts/profile_step.py --out /tmp/fold/profile --passes esft-graphs,plain-graphs,fold-graphs \
   --batches 1,2 --prefill 256 --budget 500 > /tmp/fold/profile.log 2>&1
+profile=$?
 rm -f /tmp/fold/profile/*.json.gz  # the traces: their splits are in results.json
-pack "profile: exit $? ($(tail -1 /tmp/fold/profile.log))"
+pack "profile: exit $profile ($(tail -1 /tmp/fold/profile.log))"
 
 if [ "$tests" -eq 0 ]; then
   python3 benchmarks/scripts/mixed_step.py --out /tmp/fold/ms --work /dev/shm/bench --arms plain,esftctl,esftctl-fold \
