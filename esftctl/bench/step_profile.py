@@ -27,6 +27,7 @@ keeps its own pick, so a pick is luck, made once for a kernel that may run once 
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 
@@ -134,10 +135,7 @@ def launch_shape(args: dict) -> str:
     regs, block = args.get("registers per thread"), args.get("block")
     if regs is None or not block:
         return ""
-    threads = 1
-    for b in block:
-        threads *= b
-    return f"{regs} regs x {threads} threads"
+    return f"{regs} regs x {math.prod(block)} threads"
 
 
 def kernel_diff(base: dict, other: dict, limit: int = 10) -> list[dict]:
