@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The reroute folded into vLLM's compiled top-k (esftctl.runtime.vllm.topk, ESFTCTL_FOLD_REROUTE=1) on the GPU,
-# in one background job of about 25 minutes after ../shared/gpu/README.md's install (carry .world with the last
-# transfer):
+# in one background job of about 21 minutes after ../shared/gpu/README.md's install (carry .world with the last
+# transfer), so that it fits one session's 1,800 s of device time with the transfers and a margin:
 #   1. its GPU test and deepseek_v2's serving exactness tests with the fold on (CUDA graphs, and paged with graphs);
-#   2. the 4-layer step profile, plain vLLM against esftctl without and with the fold, batches 1 and 2 and a
-#      256-token prefill: the reroute kernel must be gone from fold-graphs' kernel diff;
+#   2. the 4-layer step profile, plain vLLM against esftctl with the fold, batches 1 and 2 and a 256-token
+#      prefill: the reroute kernel must be gone from fold-graphs' kernel diff (esftctl without the fold against
+#      plain vLLM is the twenty-fourth session's diff);
 #   3. the decode step on the real model (`mixed_step.py`, one round of plain, esftctl, esftctl-fold; skipped if
 #      the tests failed).
 # Each stage packs /tmp/fold into /tmp/fold.tgz when it ends, so a wait brings back what is done:
@@ -22,8 +23,8 @@ OUT=/tmp/fold ESFTCTL_FOLD_REROUTE=1 bash benchmarks/scripts/gpu_tests.sh fold-t
 tests=$?
 pack "tests: exit $tests"
 
-python3 benchmarks/scripts/profile_step.py --out /tmp/fold/profile --passes esft-graphs,plain-graphs,fold-graphs \
-  --batches 1,2 --prefill 256 --budget 500 > /tmp/fold/profile.log 2>&1
+python3 benchmarks/scripts/profile_step.py --out /tmp/fold/profile --passes plain-graphs,fold-graphs \
+  --batches 1,2 --prefill 256 --budget 330 > /tmp/fold/profile.log 2>&1
 profile=$?
 rm -f /tmp/fold/profile/*.json.gz  # the traces: their splits are in results.json
 pack "profile: exit $profile ($(tail -1 /tmp/fold/profile.log))"
