@@ -38,9 +38,10 @@ Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 4
 The decode step at low load (the grid's 1 request/s, where esftctl's decode steps took 0.10-0.13 ms more than plain
 vLLM's on one H200, 2026-11-29): `--decoders 2 --arrivals 6 --gap 1.5 --capture-sizes 512 --rounds 2` (about 2,500
 such steps a phase). There, in the twenty-fourth session, the period was 4.09-4.10 ms in plain vLLM and 4.15 in
-esftctl, base and adapter phases alike, with 2.2 ms of host spans: the GPU bounds the step. The arm
-`esftctl-fold` is esftctl with the reroute folded into vLLM's compiled top-k (ESFTCTL_FOLD_REROUTE=1,
-esftctl.runtime.vllm.topk): `--arms plain,esftctl,esftctl-fold` measures what the fold removes.
+esftctl, base and adapter phases alike, with 2.2 ms of host spans: the GPU bounds the step. Since
+2026-12-01 esftctl folds the reroute into vLLM's compiled top-k (esftctl.runtime.vllm.topk); the arm
+`esftctl-unfolded` is esftctl without the fold (ESFTCTL_FOLD_REROUTE=0, the reroute's own kernel a layer):
+`--arms plain,esftctl,esftctl-unfolded` measures what the fold removes.
 A smoke run on vLLM's CPU build (the tiny world's 256-token context): `--model tiny --length 8 --decoders 2
 --arrivals 3 --gap 0.05 --decode 180 --profile --profile-arrivals 2`, 85 s on 2 cores.
 """
@@ -328,7 +329,7 @@ def main() -> None:
     sizes = [int(s) for s in args.capture_sizes.split(",")]
     for round_ in range(args.rounds):
         for size, arm in itertools.product(sizes, args.arms.split(",")):
-            esft = arm in ("esftctl", "esftctl-fold")
+            esft = arm in ("esftctl", "esftctl-unfolded")
             label = arm if len(sizes) == 1 else f"{arm}-c{size}"  # (a file name $OUT brings back)
             profile = args.profile and round_ == args.rounds - 1
             engine_args = list(with_capture_size(PROFILES[args.model].engine_args, size))
@@ -341,8 +342,8 @@ def main() -> None:
             steps_dir.mkdir(parents=True, exist_ok=True)
             os.environ[STEP_TIMES_ENV] = str(steps_dir)  # the server's processes inherit it
             os.environ.pop(FOLD_ENV, None)
-            if arm == "esftctl-fold":
-                os.environ[FOLD_ENV] = "1"
+            if arm == "esftctl-unfolded":
+                os.environ[FOLD_ENV] = "0"
             server = arm_plan(served, esft, engine_args)
             with Server(server) as running:
                 start = time.perf_counter()

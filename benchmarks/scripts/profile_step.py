@@ -18,8 +18,8 @@ would run out):
   profiler does not trace graph nodes; and what graphs save);
 - esft-vllm-graphs (`--capture-ab`): esftctl with vLLM's own LoRA graph sets (two), for the capture time and graph
   memory vLLM logs, against esft-graphs;
-- fold-graphs (only when named in `--passes`): esft-graphs with the reroute folded into vLLM's compiled top-k
-  (ESFTCTL_FOLD_REROUTE=1, esftctl.runtime.vllm.topk), which should launch no reroute kernel;
+- unfolded-graphs (only when named in `--passes`): esft-graphs without the reroute folded into vLLM's compiled
+  top-k (ESFTCTL_FOLD_REROUTE=0, esftctl.runtime.vllm.topk), so with the reroute's own kernel a layer;
 - plain2-graphs (only when named): plain-graphs again. With `--fresh-caches` every pass compiles in a compile cache
   of its own (VLLM_CACHE_ROOT), so Inductor draws its autotuned picks afresh: `--passes plain-graphs,plain2-graphs
   --fresh-caches` measures how far two starts of plain vLLM alone differ by them (kernel diff below).
@@ -58,15 +58,15 @@ PASSES = {  # name -> (esftctl's runtime, eager, esftctl's one set of graphs); t
     "plain-graphs": (False, False, True),
     "esft-eager": (True, True, True),
     "plain-eager": (False, True, True),
-    "fold-graphs": (True, False, True),  # esft-graphs with the reroute folded into vLLM's top-k (FOLD_ENV)
+    "unfolded-graphs": (True, False, True),  # esft-graphs with the reroute's own kernel (FOLD_ENV=0)
     "plain2-graphs": (False, False, True),  # plain-graphs again (with --fresh-caches: its own picks)
     "esft-vllm-graphs": (True, False, False),
 }
 # A pass's seconds at the default steps, with a margin: on an H200 (2026-11-29) esft-graphs took 105 s and
 # plain-graphs 86 at batches 1,2 (the engine's start is most of it); a pass started with less left is cut.
-PASS_SECONDS = {"esft-graphs": 120, "plain-graphs": 100, "esft-eager": 60, "plain-eager": 50, "fold-graphs": 120,
+PASS_SECONDS = {"esft-graphs": 120, "plain-graphs": 100, "esft-eager": 60, "plain-eager": 50, "unfolded-graphs": 120,
                 "plain2-graphs": 100, "esft-vllm-graphs": 110}
-OPT_IN_PASSES = ("esft-vllm-graphs", "fold-graphs", "plain2-graphs")  # run only when named (or --capture-ab)
+OPT_IN_PASSES = ("esft-vllm-graphs", "unfolded-graphs", "plain2-graphs")  # run only when named (or --capture-ab)
 ADAPTERS, PROMPT = 20, 32
 LOG_PATTERNS = {"graph_capture_s": r"Graph capturing finished in ([\d.]+) secs", "graph_gib":
                 r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB", "init_engine_s":
@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch and mix")
     parser.add_argument("--passes", default=",".join(p for p in PASSES if p not in OPT_IN_PASSES),
-                        help="of " + ", ".join(PASSES) + " (fold-graphs: esft-graphs with ESFTCTL_FOLD_REROUTE=1; "
+                        help="of " + ", ".join(PASSES) + " (unfolded-graphs: esft-graphs with ESFTCTL_FOLD_REROUTE=0; "
                              "plain2-graphs: plain-graphs again)")
     parser.add_argument("--fresh-caches", action="store_true",
                         help="each pass compiles in its own new cache (Inductor's autotuned picks drawn afresh)")
@@ -337,8 +337,8 @@ def main() -> None:
         with open(log, "w") as f:
             try:
                 env = dict(os.environ)
-                if name.startswith("fold"):
-                    env[FOLD_ENV] = "1"
+                if name.startswith("unfolded"):
+                    env[FOLD_ENV] = "0"
                 if args.fresh_caches:
                     env["VLLM_CACHE_ROOT"] = str(Path(args.work).resolve() / f"cache-{name}-{os.getpid()}")
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left, env=env).returncode

@@ -24,11 +24,11 @@ For every MoE layer of the model (vLLM's `MoERunner`: a `router` and `routed_exp
 - sets device memory aside for the adapter budget (or the paging window) before vLLM sizes its KV cache
   from the memory left free: adapters load after that sizing;
 - reroutes each token's top-k ids to its adapter's rows, ids[t, j] = table[adapter(t), ids[t, j]]
-  (esftctl.kernels.reroute): with ESFTCTL_FOLD_REROUTE=1 inside vLLM's compiled grouped top-k where the router
-  computes one (DeepSeek's: esftctl.runtime.vllm.topk, no kernel of its own), else through the router's capture
-  callback, which vLLM calls with the logical ids before it uses them, rewriting them in place. The per-token
-  adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it each step.
-  Static shapes, no host synchronization: CUDA graphs replay it as they replay the router.
+  (esftctl.kernels.reroute): inside vLLM's compiled grouped top-k where the router computes one (DeepSeek's:
+  esftctl.runtime.vllm.topk, no kernel of its own; ESFTCTL_FOLD_REROUTE=0 turns that off), else through the
+  router's capture callback, which vLLM calls with the logical ids before it uses them, rewriting them in place.
+  The per-token adapter slots live in one persistent buffer shared by all layers; `set_token_adapters` fills it
+  each step. Static shapes, no host synchronization: CUDA graphs replay it as they replay the router.
 """
 
 from __future__ import annotations

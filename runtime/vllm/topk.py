@@ -16,9 +16,13 @@ keep the capture callback: `fold_reroute` says which, and a call that did not pa
 rerouted after it all the same. Unlike the plugin's patches (PATCHED, refused at start-up when vLLM lacks a name),
 a vLLM without `grouped_topk` or `_compute_routing` where this looks for them only loses the fold.
 
-Off unless ESFTCTL_FOLD_REROUTE=1 is in the server's environment (`enabled`), until the GPU's serving exactness
-tests and step profile have run with it: the CPU build routes with its own router, so only the unit tests
-(tests/test_vllm_topk.py, vLLM's GroupedTopKRouter called directly) run it here.
+On an H200 (2026-12-01, vLLM 0.25.0) deepseek_v2's serving exactness tests passed with it (CUDA graphs, and paged
+with graphs) and a folded step launched no reroute kernel (tests/test_vllm_topk.py), so it is on by default;
+ESFTCTL_FOLD_REROUTE=0 in the server's environment turns it off (`enabled`). The CPU build routes with its own
+router, so there only the unit tests (vLLM's GroupedTopKRouter called directly) run it. On CUDA, vLLM computes a
+router with a score-correction bias (DeepSeek-V3's) in its own CUDA op inside the compiled function
+(VLLM_USE_FUSED_MOE_GROUPED_TOPK, on by default): its ids are int32 already, so the lookup is an Inductor kernel
+of its own there, one kernel for one kernel, exact all the same.
 """
 
 from __future__ import annotations
@@ -107,9 +111,9 @@ def install() -> bool:
 
 
 def enabled() -> bool:
-    """Whether this server folds the reroute where it can (FOLD_ENV=1; off by default, the module docstring says
-    why)."""
-    return os.environ.get(FOLD_ENV) == "1"
+    """Whether this server folds the reroute where it can: unless FOLD_ENV=0 (the A/B arms of
+    benchmarks/scripts/mixed_step.py and profile_step.py set it to measure what the fold removes)."""
+    return os.environ.get(FOLD_ENV) != "0"
 
 
 def folds(router) -> bool:
