@@ -8,9 +8,9 @@
 #      the fold, ESFTCTL_FOLD_REROUTE=0; skipped if the tests failed), about 11 min;
 #   3. the 4-layer step profile, plain vLLM, esftctl and esftctl without the fold, batches 1 and 2 and a 256-token
 #      prefill: each column's kernel diff against plain vLLM, the reroute kernel in the unfolded one only, 6 min.
-# On 2026-12-01 deepseek_v2's serving tests with graphs (and paged with graphs) passed with the fold on, and the
-# two measurements were lost with the machine. Each stage packs /tmp/fold into /tmp/fold.tgz when it ends, so a
-# wait brings back what is done:
+# It ran whole on an H200 on 2026-12-04 (21 min; benchmarks/RESULTS.md, twenty-sixth session: 8 passed, a decode
+# step 4.126 ms folded, 4.227 unfolded, 4.118 plain vLLM). Each stage packs /tmp/fold into /tmp/fold.tgz when it
+# ends, so a wait brings back what is done:
 #   bash benchmarks/scripts/background.sh start fold "bash benchmarks/scripts/gpu_fold.sh"
 #   bash benchmarks/scripts/background.sh wait fold 540 /tmp/fold.tgz   (again, each within 30 s of the last answer)
 set -uo pipefail
