@@ -13,12 +13,16 @@ cv and the drawn shares checked against alpha over all rounds.
 Routing: the generated DeepSeek-V2-Lite-shaped base routes about uniformly, and its adapters replace experts
 chosen at random, so a token of adapter a reaches a's experts only as often as chance has it. Trained ESFT
 adapters replace the experts their task's tokens prefer (selection by relevance), which concentrates their
-tokens on their own rows (ExpertWeave's 4-11% against our 20-30% at 20 adapters may come from there). This bench
-does not imitate that: making a generated router prefer each adapter's experts would need prompts drawn per task
-(vLLM's random dataset draws every request's token ids from one uniform pool) and a router built so that hidden
-states after attention still carry the task, whose concentration would then be whatever we built in: a number
-chosen, not measured. The honest measurements with trained routing are the tiny world's adapters (real ESFT on
-the CPU build) or DeepSeek's published ESFT adapters on ESFT-vanilla-lite where they can be downloaded.
+tokens on their own rows, and that costs more rows, not fewer: with the tiny world's four trained adapters (three
+worlds), a task's decode tokens chose its replaced experts in 26-38% of their slots against 9-17% by chance, and
+the copies added 1.15-1.17x rows over the same fine-tuned models' own routing at 8 sequences a step against 1.05x
+under the random router (benchmarks/scripts/rows_trained.py, RESULTS.md of 2026-12-04). So the random router is
+not the worst case. This bench does not imitate trained routing: making a generated router prefer each adapter's
+experts would need prompts drawn per task (vLLM's random dataset draws every request's token ids from one uniform
+pool) and a router built so that hidden states after attention still carry the task, whose concentration would
+then be whatever we built in: a number chosen, not measured. The honest measurements with trained routing are
+the tiny world's adapters (real ESFT on the CPU build) or DeepSeek's published ESFT adapters on
+ESFT-vanilla-lite where they can be downloaded.
 """
 
 from __future__ import annotations
