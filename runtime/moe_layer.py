@@ -124,6 +124,7 @@ class VirtualMoELayer:
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
+        *,
         num_slots: int,
         experts_per_slot: int,
         dtype: torch.dtype,

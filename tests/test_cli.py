@@ -234,7 +234,8 @@ def test_slot_rows_are_pooled_at_start_as_when_loading(world, tmp_path):
     with pytest.raises(EsftError, match="= 9 expert rows per layer cannot hold the 12"):
         plan(world.base_dir, specs, slots=3, experts_per_slot=3, port=free_port())
     # The engine's rule: a layer of 2 slots x 2 rows loads a 3-expert adapter, then refuses 2 more.
-    layer = VirtualMoELayer(8, 4, 2, 2, 2, torch.float32, lambda n: HostAddressSpace(n, page_size=mmap.PAGESIZE))
+    layer = VirtualMoELayer(8, 4, 2, num_slots=2, experts_per_slot=2, dtype=torch.float32,
+                            make_space=lambda n: HostAddressSpace(n, page_size=mmap.PAGESIZE))
     layer.load_base_rows(torch.zeros(8, 4, 4), torch.zeros(8, 4, 2))
     layer.load(0, {0: None, 1: None, 2: None})
     with pytest.raises(EsftError, match="no room: 2 experts to load, 1 free rows"):

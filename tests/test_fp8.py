@@ -241,7 +241,8 @@ def test_virtual_rows_hold_fp8_weights_and_scales_and_the_checksums_cover_the_sc
         return ExpertWeights(**parts)
 
     layout = ExpertLayout.plain(h, i, block=BLOCK.block)
-    layer = VirtualMoELayer(e, h, i, 2, 2, torch.float8_e4m3fn, lambda n: HostAddressSpace(n, page_size=4096), layout)
+    layer = VirtualMoELayer(e, h, i, num_slots=2, experts_per_slot=2, dtype=torch.float8_e4m3fn,
+                            make_space=lambda n: HostAddressSpace(n, page_size=4096), layout=layout)
     assert [tuple(p.tensor.shape) for p in layer.parts] == [(8, 256, 256), (8, 256, 128), (8, 2, 2), (8, 2, 1)]
     layer.load_base({x: expert(x) for x in range(e)})
     adapter = {1: expert(11), 3: expert(13)}

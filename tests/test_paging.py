@@ -89,7 +89,8 @@ class Stack:
         self.routers = [w["router"].to(device) for w in weights]
         self.layers = {}
         for l, w in enumerate(weights):
-            layer = VirtualMoELayer(E, H, I, slots, per_slot, torch.bfloat16, self.make_space)
+            layer = VirtualMoELayer(E, H, I, num_slots=slots, experts_per_slot=per_slot, dtype=torch.bfloat16,
+                                    make_space=self.make_space)
             layer.load_base_rows(w["w13"].to(device), w["w2"].to(device))
             layer.keep_host_copy(base_rows=base_copies)
             self.layers[l] = layer

@@ -116,7 +116,8 @@ def _cuda_layer(pool, e, h, i, slots, per_slot):
     from esftctl.runtime.address_space import CudaAddressSpace
     from esftctl.runtime.moe_layer import VirtualMoELayer
 
-    layer = VirtualMoELayer(e, h, i, slots, per_slot, torch.bfloat16, lambda n: CudaAddressSpace(n, pool))
+    layer = VirtualMoELayer(e, h, i, num_slots=slots, experts_per_slot=per_slot, dtype=torch.bfloat16,
+                            make_space=lambda n: CudaAddressSpace(n, pool))
     layer.load_base({x: _expert(i, h, x) for x in range(e)})
     return layer
 
@@ -273,7 +274,8 @@ def test_staged_rows_stay_in_pinned_host_memory(pool):
 
     e, h, i = 4, 256, 128
     on_device = ExpertLayout((2 * i, h), (h, i), lambda w13, w2: (w13.cuda() * 1, w2.cuda() * 1))
-    layer = VirtualMoELayer(e, h, i, 2, 2, torch.bfloat16, lambda n: CudaAddressSpace(n, pool), on_device)
+    layer = VirtualMoELayer(e, h, i, num_slots=2, experts_per_slot=2, dtype=torch.bfloat16,
+                            make_space=lambda n: CudaAddressSpace(n, pool), layout=on_device)
     layer.load_base({x: _expert(i, h, x, "cpu") for x in range(e)})
     experts = {1: _expert(i, h, 11, "cpu"), 3: _expert(i, h, 12, "cpu")}
     staged = stage({0: layer}, {0: experts})

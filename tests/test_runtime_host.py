@@ -90,7 +90,8 @@ def _expert(seed: int) -> ExpertWeights:
 
 
 def _layer(slots=4, per_slot=3, page=OS_PAGE) -> VirtualMoELayer:
-    layer = VirtualMoELayer(E, H, I, slots, per_slot, torch.bfloat16, lambda n: HostAddressSpace(n, page_size=page))
+    layer = VirtualMoELayer(E, H, I, num_slots=slots, experts_per_slot=per_slot, dtype=torch.bfloat16,
+                            make_space=lambda n: HostAddressSpace(n, page_size=page))
     layer.load_base({e: _expert(e) for e in range(E)})
     return layer
 
@@ -412,7 +413,8 @@ def test_virtual_rows_hold_expert_biases_and_the_checksums_cover_them(monkeypatc
         return ExpertWeights(**{w: torch.randn(s, generator=g).to(torch.bfloat16) for w, s in shapes.items()})
 
     layout = ExpertLayout.plain(h, i, biases=True)
-    layer = VirtualMoELayer(e, h, i, 2, 2, torch.bfloat16, lambda n: HostAddressSpace(n, page_size=4096), layout)
+    layer = VirtualMoELayer(e, h, i, num_slots=2, experts_per_slot=2, dtype=torch.bfloat16,
+                            make_space=lambda n: HostAddressSpace(n, page_size=4096), layout=layout)
     assert [tuple(p.tensor.shape) for p in layer.parts] == [(8, 96, 64), (8, 64, 48), (8, 96), (8, 64)]
     base = {x: expert(x) for x in range(e)}
     layer.load_base(base)

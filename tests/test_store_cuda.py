@@ -43,7 +43,8 @@ def test_one_launch_into_virtual_tensor_rows_and_graph_replay(tmp_path):
     tensors = {f"{x}.{w}": t for x, ew in experts.items() for w, t in ew.items()}
     store = _store_of(tensors, tmp_path / "s", chunk=256, table_scope="layer")
     pool = PhysicalPagePool(0)
-    layer = VirtualMoELayer(e, h, i, 2, 2, torch.bfloat16, lambda n: CudaAddressSpace(n, pool))
+    layer = VirtualMoELayer(e, h, i, num_slots=2, experts_per_slot=2, dtype=torch.bfloat16,
+                            make_space=lambda n: CudaAddressSpace(n, pool))
     layer.w13.map_rows(range(e))
     layer.w2.map_rows(range(e))
     targets = []

@@ -52,8 +52,8 @@ def virtual_layer(expert_map: torch.Tensor | None = None):
     from esftctl.runtime.moe_layer import VirtualMoELayer, stack_experts
 
     pool = PhysicalPagePool("cuda")
-    virtual = VirtualMoELayer(E, HIDDEN, INTERMEDIATE, SLOTS, PER_SLOT, torch.bfloat16,
-                              lambda nbytes: CudaAddressSpace(nbytes, pool), expert_map=expert_map)
+    virtual = VirtualMoELayer(E, HIDDEN, INTERMEDIATE, num_slots=SLOTS, experts_per_slot=PER_SLOT, dtype=torch.bfloat16,
+                              make_space=lambda nbytes: CudaAddressSpace(nbytes, pool), expert_map=expert_map)
     base, adapters = experts()
     virtual.load_base_rows(*stack_experts([base[e] for e in virtual.own_experts]))
     for slot, adapter in enumerate(adapters):

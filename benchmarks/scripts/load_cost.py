@@ -38,7 +38,8 @@ if cuda:
 else:
     def make_space(n):
         return HostAddressSpace(n)
-layers = {l: VirtualMoELayer(experts, hidden, inter, 2, a.per_layer, torch.bfloat16, make_space)
+layers = {l: VirtualMoELayer(experts, hidden, inter, num_slots=2, experts_per_slot=a.per_layer, dtype=torch.bfloat16,
+                             make_space=make_space)
           for l in range(layers_n)}
 slots = AdapterSlots(layers)
 weights = [ExpertWeights(*(torch.full(s, 0.01 * (k + 1), dtype=torch.bfloat16) for s in

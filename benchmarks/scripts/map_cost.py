@@ -7,7 +7,8 @@ from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
 from esftctl.runtime.moe_layer import VirtualMoELayer
 
 pool = PhysicalPagePool(0)
-layer = VirtualMoELayer(64, 2048, 1408, 4, 8, torch.bfloat16, lambda n: CudaAddressSpace(n, pool))
+layer = VirtualMoELayer(64, 2048, 1408, num_slots=4, experts_per_slot=8, dtype=torch.bfloat16,
+                        make_space=lambda n: CudaAddressSpace(n, pool))
 layer._map(list(range(64)))
 layer.load(0, {e: None for e in range(6)})
 layer.keep_host_copy()

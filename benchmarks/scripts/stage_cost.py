@@ -62,10 +62,11 @@ def checksums(rows: dict) -> None:
 if cuda:
     pool = PhysicalPagePool(0)
     on_device = ExpertLayout((2 * inter, hidden), (hidden, inter), lambda *parts: tuple(t.to("cuda") for t in parts))
-    virtual = [VirtualMoELayer(64, hidden, inter, 1, per, torch.bfloat16, lambda n: CudaAddressSpace(n, pool),
-                               on_device) for _ in range(layers)]
+    virtual = [VirtualMoELayer(64, hidden, inter, num_slots=1, experts_per_slot=per, dtype=torch.bfloat16,
+                               make_space=lambda n: CudaAddressSpace(n, pool), layout=on_device) for _ in range(layers)]
 else:
-    virtual = [VirtualMoELayer(64, hidden, inter, 1, per, torch.bfloat16, HostAddressSpace) for _ in range(layers)]
+    virtual = [VirtualMoELayer(64, hidden, inter, num_slots=1, experts_per_slot=per, dtype=torch.bfloat16,
+                               make_space=HostAddressSpace) for _ in range(layers)]
 
 
 def layer_stage() -> None:

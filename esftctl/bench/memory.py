@@ -37,8 +37,9 @@ def _measure(shape: MoEShape, adapters: dict[str, dict[int, list[int]]], backend
         def make_space(n):
             return AccountingAddressSpace(n)
         one = None
-    layers = {l: VirtualMoELayer(shape.experts, shape.hidden, shape.intermediate, len(adapters), rows_per_slot,
-                                 torch.bfloat16, make_space) for l in range(shape.moe_layers)}
+    layers = {l: VirtualMoELayer(shape.experts, shape.hidden, shape.intermediate, num_slots=len(adapters),
+                                 experts_per_slot=rows_per_slot, dtype=torch.bfloat16, make_space=make_space)
+              for l in range(shape.moe_layers)}
     slots = AdapterSlots(layers)
     for name, per_layer in adapters.items():
         slots.load(name, {l: {e: one for e in ids} for l, ids in per_layer.items()})

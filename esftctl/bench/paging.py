@@ -89,7 +89,8 @@ class _Stack:
         make_space = lambda n: CudaAddressSpace(n, self.pool)  # noqa: E731
         self.layers = {}
         for l in range(layers):
-            layer = VirtualMoELayer(shape.experts, shape.hidden, shape.intermediate, 0, 0, torch.bfloat16, make_space)
+            layer = VirtualMoELayer(shape.experts, shape.hidden, shape.intermediate, num_slots=0, experts_per_slot=0,
+                                    dtype=torch.bfloat16, make_space=make_space)
             layer.load_base_rows(w13, w2)
             layer.keep_host_copy()
             self.layers[l] = layer

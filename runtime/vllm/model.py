@@ -334,8 +334,9 @@ class EsftModel:
         experts = base.num_experts if owned is not None else w13.shape[0]
         check_rows(experts + num_slots * experts_per_slot, max_rows(engine), experts, f"layer {engine.index}")
         layout = engine_layout(engine)
-        layer = VirtualMoELayer(experts, base.hidden_size, base.moe_intermediate_size, num_slots,
-                                experts_per_slot, w13.dtype, self._make_space, layout, expert_map=owned)
+        layer = VirtualMoELayer(experts, base.hidden_size, base.moe_intermediate_size, num_slots=num_slots,
+                                experts_per_slot=experts_per_slot, dtype=w13.dtype, make_space=self._make_space,
+                                layout=layout, expert_map=owned)
         if layer.base_rows != w13.shape[0]:
             raise EsftError(f"layer {engine.index}: vLLM's expert map gives this rank {layer.base_rows} experts, its "
                             f"weights hold {w13.shape[0]}")
