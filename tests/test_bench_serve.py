@@ -172,14 +172,14 @@ def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path
     runs = [Scenario("base @ 1 rps", 1.0), Scenario("5 adapters @ 5 rps", 5.0, 5), Scenario("at once", math.inf, 2)]
     sent = []
     _warm_up(lambda name, load, models, folder: sent.append((load, models)), "esftctl", runs,
-             {"grid": [f"a{i}" for i in range(9)]}, profile, on_step=lambda msg: None)
+             names={"grid": [f"a{i}" for i in range(9)]}, profile=profile, on_step=lambda msg: None)
     (burst, burst_models), (paced, paced_models) = sent
     assert math.isinf(burst.rate) and burst.prompts == 16 and set(burst_models) == {f"a{i}" for i in range(5)}
     assert paced.rate == 5.0 and paced.cv == 2.0 and paced.prompts == 5 * WARM_UP_S == len(paced_models)
     assert paced.seed != burst.seed and (paced.input_len, paced.output_len) == (profile.input_len, profile.output_len)
     sent.clear()
     _warm_up(lambda name, load, models, folder: sent.append(load), "base", [Scenario("at once", math.inf)],
-             {}, replace(profile, duration=1.5), on_step=lambda msg: None)
+             names={}, profile=replace(profile, duration=1.5), on_step=lambda msg: None)
     assert [math.isinf(load.rate) for load in sent] == [True]  # no finite rate: the burst alone
     logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "gone.log"]
     logs[0].write_text(f"WARNING [jit_monitor.py:129] Triton kernel {JIT_WARNING}: fused_moe_kernel.\n" * 2)

@@ -173,9 +173,10 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
         times = functools.partial(server_times, [p.url for p in plans])
         for i, runs in enumerate(parts):
             began = time.perf_counter()
-            _warm_up(run, label, runs, names, profile, on_step)
+            _warm_up(run, label, runs, names=names, profile=profile, on_step=on_step)
             compiled = jit_compiles(plans)
-            measured = _round(run, label, runs, names, profile, round, on_step, order or runs, times)
+            measured = _round(run, label, runs, names=names, profile=profile, rnd=round, on_step=on_step,
+                              order=order or runs, times=times)
             compiled = jit_compiles(plans) - compiled
             extra = {}
             if after and i == len(parts) - 1:
@@ -196,7 +197,7 @@ def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Call
     return run
 
 
-def _warm_up(run: Callable, label: str, runs: list[Scenario], names: dict, profile, on_step) -> None:
+def _warm_up(run: Callable, label: str, runs: list[Scenario], *, names: dict, profile, on_step) -> None:
     """Every model name the runs use, once or more, then the busiest finite rate of the runs for up to
     WARM_UP_S: first-use costs (kernels, slots) stay out of the numbers. The burst alone (many prompts prefilled
     together, then decode steps replayed from CUDA graphs) left lone prompts and steps of one prompt beside a few
@@ -223,7 +224,7 @@ def jit_compiles(plans: list) -> int:
     return sum(f.read_text(errors="replace").count(JIT_WARNING) for f in logs if f.exists())
 
 
-def _round(run: Callable, label: str, runs: list[Scenario], names: dict, profile, rnd: int, on_step,
+def _round(run: Callable, label: str, runs: list[Scenario], *, names: dict, profile, rnd: int, on_step,
            order: list[Scenario], times: Callable[[], dict] = lambda: {}) -> list[dict]:
     """Every scenario once, in an order rotated by the round; each run's entry keeps its scenario (and place in
     `order`), vLLM's numbers, the server's own per-request means (`times`: server_times), the adapters drawn,
