@@ -49,7 +49,8 @@ MIXES = ((1, 1.0), (2, 1.0), (4, 1.0), (4, 0.1))  # (adapters, alpha)
 
 @torch.no_grad()
 def routed(model_dir: Path, tokenizer_dir: Path, examples: list[dict]) -> np.ndarray:
-    """Chosen experts [tokens, MoE layers, top_k] of every position of `examples` through `model_dir`."""
+    """Chosen experts [tokens, MoE layers, top_k] through `model_dir` at the positions of `examples` a decode step
+    feeds (the module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
