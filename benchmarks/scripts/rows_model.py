@@ -9,6 +9,9 @@ model; each adapter replaces Table 1's per-layer count of experts; requests draw
 esftctl.bench.traffic) and prints rows / base rows, beside the measured TPOT ratio of the JSON given on the
 command line (its rows at inf, median TPOT).
 
+Trained adapters route otherwise: their tasks' tokens prefer the experts they replaced, which adds more rows than
+this uniform router does (rows_trained.py measures it on the tiny world's ESFT adapters).
+
 `--groups G` adds the rows of steps that hold at most G adapters' requests (`esftctl serve --group-adapters G`,
 or vLLM's `--max-loras G` among the running requests; which G adapters a step holds drawn by their shares, its
 sequences among those): the rows issue 29's item 3 expects grouping to save, before its queueing costs.
