@@ -100,11 +100,8 @@ def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: s
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
         enc = tokenizer([e["prompt"] + e["completion"] for e in batch], padding=True, return_tensors="pt").to(device)
-        mask = enc["attention_mask"].clone()
-        if scored == "completion":  # the last prompt token up to the last completion token, which predicts
-            for row, e in enumerate(batch):  # nothing here (right padding: a row's tokens come first)
-                mask[row, :max(0, len(tokenizer(e["prompt"])["input_ids"]) - 1)] = 0
-                mask[row, int(enc["attention_mask"][row].sum()) - 1] = 0
+        mask = (completion_positions(tokenizer, batch, enc["attention_mask"]) if scored == "completion"
+                else enc["attention_mask"].clone())
         routed = routing_scores(model, ckpt, enc["input_ids"], enc["attention_mask"])
         keep = mask[enc["attention_mask"].bool()].bool()
         for layer, (affinity, chosen) in routed.items():
@@ -115,6 +112,17 @@ def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: s
     result = {"gate": {l: (gate_sum[l] / tokens).tolist() for l in ckpt.moe_layers},
               "token": {l: (picks[l] / (tokens * ckpt.top_k)).tolist() for l in ckpt.moe_layers}}
     return Relevance(str(model_dir), data_name, len(examples), tokens, ckpt.top_k, ckpt.moe_layers, result, scored)
+
+
+def completion_positions(tokenizer, examples: Sequence[Example], attention_mask: torch.Tensor) -> torch.Tensor:
+    """1 at the positions whose outputs predict `examples`' completion tokens (what fine-tuning trains, and what a
+    decode step feeds): the last prompt token up to the last completion token, which predicts nothing here; rows
+    right-padded, so a row's tokens come first."""
+    mask = attention_mask.clone()
+    for row, e in enumerate(examples):
+        mask[row, :max(0, len(tokenizer(e["prompt"])["input_ids"]) - 1)] = 0
+        mask[row, int(attention_mask[row].sum()) - 1] = 0
+    return mask
 
 
 def concentration(scores: Sequence[float], mass: float) -> int:

@@ -39,6 +39,7 @@ import torch
 from esftctl.bench.traffic import slora_shares
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl
+from esftctl.relevance import completion_positions
 from esftctl.routing import routing_scores
 from esftctl.selection import ExpertConfig
 from esftctl.world.build import World, default_world_dir
@@ -59,10 +60,7 @@ def routed(model_dir: Path, tokenizer_dir: Path, examples: list[dict]) -> np.nda
     ckpt = MoECheckpoint(model_dir)
     enc = tokenizer([e["prompt"] + e["completion"] for e in examples], padding=True, return_tensors="pt")
     chosen = routing_scores(model, ckpt, enc["input_ids"], enc["attention_mask"])
-    decode = torch.zeros_like(enc["attention_mask"])  # right padding: a row's tokens come first
-    for row, e in enumerate(examples):
-        decode[row, len(tokenizer(e["prompt"])["input_ids"]) - 1:int(enc["attention_mask"][row].sum()) - 1] = 1
-    keep = decode[enc["attention_mask"].bool()].bool()
+    keep = completion_positions(tokenizer, examples, enc["attention_mask"])[enc["attention_mask"].bool()].bool()
     return torch.stack([chosen[layer][1][keep] for layer in ckpt.moe_layers], dim=1).numpy()
 
 
