@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 from conftest import run_cli
 from rich.console import Console
@@ -67,7 +68,8 @@ class FakeBench:
                                                "mean_tpot_ms": 5.0, "median_tpot_ms": 5.0, "p99_tpot_ms": 9.0,
                                                "arrival_cv": 1.0},
                     # the requests a slice keeps (load.per_request): TPOT 500 / speed ms, TTFT as the round's
-                    "requests": {"ttft_ms": [20.0 + round] * 4, "alone": [True, True, False, False],
+                    "requests": {"start_s": [0.0, 1.0, 2.0, 3.0], "ttft_ms": [20.0 + round] * 4,
+                                 "alone": [True, True, False, False],
                                  "latency_ms": [20.0 + round + tokens * 500 / speed] * 4}} for s in runs]
         return {**head, "runs": entries}
 
@@ -302,6 +304,19 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     text = io.StringIO()
     Console(file=text, width=250).print(bench.tables(result)[1])  # right after the main table
     assert "the fastest tenth" in text.getvalue() and "1.111" in text.getvalue()
+    # request by request (bench.serve.request_paired): each request against the same one in the base's run of its
+    # round on its machine, both rounds pooled; TPOT 500 / speed a request, TTFT as the round's
+    by_request = esft["request_ratios"]
+    assert by_request["tpot"] == pytest.approx([100 / 90] * 3) and by_request["ttft"] == pytest.approx([1.0] * 3)
+    assert (by_request["rounds"], by_request["requests"], by_request["against"]) == (2, 8, "same machine")
+    assert not any("per_request" in r for s in result["servers"] for r in s["rows"])  # the slices keep them
+    base = rows[("vLLM base", "base @ 8 rps")]
+    # plain vLLM against itself: its round 1 on the slow card (speed x0.8) over its round 1 on m0
+    assert base["request_ratios"]["against"] == "another machine"
+    assert base["request_ratios"]["tpot"] == pytest.approx([1 / 0.8] * 3)
+    text = io.StringIO()
+    Console(file=text, width=250).print(bench.tables(result)[2])
+    assert "request by request" in text.getvalue() and "1.111 [1.111-1.111]" in text.getvalue()
     (folder / "esftctl" / "n0.r1.json").unlink()
     FakeBench.machine, FakeBench.fail = "broken", {"base"}  # its base fails: its rounds pair with nothing
     fake(profile, options, out)
@@ -428,3 +443,18 @@ def test_report_only_from_the_command_line(fake, tmp_path):
     assert json.loads(report.read_text())["grid"].startswith(ss.grid_key(profile))
     proc = run_cli(*args, "--cv", "2")  # another grid: none of its slices are there
     assert proc.returncode == 1 and "no slices of grid" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_the_median_of_paired_requests_carries_an_interval_over_rounds_then_requests():
+    """slices.clustered_median: the pooled median, with a 95% interval that narrows with more requests and widens
+    when the rounds disagree (a round's requests share their servers' starts)."""
+    rng = np.random.default_rng(1)
+    one = [list(1.02 + 0.05 * rng.standard_normal(60))]
+    median, low, high = slices.clustered_median(one)
+    assert median == pytest.approx(np.median(one[0])) and low < median < high and high - low < 0.04
+    more = slices.clustered_median([list(1.02 + 0.05 * rng.standard_normal(600))])
+    assert more[2] - more[1] < (high - low) / 2  # ten times the requests: about a third as wide
+    apart = slices.clustered_median([[1.0] * 60, [1.1] * 60])  # two rounds that each agree within but not across
+    assert apart[1] == pytest.approx(1.0) and apart[2] == pytest.approx(1.1)
+    assert slices.clustered_median([[1.05] * 10]) == (1.05, 1.05, 1.05)
+    assert slices.clustered_median([[], []]) is None and slices.clustered_median(one) == (median, low, high)

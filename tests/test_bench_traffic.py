@@ -19,6 +19,7 @@ from esftctl.bench.load import (
     per_request,
     prefill_modes,
     prefill_stalls,
+    request_ratios,
     routed,
     speeds,
 )
@@ -195,3 +196,20 @@ def test_the_fastest_tenth_of_a_run_comes_from_its_kept_requests():
     assert out["p10_ttft_alone_ms"] == pytest.approx(np.percentile([20, 22, 24, 26], 10))
     assert floors({}, output_len=5) == {"p10_tpot_ms": None, "p10_ttft_alone_ms": None}  # slices that kept none
     assert floors(kept, output_len=1)["p10_tpot_ms"] is None  # one token: no TPOT
+
+
+def test_requests_pair_with_the_same_requests_of_the_base_run_of_their_round():
+    # four requests of 5 tokens (4 gaps); the run: TTFT +10% each, TPOT 2 ms against the base's 1 ms, and its third
+    # request failed; both prefilled the first two alone, only the base the third
+    base = {"start_s": [0.0, 1.0, 2.0, 3.0], "ttft_ms": [20.0, 30.0, 40.0, 50.0],
+            "latency_ms": [24.0, 34.0, 44.0, 54.0], "alone": [True, True, True, False]}
+    run = {"start_s": [0.0, 1.001, 2.0, 2.999], "ttft_ms": [22.0, 33.0, 0.0, 55.0],
+           "latency_ms": [30.0, 41.0, 0.0, 63.0], "alone": [True, True, False, False]}
+    out = request_ratios(run, base, output_len=5)
+    assert out["ttft"] == pytest.approx([1.1, 1.1, 1.1]) and out["ttft_alone"] == pytest.approx([1.1, 1.1])
+    assert out["tpot"] == pytest.approx([2.0, 2.0, 2.0])
+    nothing = {"ttft": [], "ttft_alone": [], "tpot": []}
+    assert request_ratios({**run, "start_s": [0.0, 1.5, 2.0, 3.0]}, base, output_len=5) == nothing  # other traffic
+    assert request_ratios({k: v[:3] for k, v in run.items()}, base, output_len=5) == nothing  # other count
+    assert request_ratios({}, base, output_len=5) == nothing  # a slice that kept no requests
+    assert request_ratios(run, base, output_len=1)["tpot"] == []  # one token: no TPOT

@@ -37,6 +37,14 @@ shared steps with a prefill, and the same lone 256-token prompt took 21-33 ms wi
 moved by about 1 ms from sampling alone. The fastest tenth is the requests that decoded alone and the prompts that
 met an idle engine: the same work in both servers, so a fixed cost per step shows there undiluted (esftctl's
 +0.09 ms a decode step in that round, with 1 adapter as with 20).
+
+And request by request (request_ratios): two servers' runs of one round send the same prompts at the same times,
+so each request's TTFT and TPOT can be set against the same request's in plain vLLM's run, and the median of those
+ratios carries an interval (esftctl.bench.slices.clustered_median). On one H200 (2026-12-04) esftctl's TPOT with
+the fold came to 1.000-1.004x plain vLLM's request by request, each 95% interval under 0.6% wide from one round
+(the reroute kernel's round before the fold: 1.010-1.030x). Plain vLLM's runs of one round on two H200s differed
+by 0.1-1.0% in TPOT and by 1-8% in TTFT, and esftctl's TTFT moved from 1.02x to 1.15x between runs of one server
+start: a run's TTFT moves by several percent with its start, card and minute, which only more runs average.
 """
 
 from __future__ import annotations
@@ -203,6 +211,32 @@ def floors(requests: dict, output_len: int) -> dict:
     lone = [t for t, a in zip(ttfts, flags) if a and t > 0]
     return {"p10_tpot_ms": float(np.percentile(tpots, 10)) if tpots else None,
             "p10_ttft_alone_ms": float(np.percentile(lone, 10)) if lone else None}
+
+
+SAME_SEND_S = 0.1  # two runs of one round send each request within this of each other (their clocks jitter by ms)
+
+
+def request_ratios(requests: dict, base: dict, output_len: int) -> dict:
+    """Each request of a run (per_request) over the same request in the base's run of its round (the module says
+    why): TTFT, TTFT where both servers prefilled the prompt alone, and TPOT (ms a token after the first); a
+    request either server did not complete is left out. Empty lists where either run kept no requests or the two
+    did not send the same traffic (counts or sending times differ)."""
+    kinds = ("ttft", "ttft_alone", "tpot")
+    starts, base_starts = requests.get("start_s") or [], base.get("start_s") or []
+    if not starts or len(starts) != len(base_starts) or max(
+            abs(a - b) for a, b in zip(starts, base_starts)) > SAME_SEND_S:
+        return {k: [] for k in kinds}
+    out: dict[str, list[float]] = {k: [] for k in kinds}
+    tokens = output_len - 1
+    for t, lat, lone, bt, blat, blone in zip(requests["ttft_ms"], requests["latency_ms"], requests["alone"],
+                                             base["ttft_ms"], base["latency_ms"], base["alone"]):
+        if 0 < t < lat and 0 < bt < blat:
+            out["ttft"].append(t / bt)
+            if lone and blone:
+                out["ttft_alone"].append(t / bt)
+            if tokens > 0:
+                out["tpot"].append((lat - t) / (blat - bt))
+    return out
 
 
 STALL_AFTER_S = 0.002  # a token of a step reaches the client within this of the others of that step

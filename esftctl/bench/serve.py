@@ -76,10 +76,11 @@ from typing import Callable, Iterator
 from esftctl import serve_client
 from esftctl.bench import serve_models
 from esftctl.bench.disk import evict, read_bandwidth
+from esftctl.bench.load import request_ratios
 from esftctl.bench.serve_models import Served, adapter_bytes, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
-from esftctl.bench.slices import pair_by_machine, pair_by_round, ratios_within_machines
+from esftctl.bench.slices import clustered_median, pair_by_machine, pair_by_round, ratios_within_machines
 from esftctl.bench.traffic import SLORA_ALPHAS
 from esftctl.errors import one_line
 from esftctl.serve import free_port, plan
@@ -520,7 +521,11 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
             first.setdefault((res["kind"], r["scenario"]), r)
             if (a := anchors.get((res["ranks"], r["rate"]))) is not None:
                 paired_ratios(r, a)
+                request_paired(r, a, profile.output_len)
             r["throughput_vs_first"] = r["output_throughput"] / first[res["kind"], r["scenario"]]["output_throughput"]
+    for res in results:
+        for r in res["rows"]:
+            r.pop("per_request", None)  # the slices keep them; the report keeps what they gave
     micro_ratios(results)
     settings = {**asdict(profile), "rates": [rate_label(r) for r in profile.rates],
                 "high_rate": rate_label(max(profile.rates))}
@@ -538,10 +543,7 @@ def paired_ratios(r: dict, base: dict) -> None:
     paired by round across machines where it can be (`paired_across`: the same traffic on another card; a run's
     TPOT follows its traffic more than its card, 2026-11-29), else its median against the base's median, across
     machines and rounds (`paired_rounds` 0)."""
-    def runs(row: dict) -> list[tuple[int, str | None]]:  # a row without its rounds pairs with nothing
-        reps = row.get("repeats", [])
-        return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
-    where, base_where = runs(r), runs(base)
+    where, base_where = _where(r), _where(base)
     r["paired_rounds"] = len(pair_by_machine(where, base_where))
     pairs, across = pair_by_machine, None if r["paired_rounds"] else pair_by_round(where, base_where)
     if across:
@@ -554,6 +556,37 @@ def paired_ratios(r: dict, base: dict) -> None:
             r[key], r[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
         elif not r["paired_rounds"] and r.get(metric) is not None and base.get(metric):
             r[key] = r[metric] / base[metric]
+
+
+def request_paired(r: dict, base: dict, output_len: int) -> None:
+    """`request_ratios`: a row's requests against the same requests (the same prompt sent at the same time) in the
+    base's run of their round on their machine (esftctl.bench.load.request_ratios), each kind's median with its 95%
+    interval over rounds and requests (esftctl.bench.slices.clustered_median), and how many rounds and requests
+    paired. For plain vLLM's base row itself: its run of a round on a later machine over its first run of that
+    round, plain vLLM against itself (`against`: another machine), the yardstick for what a start and a card move."""
+    where, base_where = _where(r), _where(base)
+    if r is base:
+        pairs = [(i, [j]) for i, (rnd, m) in enumerate(where)
+                 for j in [next((j for j, (rr, mm) in enumerate(where[:i]) if rr == rnd and mm != m), None)]
+                 if j is not None]
+    else:
+        pairs = pair_by_machine(where, base_where)
+    groups: dict[str, list[list[float]]] = {}
+    for i, js in pairs:
+        for kind, values in request_ratios(r["per_request"][i], base["per_request"][js[0]], output_len).items():
+            groups.setdefault(kind, []).append(values)
+    medians = {kind: clustered_median(g) for kind, g in groups.items()}
+    if medians.get("ttft"):
+        r["request_ratios"] = {**{k: list(m) for k, m in medians.items() if m},
+                               "rounds": sum(1 for g in groups["ttft"] if g),
+                               "requests": sum(len(g) for g in groups["ttft"]),
+                               "against": "another machine" if r is base else "same machine"}
+
+
+def _where(row: dict) -> list[tuple[int, str | None]]:
+    """A row's runs as (round, machine), the pairing's key (a row without its rounds pairs with nothing)."""
+    reps = row.get("repeats", [])
+    return list(zip(row.get("rounds", range(len(reps))), row.get("machines") or [None] * len(reps)))
 
 
 def micro_ratios(results: list[dict]) -> None:

@@ -8,8 +8,8 @@ import statistics
 
 def tables(result: dict) -> list:
     out = [runs_table(result)]
-    for table in (floors_table(result), server_times_table(result), modes_table(result), micro_table(result),
-                  groups_table(result)):
+    for table in (floors_table(result), requests_table(result), server_times_table(result), modes_table(result),
+                  micro_table(result), groups_table(result)):
         if table is not None:
             out.append(table)
     out.append(kv_table(result))
@@ -117,6 +117,33 @@ def floors_table(result: dict):
                   _f(decode, ".3f"), _f(r.get("decode_time_ratio"), ".3f"), _f(r.get("p10_ttft_alone_ms"), ".1f"),
                   _f(r.get("p10_ttft_alone_ratio"), ".3f"))
     return t
+
+
+def requests_table(result: dict):
+    """Request by request (esftctl.bench.serve.request_paired): each request over the same request in plain vLLM's
+    base run of its round, with 95% intervals; None before any row paired its requests."""
+    from rich.table import Table
+
+    rows = [(res["server"], r) for res in result["servers"] for r in res["rows"] if r.get("request_ratios")]
+    if not rows:
+        return None
+    t = Table(title="request by request: each request's TTFT and TPOT over the same request (the same prompt sent at "
+                    "the same time) in plain vLLM's base run of its round on the same machine; the median over the "
+                    "paired requests with its 95% interval (a bootstrap over rounds, then requests: with one round "
+                    "it covers the requests, not what a server's start moves); vLLM base: its run of a round on "
+                    "another machine over its first, plain vLLM against itself",
+              title_justify="left")
+    for col in ("server", "scenario", "against", "rounds", "requests", "TTFT x", "TTFT x, both alone", "TPOT x"):
+        t.add_column(col, justify="left" if col in ("server", "scenario", "against") else "right")
+    for server, r in rows:
+        q = r["request_ratios"]
+        t.add_row(server, r["scenario"], q["against"], str(q["rounds"]), str(q["requests"]),
+                  *(_interval(q.get(kind)) for kind in ("ttft", "ttft_alone", "tpot")))
+    return t
+
+
+def _interval(m) -> str:
+    return "-" if not m else f"{m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}]"
 
 
 def server_times_table(result: dict):

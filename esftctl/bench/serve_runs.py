@@ -257,19 +257,22 @@ def merge_rounds(label: str, entries: list[dict], profile) -> list[dict]:
     return [row(label, Scenario(**reps[0]["scenario"]),
                 [e["result"] | floors(e.get("requests") or {}, profile.output_len) for e in reps],
                 [i for e in reps for i in e["drawn"]], profile, rounds=[e["round"] for e in reps],
-                machines=[e.get("machine") for e in reps])
+                machines=[e.get("machine") for e in reps], requests=[e.get("requests") or {} for e in reps])
             for reps in by_name.values()]
 
 
 def row(label: str, s: Scenario, reps: list[dict], drawn: list[int], profile, rounds: list[int] | None = None,
-        machines: list[str | None] | None = None) -> dict:
+        machines: list[str | None] | None = None, requests: list[dict] | None = None) -> dict:
     """One scenario's line: the median of its rounds, TTFT's spread, the drawn shares against alpha; `machines`:
-    where each round ran (esftctl.bench.slices.machine_id), which pairs it with the base's runs there."""
+    where each round ran (esftctl.bench.slices.machine_id), which pairs it with the base's runs there; `requests`:
+    each round's kept requests (load.per_request), for the request-by-request ratios (bench.serve.finish drops
+    them once those are taken)."""
     shares = check_shares(drawn, slora_shares(s.adapters, s.alpha)).to_json() if s.adapters > 1 else None
     return {"server": label, "scenario": s.name, "adapters": s.adapters, "alpha": s.alpha if s.adapters > 1 else None,
             "rate": rate_label(s.rate), "requests": profile.requests(s.rate), "cv": profile.cv, **median_of(reps),
             "shares": shares, "rounds": rounds if rounds is not None else list(range(len(reps))),
-            "machines": machines or [None] * len(reps), "repeats": reps}
+            "machines": machines or [None] * len(reps), "repeats": reps,
+            "per_request": requests or [{}] * len(reps)}
 
 
 def median_of(reps: list[dict]) -> dict:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generator, Iterable
 
+import numpy as np
+
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json, write_json
 
@@ -106,6 +108,24 @@ def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
     return [runs[i][2] / statistics.median(anchors[j][2] for j in js)
             for i, js in pairs([r[:2] for r in runs], [a[:2] for a in anchors])
             if runs[i][2] is not None and all(anchors[j][2] for j in js)]
+
+
+def clustered_median(groups: list[list[float]], *, draws: int = 2000, seed: int = 0
+                     ) -> tuple[float, float, float] | None:
+    """The median of every group's values pooled, with a 95% interval from a two-level bootstrap (the groups drawn
+    with replacement, then each drawn group's values): a group is one round's paired requests, which share their
+    servers' starts, so the interval widens with what differs between rounds as well as between requests. With one
+    group it covers the requests only. None without values."""
+    groups = [np.asarray(g, dtype=np.float64) for g in groups if len(g)]
+    if not groups:
+        return None
+    rng = np.random.default_rng(seed)
+    medians = np.empty(draws)
+    for d in range(draws):
+        picked = rng.integers(len(groups), size=len(groups))
+        medians[d] = np.median(np.concatenate([rng.choice(groups[k], size=len(groups[k])) for k in picked]))
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(np.median(np.concatenate(groups))), float(low), float(high)
 
 
 COPY = "on-"  # the part of an anchor's run of a round it has already: the same traffic on one more machine
