@@ -372,6 +372,26 @@ def test_a_slice_too_long_for_what_is_left_is_passed_over_for_shorter_ones(tmp_p
     assert ran == []  # the first slice to run carries the set-up: c needs 70 s of 60
 
 
+def test_a_slice_waits_while_its_anchor_run_of_the_round_was_passed_over(tmp_path):
+    """2026-12-04: an H200 passed over the base's run of round 1 (369 s of 340 left), then ran esftctl's round 1 at
+    10 adapters, which then paired with no base run on its machine. Now it waits for the anchor, and the
+    microbenchmarks (set against the base's own) still run."""
+    todo = [slices.Slice("g", "base", 1, slices.copy_part("m1")), slices.Slice("g", "esftctl", 1, "n10"),
+            slices.Slice("g", "esftctl", 0, "micro")]
+    need = {"base": 369, "esftctl": 200}
+    needs_anchor = lambda sl: sl.part != "micro"  # noqa: E731
+    after = slices.anchor_runs(todo, {"g": ("base",)}, needs_anchor)
+    assert after(todo[1]) == (todo[0],) and after(todo[2]) == () and after(todo[0]) == ()
+    steps = []
+    ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=340, estimate_s=lambda sl, warm: need[sl.server],
+                             run=one_by_one(lambda sl: {"wall_s": 1}), on_step=steps.append, after=after)
+    assert ran == [todo[2]]
+    assert steps[1] == f"passed over: g/esftctl n10.r1 waits for {todo[0].label}, which did not run"
+    ran = slices.run_pending(todo[:2], out=tmp_path, model="m", budget_s=math.inf, estimate_s=lambda sl, warm: 0,
+                             run=one_by_one(lambda sl: {"wall_s": 1}), after=after)
+    assert ran == todo[:2]  # the next machine with the time runs the anchor, then the count
+
+
 def test_slices_of_one_start_run_on_it_until_one_does_not_fit(tmp_path):
     todo = [slices.Slice("g", "s", 0, p) for p in ("n3", "n2", "n1")] + [slices.Slice("g", "t", 0)]
     log = []

@@ -63,6 +63,7 @@ from typing import Callable
 from esftctl.bench.slices import (
     PREPARE_S,
     Slice,
+    anchor_runs,
     anchored,
     machine_id,
     measured_walls,
@@ -288,16 +289,17 @@ def run(model: str, *, out: Path, work: Path, scratch: Path | None = None, regim
 
     chosen = {r: tuple(s for s in REGIMES[r].servers if servers is None or s in servers) for r in regimes}
     machine = machine_id()
+    anchors = {r: (REGIMES[r].anchor,) for r, v in chosen.items() if REGIMES[r].anchor in v}
     todo = anchored(pending(slice_order({r: v for r, v in chosen.items() if v}, rounds), out, model), out=out,
-                    model=model, machine=machine,
-                    anchors={r: (REGIMES[r].anchor,) for r, v in chosen.items() if REGIMES[r].anchor in v})
+                    model=model, machine=machine, anchors=anchors)
     served = functools.cache(lambda: serve_models.prepare_base(model, work, on_step, layers=layers))
     ran = run_pending(todo, out=out, model=model, budget_s=budget_s, on_step=on_step,
                       estimate_s=lambda sl, warm: estimate_s(sl, out, model),
                       setup_s=0 if (Path(work) / "base").exists() else PREPARE_S,
                       run=lambda batch: (run_slice(sl, model=model, served=served(), work=work,
                                                    scratch=scratch or work, prompts=prompts, machine=machine,
-                                                   on_step=on_step) for sl in batch))
+                                                   on_step=on_step) for sl in batch),
+                      after=anchor_runs(todo, anchors))
     return {"model": model, "ran": [asdict(s) for s in ran], "left": [asdict(s) for s in pending(todo, out, model)]}
 
 

@@ -74,6 +74,7 @@ from esftctl.bench.serve_runs import merge_rounds, part_of, rate_label, slug
 from esftctl.bench.slices import (
     PREPARE_S,
     Slice,
+    anchor_runs,
     anchored,
     load_slices,
     machine_id,
@@ -209,9 +210,9 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
     group = f"{grid_key(profile)}/{slug(device)}"
     servers = {s.key: s for s in bench_servers(profile, options)}
     planned = [sl for sl in slice_plan(profile, options, group) if rounds is None or sl.round in rounds]
-    todo = anchored(pending(planned, out, profile.model), out=out, model=profile.model,
-                    machine=machine, anchors={group: tuple(k for k, s in servers.items() if s.role == "base")},
-                    needs_anchor=lambda sl: sl.part != MICRO)  # the microbenchmarks compare with the base's own
+    anchors = {group: tuple(k for k, s in servers.items() if s.role == "base")}
+    todo = anchored(pending(planned, out, profile.model), out=out, model=profile.model, machine=machine,
+                    anchors=anchors, needs_anchor=needs_anchor)
     bench = functools.cache(lambda: Bench(profile, options, served=serve_models.prepare_base(profile.model, work,
                                                                                              on_step),
                                           work=work, scratch=scratch, out=out, gpu=gpu, on_step=on_step))
@@ -222,8 +223,15 @@ def run(profile: Profile, options: Options, *, out: Path, work: Path, scratch: P
                                                              profile=profile, scratch=scratch),
                       run=lambda batch: run_slices(bench(), batch, servers[batch[0].server], device=device,
                                                    machine=machine, out=out),
-                      together=lambda a, b: shares_start(a, b, servers[a.server]))
+                      together=lambda a, b: shares_start(a, b, servers[a.server]),
+                      after=anchor_runs(todo, anchors, needs_anchor))
     return {"grid": group, "ran": [s.label for s in ran], "left": [s.label for s in pending(todo, out, profile.model)]}
+
+
+def needs_anchor(sl: Slice) -> bool:
+    """A slice runs after the base's run of its round on its machine, but the microbenchmarks (set against the
+    base's own, whatever its round)."""
+    return sl.part != MICRO
 
 
 def earlier_copies(folder: Path) -> int:

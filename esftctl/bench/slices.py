@@ -176,6 +176,21 @@ def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors:
     return ordered
 
 
+def anchor_runs(ordered: list[Slice], anchors: dict[str, tuple[str, ...]],
+                needs_anchor: Callable[[Slice], bool] = lambda sl: True) -> Callable[[Slice], tuple[Slice, ...]]:
+    """run_pending's `after` for an `anchored` order: for each slice that needs an anchor, the anchor runs of its
+    round that the order holds (this machine's to run). Such a slice waits while one of them is not written: its
+    anchor passed over for the budget, it would pair with no base run on its machine (2026-12-04: an H200 ran
+    esftctl's round 1 at 10 adapters after passing over the base's run of round 1)."""
+    def after(sl: Slice) -> tuple[Slice, ...]:
+        keys = anchors.get(sl.group, ())
+        if sl.server in keys or not needs_anchor(sl):
+            return ()
+        return tuple(a for a in ordered if (a.group, a.round) == (sl.group, sl.round) and a.server in keys
+                     and measured_part(a.part) == "")
+    return after
+
+
 def slice_order(groups: dict[str, tuple[str, ...]], rounds: int,
                 parts: Callable[[str], tuple[str, ...]] = lambda server: ("",)) -> list[Slice]:
     """Every slice, round by round: in round r each group's servers rotated by r (interleaved repeats), and each
@@ -230,7 +245,8 @@ def batches(todo: list[Slice], together: Callable[[Slice, Slice], bool]) -> list
 def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float,
                 estimate_s: Callable[[Slice, bool], float], run: Callable[[list[Slice]], Generator[dict, None, None]],
                 setup_s: float = 0.0, on_step: Callable[[str], None] = lambda msg: None,
-                together: Callable[[Slice, Slice], bool] = lambda a, b: False) -> list[Slice]:
+                together: Callable[[Slice, Slice], bool] = lambda a, b: False,
+                after: Callable[[Slice], tuple[Slice, ...]] = lambda sl: ()) -> list[Slice]:
     """Run the slices of `todo` in order, each one whose estimate fits what is left of `budget_s`: estimate_s(sl,
     warm), warm when its server is up already, and the first to run also `setup_s` (what its run prepares first).
     One that does not fit is passed over for later ones that do (a device session's minutes are too few to leave
@@ -238,7 +254,8 @@ def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float,
     before a 645 s slice). Consecutive slices that `together` pairs share one server start (batches): `run(batch)`
     yields their results in order and is closed, which stops its server, after the last or before one that does
     not fit (the rest of its batch then waits for a later call); when it ends early (a slice failed and was
-    written so), the rest of its batch gets a start of its own. Each result is written atomically to its path as
+    written so), the rest of its batch gets a start of its own. A slice waits, like one that does not fit, while
+    a slice `after` names for it is not written (anchor_runs). Each result is written atomically to its path as
     soon as it is there. Returns the slices that ran; a slice that raises stops the run with nothing written for
     it."""
     started, ran = time.monotonic(), []
@@ -249,8 +266,10 @@ def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float,
             for i, sl in enumerate(batch):
                 left = budget_s - (time.monotonic() - started)
                 need = estimate_s(sl, results is not None) + (0.0 if ran else setup_s)
-                if need > left:
-                    on_step(f"passed over: {sl.label} needs about {need:.0f} s, {left:.0f} s left")
+                unwritten = [a.label for a in after(sl) if not a.path(out, model).exists()]
+                if need > left or unwritten:
+                    on_step(f"passed over: {sl.label} " + (f"waits for {unwritten[0]}, which did not run" if unwritten
+                                                           else f"needs about {need:.0f} s, {left:.0f} s left"))
                     if results is None:
                         continue
                     break
