@@ -14,7 +14,9 @@
 # the slices' own seconds): its base round about 435 s, then esftctl's first count with the server's start and the
 # adapters' writing about 585 s, each further count about 255 s; so 1,020 s for the base and one count, 1,530 for
 # three. A count that does not fit is passed over and the rest of the budget goes to more base rounds and the
-# base's microbenchmarks (2026-11-29: BUDGET=900 gave base r0, micro and r1, no esftctl). Run nothing else on the
+# base's microbenchmarks (2026-11-29: BUDGET=900 gave base r0, micro and r1, no esftctl; 2026-12-04, after 85 s of
+# GPU tests: BUDGET=1400 gave base r0 in 396 s and esftctl's 20, 10 and 5 adapters in 441, 198 and 198 s, and the
+# machine had 420 s left, so 1,550 fits one more count). Run nothing else on the
 # GPU until it prints "all done" (gpu_tests.sh refuses to).
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, so each wait packs what is written so far:
