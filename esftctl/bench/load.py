@@ -213,6 +213,7 @@ def floors(requests: dict, output_len: int) -> dict:
             "p10_ttft_alone_ms": float(np.percentile(lone, 10)) if lone else None}
 
 
+REQUEST_KINDS = ("ttft", "ttft_alone", "tpot")  # what request_ratios sets against the base's same request
 SAME_SEND_S = 0.1  # two runs of one round send each request within this of each other (their clocks jitter by ms)
 
 
@@ -221,12 +222,11 @@ def request_ratios(requests: dict, base: dict, output_len: int) -> dict:
     why): TTFT, TTFT where both servers prefilled the prompt alone, and TPOT (ms a token after the first); a
     request either server did not complete is left out. Empty lists where either run kept no requests or the two
     did not send the same traffic (counts or sending times differ)."""
-    kinds = ("ttft", "ttft_alone", "tpot")
     starts, base_starts = requests.get("start_s") or [], base.get("start_s") or []
     if not starts or len(starts) != len(base_starts) or max(
             abs(a - b) for a, b in zip(starts, base_starts)) > SAME_SEND_S:
-        return {k: [] for k in kinds}
-    out: dict[str, list[float]] = {k: [] for k in kinds}
+        return {k: [] for k in REQUEST_KINDS}
+    out: dict[str, list[float]] = {k: [] for k in REQUEST_KINDS}
     tokens = output_len - 1
     for t, lat, lone, bt, blat, blone in zip(requests["ttft_ms"], requests["latency_ms"], requests["alone"],
                                              base["ttft_ms"], base["latency_ms"], base["alone"]):

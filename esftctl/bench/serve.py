@@ -564,13 +564,8 @@ def request_paired(r: dict, base: dict, output_len: int) -> None:
     interval over rounds and requests (esftctl.bench.slices.clustered_median), and how many rounds and requests
     paired. For plain vLLM's base row itself: its run of a round on a later machine over its first run of that
     round, plain vLLM against itself (`against`: another machine), the yardstick for what a start and a card move."""
-    where, base_where = _where(r), _where(base)
-    if r is base:
-        pairs = [(i, [j]) for i, (rnd, m) in enumerate(where)
-                 for j in [next((j for j, (rr, mm) in enumerate(where[:i]) if rr == rnd and mm != m), None)]
-                 if j is not None]
-    else:
-        pairs = pair_by_machine(where, base_where)
+    where = _where(r)
+    pairs = _same_round_elsewhere(where) if r is base else pair_by_machine(where, _where(base))
     groups: dict[str, list[list[float]]] = {}
     for i, js in pairs:
         for kind, values in request_ratios(r["per_request"][i], base["per_request"][js[0]], output_len).items():
@@ -581,6 +576,17 @@ def request_paired(r: dict, base: dict, output_len: int) -> None:
                                "rounds": sum(1 for g in groups["ttft"] if g),
                                "requests": sum(len(g) for g in groups["ttft"]),
                                "against": "another machine" if r is base else "same machine"}
+
+
+def _same_round_elsewhere(where: list[tuple[int, str | None]]) -> list[tuple[int, list[int]]]:
+    """Each run (round, machine) with the first earlier run of its round on another machine, as pair_by_round
+    gives them."""
+    out = []
+    for i, (rnd, machine) in enumerate(where):
+        j = next((j for j, (r, m) in enumerate(where[:i]) if r == rnd and m != machine), None)
+        if j is not None:
+            out.append((i, [j]))
+    return out
 
 
 def _where(row: dict) -> list[tuple[int, str | None]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from esftctl.bench.load import REQUEST_KINDS
+
 
 def tables(result: dict) -> list:
     out = [runs_table(result)]
@@ -138,7 +140,7 @@ def requests_table(result: dict):
     for server, r in rows:
         q = r["request_ratios"]
         t.add_row(server, r["scenario"], q["against"], str(q["rounds"]), str(q["requests"]),
-                  *(_interval(q.get(kind)) for kind in ("ttft", "ttft_alone", "tpot")))
+                  *(_interval(q.get(kind)) for kind in REQUEST_KINDS))
     return t
 
 

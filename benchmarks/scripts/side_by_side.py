@@ -1,0 +1,167 @@
+"""ExpertWeave's load on plain vLLM and esftctl side by side on one card, the runs alternated (issue 29.1, TTFT).
+
+Why: the grid (`esftctl bench serve`) starts one server at a time and pairs each run with plain vLLM's run of the
+same traffic on the same card, minutes apart. That resolved TPOT (esftctl 1.000-1.004x plain vLLM's request by
+request, H200, 2026-12-04) but not TTFT: esftctl's runs of one server start gave 1.02x to 1.15x with no pattern in
+the adapter count, and plain vLLM's runs of one round on two cards differed by 1-8% (benchmarks/RESULTS.md,
+twenty-eighth session). A run's TTFT moves with its card, its server start and its minute by more than the 3%
+target. Here both servers are up at once on one card, each with half of `bench serve`'s memory share, and each
+round sends the same traffic (vLLM's seed for prompts and arrivals, S-LoRA's shares drawn for the adapters) to
+plain vLLM, then esftctl, then plain vLLM again. Only one server has load at a time. So esftctl is set against
+plain vLLM runs just before and just after it, and plain vLLM's second run over its first is the yardstick of
+what a minute moves, in the same table.
+
+Ratios are request by request (esftctl.bench.load.request_ratios): each request's TTFT, TTFT where both servers
+prefilled it alone, and TPOT, over the same request in the plain run. esftctl's ratios pool both plain runs of its
+round. Each is the median with a 95% interval over rounds, then requests (esftctl.bench.slices.clustered_median).
+Writes OUT/side_by_side.json (every run's requests) and prints the table.
+Usage (device, after ../shared/gpu/README.md's install; about 5 min for the two starts, then 3 x (duration + 3)
+s a rate and round):
+  bash benchmarks/scripts/background.sh start side "PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3
+    benchmarks/scripts/side_by_side.py --out /tmp/side --rates 1,2,5 --rounds 3 --budget 700"
+  bash benchmarks/scripts/background.sh wait side 540 /tmp/side/side_by_side.json   (again until it ends)
+A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4 --duration 2 --rounds 1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from ttft_alone import arm_plan
+
+from esftctl.bench import serve_models
+from esftctl.bench.load import REQUEST_KINDS as KINDS
+from esftctl.bench.load import Load, per_request, request_ratios, run_load
+from esftctl.bench.serve import PROFILES, with_flag
+from esftctl.bench.slices import clustered_median
+from esftctl.bench.traffic import draw_adapters, run_seed
+from esftctl.serve import Server
+
+
+def half_memory(engine_args: tuple[str, ...]) -> list[str]:
+    """The profile's engine arguments with half its GPU memory share (two servers on one card); the CPU build's
+    KV cache is sized per server by VLLM_CPU_KVCACHE_SPACE instead."""
+    flag = "--gpu-memory-utilization"
+    if flag not in engine_args:
+        return list(engine_args)
+    share = float(engine_args[engine_args.index(flag) + 1]) / 2
+    return list(with_flag(engine_args, flag, f"{share:.3f}"))
+
+
+def round_runs(urls: dict[str, str], *, served, profile, adapters: int, alpha: float, rate: float, rnd: int,
+               out: Path) -> dict[str, dict]:
+    """One round at one rate: plain vLLM, esftctl, plain vLLM again, the same traffic each time; each run's kept
+    requests (load.per_request) by arm."""
+    count = profile.requests(rate)
+    load = Load(rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
+    drawn = draw_adapters(adapters, alpha, count, run_seed(repeat=rnd, adapters=adapters, alpha=alpha, rate=rate))
+    names = served.grid
+    runs = {}
+    for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", [names[i] for i in drawn]),
+                                ("plain again", "plain", [])):
+        raw = run_load(urls[server], model="base", tokenizer=served.base, load=load, models=models,
+                       result_dir=out / "vllm-results", name=f"{arm.replace(' ', '-')}-{rate:g}rps-r{rnd}")
+        runs[arm] = per_request(raw)
+    return runs
+
+
+def warm_up(urls: dict[str, str], *, served, profile, adapters: int, out: Path) -> None:
+    """Each server once through every model name it will serve, all at once, before any timed run: the first
+    request to an adapter, and the first batch of a size, do work no later one does."""
+    count = max(adapters, 8)
+    load = Load(float("inf"), count, profile.input_len, profile.output_len, seed=1000, cv=profile.cv)
+    names = served.grid[:adapters]
+    for server, models in (("plain", []), ("esftctl", [names[i % len(names)] for i in range(count)])):
+        run_load(urls[server], model="base", tokenizer=served.base, load=load, models=models,
+                 result_dir=out / "vllm-results", name=f"warm-up-{server}")
+
+
+def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
+    """esftctl over plain vLLM (both plain runs of each round pooled) and plain vLLM's second run over its first:
+    each kind's median with its interval (slices.clustered_median), and the requests paired."""
+    pairs = {"esftctl / plain": [("esftctl", "plain"), ("esftctl", "plain again")],
+             "plain again / plain": [("plain again", "plain")]}
+    out = {}
+    for label, which in pairs.items():
+        groups: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+        for runs in rounds:
+            pooled = {k: [] for k in KINDS}
+            for arm, base in which:
+                for kind, values in request_ratios(runs[arm], runs[base], output_len).items():
+                    pooled[kind] += values
+            for kind in KINDS:
+                groups[kind].append(pooled[kind])
+        out[label] = {kind: clustered_median(groups[kind]) for kind in KINDS}
+        out[label]["pairs"] = sum(len(g) for g in groups["ttft"])
+    return out
+
+
+def table(summary: dict[float, dict[str, dict]], rounds: int):
+    from rich.table import Table
+
+    t = Table(title=f"side by side on one card, {rounds} round(s) a rate: request by request, median [95%]",
+              title_justify="left")
+    for col in ("rate", "ratio", "pairs", "TTFT x", "TTFT x, both alone", "TPOT x"):
+        t.add_column(col, justify="left" if col == "ratio" else "right")
+    for rate, by in summary.items():
+        for label, s in by.items():
+            t.add_row(f"{rate:g} rps", label, str(s["pairs"]),
+                      *("-" if not s[k] else f"{s[k][0]:.3f} [{s[k][1]:.3f}-{s[k][2]:.3f}]" for k in KINDS))
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(PROFILES))
+    parser.add_argument("--work", type=Path, default=Path("/dev/shm/bench-side"))
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench/scratch-side"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/side"))
+    parser.add_argument("--adapters", type=int, default=20, help="adapters esftctl serves and spreads requests over")
+    parser.add_argument("--alpha", type=float, default=1.0, help="S-LoRA's power-law alpha of the shares")
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 5.0],
+                        help="requests per second, one after another in each round")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds (each rate's three runs) at most")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds after both servers are ready in which a round may start")
+    args = parser.parse_args()
+    profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
+    served = serve_models.prepare_base(args.model, args.work, print)
+    shape = "deepseek" if args.model != "tiny" else "table1"
+    serve_models.write_adapters(served, args.model, args.scratch, args.adapters, distinct=min(args.adapters, 10),
+                                shape=shape, on_step=print)
+    engine_args = half_memory(profile.engine_args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
+    plans = {"plain": arm_plan(served, False, engine_args), "esftctl": arm_plan(served, True, engine_args)}
+    with Server(plans["plain"]) as plain:
+        plain.wait_ready(timeout=1200)  # one at a time: each sizes its KV cache by the memory free as it starts
+        with Server(plans["esftctl"]) as esft:
+            esft.wait_ready(timeout=1200)
+            urls = {"plain": plans["plain"].url, "esftctl": plans["esftctl"].url}
+            warm_up(urls, served=served, profile=profile, adapters=args.adapters, out=args.out)
+            ready, done = time.monotonic(), {rate: [] for rate in args.rates}
+            for rnd in range(args.rounds):
+                if time.monotonic() - ready > args.budget:
+                    print(f"budget spent after {rnd} round(s)", flush=True)
+                    break
+                for rate in args.rates:
+                    print(f"{time.strftime('%H:%M:%S')} round {rnd} at {rate:g} rps", flush=True)
+                    done[rate].append(round_runs(urls, served=served, profile=profile, adapters=args.adapters,
+                                                 alpha=args.alpha, rate=rate, rnd=rnd, out=args.out))
+                    result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
+                    (args.out / "side_by_side.json").write_text(json.dumps(result))
+    summary = {rate: summarize(runs, profile.output_len) for rate, runs in done.items() if runs}
+    result["summary"] = {f"{r:g}": s for r, s in summary.items()}
+    (args.out / "side_by_side.json").write_text(json.dumps(result))
+    from rich.console import Console
+
+    Console(width=160).print(table(summary, max(len(v) for v in done.values())))
+
+
+if __name__ == "__main__":
+    main()

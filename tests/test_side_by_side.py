@@ -1,0 +1,53 @@
+"""benchmarks/scripts/side_by_side.py's arithmetic: esftctl set against plain vLLM's runs before and after it
+(pooled), plain vLLM's second run against its first, request by request; half the memory share each."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
+
+
+def _script():
+    sys.path.insert(0, str(SCRIPTS))  # it imports ttft_alone beside it
+    try:
+        spec = importlib.util.spec_from_file_location("side_by_side", SCRIPTS / "side_by_side.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
+
+
+def _run(ttft: float, tpot: float, alone=(True, True, False, False), tokens: int = 4) -> dict:
+    return {"start_s": [0.0, 1.0, 2.0, 3.0], "ttft_ms": [ttft] * 4, "latency_ms": [ttft + tokens * tpot] * 4,
+            "alone": list(alone)}
+
+
+def test_esftctl_pools_both_plain_runs_of_its_round_and_plain_is_set_against_itself():
+    script = _script()
+    # round 0: plain 20 ms then 24 ms (the minute moved it), esftctl 22; round 1 the same without the drift
+    rounds = [{"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.0), "plain again": _run(24.0, 1.2)},
+              {"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.0), "plain again": _run(20.0, 1.0)}]
+    out = script.summarize(rounds, output_len=5)
+    esft, plain = out["esftctl / plain"], out["plain again / plain"]
+    assert esft["pairs"] == 16 and plain["pairs"] == 8  # 4 requests x 2 plain runs x 2 rounds; 4 x 2
+    # esftctl: 1.1 against 20 ms (12 pairs), 22/24 against 24 ms (4): the median 1.1, its interval reaching down to
+    # 22/24 where the bootstrap draws round 0 twice
+    assert esft["ttft"][0] == pytest.approx(1.1) and esft["ttft"][1] == pytest.approx(22 / 24)
+    assert esft["tpot"][0] == pytest.approx(1.0) and esft["tpot"][1] == pytest.approx(1 / 1.2)
+    assert plain["ttft"][0] == pytest.approx((1.2 + 1.0) / 2) and plain["ttft"][2] == pytest.approx(1.2)
+    assert esft["ttft_alone"][0] == pytest.approx(1.1)  # the two prompts both prefilled alone, each pair
+    table = script.table({2.0: out}, rounds=2)
+    assert [c.header for c in table.columns][3:] == ["TTFT x", "TTFT x, both alone", "TPOT x"]
+
+
+def test_two_servers_on_one_card_take_half_the_memory_share_each():
+    script = _script()
+    args = script.half_memory(("--max-model-len", "4096", "--gpu-memory-utilization", "0.92", "--x"))
+    assert args[-2:] == ["--gpu-memory-utilization", "0.460"] and "0.92" not in args
+    assert script.half_memory(("--max-model-len", "256")) == ["--max-model-len", "256"]  # the CPU build
