@@ -142,8 +142,8 @@ def test_merged_copies_share_the_device_and_run_the_largest_count(tmp_path, monk
     from esftctl.bench import serve as bench
 
     args = ("--max-model-len", "4096", "--gpu-memory-utilization", "0.92")
-    assert bench._share_memory(args, 2) == ["--max-model-len", "4096", "--gpu-memory-utilization", "0.460"]
-    assert bench._share_memory(("--max-model-len", "256"), 2) == ["--max-model-len", "256"]  # CPU: its own KV space
+    assert bench.share_memory(args, 2) == ["--max-model-len", "4096", "--gpu-memory-utilization", "0.460"]
+    assert bench.share_memory(("--max-model-len", "256"), 2) == ["--max-model-len", "256"]  # CPU: its own KV space
     profile = replace(bench.PROFILES["deepseek-v2-lite"], rates=(2.0,))
     b = bench.Bench(profile, bench.Options(servers=("base",)), served=None, work=tmp_path, scratch=tmp_path,
                     out=tmp_path, gpu=False, on_step=print)

@@ -1,5 +1,5 @@
 """benchmarks/scripts/side_by_side.py's arithmetic: esftctl set against plain vLLM's runs before and after it
-(pooled), plain vLLM's second run against its first, request by request; half the memory share each."""
+(pooled), plain vLLM's second run against its first, request by request."""
 
 from __future__ import annotations
 
@@ -45,9 +45,3 @@ def test_esftctl_pools_both_plain_runs_of_its_round_and_plain_is_set_against_its
     table = script.table({2.0: out}, rounds=2)
     assert [c.header for c in table.columns][3:] == ["TTFT x", "TTFT x, both alone", "TPOT x"]
 
-
-def test_two_servers_on_one_card_take_half_the_memory_share_each():
-    script = _script()
-    args = script.half_memory(("--max-model-len", "4096", "--gpu-memory-utilization", "0.92", "--x"))
-    assert args[-2:] == ["--gpu-memory-utilization", "0.460"] and "0.92" not in args
-    assert script.half_memory(("--max-model-len", "256")) == ["--max-model-len", "256"]  # the CPU build

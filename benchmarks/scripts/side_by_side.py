@@ -36,20 +36,10 @@ from ttft_alone import arm_plan
 from esftctl.bench import serve_models
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios, run_load
-from esftctl.bench.serve import PROFILES, with_flag
+from esftctl.bench.serve import PROFILES, share_memory
 from esftctl.bench.slices import clustered_median
 from esftctl.bench.traffic import draw_adapters, run_seed
 from esftctl.serve import Server
-
-
-def half_memory(engine_args: tuple[str, ...]) -> list[str]:
-    """The profile's engine arguments with half its GPU memory share (two servers on one card); the CPU build's
-    KV cache is sized per server by VLLM_CPU_KVCACHE_SPACE instead."""
-    flag = "--gpu-memory-utilization"
-    if flag not in engine_args:
-        return list(engine_args)
-    share = float(engine_args[engine_args.index(flag) + 1]) / 2
-    return list(with_flag(engine_args, flag, f"{share:.3f}"))
 
 
 def round_runs(urls: dict[str, str], *, served, profile, adapters: int, alpha: float, rate: float, rnd: int,
@@ -134,7 +124,7 @@ def main() -> None:
     shape = "deepseek" if args.model != "tiny" else "table1"
     serve_models.write_adapters(served, args.model, args.scratch, args.adapters, distinct=min(args.adapters, 10),
                                 shape=shape, on_step=print)
-    engine_args = half_memory(profile.engine_args)
+    engine_args = share_memory(profile.engine_args, 2)  # half the memory share each (the CPU build: its own)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
     plans = {"plain": arm_plan(served, False, engine_args), "esftctl": arm_plan(served, True, engine_args)}

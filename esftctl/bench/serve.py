@@ -385,7 +385,7 @@ class Bench:
     def merged_plans(self, label: str, model_dir: Path, copies: int, par: tuple[str, ...]) -> list:
         if copies == 1:
             return [self.plain(label, model_dir, "merged", par)]
-        share = _share_memory(self.profile.engine_args, copies)
+        share = share_memory(self.profile.engine_args, copies)
         return [plan(model_dir, [], name=f"merged-{j}", esft=False, port=free_port(), vllm_args=[*share, *par],
                      state_dir=self.work / "state" / slug(f"{label}-{j}")) for j in range(copies)]
 
@@ -467,7 +467,7 @@ def _utilization(engine_args: tuple[str, ...]) -> float:
     return float(args[args.index("--gpu-memory-utilization") + 1]) if "--gpu-memory-utilization" in args else 0.9
 
 
-def _share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
+def share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
     """The engine arguments with each of `copies` servers given its share of the device's memory (the CPU build's
     KV cache is sized by VLLM_CPU_KVCACHE_SPACE per server instead)."""
     flag = "--gpu-memory-utilization"
