@@ -166,19 +166,19 @@ def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path
     from types import SimpleNamespace
 
     from esftctl.bench import serve as bench
-    from esftctl.bench.serve_runs import JIT_WARNING, WARM_UP_S, Scenario, _warm_up, jit_compiles
+    from esftctl.bench.serve_runs import JIT_WARNING, WARM_UP_S, Scenario, jit_compiles, warm_up
 
     profile = replace(bench.PROFILES["deepseek-v2-lite"], cv=2.0)
     runs = [Scenario("base @ 1 rps", 1.0), Scenario("5 adapters @ 5 rps", 5.0, 5), Scenario("at once", math.inf, 2)]
     sent = []
-    _warm_up(lambda name, load, models, folder: sent.append((load, models)), "esftctl", runs,
+    warm_up(lambda name, load, models, folder: sent.append((load, models)), "esftctl", runs,
              names={"grid": [f"a{i}" for i in range(9)]}, profile=profile, on_step=lambda msg: None)
     (burst, burst_models), (paced, paced_models) = sent
     assert math.isinf(burst.rate) and burst.prompts == 16 and set(burst_models) == {f"a{i}" for i in range(5)}
     assert paced.rate == 5.0 and paced.cv == 2.0 and paced.prompts == 5 * WARM_UP_S == len(paced_models)
     assert paced.seed != burst.seed and (paced.input_len, paced.output_len) == (profile.input_len, profile.output_len)
     sent.clear()
-    _warm_up(lambda name, load, models, folder: sent.append(load), "base", [Scenario("at once", math.inf)],
+    warm_up(lambda name, load, models, folder: sent.append(load), "base", [Scenario("at once", math.inf)],
              names={}, profile=replace(profile, duration=1.5), on_step=lambda msg: None)
     assert [math.isinf(load.rate) for load in sent] == [True]  # no finite rate: the burst alone
     logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "gone.log"]

@@ -30,44 +30,30 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from ttft_alone import arm_plan
 
 from esftctl.bench import serve_models
 from esftctl.bench.load import REQUEST_KINDS as KINDS
-from esftctl.bench.load import Load, per_request, request_ratios, run_load
+from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import PROFILES, share_memory
+from esftctl.bench.serve_runs import Scenario, runner, warm_up
 from esftctl.bench.slices import clustered_median
-from esftctl.bench.traffic import draw_adapters, run_seed
 from esftctl.serve import Server
 
 
-def round_runs(urls: dict[str, str], *, served, profile, adapters: int, alpha: float, rate: float, rnd: int,
-               out: Path) -> dict[str, dict]:
-    """One round at one rate: plain vLLM, esftctl, plain vLLM again, the same traffic each time; each run's kept
-    requests (load.per_request) by arm."""
-    count = profile.requests(rate)
-    load = Load(rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
-    drawn = draw_adapters(adapters, alpha, count, run_seed(repeat=rnd, adapters=adapters, alpha=alpha, rate=rate))
-    names = served.grid
-    runs = {}
-    for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", [names[i] for i in drawn]),
-                                ("plain again", "plain", [])):
-        raw = run_load(urls[server], model="base", tokenizer=served.base, load=load, models=models,
-                       result_dir=out / "vllm-results", name=f"{arm.replace(' ', '-')}-{rate:g}rps-r{rnd}")
-        runs[arm] = per_request(raw)
-    return runs
-
-
-def warm_up(urls: dict[str, str], *, served, profile, adapters: int, out: Path) -> None:
-    """Each server once through every model name it will serve, all at once, before any timed run: the first
-    request to an adapter, and the first batch of a size, do work no later one does."""
-    count = max(adapters, 8)
-    load = Load(float("inf"), count, profile.input_len, profile.output_len, seed=1000, cv=profile.cv)
-    names = served.grid[:adapters]
-    for server, models in (("plain", []), ("esftctl", [names[i % len(names)] for i in range(count)])):
-        run_load(urls[server], model="base", tokenizer=served.base, load=load, models=models,
-                 result_dir=out / "vllm-results", name=f"warm-up-{server}")
+def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int
+               ) -> dict[str, dict]:
+    """One round of one scenario: plain vLLM, esftctl, plain vLLM again, the same traffic each time (vLLM's seed
+    and the grid's draw of adapters, Scenario.draw); each run's kept requests (load.per_request) by arm. `run`:
+    each server's serve_runs.runner."""
+    count = profile.requests(scenario.rate)
+    load = Load(scenario.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
+    adapters = [names[i] for i in scenario.draw(rnd, count)]
+    return {arm: per_request(run[server](f"{arm} {scenario.name} r{rnd}", load, models))
+            for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", adapters),
+                                        ("plain again", "plain", []))}
 
 
 def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
@@ -132,17 +118,23 @@ def main() -> None:
         plain.wait_ready(timeout=1200)  # one at a time: each sizes its KV cache by the memory free as it starts
         with Server(plans["esftctl"]) as esft:
             esft.wait_ready(timeout=1200)
-            urls = {"plain": plans["plain"].url, "esftctl": plans["esftctl"].url}
-            warm_up(urls, served=served, profile=profile, adapters=args.adapters, out=args.out)
+            run = {k: runner(p.url, "base", served=served, profile=profile, routes=None, out=args.out)
+                   for k, p in plans.items()}
+            scenarios = [Scenario(f"{args.adapters} adapters @ {rate:g} rps", rate, adapters=args.adapters,
+                                  alpha=args.alpha) for rate in args.rates]
+            # the grid's warm-up: every name once, then the busiest rate paced (serve_runs.warm_up says why)
+            warm_up(run["plain"], "plain", [Scenario("base", rate) for rate in args.rates], names={},
+                    profile=profile, on_step=print)
+            warm_up(run["esftctl"], "esftctl", scenarios, names={"grid": served.grid}, profile=profile,
+                    on_step=print)
             ready, done = time.monotonic(), {rate: [] for rate in args.rates}
             for rnd in range(args.rounds):
                 if time.monotonic() - ready > args.budget:
                     print(f"budget spent after {rnd} round(s)", flush=True)
                     break
-                for rate in args.rates:
+                for rate, scenario in zip(args.rates, scenarios):
                     print(f"{time.strftime('%H:%M:%S')} round {rnd} at {rate:g} rps", flush=True)
-                    done[rate].append(round_runs(urls, served=served, profile=profile, adapters=args.adapters,
-                                                 alpha=args.alpha, rate=rate, rnd=rnd, out=args.out))
+                    done[rate].append(round_runs(run, scenario, names=served.grid, profile=profile, rnd=rnd))
                     result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
                     (args.out / "side_by_side.json").write_text(json.dumps(result))
     summary = {rate: summarize(runs, profile.output_len) for rate, runs in done.items() if runs}

@@ -26,7 +26,7 @@ ExpertWeave: 1 to 5 requests/s over 100 s), at inf `prompts` requests at once. E
 same requests: same prompts and arrival times (vLLM's seed: the round), same adapter draw (our seed: the run),
 each request to that server's i-th adapter (or merged copy). Every server runs its scenarios `repeats` rounds,
 started anew for each (its scenarios in an order rotated by the round, the servers too: interleaved) and warmed
-up first (serve_runs._warm_up: a burst over every model name, then up to 10 s of the busiest finite rate; the
+up first (serve_runs.warm_up: a burst over every model name, then up to 10 s of the busiest finite rate; the
 kernel compiles vLLM's JIT monitor logs during the measured runs are counted and flagged); the median over
 rounds is reported, with the ranges and TTFT's spread over them ((max - min) / median of the
 rounds' median TTFT), the drawn shares against alpha (chi-square p-value, worst share in standard errors, over

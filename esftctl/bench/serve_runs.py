@@ -169,11 +169,11 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
         ready_s = time.perf_counter() - started
         url, model = plans[0].url, plans[0].name
         kv = kv_cache_tokens(url)
-        run = _runner(url, model, served=served, profile=profile, routes=routes, out=out)
+        run = runner(url, model, served=served, profile=profile, routes=routes, out=out)
         times = functools.partial(server_times, [p.url for p in plans])
         for i, runs in enumerate(parts):
             began = time.perf_counter()
-            _warm_up(run, label, runs, names=names, profile=profile, on_step=on_step)
+            warm_up(run, label, runs, names=names, profile=profile, on_step=on_step)
             compiled = jit_compiles(plans)
             measured = _round(run, label, runs, names=names, profile=profile, rnd=round, on_step=on_step,
                               order=order or runs, times=times)
@@ -190,14 +190,14 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
                    **extra}
 
 
-def _runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
+def runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
     def run(name: str, load: Load, models: list[str], folder: str = "vllm-results") -> dict:
         return run_load(url, model=model, tokenizer=served.base, load=load, models=models, result_dir=out / folder,
                         name=slug(name), routes=routes)
     return run
 
 
-def _warm_up(run: Callable, label: str, runs: list[Scenario], *, names: dict, profile, on_step) -> None:
+def warm_up(run: Callable, label: str, runs: list[Scenario], *, names: dict, profile, on_step) -> None:
     """Every model name the runs use, once or more, then the busiest finite rate of the runs for up to
     WARM_UP_S: first-use costs (kernels, slots) stay out of the numbers. The burst alone (many prompts prefilled
     together, then decode steps replayed from CUDA graphs) left lone prompts and steps of one prompt beside a few
