@@ -229,6 +229,8 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
         assert 0 <= r["alone_share"] <= 1 and (r["median_ttft_alone_ms"] or r["median_ttft_beside_ms"])
     assert rows[("esftctl", "base @ inf rps")]["alone_share"] == 0  # all at once: none alone
     assert all(r["median_stall_ms"] is None or r["median_stall_ms"] > 0 for r in rows.values())  # load.prefill_stalls
+    for r in rows.values():  # the machine over each run (bench.conditions): the host's CPU, no nvidia-smi here
+        assert 0 < r["host_busy"] <= 1 and 0 <= r["host_steal"] < 1 and r["gpu_sm_mhz"] is None
     kept = sliced["esftctl/n2.r0.json"]["runs"][0]
     assert len(kept["requests"]["ttft_ms"]) == len(kept["drawn"]) == kept["result"]["completed"]
     from rich.console import Console
@@ -238,6 +240,7 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     for table in tables(result):
         Console(file=text, width=250).print(table)
     assert "TTFT by what the prompt met" in text.getvalue() and "stall ms" in text.getvalue()
+    assert "the machine over each run" in text.getvalue()
     esft_base = rows[("esftctl", "base @ inf rps")]
     assert esft_base["tpot_ratio"] == esft_base["mean_tpot_ms"] / rows[("vLLM base", "base @ inf rps")]["mean_tpot_ms"]
     assert result["kv_cache"]["reported"]["esftctl"] > 0

@@ -45,3 +45,19 @@ def test_esftctl_pools_both_plain_runs_of_its_round_and_plain_is_set_against_its
     table = script.table({2.0: out}, rounds=2)
     assert [c.header for c in table.columns][3:] == ["TTFT x", "TTFT x, both alone", "TPOT x"]
 
+
+
+def test_each_arms_machine_is_its_median_over_rounds():
+    script = _script()
+    rounds = [{arm: _run(20.0, 1.0) | {"machine": {"gpu_sm_mhz": mhz, "gpu_idle_share": 0.5, "host_steal": steal}}
+               for arm, mhz, steal in (("plain", 1900.0, 0.01), ("esftctl", 1500.0, 0.02), ("plain again", 1980.0,
+                                                                                            None))}
+              for _ in range(3)]
+    rounds[0]["esftctl"]["machine"]["gpu_sm_mhz"] = 900.0  # one slow round does not move the median
+    machines = script.machine(rounds)
+    assert machines["esftctl"]["gpu_sm_mhz"] == 1500.0 and machines["plain"]["gpu_sm_mhz"] == 1900.0
+    assert machines["plain again"]["host_steal"] is None and machines["esftctl"]["gpu_sm_mhz_p10"] is None
+    assert script.summarize(rounds, output_len=5)["esftctl / plain"]["ttft"][0] == pytest.approx(1.0)
+    table = script.machine_table({1.0: machines})
+    assert [c.header for c in table.columns] == ["rate", "arm", "SM MHz", "SM p10", "idle", "slowed", "steal"]
+    assert table.row_count == 3

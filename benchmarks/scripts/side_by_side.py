@@ -14,7 +14,9 @@ what a minute moves, in the same table.
 Ratios are request by request (esftctl.bench.load.request_ratios): each request's TTFT, TTFT where both servers
 prefilled it alone, and TPOT, over the same request in the plain run. esftctl's ratios pool both plain runs of its
 round. Each is the median with a 95% interval over rounds, then requests (esftctl.bench.slices.clustered_median).
-Writes OUT/side_by_side.json (every run's requests) and prints the table.
+Each run also records the machine's state over it (esftctl.bench.conditions: the card's clocks and slowdown
+reasons, the host's steal), shown per arm in a second table: if a minute moves TTFT, the machine may say why.
+Writes OUT/side_by_side.json (every run's requests and machine) and prints the two tables.
 Usage (device, after ../shared/gpu/README.md's install; about 5 min for the two starts, then 3 x (duration + 3)
 s a rate and round):
   bash benchmarks/scripts/background.sh start side "PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -35,6 +38,7 @@ from typing import Callable
 from ttft_alone import arm_plan
 
 from esftctl.bench import serve_models
+from esftctl.bench.conditions import Watch
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import PROFILES, share_memory
@@ -46,14 +50,17 @@ from esftctl.serve import Server
 def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int
                ) -> dict[str, dict]:
     """One round of one scenario: plain vLLM, esftctl, plain vLLM again, the same traffic each time (vLLM's seed
-    and the grid's draw of adapters, Scenario.draw); each run's kept requests (load.per_request) by arm. `run`:
-    each server's serve_runs.runner."""
+    and the grid's draw of adapters, Scenario.draw); each run's kept requests (load.per_request) and the machine's
+    state over it ("machine": esftctl.bench.conditions) by arm. `run`: each server's serve_runs.runner."""
     count = profile.requests(scenario.rate)
     load = Load(scenario.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
     adapters = [names[i] for i in scenario.draw(rnd, count)]
-    return {arm: per_request(run[server](f"{arm} {scenario.name} r{rnd}", load, models))
-            for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", adapters),
-                                        ("plain again", "plain", []))}
+    out = {}
+    for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", adapters), ("plain again", "plain", [])):
+        with Watch() as machine:
+            raw = run[server](f"{arm} {scenario.name} r{rnd}", load, models)
+        out[arm] = per_request(raw) | {"machine": machine.result}
+    return out
 
 
 def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
@@ -76,6 +83,19 @@ def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]
     return out
 
 
+MACHINE = ("gpu_sm_mhz", "gpu_sm_mhz_p10", "gpu_idle_share", "gpu_slowdown_share", "host_steal")
+
+
+def machine(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each arm's machine over its runs (esftctl.bench.conditions): the median over rounds of MACHINE's keys."""
+    out = {}
+    for arm in ("plain", "esftctl", "plain again"):
+        runs = [r[arm].get("machine") or {} for r in rounds]
+        out[arm] = {k: statistics.median(v) if (v := [m[k] for m in runs if m.get(k) is not None]) else None
+                    for k in MACHINE}
+    return out
+
+
 def table(summary: dict[float, dict[str, dict]], rounds: int):
     from rich.table import Table
 
@@ -87,6 +107,21 @@ def table(summary: dict[float, dict[str, dict]], rounds: int):
         for label, s in by.items():
             t.add_row(f"{rate:g} rps", label, str(s["pairs"]),
                       *("-" if not s[k] else f"{s[k][0]:.3f} [{s[k][1]:.3f}-{s[k][2]:.3f}]" for k in KINDS))
+    return t
+
+
+def machine_table(machines: dict[float, dict[str, dict]]):
+    from rich.table import Table
+
+    t = Table(title="the machine over each arm's runs (esftctl.bench.conditions), medians over rounds: the SM clock's "
+                    "mean and 10th percentile, the shares of nvidia-smi's samples idle or slowed down, the host's "
+                    "steal", title_justify="left")
+    for col in ("rate", "arm", "SM MHz", "SM p10", "idle", "slowed", "steal"):
+        t.add_column(col, justify="left" if col == "arm" else "right")
+    for rate, arms in machines.items():
+        for arm, m in arms.items():
+            t.add_row(f"{rate:g} rps", arm, *("-" if m[k] is None else format(m[k], ".0f") for k in MACHINE[:2]),
+                      *("-" if m[k] is None else f"{100 * m[k]:.1f}%" for k in MACHINE[2:]))
     return t
 
 
@@ -138,11 +173,13 @@ def main() -> None:
                     result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
                     (args.out / "side_by_side.json").write_text(json.dumps(result))
     summary = {rate: summarize(runs, profile.output_len) for rate, runs in done.items() if runs}
+    machines = {rate: machine(runs) for rate, runs in done.items() if runs}
     result["summary"] = {f"{r:g}": s for r, s in summary.items()}
+    result["machine"] = {f"{r:g}": m for r, m in machines.items()}
     (args.out / "side_by_side.json").write_text(json.dumps(result))
     from rich.console import Console
 
-    Console(width=160).print(table(summary, max(len(v) for v in done.values())))
+    Console(width=160).print(table(summary, max(len(v) for v in done.values())), machine_table(machines))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from esftctl.bench.conditions import Watch
 from esftctl.bench.slices import (
     PREPARE_S,
     Slice,
@@ -363,7 +364,8 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
         for point in regime_points(regime, prompts):
             on_step(f"{label}: {point.name}")
             pre = preemptions(metrics_text(p.url))
-            result = summary(load(point, sl.round, point.name))
+            with Watch() as conditions:  # the machine's state over the point (esftctl.bench.conditions)
+                result = summary(load(point, sl.round, point.name)) | conditions.result
             after = settled_status(p.url, lambda: nudge(p.url))
             points[point.name] = {**result, "point": asdict(point),
                                   "preemptions": preemptions(metrics_text(p.url)) - pre,

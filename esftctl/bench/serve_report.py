@@ -11,7 +11,7 @@ from esftctl.bench.load import REQUEST_KINDS
 def tables(result: dict) -> list:
     out = [runs_table(result)]
     for table in (floors_table(result), requests_table(result), server_times_table(result), modes_table(result),
-                  micro_table(result), groups_table(result)):
+                  machine_table(result), micro_table(result), groups_table(result)):
         if table is not None:
             out.append(table)
     out.append(kv_table(result))
@@ -58,8 +58,8 @@ def _throughput(r: dict) -> str:
     return _f(r["output_throughput"], ".0f") + (f" [{low:.0f}-{high:.0f}]" if ranged else "")
 
 
-def _pct(value) -> str:
-    return "-" if value is None else f"{100 * value:.0f}%"
+def _pct(value, spec: str = ".0f") -> str:
+    return "-" if value is None else f"{100 * value:{spec}}%"
 
 
 def runs_table(result: dict):
@@ -193,6 +193,31 @@ def modes_table(result: dict):
                   _f(r.get("ttft_alone_ratio"), ".3f"), _f(r.get("median_ttft_beside_ms"), ".1f"),
                   _f(r.get("ttft_beside_ratio"), ".3f"), _f(r.get("median_stall_ms"), ".1f"),
                   _f(r.get("stall_ratio"), ".3f"))
+    return t
+
+
+def machine_table(result: dict):
+    """The machine over each run (esftctl.bench.conditions): the GPU's SM clock (mean and 10th percentile),
+    power, hottest temperature, the shares of samples nvidia-smi called idle or slowed down, and the host's CPU
+    busy and steal shares; medians over rounds. None before any run carried them."""
+    from rich.table import Table
+
+    rows = [(res["server"], r) for res in result["servers"] for r in res["rows"]
+            if r.get("gpu_sm_mhz") is not None or r.get("host_busy") is not None]
+    if not rows:
+        return None
+    t = Table(title="the machine over each run (esftctl.bench.conditions: nvidia-smi every 100 ms, /proc/stat): "
+                    "medians over rounds; idle and slowed: the shares of samples whose clock reasons say so (slowed: "
+                    "power cap, thermal or hardware slowdown); steal: CPU time the host's other tenants took",
+              title_justify="left")
+    for col in ("server", "scenario", "SM MHz", "SM p10", "power W", "max C", "idle", "slowed", "CPU busy",
+                "steal"):
+        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
+    for server, r in rows:
+        t.add_row(server, r["scenario"], _f(r.get("gpu_sm_mhz"), ".0f"), _f(r.get("gpu_sm_mhz_p10"), ".0f"),
+                  _f(r.get("gpu_power_w"), ".0f"), _f(r.get("gpu_temp_c"), ".0f"),
+                  *(_pct(r.get(k)) for k in ("gpu_idle_share", "gpu_slowdown_share", "host_busy")),
+                  _pct(r.get("host_steal"), ".1f"))
     return t
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from esftctl.bench.conditions import Watch
 from esftctl.bench.load import Load, floors, per_request, run_load, summary
 from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_shares
 from esftctl.serve import Server
@@ -227,8 +228,9 @@ def jit_compiles(plans: list) -> int:
 def _round(run: Callable, label: str, runs: list[Scenario], *, names: dict, profile, rnd: int, on_step,
            order: list[Scenario], times: Callable[[], dict] = lambda: {}) -> list[dict]:
     """Every scenario once, in an order rotated by the round; each run's entry keeps its scenario (and place in
-    `order`), vLLM's numbers, the server's own per-request means (`times`: server_times), the adapters drawn,
-    each request's own times (load.per_request) and the seconds it took."""
+    `order`), vLLM's numbers, the machine's state over the run (esftctl.bench.conditions), the server's own
+    per-request means (`times`: server_times), the adapters drawn, each request's own times (load.per_request) and
+    the seconds it took."""
     out = []
     k = rnd % len(runs) if runs else 0
     for s in runs[k:] + runs[:k]:
@@ -237,8 +239,9 @@ def _round(run: Callable, label: str, runs: list[Scenario], *, names: dict, prof
         drawn = s.draw(rnd, count)
         load = Load(s.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
         started, before = time.perf_counter(), times()
-        raw = run(f"{label} {s.name} r{rnd}", load, [names[s.pool][i] for i in drawn])
-        result = summary(raw)
+        with Watch() as machine:
+            raw = run(f"{label} {s.name} r{rnd}", load, [names[s.pool][i] for i in drawn])
+        result = summary(raw) | machine.result
         if before:
             result.update(server_means(before, times()))
         if math.isinf(s.rate):  # all at once: no gaps to speak of
