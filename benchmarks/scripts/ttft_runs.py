@@ -1,0 +1,114 @@
+"""Where a run's TTFT excess sits (issue 29): each run of a grid's slices against plain vLLM's base run of its round
+on its machine, request by request (esftctl.bench.load.request_ratios), cut by sixth of the run and by adapter.
+
+Why: on one H200 (2026-12-04) esftctl's TTFT came to 1.02x-1.15x plain vLLM's request by request, with no
+pattern in the adapter count, the runs of one server start included. An excess that sits in some requests (each
+adapter's first, say: vLLM's LoRA bookkeeping in the step that prefills it) shows in the cuts as one high cell;
+one that moves the whole run shows in every sixth and every adapter alike, and then the run's minute moved it, not
+the code its requests ran through. The machine's state over the run (esftctl.bench.conditions), where the slice
+recorded it, sits at the end of the line.
+Usage: python benchmarks/scripts/ttft_runs.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--base DIR]
+[--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from esftctl.bench.load import request_ratios
+from esftctl.bench.slices import load_slices
+
+PARTS = 6
+
+
+def base_runs(folder: Path) -> dict[tuple, dict]:
+    """Plain vLLM's base runs under `folder`/base by (machine, round, rate): each run's kept requests."""
+    out = {}
+    for s in load_slices(folder / "base", "*.json"):
+        for run in s.get("runs", []):
+            out.setdefault((s.get("machine"), run["round"], run["scenario"]["rate"]), run.get("requests") or {})
+    return out
+
+
+def cuts(run: dict, base: dict, output_len: int) -> dict | None:
+    """One run against its base run: the TTFT ratios' median, the medians of each sixth of the run (in sending
+    order), of each adapter's requests (fewest 3), and of each adapter's first request against its later ones."""
+    requests = run.get("requests") or {}
+    ratios = request_ratios(requests, base, output_len)["ttft"]
+    if not ratios or len(ratios) != len(requests["ttft_ms"]):  # unpaired, or a request either server lost
+        return None
+    drawn = run.get("drawn") or [0] * len(ratios)
+    size = -(-len(ratios) // PARTS)
+    by_adapter: dict[int, list[float]] = {}
+    first, later = [], []
+    for i, (adapter, ratio) in enumerate(zip(drawn, ratios)):
+        (later if adapter in by_adapter else first).append(ratio)
+        by_adapter.setdefault(adapter, []).append(ratio)
+    adapters = [statistics.median(v) for v in by_adapter.values() if len(v) >= 3]
+    return {"median": statistics.median(ratios),
+            "sixths": [statistics.median(ratios[k:k + size]) for k in range(0, len(ratios), size)],
+            "adapters": [min(adapters), max(adapters)] if adapters else None,
+            "first": statistics.median(first), "later": statistics.median(later) if later else None,
+            "requests": len(ratios), "sm_mhz": (run.get("result") or {}).get("gpu_sm_mhz")}
+
+
+def lines(folder: Path, base: Path | None = None) -> list[dict]:
+    """Every non-base run under `folder` that pairs with a base run (under `base`, else `folder`), in the order the
+    slices ran them."""
+    bases = base_runs(base or folder)
+    out = []
+    for server in sorted(p for p in folder.iterdir() if p.is_dir() and p.name != "base"):
+        for s in load_slices(server, "*.json"):
+            output_len = s.get("profile", {}).get("output_len", 0)
+            for run in s.get("runs", []):
+                base = bases.get((s.get("machine"), run["round"], run["scenario"]["rate"]))
+                c = cuts(run, base, output_len) if base else None
+                if c:
+                    out.append({"server": server.name, "scenario": run["scenario"]["name"], "round": run["round"],
+                                "index": run.get("index"), "finished": s.get("finished", 0), **c})
+    return sorted(out, key=lambda x: (x["server"], x["finished"], x["index"] or 0))
+
+
+def table(rows: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="TTFT over plain vLLM's same request (its base run of the round on the machine): the run's median, "
+                    "each sixth of the run's medians in sending order, the adapters' medians (low-high; 3 requests "
+                    "or more), each adapter's first request against its later ones; SM MHz: the card's mean clock "
+                    "over the run where the slice kept it", title_justify="left")
+    for col in ("server", "scenario", "round", "requests", "TTFT x", "by sixth", "adapters", "first", "later",
+                "SM MHz"):
+        t.add_column(col, justify="left" if col in ("server", "scenario", "by sixth") else "right")
+    for r in rows:
+        t.add_row(r["server"], r["scenario"], str(r["round"]), str(r["requests"]), f"{r['median']:.3f}",
+                  " ".join(f"{x:.2f}" for x in r["sixths"]),
+                  "-" if not r["adapters"] else f"{r['adapters'][0]:.2f}-{r['adapters'][1]:.2f}",
+                  f"{r['first']:.3f}", "-" if r["later"] is None else f"{r['later']:.3f}",
+                  "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}")
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="a grid's slices on one device: .../slices/<model>/<grid>/<device>")
+    parser.add_argument("--base", type=Path, help="the folder whose base/ holds plain vLLM's runs (default: FOLDER; "
+                                                   "for stale-slices/, the live grid's)")
+    parser.add_argument("--json", action="store_true", help="the lines as JSON instead of the table")
+    args = parser.parse_args()
+    base = args.base or args.folder
+    if not (base / "base").is_dir():
+        raise SystemExit(f"error: {base}: no base/ folder of plain vLLM's runs")
+    rows = lines(args.folder, base)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console
+
+    Console(width=200).print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
