@@ -365,7 +365,8 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
             on_step(f"{label}: {point.name}")
             pre = preemptions(metrics_text(p.url))
             with Watch() as conditions:  # the machine's state over the point (esftctl.bench.conditions)
-                result = summary(load(point, sl.round, point.name)) | conditions.result
+                raw = load(point, sl.round, point.name)
+            result = summary(raw) | conditions.result
             after = settled_status(p.url, lambda: nudge(p.url))
             points[point.name] = {**result, "point": asdict(point),
                                   "preemptions": preemptions(metrics_text(p.url)) - pre,
