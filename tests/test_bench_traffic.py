@@ -208,6 +208,8 @@ def test_requests_pair_with_the_same_requests_of_the_base_run_of_their_round():
     out = request_ratios(run, base, output_len=5)
     assert out["ttft"] == pytest.approx([1.1, 1.1, 1.1]) and out["ttft_alone"] == pytest.approx([1.1, 1.1])
     assert out["tpot"] == pytest.approx([2.0, 2.0, 2.0])
+    each = request_ratios(run, base, output_len=5, aligned=True)  # one entry per request, in the order sent
+    assert each["ttft"] == pytest.approx([1.1, 1.1, None, 1.1]) and each["ttft_alone"][2:] == [None, None]
     nothing = {"ttft": [], "ttft_alone": [], "tpot": []}
     assert request_ratios({**run, "start_s": [0.0, 1.5, 2.0, 3.0]}, base, output_len=5) == nothing  # other traffic
     assert request_ratios({k: v[:3] for k, v in run.items()}, base, output_len=5) == nothing  # other count

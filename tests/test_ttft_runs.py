@@ -53,3 +53,8 @@ def test_an_even_excess_shows_in_every_cut_and_a_first_request_one_apart(tmp_pat
     assert at_first["first"] == pytest.approx(2.0) and at_first["later"] == pytest.approx(1.0)
     assert at_first["sixths"][0] == pytest.approx(2.0) and at_first["sixths"][1:] == pytest.approx([1.0] * 5)
     assert script.table(script.lines(tmp_path)).row_count == 2
+    lost = _run(slow, drawn)
+    lost["requests"]["ttft_ms"][1] = 0.0  # a request esftctl did not complete: left out, the others keep their adapters
+    _slice(tmp_path / "esftctl" / "n3.r0.json", "card", [lost])
+    (kept,) = script.lines(tmp_path)
+    assert kept["requests"] == n - 1 and kept["median"] == pytest.approx(1.1)

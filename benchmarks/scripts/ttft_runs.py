@@ -36,15 +36,16 @@ def base_runs(folder: Path) -> dict[tuple, dict]:
 def cuts(run: dict, base: dict, output_len: int) -> dict | None:
     """One run against its base run: the TTFT ratios' median, the medians of each sixth of the run (in sending
     order), of each adapter's requests (fewest 3), and of each adapter's first request against its later ones."""
-    requests = run.get("requests") or {}
-    ratios = request_ratios(requests, base, output_len)["ttft"]
-    if not ratios or len(ratios) != len(requests["ttft_ms"]):  # unpaired, or a request either server lost
+    each = request_ratios(run.get("requests") or {}, base, output_len, aligned=True)["ttft"]
+    drawn = run.get("drawn") or [0] * len(each)
+    kept = [(adapter, ratio) for adapter, ratio in zip(drawn, each) if ratio is not None]  # both servers completed
+    if not kept:  # unpaired: not the same traffic
         return None
-    drawn = run.get("drawn") or [0] * len(ratios)
+    ratios = [ratio for _, ratio in kept]
     size = -(-len(ratios) // PARTS)
     by_adapter: dict[int, list[float]] = {}
     first, later = [], []
-    for i, (adapter, ratio) in enumerate(zip(drawn, ratios)):
+    for adapter, ratio in kept:
         (later if adapter in by_adapter else first).append(ratio)
         by_adapter.setdefault(adapter, []).append(ratio)
     adapters = [statistics.median(v) for v in by_adapter.values() if len(v) >= 3]

@@ -217,25 +217,26 @@ REQUEST_KINDS = ("ttft", "ttft_alone", "tpot")  # what request_ratios sets again
 SAME_SEND_S = 0.1  # two runs of one round send each request within this of each other (their clocks jitter by ms)
 
 
-def request_ratios(requests: dict, base: dict, output_len: int) -> dict:
+def request_ratios(requests: dict, base: dict, output_len: int, *, aligned: bool = False) -> dict:
     """Each request of a run (per_request) over the same request in the base's run of its round (the module says
     why): TTFT, TTFT where both servers prefilled the prompt alone, and TPOT (ms a token after the first); a
-    request either server did not complete is left out. Empty lists where either run kept no requests or the two
-    did not send the same traffic (counts or sending times differ)."""
+    request either server did not complete is left out (`aligned`: kept as None, one entry per request, in the
+    order sent). Empty lists where either run kept no requests or the two did not send the same traffic (counts or
+    sending times differ)."""
     starts, base_starts = requests.get("start_s") or [], base.get("start_s") or []
     if not starts or len(starts) != len(base_starts) or max(
             abs(a - b) for a, b in zip(starts, base_starts)) > SAME_SEND_S:
         return {k: [] for k in REQUEST_KINDS}
-    out: dict[str, list[float]] = {k: [] for k in REQUEST_KINDS}
+    out: dict[str, list] = {k: [] for k in REQUEST_KINDS}
     tokens = output_len - 1
     for t, lat, lone, bt, blat, blone in zip(requests["ttft_ms"], requests["latency_ms"], requests["alone"],
                                              base["ttft_ms"], base["latency_ms"], base["alone"]):
-        if 0 < t < lat and 0 < bt < blat:
-            out["ttft"].append(t / bt)
-            if lone and blone:
-                out["ttft_alone"].append(t / bt)
-            if tokens > 0:
-                out["tpot"].append((lat - t) / (blat - bt))
+        done = 0 < t < lat and 0 < bt < blat
+        ratios = {"ttft": t / bt if done else None, "ttft_alone": t / bt if done and lone and blone else None,
+                  "tpot": (lat - t) / (blat - bt) if done and tokens > 0 else None}
+        for kind, value in ratios.items():
+            if value is not None or aligned:
+                out[kind].append(value)
     return out
 
 
