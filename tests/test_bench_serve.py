@@ -259,6 +259,7 @@ def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     assert set(micro["ttft_ms"]) == {"16", "64"} and set(micro["tpot_ms"]) == {"1", "4"}
     base_micro = servers["vLLM base"]["micro"]["all"]
     assert micro["ttft_ms_ratio"]["16"] == micro["ttft_ms"]["16"] / base_micro["ttft_ms"]["16"]
+    assert 0 < micro["machine"]["host_busy"] <= 1 and base_micro["machine"]["gpu_sm_mhz"] is None  # no nvidia-smi
     assert len(list((tmp_path / "out" / "vllm-results").glob("*.json"))) == 2 + 3 * 6  # vLLM's own result files
     assert report.with_suffix(".png").stat().st_size > 0
     logs = list((tmp_path / "work" / "state").rglob("vllm.log"))  # every server without the prefix cache

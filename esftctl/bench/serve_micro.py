@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from esftctl.bench.conditions import Watch
 from esftctl.bench.load import Load, run_load
 
 ALL = "all"  # the key of a server's numbers when nothing is unloaded (the base, merged copies)
@@ -24,8 +25,9 @@ ALL = "all"  # the key of a server's numbers when nothing is unloaded (the base,
 
 def microbench(url: str, *, model: str, tokenizer: Path, profile, out: Path, on_step: Callable[[str], None],
                loaded: Callable[[str, int], None] | None = None, available: int = 0) -> dict[str, dict]:
-    """{adapters loaded (or "all"): {"ttft_ms": {length: median}, "tpot_ms": {batch: median}}}; `loaded(url, k)`
-    leaves k of the `available` adapters loaded (a count of `micro_loaded` above `available` is all of them)."""
+    """{adapters loaded (or "all"): {"ttft_ms": {length: median}, "tpot_ms": {batch: median}, "machine": the
+    machine over those runs (esftctl.bench.conditions)}}; `loaded(url, k)` leaves k of the `available` adapters
+    loaded (a count of `micro_loaded` above `available` is all of them)."""
     if loaded is None:
         return {ALL: _measure(url, model, tokenizer, profile, out, on_step, ALL)}
     results = {}
@@ -44,11 +46,14 @@ def _measure(url: str, model: str, tokenizer: Path, profile, out: Path, on_step,
         return result[f"median_{metric}_ms"]
 
     ttft, tpot = {}, {}
-    for length in profile.micro_lengths:
-        on_step(f"microbenchmark {model}, {what}: TTFT, prompt {length}")
-        ttft[str(length)] = median("ttft", Load(math.inf, runs, length, 1, seed=0, concurrency=1), f"ttft{length}")
-    for batch in profile.micro_batches:
-        on_step(f"microbenchmark {model}, {what}: TPOT, batch {batch}")
-        load = Load(math.inf, runs * batch, profile.decode_prompt, profile.decode_steps + 1, seed=0, concurrency=batch)
-        tpot[str(batch)] = median("tpot", load, f"tpot{batch}")
-    return {"ttft_ms": ttft, "tpot_ms": tpot}
+    with Watch() as machine:
+        for length in profile.micro_lengths:
+            on_step(f"microbenchmark {model}, {what}: TTFT, prompt {length}")
+            ttft[str(length)] = median("ttft", Load(math.inf, runs, length, 1, seed=0, concurrency=1),
+                                       f"ttft{length}")
+        for batch in profile.micro_batches:
+            on_step(f"microbenchmark {model}, {what}: TPOT, batch {batch}")
+            load = Load(math.inf, runs * batch, profile.decode_prompt, profile.decode_steps + 1, seed=0,
+                        concurrency=batch)
+            tpot[str(batch)] = median("tpot", load, f"tpot{batch}")
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "machine": machine.result}

@@ -240,13 +240,14 @@ def micro_table(result: dict):
     t = Table(title=f"microbenchmarks (ExpertWeave 5.3): median TTFT at batch 1 by prompt length, {c['micro_runs']} "
                     f"requests each; median TPOT over {c['decode_steps']} steps after a {c['decode_prompt']}-token "
                     "prompt by batch size; requests to the first adapter (or the base) with the given count "
-                    "loaded; x: against plain vLLM's base (on the same machine unless the server says other)",
+                    "loaded; x: against plain vLLM's base (on the same machine unless the server says other); SM MHz: "
+                    "the card's mean SM clock over them (esftctl.bench.conditions)",
               title_justify="left")
-    for col in ("server", "loaded", *(f"TTFT @{n}" for n in lengths), *(f"TPOT @b{b}" for b in batches)):
+    for col in ("server", "loaded", *(f"TTFT @{n}" for n in lengths), *(f"TPOT @b{b}" for b in batches), "SM MHz"):
         t.add_column(col, justify="left" if col in ("server", "loaded") else "right")
     for server, loaded, m in rows:
         cells = [_cell(m, "ttft_ms", n, ".1f") for n in lengths] + [_cell(m, "tpot_ms", b, ".2f") for b in batches]
-        t.add_row(server, loaded, *cells)
+        t.add_row(server, loaded, *cells, _f((m.get("machine") or {}).get("gpu_sm_mhz"), ".0f"))
     return t
 
 
