@@ -51,7 +51,9 @@ def test_a_runs_summary():
 
 
 FAKE_SMI = """#!{python}
-import sys, time
+import signal, sys, time
+if {deaf}:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one that does not hear Ctrl-C is terminated
 args = sys.argv[1:]
 query = next(a for a in args if a.startswith("--query-gpu="))
 if "clocks_event_reasons" in query:  # a driver older than 535 knows only the old name
@@ -69,9 +71,11 @@ while True:
 """
 
 
-def test_the_watch_samples_the_visible_gpus_and_the_host(tmp_path):
+@pytest.mark.parametrize("deaf", [False, True])
+def test_the_watch_samples_the_visible_gpus_and_the_host(tmp_path, monkeypatch, deaf):
+    monkeypatch.setattr(Watch, "stop_wait_s", 0.5)
     smi = tmp_path / "nvidia-smi"
-    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.write_text(FAKE_SMI.format(python=sys.executable, deaf=deaf))
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     assert conditions.query(str(smi)).endswith("clocks_throttle_reasons.active")
     proc = tmp_path / "stat"

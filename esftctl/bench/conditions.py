@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import threading
@@ -126,6 +127,8 @@ class Watch:
     ends; `w.result` (KEYS) after the block. Without nvidia-smi (the CPU build), or with `period_ms` 0, the GPU keys
     are None."""
 
+    stop_wait_s = 5.0  # how long nvidia-smi gets to end after each signal (SIGINT, SIGTERM, then SIGKILL)
+
     def __init__(self, *, period_ms: int = PERIOD_MS, smi: str = "nvidia-smi", stat: Path = Path("/proc/stat"),
                  gpus: set[int] | None = None):
         self.period_ms, self.smi, self.stat = period_ms, smi, stat
@@ -139,9 +142,12 @@ class Watch:
         self._before = read_cpu_times(self.stat)
         fields = query(self.smi) if self.period_ms > 0 else None
         if fields:
-            self._proc = subprocess.Popen([self.smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits",
-                                           f"--loop-ms={self.period_ms}"], stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, text=True)
+            # line-buffered where coreutils' stdbuf is there: nvidia-smi's output goes to a pipe, which C's stdio
+            # buffers by the block, and a sample held back in the buffer at the end would be lost
+            line_buffered = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
+            self._proc = subprocess.Popen([*line_buffered, self.smi, f"--query-gpu={fields}",
+                                           "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
         return self
@@ -154,11 +160,12 @@ class Watch:
 
     def __exit__(self, *exc) -> None:
         if self._proc:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            for stop in (lambda p: p.send_signal(signal.SIGINT), subprocess.Popen.terminate, subprocess.Popen.kill):
+                stop(self._proc)  # Ctrl-C first: nvidia-smi ends its loop and exits, flushing what it printed
+                try:
+                    self._proc.wait(timeout=self.stop_wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
             self._reader.join(timeout=10)
         self.result = summarize(self.samples, self._before, read_cpu_times(self.stat))
