@@ -166,3 +166,19 @@ def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"esftctl {' '.join(map(str, args))} failed:\n{proc.stderr}")
     return proc
+
+
+def load_script(name: str):
+    """benchmarks/scripts/NAME.py as a module, the scripts' folder on the path while it loads (a script may import
+    another beside it, as side_by_side.py imports ttft_alone)."""
+    import importlib.util
+
+    scripts = ROOT / "benchmarks" / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(scripts))
+    return module

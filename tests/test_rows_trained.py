@@ -3,19 +3,8 @@ chose and (base, expert) for the rest; plain vLLM reads each chosen expert once.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "rows_trained.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("rows_trained", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def _fixed(experts: list[int], tokens: int = 5, layers: int = 3) -> np.ndarray:
@@ -23,7 +12,7 @@ def _fixed(experts: list[int], tokens: int = 5, layers: int = 3) -> np.ndarray:
 
 
 def test_adapters_that_replace_nothing_read_the_base_rows():
-    rows = _script().step_rows
+    rows = load_script("rows_trained").step_rows
     rng = np.random.default_rng(1)
     tokens = {t: (r, r) for t, r in (("a", rng.integers(64, size=(7, 3, 6))), ("b", rng.integers(64, size=(7, 3, 6))))}
     replaced = {t: np.zeros((3, 64), dtype=bool) for t in tokens}
@@ -32,7 +21,7 @@ def test_adapters_that_replace_nothing_read_the_base_rows():
 
 
 def test_two_adapters_over_the_same_experts_read_each_their_own_rows():
-    rows = _script().step_rows
+    rows = load_script("rows_trained").step_rows
     same = _fixed([0, 1, 2, 3, 4, 5])
     tokens = {"a": (same, same), "b": (same, same)}
     replaced = {t: np.ones((3, 64), dtype=bool) for t in tokens}

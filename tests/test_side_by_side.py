@@ -3,24 +3,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
-
-
-def _script():
-    sys.path.insert(0, str(SCRIPTS))  # it imports ttft_alone beside it
-    try:
-        spec = importlib.util.spec_from_file_location("side_by_side", SCRIPTS / "side_by_side.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
+from conftest import load_script
 
 
 def _run(ttft: float, tpot: float, alone=(True, True, False, False), tokens: int = 4) -> dict:
@@ -29,7 +13,7 @@ def _run(ttft: float, tpot: float, alone=(True, True, False, False), tokens: int
 
 
 def test_esftctl_pools_both_plain_runs_of_its_round_and_plain_is_set_against_itself():
-    script = _script()
+    script = load_script("side_by_side")
     # round 0: plain 20 ms then 24 ms (the minute moved it), esftctl 22; round 1 the same without the drift
     rounds = [{"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.0), "plain again": _run(24.0, 1.2)},
               {"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.0), "plain again": _run(20.0, 1.0)}]
@@ -48,7 +32,7 @@ def test_esftctl_pools_both_plain_runs_of_its_round_and_plain_is_set_against_its
 
 
 def test_each_arms_machine_is_its_median_over_rounds():
-    script = _script()
+    script = load_script("side_by_side")
     rounds = [{arm: _run(20.0, 1.0) | {"machine": {"gpu_sm_mhz": mhz, "gpu_idle_share": 0.5, "host_steal": steal}}
                for arm, mhz, steal in (("plain", 1900.0, 0.01), ("esftctl", 1500.0, 0.02), ("plain again", 1980.0,
                                                                                             None))}

@@ -3,20 +3,11 @@ request by request, by sixth of the run and by adapter, each adapter's first req
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "ttft_runs.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("ttft_runs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def _run(ttft: list[float], drawn: list[int], rate: float = 2.0, rnd: int = 0) -> dict:
@@ -33,7 +24,7 @@ def _slice(path: Path, machine: str, runs: list[dict]) -> None:
 
 
 def test_an_even_excess_shows_in_every_cut_and_a_first_request_one_apart(tmp_path):
-    script = _script()
+    script = load_script("ttft_runs")
     n = 24
     _slice(tmp_path / "base" / "r0.json", "card", [_run([20.0] * n, [])])
     _slice(tmp_path / "base" / "on-other.r0.json", "other", [_run([10.0] * n, [])])  # another card: not its base
