@@ -12,7 +12,7 @@ from conftest import load_script
 
 def _run(ttft: list[float], drawn: list[int], rate: float = 2.0, rnd: int = 0) -> dict:
     n = len(ttft)
-    return {"scenario": {"name": f"x @ {rate:g} rps", "rate": rate}, "round": rnd, "index": 0, "drawn": drawn,
+    return {"scenario": {"name": f"x @ {rate:g} rps", "rate": rate}, "round": rnd, "drawn": drawn,
             "result": {"gpu_sm_mhz": 1800.0},
             "requests": {"start_s": [0.5 * i for i in range(n)], "ttft_ms": ttft,
                          "latency_ms": [t + 100 for t in ttft], "alone": [True] * n}}

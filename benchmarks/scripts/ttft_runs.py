@@ -64,13 +64,13 @@ def lines(folder: Path, base: Path | None = None) -> list[dict]:
     for server in sorted(p for p in folder.iterdir() if p.is_dir() and p.name != "base"):
         for s in load_slices(server, "*.json"):
             output_len = s.get("profile", {}).get("output_len", 0)
-            for run in s.get("runs", []):
-                base = bases.get((s.get("machine"), run["round"], run["scenario"]["rate"]))
-                c = cuts(run, base, output_len) if base else None
+            for place, run in enumerate(s.get("runs", [])):  # a slice lists its runs in the order they ran
+                anchor = bases.get((s.get("machine"), run["round"], run["scenario"]["rate"]))
+                c = cuts(run, anchor, output_len) if anchor else None
                 if c:
                     out.append({"server": server.name, "scenario": run["scenario"]["name"], "round": run["round"],
-                                "index": run.get("index"), "finished": s.get("finished", 0), **c})
-    return sorted(out, key=lambda x: (x["server"], x["finished"], x["index"] or 0))
+                                "finished": s.get("finished", 0), "place": place, **c})
+    return sorted(out, key=lambda x: (x["server"], x["finished"], x["place"]))
 
 
 def table(rows: list[dict]):
