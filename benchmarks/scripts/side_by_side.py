@@ -42,6 +42,7 @@ from esftctl.bench.conditions import Watch
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import PROFILES, share_memory
+from esftctl.bench.serve_report import interval
 from esftctl.bench.serve_runs import Scenario, runner, warm_up
 from esftctl.bench.slices import clustered_median
 from esftctl.serve import Server
@@ -105,8 +106,7 @@ def table(summary: dict[float, dict[str, dict]], rounds: int):
         t.add_column(col, justify="left" if col == "ratio" else "right")
     for rate, by in summary.items():
         for label, s in by.items():
-            t.add_row(f"{rate:g} rps", label, str(s["pairs"]),
-                      *("-" if not s[k] else f"{s[k][0]:.3f} [{s[k][1]:.3f}-{s[k][2]:.3f}]" for k in KINDS))
+            t.add_row(f"{rate:g} rps", label, str(s["pairs"]), *(interval(s[k]) for k in KINDS))
     return t
 
 

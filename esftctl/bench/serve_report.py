@@ -140,11 +140,12 @@ def requests_table(result: dict):
     for server, r in rows:
         q = r["request_ratios"]
         t.add_row(server, r["scenario"], q["against"], str(q["rounds"]), str(q["requests"]),
-                  *(_interval(q.get(kind)) for kind in REQUEST_KINDS))
+                  *(interval(q.get(kind)) for kind in REQUEST_KINDS))
     return t
 
 
-def _interval(m) -> str:
+def interval(m) -> str:
+    """A median with its 95% interval (esftctl.bench.slices.clustered_median) as a cell; "-" without one."""
     return "-" if not m else f"{m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}]"
 
 
