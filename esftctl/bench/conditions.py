@@ -62,7 +62,7 @@ def gpu_sample(line: str) -> dict | None:
     out: dict = {}
     for name, value in zip(FIELDS + ("reasons",), parts):
         try:
-            out[name] = int(value, 16) if name == "reasons" else float(value)
+            out[name] = int(value, 16) if name == "reasons" else int(value) if name == "index" else float(value)
         except ValueError:
             if name == "index":
                 return None
@@ -112,8 +112,8 @@ def summarize(samples: list[dict], before: tuple | None, after: tuple | None) ->
     out = {"gpu_sm_mhz": mean("clocks.sm"), "gpu_sm_mhz_p10": low,
            "gpu_mem_mhz": mean("clocks.mem"), "gpu_power_w": mean("power.draw"),
            "gpu_temp_c": max(values("temperature.gpu"), default=None), "gpu_util": mean("utilization.gpu"),
-           "gpu_idle_share": sum(int(r) & IDLE != 0 for r in reasons) / len(reasons) if reasons else None,
-           "gpu_slowdown_share": sum(int(r) & SLOWDOWN != 0 for r in reasons) / len(reasons) if reasons else None,
+           "gpu_idle_share": sum(r & IDLE != 0 for r in reasons) / len(reasons) if reasons else None,
+           "gpu_slowdown_share": sum(r & SLOWDOWN != 0 for r in reasons) / len(reasons) if reasons else None,
            "gpu_samples": len(samples) or None, "host_busy": None, "host_steal": None}
     if before and after and after[2] > before[2]:
         total = after[2] - before[2]
@@ -155,7 +155,7 @@ class Watch:
     def _read(self) -> None:
         for line in self._proc.stdout:
             sample = gpu_sample(line)
-            if sample and (self.gpus is None or int(sample["index"]) in self.gpus):
+            if sample and (self.gpus is None or sample["index"] in self.gpus):
                 self.samples.append(sample)
 
     def __exit__(self, *exc) -> None:
