@@ -1,5 +1,6 @@
 """benchmarks/scripts/ttft_runs.py's cuts: each run against plain vLLM's base run of its round on its machine,
-request by request, by sixth of the run and by adapter, each adapter's first request apart."""
+request by request, by sixth of the run and by adapter, each adapter's first request apart, prompts prefilled alone
+apart from those that met others."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 from conftest import load_script
 
 
-def _run(ttft: list[float], drawn: list[int], rate: float = 2.0, rnd: int = 0) -> dict:
+def _run(ttft: list[float], drawn: list[int], rate: float = 2.0, rnd: int = 0, alone: list[bool] | None = None) -> dict:
     n = len(ttft)
     return {"scenario": {"name": f"x @ {rate:g} rps", "rate": rate}, "round": rnd, "drawn": drawn,
             "result": {"gpu_sm_mhz": 1800.0},
             "requests": {"start_s": [0.5 * i for i in range(n)], "ttft_ms": ttft,
-                         "latency_ms": [t + 100 for t in ttft], "alone": [True] * n}}
+                         "latency_ms": [t + 100 for t in ttft], "alone": alone or [True] * n}}
 
 
 def _slice(path: Path, machine: str, runs: list[dict]) -> None:
@@ -39,6 +40,7 @@ def test_an_even_excess_shows_in_every_cut_and_a_first_request_one_apart(tmp_pat
     assert even["median"] == pytest.approx(1.1) and even["sixths"] == pytest.approx([1.1] * 6)
     assert even["adapters"] == pytest.approx([1.1, 1.1]) and even["first"] == pytest.approx(1.1)
     assert even["requests"] == n and even["sm_mhz"] == 1800.0
+    assert even["alone"] == pytest.approx(1.1) and even["alone_requests"] == n and even["beside"] is None
     _slice(tmp_path / "base" / "r0.json", "card", [_run([20.0] * n, []), _run([20.0] * n, [], rate=5.0)])
     at_first = script.lines(tmp_path)[1]
     assert at_first["first"] == pytest.approx(2.0) and at_first["later"] == pytest.approx(1.0)
@@ -49,3 +51,27 @@ def test_an_even_excess_shows_in_every_cut_and_a_first_request_one_apart(tmp_pat
     _slice(tmp_path / "esftctl" / "n3.r0.json", "card", [lost])
     (kept,) = script.lines(tmp_path)
     assert kept["requests"] == n - 1 and kept["median"] == pytest.approx(1.1)
+
+
+def test_an_excess_that_other_requests_bring_leaves_the_prompts_prefilled_alone_out(tmp_path):
+    script = load_script("ttft_runs")
+    n = 12
+    met = [i % 2 == 0 for i in range(n)]  # every other prompt met others, in both runs
+    lone = [not m for m in met]
+    _slice(tmp_path / "base" / "r0.json", "card", [_run([20.0] * n, [], alone=lone)])
+    slow_beside = [22.0 if m else 20.0 for m in met]
+    alone_here_only = [lone[0], False, *lone[2:]]  # the second prompt: alone in the base's run only, so "beside"
+    _slice(tmp_path / "esftctl" / "n2.r0.json", "card", [_run(slow_beside, [i % 2 for i in range(n)],
+                                                              alone=alone_here_only)])
+    (row,) = script.lines(tmp_path)
+    assert row["alone"] == pytest.approx(1.0) and row["alone_requests"] == n // 2 - 1
+    assert row["beside"] == pytest.approx(1.1)
+    assert "1.000 (5)" in _rendered(script.table([row]))
+
+
+def _rendered(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=300, record=True)
+    console.print(table)
+    return console.export_text()

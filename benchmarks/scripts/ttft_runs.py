@@ -1,12 +1,15 @@
 """Where a run's TTFT excess sits (issue 29): each run of a grid's slices against plain vLLM's base run of its round
-on its machine, request by request (esftctl.bench.load.request_ratios), cut by sixth of the run and by adapter.
+on its machine, request by request (esftctl.bench.load.request_ratios), cut by sixth of the run, by adapter, and
+by whether the prompt met other requests.
 
 Why: on one H200 (2026-12-04) esftctl's TTFT came to 1.02x-1.15x plain vLLM's request by request, with no
 pattern in the adapter count, the runs of one server start included. An excess that sits in some requests (each
 adapter's first, say: vLLM's LoRA bookkeeping in the step that prefills it) shows in the cuts as one high cell;
 one that moves the whole run shows in every sixth and every adapter alike, and then the run's minute moved it, not
-the code its requests ran through. The machine's state over the run (esftctl.bench.conditions), where the slice
-recorded it, sits at the end of the line.
+the code its requests ran through. A prompt with no other request in flight from its arrival to its first token, in
+both servers' runs, is prefilled alone: it reads the rows the base reads, so an excess that other requests bring
+(the rows a step adds where a prompt meets adapters' decodes, queueing behind them) leaves it out. The machine's
+state over the run (esftctl.bench.conditions), where the slice recorded it, sits at the end of the line.
 Usage: python benchmarks/scripts/ttft_runs.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--base DIR]
 [--json]
 """
@@ -35,8 +38,10 @@ def base_runs(folder: Path) -> dict[tuple, dict]:
 
 def cuts(run: dict, base: dict, output_len: int) -> dict | None:
     """One run against its base run: the TTFT ratios' median, the medians of each sixth of the run (in sending
-    order), of each adapter's requests (fewest 3), and of each adapter's first request against its later ones."""
-    each = request_ratios(run.get("requests") or {}, base, output_len, aligned=True)["ttft"]
+    order), of each adapter's requests (fewest 3), of each adapter's first request against its later ones, and of
+    the prompts prefilled alone in both runs against the others."""
+    ratios_of = request_ratios(run.get("requests") or {}, base, output_len, aligned=True)
+    each, lone = ratios_of["ttft"], ratios_of["ttft_alone"]
     drawn = run.get("drawn") or [0] * len(each)
     kept = [(adapter, ratio) for adapter, ratio in zip(drawn, each) if ratio is not None]  # both servers completed
     if not kept:  # unpaired: not the same traffic
@@ -49,11 +54,18 @@ def cuts(run: dict, base: dict, output_len: int) -> dict | None:
         (later if adapter in by_adapter else first).append(ratio)
         by_adapter.setdefault(adapter, []).append(ratio)
     adapters = [statistics.median(v) for v in by_adapter.values() if len(v) >= 3]
+    alone = [r for r in lone if r is not None]
+    beside = [r for r, a in zip(each, lone) if r is not None and a is None]
     return {"median": statistics.median(ratios),
             "sixths": [statistics.median(ratios[k:k + size]) for k in range(0, len(ratios), size)],
             "adapters": [min(adapters), max(adapters)] if adapters else None,
             "first": statistics.median(first), "later": statistics.median(later) if later else None,
+            "alone": _median(alone), "beside": _median(beside), "alone_requests": len(alone),
             "requests": len(ratios), "sm_mhz": (run.get("result") or {}).get("gpu_sm_mhz")}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def lines(folder: Path, base: Path | None = None) -> list[dict]:
@@ -78,18 +90,24 @@ def table(rows: list[dict]):
 
     t = Table(title="TTFT over plain vLLM's same request (its base run of the round on the machine): the run's median, "
                     "each sixth of the run's medians in sending order, the adapters' medians (low-high; 3 requests "
-                    "or more), each adapter's first request against its later ones; SM MHz: the card's mean clock "
-                    "over the run where the slice kept it", title_justify="left")
+                    "or more), each adapter's first request against its later ones, the prompts prefilled alone in "
+                    "both runs (their count) against those that met others; SM MHz: the card's mean clock over the "
+                    "run where the slice kept it", title_justify="left")
     for col in ("server", "scenario", "round", "requests", "TTFT x", "by sixth", "adapters", "first", "later",
-                "SM MHz"):
+                "alone", "beside", "SM MHz"):
         t.add_column(col, justify="left" if col in ("server", "scenario", "by sixth") else "right")
     for r in rows:
         t.add_row(r["server"], r["scenario"], str(r["round"]), str(r["requests"]), f"{r['median']:.3f}",
                   " ".join(f"{x:.2f}" for x in r["sixths"]),
                   "-" if not r["adapters"] else f"{r['adapters'][0]:.2f}-{r['adapters'][1]:.2f}",
-                  f"{r['first']:.3f}", "-" if r["later"] is None else f"{r['later']:.3f}",
+                  f"{r['first']:.3f}", _cell(r["later"]),
+                  "-" if r["alone"] is None else f"{r['alone']:.3f} ({r['alone_requests']})", _cell(r["beside"]),
                   "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}")
     return t
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main() -> None:
