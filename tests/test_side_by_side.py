@@ -45,3 +45,24 @@ def test_each_arms_machine_is_its_median_over_rounds():
     table = script.machine_table({1.0: machines})
     assert [c.header for c in table.columns] == ["rate", "arm", "SM MHz", "SM p10", "idle", "slowed", "steal"]
     assert table.row_count == 3
+
+
+def test_where_ttft_went_splits_the_client_mean_by_vllms_histograms_and_takes_each_arms_median():
+    script = load_script("side_by_side")
+    means = {"server_queue_ms": 0.5, "server_prefill_ms": 18.0, "server_ttft_ms": 21.0, "server_decode_ms": 400.0}
+    split = script.server_split(means, 24.0)
+    assert split == pytest.approx({"ttft_ms": 24.0, "queue_ms": 0.5, "prefill_ms": 18.0, "api_ms": 2.5,
+                                   "outside_ms": 3.0})
+    missing = script.server_split({"server_queue_ms": None, "server_prefill_ms": 18.0, "server_ttft_ms": 21.0}, None)
+    assert missing["api_ms"] is None and missing["outside_ms"] is None and missing["prefill_ms"] == 18.0
+    rounds = [{arm: {"server": script.server_split(means | {"server_prefill_ms": prefill}, 24.0 + extra)}
+               for arm, prefill, extra in (("plain", 18.0, 0.0), ("esftctl", 20.0 + r, 2.0 + r), ("plain again", 18.0,
+                                                                                                    0.0))}
+              for r in (0.0, 0.5, 3.0)]
+    splits = script.where(rounds)
+    assert splits["esftctl"]["prefill_ms"] == 20.5 and splits["esftctl"]["ttft_ms"] == 26.5
+    assert splits["esftctl"]["api_ms"] == pytest.approx(0.0)  # each key's own median: 21 - 0.5 - 20.5, the middle
+    assert splits["plain"]["outside_ms"] == pytest.approx(3.0)
+    table = script.where_table({2.0: splits})
+    assert [c.header for c in table.columns] == ["rate", "arm", "TTFT", "queue", "prefill", "API server", "outside"]
+    assert table.row_count == 3

@@ -15,8 +15,14 @@ Ratios are request by request (esftctl.bench.load.request_ratios): each request'
 prefilled it alone, and TPOT, over the same request in the plain run. esftctl's ratios pool both plain runs of its
 round. Each is the median with a 95% interval over rounds, then requests (esftctl.bench.slices.clustered_median).
 Each run also records the machine's state over it (esftctl.bench.conditions: the card's clocks and slowdown
-reasons, the host's steal), shown per arm in a second table: if a minute moves TTFT, the machine may say why.
-Writes OUT/side_by_side.json (every run's requests and machine) and prints the two tables.
+reasons, the host's steal), shown per arm in a second table: if a minute moves TTFT, the machine may say why. And
+it records where TTFT went inside each server, from vLLM's own histograms (serve_runs.server_times): waiting to be
+scheduled, vLLM's prefill interval (scheduled to first token), the API server's share, and what lies outside the
+server (the client's TTFT less vLLM's), shown per arm in a third table. In the grid's round 0 with the fold (H200,
+2026-12-04), where a run's TTFT was 1.15x plain vLLM's, 2.45 of its 3.7 ms sat in the prefill interval, and its
+prompts that met an idle server were 1.17x (benchmarks/RESULTS.md, thirtieth session): side by side, this says
+whether such an excess is the engine's step or the server around it.
+Writes OUT/side_by_side.json (every run's requests, machine and server times) and prints the three tables.
 Usage (device, after ../shared/gpu/README.md's install; about 5 min for the two starts, then 3 x (duration + 3)
 s a rate and round):
   bash benchmarks/scripts/background.sh start side "PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3
@@ -43,25 +49,38 @@ from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import PROFILES, share_memory
 from esftctl.bench.serve_report import interval
-from esftctl.bench.serve_runs import Scenario, runner, warm_up
+from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
 from esftctl.serve import Server
 
 
-def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int
-               ) -> dict[str, dict]:
+def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int,
+               urls: dict[str, str]) -> dict[str, dict]:
     """One round of one scenario: plain vLLM, esftctl, plain vLLM again, the same traffic each time (vLLM's seed
-    and the grid's draw of adapters, Scenario.draw); each run's kept requests (load.per_request) and the machine's
-    state over it ("machine": esftctl.bench.conditions) by arm. `run`: each server's serve_runs.runner."""
+    and the grid's draw of adapters, Scenario.draw); each run's kept requests (load.per_request), the machine's
+    state over it ("machine": esftctl.bench.conditions) and where its TTFT went ("server": server_split) by arm.
+    `run`: each server's serve_runs.runner; `urls`: each server's address, for its /metrics."""
     count = profile.requests(scenario.rate)
     load = Load(scenario.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
     adapters = [names[i] for i in scenario.draw(rnd, count)]
     out = {}
     for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", adapters), ("plain again", "plain", [])):
+        before = server_times([urls[server]])
         with Watch() as machine:
             raw = run[server](f"{arm} {scenario.name} r{rnd}", load, models)
-        out[arm] = per_request(raw) | {"machine": machine.result}
+        out[arm] = per_request(raw) | {"machine": machine.result,
+                                       "server": server_split(server_means(before, server_times([urls[server]])),
+                                                              raw.get("mean_ttft_ms"))}
     return out
+
+
+def server_split(means: dict[str, float | None], client_ttft_ms: float | None) -> dict[str, float | None]:
+    """A run's mean TTFT (ms) cut where it went: vLLM's queue and prefill interval (serve_runs.server_means), the
+    API server's share (vLLM's TTFT less the two) and what lies outside the server (the client's less vLLM's)."""
+    queue, prefill, ttft = (means.get(f"server_{k}_ms") for k in ("queue", "prefill", "ttft"))
+    return {"ttft_ms": client_ttft_ms, "queue_ms": queue, "prefill_ms": prefill,
+            "api_ms": None if None in (ttft, queue, prefill) else ttft - queue - prefill,
+            "outside_ms": None if None in (client_ttft_ms, ttft) else client_ttft_ms - ttft}
 
 
 def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
@@ -85,16 +104,27 @@ def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]
 
 
 MACHINE = ("gpu_sm_mhz", "gpu_sm_mhz_p10", "gpu_idle_share", "gpu_slowdown_share", "host_steal")
+SERVER = ("ttft_ms", "queue_ms", "prefill_ms", "api_ms", "outside_ms")
+
+
+def arm_medians(rounds: list[dict[str, dict]], record: str, keys: tuple[str, ...]) -> dict[str, dict]:
+    """Each arm's median over rounds of `keys` in its runs' `record` (None where no run has the key)."""
+    out = {}
+    for arm in ("plain", "esftctl", "plain again"):
+        runs = [r[arm].get(record) or {} for r in rounds]
+        out[arm] = {k: statistics.median(v) if (v := [m[k] for m in runs if m.get(k) is not None]) else None
+                    for k in keys}
+    return out
 
 
 def machine(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     """Each arm's machine over its runs (esftctl.bench.conditions): the median over rounds of MACHINE's keys."""
-    out = {}
-    for arm in ("plain", "esftctl", "plain again"):
-        runs = [r[arm].get("machine") or {} for r in rounds]
-        out[arm] = {k: statistics.median(v) if (v := [m[k] for m in runs if m.get(k) is not None]) else None
-                    for k in MACHINE}
-    return out
+    return arm_medians(rounds, "machine", MACHINE)
+
+
+def where(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Where each arm's TTFT went (server_split): the median over rounds of SERVER's keys."""
+    return arm_medians(rounds, "server", SERVER)
 
 
 def table(summary: dict[float, dict[str, dict]], rounds: int):
@@ -122,6 +152,20 @@ def machine_table(machines: dict[float, dict[str, dict]]):
         for arm, m in arms.items():
             t.add_row(f"{rate:g} rps", arm, *("-" if m[k] is None else format(m[k], ".0f") for k in MACHINE[:2]),
                       *("-" if m[k] is None else f"{100 * m[k]:.1f}%" for k in MACHINE[2:]))
+    return t
+
+
+def where_table(splits: dict[float, dict[str, dict]]):
+    from rich.table import Table
+
+    t = Table(title="where each arm's TTFT went, ms (means over a run's requests, medians over rounds): the client's "
+                    "TTFT, then from vLLM's histograms waiting to be scheduled, the prefill interval (scheduled to "
+                    "first token), the API server's share, and what lies outside the server", title_justify="left")
+    for col in ("rate", "arm", "TTFT", "queue", "prefill", "API server", "outside"):
+        t.add_column(col, justify="left" if col == "arm" else "right")
+    for rate, arms in splits.items():
+        for arm, m in arms.items():
+            t.add_row(f"{rate:g} rps", arm, *("-" if m[k] is None else f"{m[k]:.2f}" for k in SERVER))
     return t
 
 
@@ -169,17 +213,21 @@ def main() -> None:
                     break
                 for rate, scenario in zip(args.rates, scenarios):
                     print(f"{time.strftime('%H:%M:%S')} round {rnd} at {rate:g} rps", flush=True)
-                    done[rate].append(round_runs(run, scenario, names=served.grid, profile=profile, rnd=rnd))
+                    done[rate].append(round_runs(run, scenario, names=served.grid, profile=profile, rnd=rnd,
+                                                 urls={k: p.url for k, p in plans.items()}))
                     result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
                     (args.out / "side_by_side.json").write_text(json.dumps(result))
     summary = {rate: summarize(runs, profile.output_len) for rate, runs in done.items() if runs}
     machines = {rate: machine(runs) for rate, runs in done.items() if runs}
+    splits = {rate: where(runs) for rate, runs in done.items() if runs}
     result["summary"] = {f"{r:g}": s for r, s in summary.items()}
     result["machine"] = {f"{r:g}": m for r, m in machines.items()}
+    result["where"] = {f"{r:g}": m for r, m in splits.items()}
     (args.out / "side_by_side.json").write_text(json.dumps(result))
     from rich.console import Console
 
-    Console(width=160).print(table(summary, max(len(v) for v in done.values())), machine_table(machines))
+    Console(width=160).print(table(summary, max(len(v) for v in done.values())), machine_table(machines),
+                             where_table(splits))
 
 
 if __name__ == "__main__":
