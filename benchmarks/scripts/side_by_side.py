@@ -140,33 +140,39 @@ def table(summary: dict[float, dict[str, dict]], rounds: int):
     return t
 
 
-def machine_table(machines: dict[float, dict[str, dict]]):
+def arm_table(title: str, by_rate: dict[float, dict[str, dict]], cells: dict[str, Callable[[dict], str]]):
+    """A line per rate and arm; each column's cell made from the arm's medians (arm_medians)."""
     from rich.table import Table
 
-    t = Table(title="the machine over each arm's runs (esftctl.bench.conditions), medians over rounds: the SM clock's "
-                    "mean and 10th percentile, the shares of nvidia-smi's samples idle or slowed down, the host's "
-                    "steal", title_justify="left")
-    for col in ("rate", "arm", "SM MHz", "SM p10", "idle", "slowed", "steal"):
+    t = Table(title=title, title_justify="left")
+    for col in ("rate", "arm", *cells):
         t.add_column(col, justify="left" if col == "arm" else "right")
-    for rate, arms in machines.items():
+    for rate, arms in by_rate.items():
         for arm, m in arms.items():
-            t.add_row(f"{rate:g} rps", arm, *("-" if m[k] is None else format(m[k], ".0f") for k in MACHINE[:2]),
-                      *("-" if m[k] is None else f"{100 * m[k]:.1f}%" for k in MACHINE[2:]))
+            t.add_row(f"{rate:g} rps", arm, *(cell(m) for cell in cells.values()))
     return t
+
+
+def _cell(key: str, spec: str, scale: float = 1.0, unit: str = "") -> Callable[[dict], str]:
+    return lambda m: "-" if m[key] is None else f"{scale * m[key]:{spec}}{unit}"
+
+
+def machine_table(machines: dict[float, dict[str, dict]]):
+    return arm_table("the machine over each arm's runs (esftctl.bench.conditions), medians over rounds: the SM clock's "
+                     "mean and 10th percentile, the shares of nvidia-smi's samples idle or slowed down, the host's "
+                     "steal", machines,
+                     {"SM MHz": _cell("gpu_sm_mhz", ".0f"), "SM p10": _cell("gpu_sm_mhz_p10", ".0f"),
+                      "idle": _cell("gpu_idle_share", ".1f", 100, "%"),
+                      "slowed": _cell("gpu_slowdown_share", ".1f", 100, "%"),
+                      "steal": _cell("host_steal", ".1f", 100, "%")})
 
 
 def where_table(splits: dict[float, dict[str, dict]]):
-    from rich.table import Table
-
-    t = Table(title="where each arm's TTFT went, ms (means over a run's requests, medians over rounds): the client's "
-                    "TTFT, then from vLLM's histograms waiting to be scheduled, the prefill interval (scheduled to "
-                    "first token), the API server's share, and what lies outside the server", title_justify="left")
-    for col in ("rate", "arm", "TTFT", "queue", "prefill", "API server", "outside"):
-        t.add_column(col, justify="left" if col == "arm" else "right")
-    for rate, arms in splits.items():
-        for arm, m in arms.items():
-            t.add_row(f"{rate:g} rps", arm, *("-" if m[k] is None else f"{m[k]:.2f}" for k in SERVER))
-    return t
+    return arm_table("where each arm's TTFT went, ms (means over a run's requests, medians over rounds): the client's "
+                     "TTFT, then from vLLM's histograms waiting to be scheduled, the prefill interval (scheduled to "
+                     "first token), the API server's share, and what lies outside the server", splits,
+                     {col: _cell(key, ".2f") for col, key in zip(("TTFT", "queue", "prefill", "API server", "outside"),
+                                                                 SERVER)})
 
 
 def main() -> None:
