@@ -9,7 +9,9 @@ target. Here both servers are up at once on one card, each with half of `bench s
 round sends the same traffic (vLLM's seed for prompts and arrivals, S-LoRA's shares drawn for the adapters) to
 plain vLLM, then esftctl, then plain vLLM again. Only one server has load at a time. So esftctl is set against
 plain vLLM runs just before and just after it, and plain vLLM's second run over its first is the yardstick of
-what a minute moves, in the same table.
+what a minute moves, in the same table. What it cannot take out: each arm is one server start, and Inductor's autotuned
+picks, drawn per process, ride with it (two plain vLLM starts differed by 0.3-1.4% of a step's GPU time on an H200,
+benchmarks/RESULTS.md, twenty-sixth session), so a difference that small needs another start to tell.
 
 Ratios are request by request (esftctl.bench.load.request_ratios): each request's TTFT, TTFT where both servers
 prefilled it alone, and TPOT, over the same request in the plain run. esftctl's ratios pool both plain runs of its
