@@ -50,7 +50,7 @@ from esftctl.bench.conditions import Watch
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import PROFILES, share_memory
-from esftctl.bench.serve_report import interval
+from esftctl.bench.serve_report import interval, number, percent
 from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
 from esftctl.serve import Server
@@ -142,8 +142,9 @@ def table(summary: dict[float, dict[str, dict]], rounds: int):
     return t
 
 
-def arm_table(title: str, by_rate: dict[float, dict[str, dict]], cells: dict[str, Callable[[dict], str]]):
-    """A line per rate and arm; each column's cell made from the arm's medians (arm_medians)."""
+def arm_table(title: str, by_rate: dict[float, dict[str, dict]], cells: dict[str, tuple[str, Callable, str]]):
+    """A line per rate and arm; each column's cell is (key, formatter, spec): the formatter (serve_report.number or
+    percent) given the arm's median of the key (arm_medians)."""
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
@@ -151,30 +152,25 @@ def arm_table(title: str, by_rate: dict[float, dict[str, dict]], cells: dict[str
         t.add_column(col, justify="left" if col == "arm" else "right")
     for rate, arms in by_rate.items():
         for arm, m in arms.items():
-            t.add_row(f"{rate:g} rps", arm, *(cell(m) for cell in cells.values()))
+            t.add_row(f"{rate:g} rps", arm, *(fmt(m[key], spec) for key, fmt, spec in cells.values()))
     return t
-
-
-def _cell(key: str, spec: str, scale: float = 1.0, unit: str = "") -> Callable[[dict], str]:
-    return lambda m: "-" if m[key] is None else f"{scale * m[key]:{spec}}{unit}"
 
 
 def machine_table(machines: dict[float, dict[str, dict]]):
     return arm_table("the machine over each arm's runs (esftctl.bench.conditions), medians over rounds: the SM clock's "
                      "mean and 10th percentile, the shares of nvidia-smi's samples idle or slowed down, the host's "
                      "steal", machines,
-                     {"SM MHz": _cell("gpu_sm_mhz", ".0f"), "SM p10": _cell("gpu_sm_mhz_p10", ".0f"),
-                      "idle": _cell("gpu_idle_share", ".1f", 100, "%"),
-                      "slowed": _cell("gpu_slowdown_share", ".1f", 100, "%"),
-                      "steal": _cell("host_steal", ".1f", 100, "%")})
+                     {"SM MHz": ("gpu_sm_mhz", number, ".0f"), "SM p10": ("gpu_sm_mhz_p10", number, ".0f"),
+                      "idle": ("gpu_idle_share", percent, ".1f"), "slowed": ("gpu_slowdown_share", percent, ".1f"),
+                      "steal": ("host_steal", percent, ".1f")})
 
 
 def where_table(splits: dict[float, dict[str, dict]]):
     return arm_table("where each arm's TTFT went, ms (means over a run's requests, medians over rounds): the client's "
                      "TTFT, then from vLLM's histograms waiting to be scheduled, the prefill interval (scheduled to "
                      "first token), the API server's share, and what lies outside the server", splits,
-                     {col: _cell(key, ".2f") for col, key in zip(("TTFT", "queue", "prefill", "API server", "outside"),
-                                                                 SERVER)})
+                     {col: (key, number, ".2f")
+                      for col, key in zip(("TTFT", "queue", "prefill", "API server", "outside"), SERVER)})
 
 
 def main() -> None:

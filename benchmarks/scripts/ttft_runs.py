@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 
 from esftctl.bench.load import request_ratios
+from esftctl.bench.serve_report import number
 from esftctl.bench.slices import load_slices
 
 PARTS = 6
@@ -100,14 +101,11 @@ def table(rows: list[dict]):
         t.add_row(r["server"], r["scenario"], str(r["round"]), str(r["requests"]), f"{r['median']:.3f}",
                   " ".join(f"{x:.2f}" for x in r["sixths"]),
                   "-" if not r["adapters"] else f"{r['adapters'][0]:.2f}-{r['adapters'][1]:.2f}",
-                  f"{r['first']:.3f}", _cell(r["later"]),
-                  "-" if r["alone"] is None else f"{r['alone']:.3f} ({r['alone_requests']})", _cell(r["beside"]),
-                  "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}")
+                  f"{r['first']:.3f}", number(r["later"], ".3f"),
+                  "-" if r["alone"] is None else f"{r['alone']:.3f} ({r['alone_requests']})",
+                  number(r["beside"], ".3f"),
+                  number(r["sm_mhz"], ".0f"))
     return t
-
-
-def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 def main() -> None:

@@ -47,7 +47,8 @@ def slices_note(result: dict) -> str | None:
     return head + "; missing: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items())
 
 
-def _f(value, spec: str) -> str:
+def number(value, spec: str) -> str:
+    """A value as a table cell in `spec`; "-" without one."""
     return "-" if value is None else format(value, spec)
 
 
@@ -55,10 +56,11 @@ def _throughput(r: dict) -> str:
     """Output tok/s, with its range over the rounds when there are several."""
     low, high = r.get("output_throughput_range") or (None, None)
     ranged = low is not None and len(r.get("rounds", ())) > 1
-    return _f(r["output_throughput"], ".0f") + (f" [{low:.0f}-{high:.0f}]" if ranged else "")
+    return number(r["output_throughput"], ".0f") + (f" [{low:.0f}-{high:.0f}]" if ranged else "")
 
 
-def _pct(value, spec: str = ".0f") -> str:
+def percent(value, spec: str = ".0f") -> str:
+    """A share (0-1) as a percent cell in `spec`; "-" without one."""
     return "-" if value is None else f"{100 * value:{spec}}%"
 
 
@@ -86,14 +88,15 @@ def runs_table(result: dict):
         for r in res["rows"]:
             shares = r.get("shares")
             t.add_row(res["server"], r["scenario"], str(r.get("requests", "-")), _rounds(r),
-                      _f(r["median_ttft_ms"], ".1f"),
-                      _f(r["p99_ttft_ms"], ".1f"), _pct(r.get("ttft_spread")),
-                      _f(r["median_tpot_ms"], ".2f"), _f(r["p99_tpot_ms"], ".2f"), _f(r.get("median_prefill_tps"),
-                                                                                       ".0f"),
-                      _f(r.get("median_decode_tps"), ".1f"), _throughput(r),
-                      *(_f(r.get(k), ".3f") for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
+                      number(r["median_ttft_ms"], ".1f"),
+                      number(r["p99_ttft_ms"], ".1f"), percent(r.get("ttft_spread")),
+                      number(r["median_tpot_ms"], ".2f"), number(r["p99_tpot_ms"], ".2f"),
+                      number(r.get("median_prefill_tps"), ".0f"), number(r.get("median_decode_tps"), ".1f"),
+                      _throughput(r),
+                      *(number(r.get(k), ".3f")
+                        for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
                       f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
-                      _f(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
+                      number(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
     return t
 
 
@@ -115,9 +118,9 @@ def floors_table(result: dict):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for server, r in rows:
         decode = r["server_decode_ms"] / tokens if r.get("server_decode_ms") is not None and tokens > 0 else None
-        t.add_row(server, r["scenario"], _f(r["p10_tpot_ms"], ".3f"), _f(r.get("p10_tpot_ratio"), ".3f"),
-                  _f(decode, ".3f"), _f(r.get("decode_time_ratio"), ".3f"), _f(r.get("p10_ttft_alone_ms"), ".1f"),
-                  _f(r.get("p10_ttft_alone_ratio"), ".3f"))
+        t.add_row(server, r["scenario"], number(r["p10_tpot_ms"], ".3f"), number(r.get("p10_tpot_ratio"), ".3f"),
+                  number(decode, ".3f"), number(r.get("decode_time_ratio"), ".3f"),
+                  number(r.get("p10_ttft_alone_ms"), ".1f"), number(r.get("p10_ttft_alone_ratio"), ".3f"))
     return t
 
 
@@ -166,9 +169,9 @@ def server_times_table(result: dict):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for server, r in rows:
         api = r["mean_ttft_ms"] - r["server_ttft_ms"] if r.get("mean_ttft_ms") is not None else None
-        t.add_row(server, r["scenario"], _f(r.get("mean_ttft_ms"), ".1f"), _f(r["server_ttft_ms"], ".1f"),
-                  *(_f(r.get(f"server_{k}_ms"), ".1f") for k in ("queue", "prefill")), _f(api, ".1f"),
-                  _f(r.get("server_decode_ms"), ".0f"))
+        t.add_row(server, r["scenario"], number(r.get("mean_ttft_ms"), ".1f"), number(r["server_ttft_ms"], ".1f"),
+                  *(number(r.get(f"server_{k}_ms"), ".1f") for k in ("queue", "prefill")), number(api, ".1f"),
+                  number(r.get("server_decode_ms"), ".0f"))
     return t
 
 
@@ -190,10 +193,10 @@ def modes_table(result: dict):
     for col in ("server", "scenario", "alone", "TTFT alone ms", "x", "TTFT beside ms", "x", "stall ms", "x"):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for server, r in rows:
-        t.add_row(server, r["scenario"], _pct(r["alone_share"]), _f(r.get("median_ttft_alone_ms"), ".1f"),
-                  _f(r.get("ttft_alone_ratio"), ".3f"), _f(r.get("median_ttft_beside_ms"), ".1f"),
-                  _f(r.get("ttft_beside_ratio"), ".3f"), _f(r.get("median_stall_ms"), ".1f"),
-                  _f(r.get("stall_ratio"), ".3f"))
+        t.add_row(server, r["scenario"], percent(r["alone_share"]), number(r.get("median_ttft_alone_ms"), ".1f"),
+                  number(r.get("ttft_alone_ratio"), ".3f"), number(r.get("median_ttft_beside_ms"), ".1f"),
+                  number(r.get("ttft_beside_ratio"), ".3f"), number(r.get("median_stall_ms"), ".1f"),
+                  number(r.get("stall_ratio"), ".3f"))
     return t
 
 
@@ -215,10 +218,10 @@ def machine_table(result: dict):
                 "steal"):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for server, r in rows:
-        t.add_row(server, r["scenario"], _f(r.get("gpu_sm_mhz"), ".0f"), _f(r.get("gpu_sm_mhz_p10"), ".0f"),
-                  _f(r.get("gpu_power_w"), ".0f"), _f(r.get("gpu_temp_c"), ".0f"),
-                  *(_pct(r.get(k)) for k in ("gpu_idle_share", "gpu_slowdown_share", "host_busy")),
-                  _pct(r.get("host_steal"), ".1f"))
+        t.add_row(server, r["scenario"], number(r.get("gpu_sm_mhz"), ".0f"), number(r.get("gpu_sm_mhz_p10"), ".0f"),
+                  number(r.get("gpu_power_w"), ".0f"), number(r.get("gpu_temp_c"), ".0f"),
+                  *(percent(r.get(k)) for k in ("gpu_idle_share", "gpu_slowdown_share", "host_busy")),
+                  percent(r.get("host_steal"), ".1f"))
     return t
 
 
@@ -248,13 +251,13 @@ def micro_table(result: dict):
         t.add_column(col, justify="left" if col in ("server", "loaded") else "right")
     for server, loaded, m in rows:
         cells = [_cell(m, "ttft_ms", n, ".1f") for n in lengths] + [_cell(m, "tpot_ms", b, ".2f") for b in batches]
-        t.add_row(server, loaded, *cells, _f((m.get("machine") or {}).get("gpu_sm_mhz"), ".0f"))
+        t.add_row(server, loaded, *cells, number((m.get("machine") or {}).get("gpu_sm_mhz"), ".0f"))
     return t
 
 
 def _cell(m: dict, what: str, key: str, spec: str) -> str:
     value, ratio = m[what].get(key), (m.get(f"{what}_ratio") or {}).get(key)
-    return _f(value, spec) + (f" ({ratio:.3f}x)" if ratio is not None else "")
+    return number(value, spec) + (f" ({ratio:.3f}x)" if ratio is not None else "")
 
 
 def groups_table(result: dict):
@@ -310,8 +313,8 @@ def load_table(load: dict):
         outside = [total - sum(e.get(p, 0.0) for p in phases) for total, e in zip(secs, engine)]  # the load
         t.add_row(f"{kind} ({'disk' if kind == 'cold' else 'host memory'})", f"{statistics.median(secs):.3f}",
                   " ".join(f"{x:.3f}" for x in secs), f"{floor:.3f}", f"{statistics.median(secs) / floor:.1f}",
-                  *(_f(statistics.median(v) if (v := [e[p] for e in engine if p in e]) else None, ".3f")
-                    for p in phases), _f(statistics.median(outside) if outside else None, ".3f"))
+                  *(number(statistics.median(v) if (v := [e[p] for e in engine if p in e]) else None, ".3f")
+                    for p in phases), number(statistics.median(outside) if outside else None, ".3f"))
     return t  # outside the engine: the load check's hash (middleware), HTTP, vLLM's own handling
 
 
