@@ -23,6 +23,7 @@ from esftctl.bench.synthetic_model import (
     write_adapter,
     write_model,
 )
+from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle
 from esftctl.formats.checkpoint import MoECheckpoint
 
@@ -144,6 +145,14 @@ def test_merged_copies_share_the_device_and_run_the_largest_count(tmp_path, monk
     args = ("--max-model-len", "4096", "--gpu-memory-utilization", "0.92")
     assert bench.share_memory(args, 2) == ["--max-model-len", "4096", "--gpu-memory-utilization", "0.460"]
     assert bench.share_memory(("--max-model-len", "256"), 2) == ["--max-model-len", "256"]  # CPU: its own KV space
+    # beside plain vLLM, esftctl's share carries its adapter experts on top of the same room: 0.92 of 140 GiB less
+    # 38 for the adapters leaves 45.4 GiB each (halving gave esftctl 64.4 GiB for a 29 GiB base and the 38)
+    plain, esft = bench.split_memory(args, [0, 38 * 2**30], card=140 * 2**30)
+    assert plain[-1] == f"{(0.92 * 140 - 38) / 2 / 140:.3f}" and esft[-1] == f"{((0.92 * 140 - 38) / 2 + 38) / 140:.3f}"
+    assert float(plain[-1]) + float(esft[-1]) == pytest.approx(0.92, abs=1e-3)
+    with pytest.raises(EsftError, match="no memory"):
+        bench.split_memory(args, [0, 130 * 2**30], card=140 * 2**30)
+    assert bench.split_memory(("--max-model-len", "256"), [0, 1], card=0) == [["--max-model-len", "256"]] * 2
     profile = replace(bench.PROFILES["deepseek-v2-lite"], rates=(2.0,))
     b = bench.Bench(profile, bench.Options(servers=("base",)), served=None, work=tmp_path, scratch=tmp_path,
                     out=tmp_path, gpu=False, on_step=print)

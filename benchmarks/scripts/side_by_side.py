@@ -5,7 +5,8 @@ same traffic on the same card, minutes apart. That resolved TPOT (esftctl 1.000-
 request, H200, 2026-12-04) but not TTFT: esftctl's runs of one server start gave 1.02x to 1.15x with no pattern in
 the adapter count, and plain vLLM's runs of one round on two cards differed by 1-8% (benchmarks/RESULTS.md,
 twenty-eighth session). A run's TTFT moves with its card, its server start and its minute by more than the 3%
-target. Here both servers are up at once on one card, each with half of `bench serve`'s memory share, and each
+target. Here both servers are up at once on one card, `bench serve`'s memory share split so that each keeps the
+same room for weights and KV cache beside esftctl's adapter experts (esftctl.bench.serve.split_memory), and each
 round sends the same traffic (vLLM's seed for prompts and arrivals, S-LoRA's shares drawn for the adapters) to
 plain vLLM, then esftctl, then plain vLLM again. Only one server has load at a time. So esftctl is set against
 plain vLLM runs just before and just after it, and plain vLLM's second run over its first is the yardstick of
@@ -49,7 +50,7 @@ from esftctl.bench import serve_models
 from esftctl.bench.conditions import Watch
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
-from esftctl.bench.serve import PROFILES, share_memory
+from esftctl.bench.serve import PROFILES, split_memory
 from esftctl.bench.serve_report import interval, number, percent
 from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
@@ -173,6 +174,13 @@ def where_table(splits: dict[float, dict[str, dict]]):
                       for col, key in zip(("TTFT", "queue", "prefill", "API server", "outside"), SERVER)})
 
 
+def card_bytes() -> int:
+    """The GPU's memory (0 on vLLM's CPU build, whose engine arguments carry no memory share)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(PROFILES))
@@ -193,10 +201,11 @@ def main() -> None:
     shape = "deepseek" if args.model != "tiny" else "table1"
     serve_models.write_adapters(served, args.model, args.scratch, args.adapters, distinct=min(args.adapters, 10),
                                 shape=shape, on_step=print)
-    engine_args = share_memory(profile.engine_args, 2)  # half the memory share each (the CPU build: its own)
+    aside = serve_models.adapter_bytes(served.base, served.bundles.values())  # what arm_plan sets aside for esftctl
+    engine_args = dict(zip(("plain", "esftctl"), split_memory(profile.engine_args, [0, aside], card=card_bytes())))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
-    plans = {"plain": arm_plan(served, False, engine_args), "esftctl": arm_plan(served, True, engine_args)}
+    plans = {arm: arm_plan(served, arm == "esftctl", engine_args[arm]) for arm in engine_args}
     with Server(plans["plain"]) as plain:
         plain.wait_ready(timeout=1200)  # one at a time: each sizes its KV cache by the memory free as it starts
         with Server(plans["esftctl"]) as esft:

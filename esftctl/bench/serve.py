@@ -82,7 +82,7 @@ from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI find
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
 from esftctl.bench.slices import clustered_median, pair_by_machine, pair_by_round, ratios_within_machines
 from esftctl.bench.traffic import SLORA_ALPHAS
-from esftctl.errors import one_line
+from esftctl.errors import EsftError, one_line
 from esftctl.serve import free_port, plan
 
 INF = math.inf
@@ -468,12 +468,26 @@ def _utilization(engine_args: tuple[str, ...]) -> float:
 
 
 def share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
-    """The engine arguments with each of `copies` servers given its share of the device's memory (the CPU build's
-    KV cache is sized by VLLM_CPU_KVCACHE_SPACE per server instead)."""
+    """The engine arguments with each of `copies` like servers given its share of the device's memory (the CPU
+    build's KV cache is sized by VLLM_CPU_KVCACHE_SPACE per server instead)."""
+    return split_memory(engine_args, [0] * copies, card=1)[0]
+
+
+def split_memory(engine_args: tuple[str, ...], aside: list[int], *, card: int) -> list[list[str]]:
+    """The engine arguments of servers sharing one card of `card` bytes, server i setting aside `aside[i]` bytes
+    inside its share (esftctl's adapter experts; 0 for plain vLLM): each gets an equal part of the profile's share
+    less every set-aside, plus its own, so all keep the same room for weights, activations and KV cache. Halving
+    the share instead left esftctl beside plain vLLM no KV cache at all (H200, 2026-12-05: 64.6 GiB each, of
+    which a DeepSeek-V2-Lite base took 29.4 and 20 adapters' experts 37.9). The CPU build sizes each server's KV
+    cache itself."""
     flag = "--gpu-memory-utilization"
     if flag not in engine_args:
-        return list(engine_args)
-    return list(with_flag(engine_args, flag, f"{_utilization(engine_args) / copies:.3f}"))
+        return [list(engine_args) for _ in aside]
+    each = (_utilization(engine_args) * card - sum(aside)) / len(aside)
+    if each <= 0:
+        raise EsftError(f"{sum(aside) / 2**30:.1f} GiB set aside leave the {len(aside)} servers no memory of a "
+                        f"{card / 2**30:.1f} GiB card's share")
+    return [list(with_flag(engine_args, flag, f"{(each + a) / card:.3f}")) for a in aside]
 
 
 RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),
