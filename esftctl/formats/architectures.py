@@ -100,13 +100,13 @@ class Architecture:
     model_types: tuple[str, ...]
     # Config keys of the routed-expert count, first present wins (transformers renames some on save).
     num_experts_keys: tuple[str, ...]
-    top_k_key: str
     intermediate_key: str
     moe_layers: Callable[[dict], list[int]]
     # Tensor name of one routed expert's weight; {layer}, {expert} filled in, one suffix per EXPERT_WEIGHTS.
     expert_prefix: str
     expert_suffixes: tuple[str, str, str]
     router: str
+    top_k_key: str = "num_experts_per_tok"
     # Tensor-name prefixes of the always-active shared experts of a MoE layer ({layer} filled in).
     shared_prefixes: tuple[str, ...] = ()
     num_shared: Callable[[dict], int] = lambda config: 0
@@ -153,58 +153,44 @@ MLP_EXPERT = "model.layers.{layer}.mlp.experts.{expert}"
 MLP_GATE = "model.layers.{layer}.mlp.gate.weight"
 MLP_GATE_BIAS = "model.layers.{layer}.mlp.gate.e_score_correction_bias"
 SHARED_EXPERTS = ("model.layers.{layer}.mlp.shared_experts",)
+QWEN_SHARED_EXPERT = ("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate")
+
+
+def _deepseek_shared(config: dict) -> int:
+    return config.get("n_shared_experts") or 0
+
+
+def _qwen_shared(config: dict) -> int:
+    return 1 if config.get("shared_expert_intermediate_size") else 0
+
+
+def _deepseek_family(name: str, routing: Callable[[dict], Routing]) -> Architecture:
+    """DeepSeek-V2's layout, which DeepSeek-V3 and GLM-4.5 keep: dense first layers, shared experts, a router
+    with a correction bias; they differ in how they route."""
+    return Architecture(
+        name=name,
+        model_types=(name,),
+        num_experts_keys=("n_routed_experts",),
+        intermediate_key="moe_intermediate_size",
+        moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
+        shared_prefixes=SHARED_EXPERTS,
+        num_shared=_deepseek_shared,
+        routing=routing,
+        correction_bias=MLP_GATE_BIAS,
+    )
+
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture(
-        name="deepseek_v2",
-        model_types=("deepseek_v2",),
-        num_experts_keys=("n_routed_experts",),
-        top_k_key="num_experts_per_tok",
-        intermediate_key="moe_intermediate_size",
-        moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
-        expert_prefix=MLP_EXPERT,
-        expert_suffixes=PROJ,
-        router=MLP_GATE,
-        shared_prefixes=SHARED_EXPERTS,
-        num_shared=lambda config: config.get("n_shared_experts") or 0,
-        routing=_deepseek_routing,
-        correction_bias=MLP_GATE_BIAS,
-    ),
-    Architecture(
-        name="deepseek_v3",
-        model_types=("deepseek_v3",),
-        num_experts_keys=("n_routed_experts",),
-        top_k_key="num_experts_per_tok",
-        intermediate_key="moe_intermediate_size",
-        moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
-        expert_prefix=MLP_EXPERT,
-        expert_suffixes=PROJ,
-        router=MLP_GATE,
-        shared_prefixes=SHARED_EXPERTS,
-        num_shared=lambda config: config.get("n_shared_experts") or 0,
-        routing=_deepseek_routing,
-        correction_bias=MLP_GATE_BIAS,
-    ),
-    Architecture(
-        name="glm4_moe",
-        model_types=("glm4_moe",),
-        num_experts_keys=("n_routed_experts",),
-        top_k_key="num_experts_per_tok",
-        intermediate_key="moe_intermediate_size",
-        moe_layers=_every_layer_from("first_k_dense_replace", "moe_layer_freq"),
-        expert_prefix=MLP_EXPERT,
-        expert_suffixes=PROJ,
-        router=MLP_GATE,
-        shared_prefixes=SHARED_EXPERTS,
-        num_shared=lambda config: config.get("n_shared_experts") or 0,
-        routing=_glm4_moe_routing,
-        correction_bias=MLP_GATE_BIAS,
-    ),
+    _deepseek_family("deepseek_v2", _deepseek_routing),
+    _deepseek_family("deepseek_v3", _deepseek_routing),
+    _deepseek_family("glm4_moe", _glm4_moe_routing),
     Architecture(
         name="gpt_oss",
         model_types=("gpt_oss",),
         num_experts_keys=("num_local_experts",),
-        top_k_key="num_experts_per_tok",
         intermediate_key="intermediate_size",
         moe_layers=_all_layers,
         expert_prefix=MLP_EXPERT,
@@ -221,7 +207,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         name="olmoe",
         model_types=("olmoe",),
         num_experts_keys=("num_experts",),
-        top_k_key="num_experts_per_tok",
         intermediate_key="intermediate_size",
         moe_layers=_all_layers,
         expert_prefix=MLP_EXPERT,
@@ -232,44 +217,40 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         name="qwen2_moe",
         model_types=("qwen2_moe",),
         num_experts_keys=("num_experts", "num_local_experts"),
-        top_k_key="num_experts_per_tok",
-        intermediate_key="moe_intermediate_size",
-        moe_layers=_sparse_step_layers,
-        expert_prefix="model.layers.{layer}.mlp.experts.{expert}",
-        expert_suffixes=("gate_proj", "up_proj", "down_proj"),
-        router="model.layers.{layer}.mlp.gate.weight",
-        shared_prefixes=("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate"),
-        num_shared=lambda config: 1 if config.get("shared_expert_intermediate_size") else 0,
-    ),
-    Architecture(
-        name="qwen3_next",  # Qwen2-MoE's expert and shared-expert layout, beside linear-attention layers
-        model_types=("qwen3_next",),
-        num_experts_keys=("num_experts",),
-        top_k_key="num_experts_per_tok",
         intermediate_key="moe_intermediate_size",
         moe_layers=_sparse_step_layers,
         expert_prefix=MLP_EXPERT,
         expert_suffixes=PROJ,
         router=MLP_GATE,
-        shared_prefixes=("model.layers.{layer}.mlp.shared_expert", "model.layers.{layer}.mlp.shared_expert_gate"),
-        num_shared=lambda config: 1 if config.get("shared_expert_intermediate_size") else 0,
+        shared_prefixes=QWEN_SHARED_EXPERT,
+        num_shared=_qwen_shared,
+    ),
+    Architecture(
+        name="qwen3_next",  # Qwen2-MoE's expert and shared-expert layout, beside linear-attention layers
+        model_types=("qwen3_next",),
+        num_experts_keys=("num_experts",),
+        intermediate_key="moe_intermediate_size",
+        moe_layers=_sparse_step_layers,
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
+        shared_prefixes=QWEN_SHARED_EXPERT,
+        num_shared=_qwen_shared,
     ),
     Architecture(
         name="qwen3_moe",
         model_types=("qwen3_moe",),
         num_experts_keys=("num_experts", "num_local_experts"),
-        top_k_key="num_experts_per_tok",
         intermediate_key="moe_intermediate_size",
         moe_layers=_sparse_step_layers,
-        expert_prefix="model.layers.{layer}.mlp.experts.{expert}",
-        expert_suffixes=("gate_proj", "up_proj", "down_proj"),
-        router="model.layers.{layer}.mlp.gate.weight",
+        expert_prefix=MLP_EXPERT,
+        expert_suffixes=PROJ,
+        router=MLP_GATE,
     ),
     Architecture(
         name="mixtral",
         model_types=("mixtral",),
         num_experts_keys=("num_local_experts",),
-        top_k_key="num_experts_per_tok",
         intermediate_key="intermediate_size",
         moe_layers=_all_layers,
         expert_prefix="model.layers.{layer}.block_sparse_moe.experts.{expert}",
