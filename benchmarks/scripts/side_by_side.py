@@ -26,11 +26,12 @@ server (the client's TTFT less vLLM's), shown per arm in a third table. In the g
 prompts that met an idle server were 1.17x (benchmarks/RESULTS.md, thirtieth session): side by side, this says
 whether such an excess is the engine's step or the server around it.
 Writes OUT/side_by_side.json (every run's requests, machine and server times) and prints the three tables.
-Usage (device, after ../shared/gpu/README.md's install; about 5 min for the two starts, then 3 x (duration + 3)
-s a rate and round):
+Usage (device, after ../shared/gpu/README.md's install; about 7 min for the base, the adapters and the two
+starts, then 3 x (duration + 3) s a rate and round):
   bash benchmarks/scripts/background.sh start side "PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3
     benchmarks/scripts/side_by_side.py --out /tmp/side --rates 1,2,5 --rounds 3 --budget 700"
-  bash benchmarks/scripts/background.sh wait side 540 /tmp/side/side_by_side.json   (again until it ends)
+  bash benchmarks/scripts/background.sh wait side 240 /tmp/side/side_by_side.json   (again until it ends; short
+    waits, since a machine lost during one brings nothing of it back)
 A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4 --duration 2 --rounds 1`.
 """
 
