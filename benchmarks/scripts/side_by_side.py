@@ -175,6 +175,11 @@ def where_table(splits: dict[float, dict[str, dict]]):
                       for col, key in zip(("TTFT", "queue", "prefill", "API server", "outside"), SERVER)})
 
 
+def say(message: str) -> None:
+    """A line of progress with the time of day: the log of a background run says how long each phase took."""
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
 def card_bytes() -> int:
     """The GPU's memory (0 on vLLM's CPU build, whose engine arguments carry no memory share)."""
     import torch
@@ -198,35 +203,39 @@ def main() -> None:
                         help="seconds after both servers are ready in which a round may start")
     args = parser.parse_args()
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
-    served = serve_models.prepare_base(args.model, args.work, print)
+    say("side by side: the base")
+    served = serve_models.prepare_base(args.model, args.work, say)
     shape = "deepseek" if args.model != "tiny" else "table1"
     serve_models.write_adapters(served, args.model, args.scratch, args.adapters, distinct=min(args.adapters, 10),
-                                shape=shape, on_step=print)
+                                shape=shape, on_step=say)
     aside = serve_models.adapter_bytes(served.base, served.bundles.values())  # what arm_plan sets aside for esftctl
     engine_args = dict(zip(("plain", "esftctl"), split_memory(profile.engine_args, [0, aside], card=card_bytes())))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
     plans = {arm: arm_plan(served, arm == "esftctl", engine_args[arm]) for arm in engine_args}
+    say("starting plain vLLM")
     with Server(plans["plain"]) as plain:
         plain.wait_ready(timeout=1200)  # one at a time: each sizes its KV cache by the memory free as it starts
+        say("plain vLLM ready; starting esftctl")
         with Server(plans["esftctl"]) as esft:
             esft.wait_ready(timeout=1200)
+            say("esftctl ready; warming both up")
             run = {k: runner(p.url, "base", served=served, profile=profile, routes=None, out=args.out)
                    for k, p in plans.items()}
             scenarios = [Scenario(f"{args.adapters} adapters @ {rate:g} rps", rate, adapters=args.adapters,
                                   alpha=args.alpha) for rate in args.rates]
             # the grid's warm-up: every name once, then the busiest rate paced (serve_runs.warm_up says why)
             warm_up(run["plain"], "plain", [Scenario("base", rate) for rate in args.rates], names={},
-                    profile=profile, on_step=print)
+                    profile=profile, on_step=say)
             warm_up(run["esftctl"], "esftctl", scenarios, names={"grid": served.grid}, profile=profile,
-                    on_step=print)
+                    on_step=say)
             ready, done = time.monotonic(), {rate: [] for rate in args.rates}
             for rnd in range(args.rounds):
                 if time.monotonic() - ready > args.budget:
-                    print(f"budget spent after {rnd} round(s)", flush=True)
+                    say(f"budget spent after {rnd} round(s)")
                     break
                 for rate, scenario in zip(args.rates, scenarios):
-                    print(f"{time.strftime('%H:%M:%S')} round {rnd} at {rate:g} rps", flush=True)
+                    say(f"round {rnd} at {rate:g} rps")
                     done[rate].append(round_runs(run, scenario, names=served.grid, profile=profile, rnd=rnd,
                                                  urls={k: p.url for k, p in plans.items()}))
                     result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
