@@ -223,7 +223,8 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
     # A variant other than the home one holds at most its map's unloaded positions (per layer, in all).
     misses = [] if vset is None else [(vset.emap.owner < 0).sum(axis=1).tolist()] * (len(vset.names) - 1)
     slots, experts_per_slot = _size_slots(settings, base, bundles, misses)
-    budget = _adapter_budget(settings.adapter_memory, base, bundles, misses, slots, experts_per_slot)
+    budget = _adapter_budget(settings.adapter_memory, base, bundles, misses, slots=slots,
+                             experts_per_slot=experts_per_slot)
     settings = _check_paging(settings, base)
     check_port_free(settings.host, settings.port)
     if vset is not None:
@@ -280,7 +281,7 @@ def _size_slots(settings: ServeSettings, base: MoECheckpoint, bundles: dict, mis
     return slots, experts_per_slot
 
 
-def _adapter_budget(adapter_memory: int | None, base: MoECheckpoint, bundles: dict, misses: list, slots: int,
+def _adapter_budget(adapter_memory: int | None, base: MoECheckpoint, bundles: dict, misses: list, *, slots: int,
                     experts_per_slot: int) -> int:
     """Adapter experts loaded at once (all layers): `adapter_memory` in experts, or slots x the largest."""
     sizes = [b.num_experts for b in bundles.values()] + [sum(m) for m in misses]

@@ -264,7 +264,7 @@ def merge_rounds(label: str, entries: list[dict], profile) -> list[dict]:
             for reps in by_name.values()]
 
 
-def row(label: str, s: Scenario, reps: list[dict], drawn: list[int], profile, rounds: list[int] | None = None,
+def row(label: str, s: Scenario, reps: list[dict], drawn: list[int], profile, *, rounds: list[int] | None = None,
         machines: list[str | None] | None = None, requests: list[dict] | None = None) -> dict:
     """One scenario's line: the median of its rounds, TTFT's spread, the drawn shares against alpha; `machines`:
     where each round ran (esftctl.bench.slices.machine_id), which pairs it with the base's runs there; `requests`:

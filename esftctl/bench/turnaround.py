@@ -104,7 +104,7 @@ class Swapping:
         asyncio.ensure_future(wake())
 
 
-async def _one(session, router, ticket: int, arrival: float, model: str, prompt: str, output_len: int,
+async def _one(session, router, ticket: int, arrival: float, model: str, prompt: str, *, output_len: int,
                start: float) -> dict:
     await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
     sent = time.perf_counter()
@@ -140,7 +140,7 @@ async def _run(traffic: Traffic, router) -> list[dict]:
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        jobs = [_one(session, router, i, t, m, p, traffic.output_len, start)
+        jobs = [_one(session, router, i, t, m, p, output_len=traffic.output_len, start=start)
                 for i, (t, m, p) in enumerate(traffic.arrivals())]
         return await asyncio.gather(*jobs)
 
