@@ -470,7 +470,7 @@ def _utilization(engine_args: tuple[str, ...]) -> float:
 def share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
     """The engine arguments with each of `copies` like servers given its share of the device's memory (the CPU
     build's KV cache is sized by VLLM_CPU_KVCACHE_SPACE per server instead)."""
-    return split_memory(engine_args, [0] * copies, card=1)[0]
+    return split_memory(engine_args, [0] * copies, card=1)[0]  # nothing set aside: the card's size cancels out
 
 
 def split_memory(engine_args: tuple[str, ...], aside: list[int], *, card: int) -> list[list[str]]:
