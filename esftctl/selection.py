@@ -18,6 +18,7 @@ which. Whatever esftctl writes is 0-based.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -72,13 +73,19 @@ class ExpertConfig:
             raise EsftError("expert config needs an 'experts' object keyed by layer index", path)
         experts: dict[int, list[int]] = {}
         for key, ids in d["experts"].items():
-            if not str(key).isdigit() or not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            # JSON's true and false are Python ints, and str.isdigit() passes digits that int() refuses ("²")
+            if not (key.isascii() and key.isdigit()) or not isinstance(ids, list) or not all(
+                    type(i) is int for i in ids):
                 raise EsftError(f"experts[{key!r}] must be a list of expert ids under a layer index", path)
             if len(set(ids)) != len(ids):
                 raise EsftError(f"experts[{key!r}] lists an expert twice", path)
             experts[int(key)] = ids
-        extra = {k: v for k, v in d.items() if k not in ("experts", "shared_experts", "non_expert_modules")}
-        return cls(experts, bool(d.get("shared_experts", False)), bool(d.get("non_expert_modules", False)), extra)
+        flags = {k: d.get(k, False) for k in ("shared_experts", "non_expert_modules")}
+        for k, v in flags.items():
+            if type(v) is not bool:  # "false" would be true to DeepSeek's loader, which tests it as Python does
+                raise EsftError(f"{k} must be true or false, not {json.dumps(v)[:40]}", path)
+        extra = {k: v for k, v in d.items() if k not in ("experts", *flags)}
+        return cls(experts, flags["shared_experts"], flags["non_expert_modules"], extra)
 
     @classmethod
     def read_for(cls, path: Path, moe_layers: Sequence[int], num_experts: int, *,

@@ -61,6 +61,23 @@ def test_ambiguous_refused_explicit_honoured_and_checked(tmp_path):
         both.numbered_from_zero(ALL_MOE, layer_base=2)
 
 
+@pytest.mark.parametrize("config, match", [
+    ({"experts": {"1": [False]}}, r"experts\['1'\] must be a list of expert ids"),  # was read as expert 0
+    ({"experts": {"1": [True, 2]}}, r"experts\['1'\] must be a list of expert ids"),
+    ({"experts": {"\u00b2": [0]}}, r"experts\['\u00b2'\] must be a list of expert ids"),  # was a ValueError
+    ({"experts": {}, "shared_experts": "false"}, r'shared_experts must be true or false, not "false"'),
+    ({"experts": {}, "non_expert_modules": 0}, "non_expert_modules must be true or false, not 0"),
+])
+def test_expert_config_types_are_json_types(tmp_path, config, match):
+    """What the ESFT adapter fuzz (tests/test_esft_adapter.py) found: ids and flags must be JSON's own types."""
+    where = tmp_path / "expert_cfg.json"
+    where.write_text(json.dumps(config))
+    with pytest.raises(EsftError, match=rf"^\S*expert_cfg.json: {match}"):
+        ExpertConfig.load(where)
+    where.write_text(json.dumps({"experts": {"1": [0, 3]}, "shared_experts": True}))
+    assert ExpertConfig.load(where) == ExpertConfig({1: [0, 3]}, True, False)
+
+
 @pytest.fixture
 def qwen3(tiny_models, tmp_path):
     """The tiny Qwen3-MoE, a full fine-tune of it changing experts in layers 0-2, and those experts."""

@@ -4,8 +4,10 @@ writes one; what import refuses (one line, exit 1, nothing written); and an impo
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -13,10 +15,13 @@ import pytest
 import torch
 from conftest import run_cli
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from test_untrusted_bundles import deadline, mutate_data, mutate_manifest
 
+from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.formats.esft_adapter import import_adapter
 from esftctl.pack import pack
 from esftctl.world.synthetic import experts_used_by, synthetic_experts, write_synthetic_adapter
 
@@ -189,6 +194,58 @@ def test_bad_adapters_are_refused_with_one_line(base, experts, tmp_path, capsys)
     what, folder, options, want = cases[0]
     proc = run_cli("pack", base.path, folder, "--out", tmp_path / "b", "--name", "t")
     assert proc.returncode == 1 and want in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _reference(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an adapter folder as the safetensors library reads it (its own checks, not ours)."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out |= load_file(file)
+    return out
+
+
+def test_fuzz_esft_adapters(base, experts, tmp_path):
+    """Mutated expert_cfg.json and safetensors files of an ESFT adapter folder (what users download), fixed seed,
+    about 10 s: import refuses each in one line naming a file of the folder, writing nothing, or packs a bundle
+    whose experts are exactly the folder's tensors of those names as the safetensors library reads them; never
+    another exception or a hang."""
+    listed = {l: sorted(per) for l, per in experts.items()}
+    src = write_adapter(tmp_path / "src", base, expert_tensors(base, experts), listed)
+    config = json.loads((src / "expert_cfg.json").read_text())
+    rng = random.Random(29)
+    outcomes = {"refused": 0, "accepted": 0}
+    start, n = time.monotonic(), 0
+    while time.monotonic() - start < 10 and n < 1000:
+        case, out = tmp_path / f"case{n}", tmp_path / f"bundle{n}"
+        shutil.copytree(src, case)
+        op = rng.random()
+        if op < 0.45:
+            (case / "expert_cfg.json").write_text(json.dumps(mutate_manifest(config, rng)))
+        elif op < 0.55:
+            text = (case / "expert_cfg.json").read_text()
+            (case / "expert_cfg.json").write_text(text[:rng.randrange(len(text))])
+        else:
+            mutate_data(case / "model.safetensors", rng)
+        try:
+            with deadline(20):
+                import_adapter(base.path, case, out, name="t")
+        except EsftError as e:
+            assert "\n" not in str(e) and str(case) in str(e), str(e)
+            assert_nothing_written(tmp_path, out)
+            outcomes["refused"] += 1
+        else:
+            reference, bundle = _reference(case), Bundle.open(out)
+            for layer, per in bundle.read_experts().items():
+                for e, weights in per.items():
+                    for w, t in weights.items():
+                        key = base.arch.expert_tensor(layer, e, w)
+                        want = reference.get(key, reference.get(key.removeprefix(PREFIX)))
+                        assert want is not None and torch.equal(t, want.to(t.dtype)), (n, key)
+            outcomes["accepted"] += 1
+            shutil.rmtree(out)
+        shutil.rmtree(case)
+        n += 1
+    assert n >= 50 and min(outcomes.values()) > 0, outcomes
 
 
 # ---- export -------------------------------------------------------------------------------------------------
