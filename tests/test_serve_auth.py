@@ -164,6 +164,47 @@ def test_loads_outside_the_adapter_root_are_forbidden_unopened(app, tmp_path):
     assert reply.status_code == 200 and calls[-1] == "/v1/load_lora_adapter"
 
 
+NO_PATH, BAD_NAME = "lora_path is no file path", "use 1-128 letters"
+
+
+@pytest.mark.parametrize("body, load", [
+    (b"[]", None), (b'"x"', None), (b"1", None), (b"null", None), (b"\xff\xfe", None), (b"{", None),
+    (b'{"lora_name": 1, "lora_path": []}', None),  # not strings: vLLM's own answer
+    (b'{"lora_name": "a", "lora_path": "a\\u0000b"}', NO_PATH),
+    (b'{"lora_name": "a", "lora_path": "\\ud800"}', NO_PATH),
+    (b'{"lora_name": "\\ud800", "lora_path": "x"}', BAD_NAME),
+    (b'{"lora_name": "a\\u0000", "lora_path": "x"}', BAD_NAME),
+])
+def test_odd_load_and_unload_bodies_are_answered_not_failed(tmp_path, monkeypatch, body, load):
+    """Bodies that are not JSON objects of strings, and paths the file system cannot take (a NUL byte, a lone
+    surrogate): a load gets a 400 naming the problem, or goes on to vLLM (`load` None), which answers its own; an
+    unload of no known adapter goes on to vLLM. Never a 500 from the middleware (a JSON list sent to the unload
+    path and a NUL byte in a load's path were)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from esftctl.runtime.vllm import status as vllm_status
+
+    api = FastAPI()
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        api.post(path)(lambda path=path: {"reached": path})
+    api.add_middleware(vllm_status.StatusMiddleware)
+    status_file = tmp_path / "status.json"
+    status_file.write_text(json.dumps(engine_status(base=str(tmp_path)).to_json()))
+    config = ServeConfig(settings=ServeSettings(base=tmp_path), slots=4, experts_per_slot=2,
+                         status_file=str(status_file))  # no adapter root: every path reaches the checks
+    monkeypatch.setenv("ESFTCTL_SERVE", config.to_env()["ESFTCTL_SERVE"])
+    client = TestClient(api, raise_server_exceptions=False)
+    json_headers = {"content-type": "application/json"}
+    reply = client.post("/v1/load_lora_adapter", content=body, headers=json_headers)
+    if load is None:
+        assert reply.status_code == 200 and reply.json() == {"reached": "/v1/load_lora_adapter"}, reply.text
+    else:
+        assert reply.status_code == 400 and load in reply.json()["error"]["message"], reply.text
+    reply = client.post("/v1/unload_lora_adapter", content=body, headers=json_headers)
+    assert reply.status_code == 200 and reply.json() == {"reached": "/v1/unload_lora_adapter"}, reply.text
+
+
 def engine_status(**fields) -> EngineStatus:
     """A status record of an engine serving nothing yet, with `fields` changed."""
     empty = dict(updated=0.0, base="b", device="cpu", rank=0, ranks=1, slots=4, experts_per_slot=2, moe_layers=[],

@@ -116,6 +116,24 @@ def _authorized(request) -> bool:
     return match and scheme.lower() == "bearer"
 
 
+async def _json_body(request):
+    """The request's body as JSON, None where it is not JSON (any value: what a client sent is not yet an object)."""
+    try:
+        return await request.json()
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+
+
+def _is_file_path(path: str) -> bool:
+    """Whether the file system can be asked about `path`: os functions raise ValueError for a NUL byte and for a
+    lone surrogate, and nothing past the middleware expects that."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return False
+    return "\0" not in path
+
+
 def _inside(path: str, root: str) -> bool:
     """Whether `path`, every symbolic link resolved, lies under `root` (resolving reads links, opens no file)."""
     try:
@@ -158,10 +176,8 @@ def _status() -> JSONResponse:
 
 async def _unload(request, call_next):
     state = request.app.state
-    try:
-        name = (await request.json()).get("lora_name")
-    except ValueError:
-        name = None
+    body = await _json_body(request)
+    name = body.get("lora_name") if isinstance(body, dict) else None
     known = getattr(state, "openai_serving_models", None)
     lora = known.lora_requests.get(name) if known is not None and isinstance(name, str) else None
     response = await call_next(request)
@@ -176,16 +192,16 @@ async def _load(request, call_next):
 
     from esftctl.errors import EsftError
 
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
+    body = await _json_body(request)
     name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
     config = ServeConfig.from_env()
     root = config.settings.adapter_root if config is not None else None
     if root is not None and isinstance(path, str) and not _inside(path, str(root)):
         return _error(f"adapter {name!r}: this server loads adapters only from under {root} "
                       "(--adapter-root)", 403, "Forbidden")
+    if isinstance(path, str) and not _is_file_path(path):
+        return _error(f"adapter {name!r}: lora_path is no file path (a NUL byte or a character the file system "
+                      "cannot encode)", 400, "BadRequestError")
     status = _engine_status()
     if not isinstance(body, dict) or status is None:
         return await call_next(request)
