@@ -191,6 +191,81 @@ def test_not_a_folder_and_bad_json(tmp_path):
         MoECheckpoint(tmp_path / "m")
 
 
+@pytest.mark.parametrize("arch, change, match", [
+    ("deepseek_v2", {"n_group": "8"}, r"'n_group' must be an integer in 0-65536 or null, not \"8\""),
+    ("deepseek_v3", {"n_shared_experts": "x"}, r"'n_shared_experts' must be an integer in 0-65536 or null"),
+    ("glm4_moe", {"first_k_dense_replace": [3, 3]}, r"'first_k_dense_replace' must be an integer in 0-4096 or null"),
+    ("qwen2_moe", {"mlp_only_layers": 16}, r"'mlp_only_layers' must be a list of layer indices or null, not 16"),
+    ("qwen3_moe", {"decoder_sparse_step": True}, r"'decoder_sparse_step' must be an integer in 0-4096 or null"),
+    ("deepseek_v2", {"scoring_func": 1}, r"'scoring_func' must be a string or null, not 1"),
+    ("mixtral", {"num_hidden_layers": 2 ** 31}, r"'num_hidden_layers' must be an integer in 1-4096, not 2147483648"),
+    ("olmoe", {"num_experts": None}, r"'num_experts' must be an integer in 1-65536, not null"),
+    ("qwen3_next", {"hidden_size": 1.5}, r"'hidden_size' must be an integer in 1-1048576, not 1.5"),
+])
+def test_config_fields_are_checked_before_use(tiny_models, tmp_path, arch, change, match):
+    """Every config field an architecture's rules read has its JSON type and a range (formats/architectures.py):
+    a string n_group was a TypeError, 2**31 layers a hang, before the fuzz below found them."""
+    m = _copy(tiny_models[arch], tmp_path / "m")
+    config = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(EsftError, match=rf"^\S*config.json: config's {match}"):
+        MoECheckpoint(m)
+    (m / "config.json").write_text(json.dumps([config]))
+    with pytest.raises(EsftError, match=r"config.json: config is not a JSON object$"):
+        MoECheckpoint(m)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "..", 5, None])
+def test_index_names_only_files_of_the_folder(tiny_models, tmp_path, monkeypatch, shard):
+    """A downloaded checkpoint's index cannot send the reader outside its folder: a shard is a file name in it."""
+    from esftctl.formats import checkpoint
+
+    m = _copy(tiny_models["qwen3_moe"], tmp_path / "m")
+    shutil.copy(m / "model.safetensors", tmp_path / "outside.safetensors")
+    names = list(MoECheckpoint(m).tensors)
+    weight_map = dict.fromkeys(names, "model.safetensors") | {names[-1]: shard}
+    (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    opened = []
+    monkeypatch.setattr(checkpoint, "open_regular", lambda path: opened.append(path))
+    with pytest.raises(EsftError, match=rf"index.json: the index puts tensor '{names[-1]}' in .*, not a file name "
+                                        "of the model folder$"):
+        MoECheckpoint(m)
+    assert opened == []
+
+
+def test_fuzz_checkpoint_configs(tiny_models, tmp_path):
+    """Random changes of tiny models' config.json values (the bundle fuzz's, tests/test_untrusted_bundles.py), fixed
+    seed, about 10 s over four architectures: refused in one line naming the folder's config, or opened, described
+    and read; never another exception or a hang."""
+    import random
+    import time
+
+    from test_untrusted_bundles import deadline, mutate_manifest
+
+    from esftctl.describe import describe_path
+
+    rng = random.Random(5)
+    outcomes = {"refused": 0, "accepted": 0}
+    start, n = time.monotonic(), 0
+    while time.monotonic() - start < 10 and n < 2000:
+        arch = ("deepseek_v3", "qwen2_moe", "mixtral", "glm4_moe")[n % 4]
+        case = _copy(tiny_models[arch], tmp_path / f"case{n}")
+        config = json.loads((case / "config.json").read_text())
+        (case / "config.json").write_text(json.dumps(mutate_manifest(config, rng)))
+        try:
+            with deadline(20):
+                ckpt = MoECheckpoint(case)
+                describe_path(case)
+                ckpt.read_expert(ckpt.moe_layers[0], 0)
+            outcomes["accepted"] += 1
+        except EsftError as e:
+            assert "\n" not in str(e) and str(case) in str(e), str(e)
+            outcomes["refused"] += 1
+        shutil.rmtree(case)
+        n += 1
+    assert n >= 100 and min(outcomes.values()) > 0, outcomes
+
+
 def test_expert_ids_are_checked(tiny_models):
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
     with pytest.raises(EsftError, match="expert 16 out of range"):

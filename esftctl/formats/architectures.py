@@ -22,6 +22,7 @@ of them as three weights in the usual orientation plus three biases (EXPERT_BIAS
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -258,6 +259,54 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         router="model.layers.{layer}.block_sparse_moe.gate.weight",
     ),
 )
+
+
+# What the rules above read from a config.json, as the JSON types and ranges each must have, checked before any rule
+# runs (config_problem): a model folder may come from anywhere. A fuzz of tiny models' configs (2026-12-05) found a
+# string n_group a TypeError, a string n_shared_experts a ValueError, and num_hidden_layers 2**31 a hang in
+# moe_layers. The bounds are far past any released model (DeepSeek-V3: 61 layers, 256 experts, hidden size 7168).
+LAYERS, EXPERTS, WIDTH = 1 << 12, 1 << 16, 1 << 20
+# key -> (smallest, largest): each architecture's counts, where its table names them.
+REQUIRED_INTS = {"num_hidden_layers": (1, LAYERS), "hidden_size": (1, WIDTH), "experts": (1, EXPERTS),
+                 "top_k": (1, EXPERTS), "intermediate": (1, WIDTH)}
+# Read where present; null or absent reads as the rule's default. 0 is each rule's default too (`or`).
+OPTIONAL_INTS = {
+    "first_k_dense_replace": (0, LAYERS), "moe_layer_freq": (0, LAYERS), "decoder_sparse_step": (0, LAYERS),
+    "n_group": (0, EXPERTS), "topk_group": (0, EXPERTS), "n_shared_experts": (0, EXPERTS),
+    "shared_expert_intermediate_size": (0, WIDTH),
+}
+OPTIONAL_STRINGS = ("scoring_func", "topk_method")
+OPTIONAL_LAYER_LISTS = ("mlp_only_layers",)
+
+
+def config_problem(arch: Architecture, config: dict) -> str | None:
+    """What is wrong with the fields of `config` that `arch`'s rules read (the first thing), or None."""
+    def bad_int(value, low: int, high: int) -> bool:
+        return type(value) is not int or not low <= value <= high
+
+    required = {"num_hidden_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                "experts": arch.num_experts_key(config), "top_k": arch.top_k_key, "intermediate": arch.intermediate_key}
+    for role, key in required.items():
+        if bad_int(config.get(key), *REQUIRED_INTS[role]):
+            return f"config's {key!r} must be an integer in {REQUIRED_INTS[role][0]}-{REQUIRED_INTS[role][1]}, not " \
+                   f"{_shown(config.get(key))}"
+    for key, (low, high) in OPTIONAL_INTS.items():
+        if config.get(key) is not None and bad_int(config[key], low, high):
+            return f"config's {key!r} must be an integer in {low}-{high} or null, not {_shown(config[key])}"
+    for key in OPTIONAL_STRINGS:
+        if config.get(key) is not None and not isinstance(config[key], str):
+            return f"config's {key!r} must be a string or null, not {_shown(config[key])}"
+    for key in OPTIONAL_LAYER_LISTS:
+        value = config.get(key)
+        if value is not None and not (isinstance(value, list) and all(not bad_int(v, 0, LAYERS) for v in value)):
+            return f"config's {key!r} must be a list of layer indices or null, not {_shown(value)}"
+    return None
+
+
+def _shown(value) -> str:
+    """A config value as its JSON, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def architecture_for(model_type: str) -> Architecture | None:

@@ -28,6 +28,7 @@ from esftctl.formats.architectures import (
     Architecture,
     Routing,
     architecture_for,
+    config_problem,
     supported_model_types,
 )
 from esftctl.formats.fp8 import SCALE_DTYPE, SCALE_SUFFIX, Fp8Block, scheme_of
@@ -244,6 +245,8 @@ class MoECheckpoint:
         if not self.path.is_dir():
             raise EsftError("not a model folder (expected a directory with config.json)", self.path)
         self.config = read_json(self.path / "config.json")
+        if not isinstance(self.config, dict):
+            raise EsftError("config is not a JSON object", self.path / "config.json")
         model_type = self.config.get("model_type")
         arch = architecture_for(model_type) if isinstance(model_type, str) else None
         if arch is None:
@@ -252,10 +255,9 @@ class MoECheckpoint:
                 self.path / "config.json",
             )
         self.arch: Architecture = arch
-        for key in ("num_hidden_layers", "hidden_size", arch.num_experts_key(self.config), arch.top_k_key,
-                    arch.intermediate_key):
-            if not isinstance(self.config.get(key), int):
-                raise EsftError(f"config has no integer {key!r}", self.path / "config.json")
+        problem = config_problem(arch, self.config)
+        if problem:
+            raise EsftError(problem, self.path / "config.json")
         self.tensors: dict[str, TensorInfo] = self._read_tensor_infos()
         self.quantization: dict | None = find_quantization(self.config, self._routed_dtypes())
         self.fp8: Fp8Block | None = None
@@ -492,9 +494,14 @@ class MoECheckpoint:
     def _read_tensor_infos(self) -> dict[str, TensorInfo]:
         index_file = self.path / INDEX_FILE
         if index_file.exists():
-            weight_map = read_json(index_file).get("weight_map")
+            index = read_json(index_file)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise EsftError("index has no weight_map", index_file)
+            for name, shard in weight_map.items():  # a file of this folder: nothing outside it is opened
+                if not isinstance(shard, str) or shard in ("", ".", "..") or Path(shard).name != shard or "\0" in shard:
+                    raise EsftError(f"the index puts tensor {name!r} in {shard!r}, not a file name of the model "
+                                    "folder", index_file)
             infos: dict[str, TensorInfo] = {}
             for shard in sorted(set(weight_map.values())):
                 header = _read_header(self.path / shard)
