@@ -25,6 +25,7 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats import native
+from esftctl.formats.architectures import EXPERTS, LAYERS
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
 from esftctl.jsonfile import read_json, write_json
 
@@ -108,11 +109,44 @@ class ExpertMap:
 
     @classmethod
     def load(cls, path: Path) -> "ExpertMap":
+        """The map in `path`, every field checked (_map_problem) before anything reads it: a map may come from
+        someone else, and serving indexes variants by its owners."""
         d = read_json(path)
         if not isinstance(d, dict) or d.get("format") != "esftctl-expert-map":
             raise EsftError("not an esftctl expert map", path)
-        owner = np.array([d["map"][str(l)] for l in d["moe_layers"]], dtype=np.int64)
-        return cls(d["models"], d["moe_layers"], d["num_experts"], d["capacity"], owner)
+        problem = _map_problem(d)
+        if problem:
+            raise EsftError(f"malformed expert map: {problem}", path)
+        layers, experts = d["moe_layers"], d["num_experts"]
+        owner = np.array([d["map"][str(l)] for l in layers], dtype=np.int64).reshape(len(layers), experts)
+        return cls(d["models"], layers, experts, d["capacity"], owner)
+
+
+def _map_problem(d: dict) -> str | None:
+    """What is wrong with an expert map's fields (the first thing), or None: variants as paths, layers increasing,
+    one owner per expert of each layer, each a variant or -1, and no more loaded than the capacity."""
+    models, layers, experts, capacity, rows = (d.get(k) for k in ("models", "moe_layers", "num_experts", "capacity",
+                                                                  "map"))
+    if d.get("version") != 1:
+        return "version must be 1"
+    if not (isinstance(models, list) and models and all(isinstance(m, str) and m and "\0" not in m for m in models)):
+        return "models must be a non-empty list of paths"
+    if not (isinstance(layers, list) and all(type(l) is int and 0 <= l < LAYERS for l in layers)
+            and layers == sorted(set(layers))):
+        return f"moe_layers must be increasing layer indices below {LAYERS}"
+    if not (type(experts) is int and 1 <= experts <= EXPERTS):
+        return f"num_experts must be an integer in 1-{EXPERTS}"
+    if not (type(capacity) is int and capacity >= 0):
+        return "capacity must be a non-negative integer"
+    if not (isinstance(rows, dict) and set(rows) == {str(l) for l in layers}):
+        return "map must hold one list per MoE layer, keyed by its index"
+    owners = [rows[str(l)] for l in layers]
+    if not all(isinstance(r, list) and len(r) == experts and all(type(o) is int and -1 <= o < len(models) for o in r)
+               for r in owners):
+        return f"each layer's list must hold {experts} owners, each a variant 0-{len(models) - 1} or -1"
+    if sum(o >= 0 for r in owners for o in r) > capacity:
+        return f"the map loads more experts than its capacity of {capacity}"
+    return None
 
 
 def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = None, budget_bytes: int | None = None, *,

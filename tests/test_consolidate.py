@@ -36,6 +36,34 @@ def test_ranking_and_round_robin_on_hand_made_distances():
     assert assign_round_robin(ranking, 2, 0) == {}
 
 
+GOOD_MAP = {"format": "esftctl-expert-map", "version": 1, "models": ["/m/a", "/m/b"], "moe_layers": [1, 2],
+            "num_experts": 3, "capacity": 4, "map": {"1": [0, -1, 1], "2": [1, 0, -1]}}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"version": 2}, "version must be 1"),
+    ({"models": []}, "models must be a non-empty list of paths"),
+    ({"models": ["/m/a", 3]}, "models must be a non-empty list of paths"),
+    ({"moe_layers": [2, 1], "map": {"1": [0, 0, 0], "2": [0, 0, 0]}}, "moe_layers must be increasing"),
+    ({"moe_layers": [1, True]}, "moe_layers must be increasing"),
+    ({"num_experts": "3"}, "num_experts must be an integer in 1-65536"),
+    ({"capacity": -1}, "capacity must be a non-negative integer"),
+    ({"map": {"1": [0, -1, 1]}}, "map must hold one list per MoE layer"),
+    ({"map": {"1": [0, -1], "2": [1, 0, -1]}}, "each layer's list must hold 3 owners, each a variant 0-1 or -1"),
+    ({"map": {"1": [0, -1, 2], "2": [1, 0, -1]}}, "each layer's list must hold 3 owners"),  # no variant 2: an index
+    ({"map": {"1": [0, -2, 1], "2": [1, 0, -1]}}, "each layer's list must hold 3 owners"),
+    ({"map": {"1": [0, 0, 1], "2": [1, 0, -1]}}, "the map loads more experts than its capacity of 4"),
+])
+def test_a_malformed_expert_map_is_refused_in_one_line(tmp_path, change, match):
+    """`serve --variants` and `materialize` index variants by the map's owners: every field is checked first."""
+    path = tmp_path / "expert_map.json"
+    path.write_text(json.dumps(GOOD_MAP))
+    assert ExpertMap.load(path).owner.tolist() == [[0, -1, 1], [1, 0, -1]]
+    path.write_text(json.dumps(GOOD_MAP | change))
+    with pytest.raises(EsftError, match=rf"^\S*expert_map.json: malformed expert map: {match}"):
+        ExpertMap.load(path)
+
+
 def _variant(base: MoECheckpoint, out, seed: int, changed):
     g = torch.Generator().manual_seed(seed)
     new = {key: ExpertWeights(*(t + (torch.randn(t.shape, generator=g) * 0.05).to(t.dtype)
