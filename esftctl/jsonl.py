@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
 from esftctl.errors import EsftError
+from esftctl.jsonfile import open_regular
 
 Example = dict[str, str]
 
@@ -18,18 +20,20 @@ def write_jsonl(path: Path, examples: list[Example]) -> None:
 
 def read_jsonl(path: Path) -> Iterator[Example]:
     """Yield the examples of `path`, refusing a line that is not an object with string prompt and completion."""
+    fd = open_regular(path)  # a FIFO would block, /dev/zero never end
     try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise EsftError("file not found", path) from None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            lines = f.read().decode("utf-8").split("\n")  # JSON Lines: not splitlines(), which also splits at U+2028
     except UnicodeDecodeError:
         raise EsftError("not a UTF-8 text file", path) from None
+    finally:
+        os.close(fd)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, a number past Python's digit limit, deep nesting
             raise EsftError(f"line {number} is not valid JSON", path) from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
                 or not isinstance(record.get("completion"), str):

@@ -273,6 +273,27 @@ def test_cli_relevance_and_select(world, tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_task_data_is_json_lines(tmp_path):
+    """Task data as other tools write it (raw non-ASCII, U+2028 inside a string, CRLF) reads whole; a line nested
+    too deeply or holding a 5,000-digit number is one line naming the file; a FIFO is refused, not waited on."""
+    import os
+
+    from esftctl.jsonl import read_jsonl
+
+    examples = [{"prompt": "a\u2028b", "completion": "ü"}, {"prompt": "c\u0085d", "completion": "e"}]
+    good = tmp_path / "good.jsonl"
+    good.write_bytes("\r\n".join(json.dumps(e, ensure_ascii=False) for e in examples).encode())
+    assert list(read_jsonl(good)) == examples
+    for line in ("[" * 100_000, '{"prompt": 1' + "1" * 5000 + "}"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps(examples[0]) + "\n" + line + "\n")
+        with pytest.raises(EsftError, match=r"bad.jsonl: line 2 is not valid JSON$"):
+            list(read_jsonl(bad))
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with pytest.raises(EsftError, match="fifo.jsonl: not a regular file"):
+        list(read_jsonl(tmp_path / "fifo.jsonl"))
+
+
 def test_pack_compares_stored_bits(tiny_models, tmp_path, monkeypatch):
     """A change is a change of stored bits: -0.0 for 0.0 is one (torch.equal misses it), the same NaN in both
     is none (torch.equal sees a change); a tensor compared in several chunks shows a change in its last one."""
