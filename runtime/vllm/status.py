@@ -117,7 +117,7 @@ def _authorized(request) -> bool:
 
 
 async def _json_body(request):
-    """The request's body as JSON, None where it is not JSON (any value: what a client sent is not yet an object)."""
+    """The request's body parsed as JSON, any JSON value (a client may send a list), or None where it is not JSON."""
     try:
         return await request.json()
     except ValueError:  # not JSON, or not UTF-8
