@@ -65,14 +65,25 @@ class Relevance:
         if not isinstance(d, dict) or d.get("format") != SCORES_FORMAT:
             raise EsftError(f"not an esftctl relevance scores file (format is not {SCORES_FORMAT!r})", path)
         try:
-            scores = {m: {int(l): [float(x) for x in s] for l, s in d["scores"][m].items()} for m in METRICS}
+            scores = {m: {int(l): [_score(x) for x in s] for l, s in d["scores"][m].items()} for m in METRICS}
             scored = d.get("scored", "all")
             if scored not in SCORED:
                 raise ValueError(f"scored is {scored!r}, not one of {', '.join(SCORED)}")
+            moe_layers = [int(l) for l in d["moe_layers"]]
+            widths = {len(s) for per in scores.values() for s in per.values()}
+            if any(sorted(per) != sorted(moe_layers) for per in scores.values()) or len(widths) != 1 or 0 in widths:
+                raise ValueError("every metric must score the same experts of every MoE layer in moe_layers")
             return cls(d["model"], d["data"], int(d["examples"]), int(d["tokens"]), int(d["top_k"]),
-                       [int(l) for l in d["moe_layers"]], scores, scored)
-        except (KeyError, TypeError, ValueError) as e:
+                       moe_layers, scores, scored)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise EsftError(f"malformed scores file ({e.__class__.__name__}: {e})", path) from None
+
+
+def _score(x) -> float:
+    """A score as the file holds it: a finite non-negative JSON number (a string or a boolean is no score)."""
+    if type(x) not in (int, float) or not 0 <= x < float("inf"):
+        raise ValueError(f"a score must be a finite non-negative number, not {x!r}")
+    return float(x)
 
 
 @torch.no_grad()

@@ -82,6 +82,17 @@ def test_relevance_file_round_trip_and_errors(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(EsftError, match="bad.json: not an esftctl relevance scores file"):
         Relevance.load(tmp_path / "bad.json")
+    # counts equal to shapes, scores JSON numbers: `select` picks expert ids from these lists
+    good = rel.to_json()
+    for scores, why in (({"gate": {"1": [0.5, 0.5]}, "token": good["scores"]["token"]}, "same experts of every"),
+                        ({"gate": {"1": [0.5, 0.5], "2": [1.0]}, "token": good["scores"]["token"]}, "same experts"),
+                        ({"gate": {"1": ["0.5", 0.5], "2": [1, 0]}, "token": good["scores"]["token"]}, "'0.5'"),
+                        ({"gate": {"1": [True, 0.5], "2": [1, 0]}, "token": good["scores"]["token"]}, "True"),
+                        ({"gate": {"1": [-0.5, 0.5], "2": [1, 0]}, "token": good["scores"]["token"]}, "-0.5"),
+                        ({"gate": [], "token": good["scores"]["token"]}, "AttributeError")):
+        (tmp_path / "bad.json").write_text(json.dumps(good | {"scores": scores}))
+        with pytest.raises(EsftError, match=rf"bad.json: malformed scores file \(.*{why}"):
+            Relevance.load(tmp_path / "bad.json")
 
 
 # ---- selection ---------------------------------------------------------------------------------------
