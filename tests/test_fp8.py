@@ -206,8 +206,13 @@ def test_pack_and_merge_refuse_what_they_do_not_handle(fp8_world, tiny_models, t
     per_tensor = _rewrite(base, tmp_path / "per_tensor", lambda t: None)
     (per_tensor / "config.json").write_text(json.dumps({**config, "quantization_config": {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"}}))
+    huge_block = _rewrite(base, tmp_path / "huge_block", lambda t: None)
+    (huge_block / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [2 ** 40, 128]}}))  # dequantize: 2**40 rows
     plain_bundle = write_synthetic_adapter(fp8_world["plain"], tmp_path / "plain_bundle", "p", seed=1)
     cases = [
+        (["merge", huge_block, plain_bundle], "experts quantized with fp8 (fmt e4m3, weight_block_size "
+                                              "[1099511627776, 128]"),
         (["pack", base, other_block], "FP8 experts are in blocks of [64, 64], the base's in [128, 128]"),
         (["pack", mxfp4, fp8_world["tuned"]], "experts quantized with mxfp4"),
         (["pack", base, mxfp4], "experts quantized with mxfp4"),

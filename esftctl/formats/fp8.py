@@ -29,6 +29,10 @@ from esftctl.errors import EsftError
 from esftctl.formats.quantization import label
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+# The largest block side read from a config. quantize and dequantize allocate whole blocks: a crafted
+# weight_block_size [2**40, 128] with scales of one row passes `check` and then asks dequantize for 2**40 rows.
+# Every released FP8 checkpoint's blocks are 128 x 128.
+MAX_BLOCK = 4096
 AMAX_FLOOR = 1e-4  # vLLM's (and DeepGEMM's) clamp of a block's amax: an all-zero block gets a finite scale
 SCALE_SUFFIX = "_scale_inv"  # a weight's scale tensor: its name with this appended
 WEIGHT_DTYPE, SCALE_DTYPE = "F8_E4M3", "F32"  # safetensors' names
@@ -88,7 +92,8 @@ def scheme_of(quantization: Mapping | None, where: Path | None) -> Fp8Block | No
     fp8 = (quantization.get("method") == "fp8" and quantization.get("source") == "config"
            and quantization.get("fmt", "e4m3") == "e4m3"
            and quantization.get("activation_scheme", "dynamic") == "dynamic")
-    if fp8 and isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block):
+    if fp8 and isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b <= MAX_BLOCK
+                                                                     for b in block):
         return Fp8Block((block[0], block[1]))
     raise EsftError(f"experts quantized with {label(quantization)} are not supported: esftctl reads bf16, fp16 or "
                     "fp32 experts, and FP8 ones with block scales (quant_method fp8, fmt e4m3, dynamic activations, "
