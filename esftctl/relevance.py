@@ -75,7 +75,7 @@ class Relevance:
                 raise ValueError("every metric must score the same experts of every MoE layer in moe_layers")
             return cls(d["model"], d["data"], int(d["examples"]), int(d["tokens"]), int(d["top_k"]),
                        moe_layers, scores, scored)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:  # Overflow: a 400-digit number
             raise EsftError(f"malformed scores file ({e.__class__.__name__}: {e})", path) from None
 
 

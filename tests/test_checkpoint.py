@@ -204,7 +204,7 @@ def test_not_a_folder_and_bad_json(tmp_path):
 ])
 def test_config_fields_are_checked_before_use(tiny_models, tmp_path, arch, change, match):
     """Every config field an architecture's rules read has its JSON type and a range (formats/architectures.py):
-    a string n_group was a TypeError, 2**31 layers a hang, before the fuzz below found them."""
+    a string n_group was a TypeError and 2**31 layers a hang until the fuzz below found them."""
     m = _copy(tiny_models[arch], tmp_path / "m")
     config = json.loads((m / "config.json").read_text())
     (m / "config.json").write_text(json.dumps(config | change))

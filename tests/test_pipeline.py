@@ -89,6 +89,7 @@ def test_relevance_file_round_trip_and_errors(tmp_path):
                         ({"gate": {"1": ["0.5", 0.5], "2": [1, 0]}, "token": good["scores"]["token"]}, "'0.5'"),
                         ({"gate": {"1": [True, 0.5], "2": [1, 0]}, "token": good["scores"]["token"]}, "True"),
                         ({"gate": {"1": [-0.5, 0.5], "2": [1, 0]}, "token": good["scores"]["token"]}, "-0.5"),
+                        ({"gate": {"1": [10 ** 400, 0], "2": [1, 0]}, "token": good["scores"]["token"]}, "Overflow"),
                         ({"gate": [], "token": good["scores"]["token"]}, "AttributeError")):
         (tmp_path / "bad.json").write_text(json.dumps(good | {"scores": scores}))
         with pytest.raises(EsftError, match=rf"bad.json: malformed scores file \(.*{why}"):
