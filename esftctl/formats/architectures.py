@@ -266,9 +266,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 # string n_group a TypeError, a string n_shared_experts a ValueError, and num_hidden_layers 2**31 a hang in
 # moe_layers. The bounds are far past any released model (DeepSeek-V3: 61 layers, 256 experts, hidden size 7168).
 LAYERS, EXPERTS, WIDTH = 1 << 12, 1 << 16, 1 << 20
-# key -> (smallest, largest): each architecture's counts, where its table names them.
-REQUIRED_INTS = {"num_hidden_layers": (1, LAYERS), "hidden_size": (1, WIDTH), "experts": (1, EXPERTS),
-                 "top_k": (1, EXPERTS), "intermediate": (1, WIDTH)}
 # Read where present; null or absent reads as the rule's default. 0 is each rule's default too (`or`).
 OPTIONAL_INTS = {
     "first_k_dense_replace": (0, LAYERS), "moe_layer_freq": (0, LAYERS), "decoder_sparse_step": (0, LAYERS),
@@ -284,12 +281,11 @@ def config_problem(arch: Architecture, config: dict) -> str | None:
     def bad_int(value, low: int, high: int) -> bool:
         return type(value) is not int or not low <= value <= high
 
-    required = {"num_hidden_layers": "num_hidden_layers", "hidden_size": "hidden_size",
-                "experts": arch.num_experts_key(config), "top_k": arch.top_k_key, "intermediate": arch.intermediate_key}
-    for role, key in required.items():
-        if bad_int(config.get(key), *REQUIRED_INTS[role]):
-            return f"config's {key!r} must be an integer in {REQUIRED_INTS[role][0]}-{REQUIRED_INTS[role][1]}, not " \
-                   f"{_shown(config.get(key))}"
+    required = {"num_hidden_layers": (1, LAYERS), "hidden_size": (1, WIDTH), arch.num_experts_key(config): (1, EXPERTS),
+                arch.top_k_key: (1, EXPERTS), arch.intermediate_key: (1, WIDTH)}  # each architecture's counts
+    for key, (low, high) in required.items():
+        if bad_int(config.get(key), low, high):
+            return f"config's {key!r} must be an integer in {low}-{high}, not {_shown(config.get(key))}"
     for key, (low, high) in OPTIONAL_INTS.items():
         if config.get(key) is not None and bad_int(config[key], low, high):
             return f"config's {key!r} must be an integer in {low}-{high} or null, not {_shown(config[key])}"
