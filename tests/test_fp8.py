@@ -66,7 +66,8 @@ def test_fp8_tensors_from_files_are_validated():
     BLOCK.check(q, s, name="w", file=Path("f.safetensors"))
     bad = [(q.float(), s, "must be float8_e4m3fn"), (q, s[:1], r"has scales \[1, 2\]; blocks of \[128, 128\] need"),
            (q, s.double(), "float32 scales"), (q, s * float("nan"), "not finite and positive"),
-           (q, -s, "not finite and positive")]
+           (q, -s, "not finite and positive"), (q.flatten(), s, r"is \[65536\], not a matrix"),
+           (q[0, 0], s, r"is \[\], not a matrix")]
     for qq, ss, why in bad:
         with pytest.raises(EsftError, match=why) as e:
             BLOCK.check(qq, ss, name="w", file=Path("f.safetensors"))

@@ -75,8 +75,10 @@ class Fp8Block:
         if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
             raise EsftError(f"FP8 weight {name!r} must be float8_e4m3fn with float32 scales, not {q.dtype} with "
                             f"{scale.dtype}", file)
+        if q.dim() != 2:
+            raise EsftError(f"FP8 weight {name!r} is {list(q.shape)}, not a matrix", file)
         want = self.scale_shape(tuple(q.shape))
-        if q.dim() != 2 or tuple(scale.shape) != want:
+        if tuple(scale.shape) != want:
             raise EsftError(f"FP8 weight {name!r} {list(q.shape)} has scales {list(scale.shape)}; blocks of "
                             f"{list(self.block)} need {list(want)}", file)
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
