@@ -11,6 +11,9 @@
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 ESFTCTL_WORLD=$PWD/.world PYTHONUNBUFFERED=1
 name=$1; shift
+# no test named: the whole suite, past any call's limit (2026-12-05: an empty glob ran it, and the call timed out
+# with its 70th test and a log too large to come back)
+[ "$#" -gt 0 ] || { echo "gpu_tests.sh: name the tests to run (files or node ids); the whole suite runs past a call's 10-minute limit"; exit 2; }
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 card=${CUDA_VISIBLE_DEVICES:-0}; card=${card%%,*}  # the card the tests get (gpu_cards.sh sets one a card)
