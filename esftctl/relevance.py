@@ -86,6 +86,12 @@ def _score(x) -> float:
     return float(x)
 
 
+def scoring_device() -> str:
+    """Where relevance is scored: the GPU if present (a reference that must pick the same experts runs there too:
+    top-k near-ties fall differently between CPU and GPU float32)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @torch.no_grad()
 def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: str = "all", batch_size: int = 16,
                       data_name: str = "", on_batch: Callable[[int], None] = lambda n: None) -> Relevance:
@@ -98,7 +104,7 @@ def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: s
     ckpt = MoECheckpoint(model_dir)
     if not examples:
         raise EsftError("no examples to score", data_name or None)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = scoring_device()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "right"
     if tokenizer.pad_token_id is None:

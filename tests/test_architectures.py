@@ -97,6 +97,8 @@ def test_gpt_oss_experts_and_routing_are_read_as_transformers_has_them(tiny_mode
     from test_routing import _relevance_of_ids
     from transformers import AutoModelForCausalLM
 
+    from esftctl.relevance import scoring_device
+
     ckpt = MoECheckpoint(tiny_models["gpt_oss"])
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     for layer in ckpt.moe_layers:
@@ -109,15 +111,15 @@ def test_gpt_oss_experts_and_routing_are_read_as_transformers_has_them(tiny_mode
             assert torch.equal(w.gate_bias.float(), experts.gate_up_proj_bias[e][0::2])
             assert torch.equal(w.up_bias.float(), experts.gate_up_proj_bias[e][1::2])
             assert torch.equal(w.down_bias.float(), experts.down_proj_bias[e])
-    picks = {}
+    picks, device = {}, scoring_device()  # where compute_relevance routes: near-ties fall by device
     for layer in ckpt.moe_layers:
         def hook(module, args, out, layer=layer):
-            picks[layer] = torch.bincount(out[2].reshape(-1), minlength=ckpt.num_experts)
+            picks[layer] = torch.bincount(out[2].reshape(-1), minlength=ckpt.num_experts).cpu()
 
         model.model.layers[layer].mlp.router.register_forward_hook(hook)
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        model(input_ids=ids)
+        model.to(device)(input_ids=ids.to(device))
     rel = _relevance_of_ids(ckpt, ids)
     for layer in ckpt.moe_layers:
         assert rel["token"][layer] == (picks[layer].double() / (40 * ckpt.top_k)).tolist(), layer

@@ -12,7 +12,7 @@ import torch
 
 from esftctl.formats.architectures import Routing
 from esftctl.formats.checkpoint import MoECheckpoint
-from esftctl.relevance import compute_relevance
+from esftctl.relevance import compute_relevance, scoring_device
 from esftctl.routing import route
 
 CASES = {  # name: (routing, with a correction bias)
@@ -45,11 +45,12 @@ def test_route_chooses_what_vllm_chooses(case):
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_relevance_counts_the_experts_transformers_routes_to(tiny_models, arch):
     """Token selection ratio = the share of top-k picks transformers' router makes (sigmoid, correction bias and,
-    for DeepSeek-V3, 4 groups of which 2), captured at its output; gate score = its sigmoid scores normalized."""
+    for DeepSeek-V3, 4 groups of which 2), captured at its output; gate score = its sigmoid scores normalized.
+    transformers runs where compute_relevance scores (the GPU if present): near-ties fall by device."""
     from transformers import AutoModelForCausalLM
 
     ckpt = MoECheckpoint(tiny_models[arch])
-    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).to(scoring_device())
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(1))
     picks, scores = {}, {}
     for layer in ckpt.moe_layers:
@@ -57,12 +58,12 @@ def test_relevance_counts_the_experts_transformers_routes_to(tiny_models, arch):
 
         def hook(module, args, out, layer=layer):
             logits, _, indices = out
-            picks[layer] = torch.bincount(indices.reshape(-1), minlength=ckpt.num_experts)
-            scores[layer] = torch.sigmoid(logits.float())
+            picks[layer] = torch.bincount(indices.reshape(-1), minlength=ckpt.num_experts).cpu()
+            scores[layer] = torch.sigmoid(logits.float()).cpu()
 
         gate.register_forward_hook(hook)
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=ids.to(scoring_device()))
     assert any(ckpt.read_correction_bias(layer).abs().sum() > 0 for layer in ckpt.moe_layers)
 
     rel = _relevance_of_ids(ckpt, ids)
