@@ -178,7 +178,7 @@ def _mutate_fp8(tensors: dict[str, torch.Tensor], config: dict, rng) -> None:
 def test_fuzz_fp8_checkpoints(fp8_world, tmp_path):
     """Random changes of an FP8 checkpoint's expert weights, scales and quantization_config, fixed seed, about 8 s:
     refused in one line naming the checkpoint, or opened, described and every expert read; never another
-    exception. (A longer run outside the suite, 2 seeds x 60 s with pack and merge on top, found nothing either:
+    exception. (Longer runs outside the suite, two seeds for 60 and 30 s with pack and merge on top, found nothing:
     benchmarks/RESULTS.md, thirty-fourth session.)"""
     import random
     import time
