@@ -8,6 +8,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,6 +234,27 @@ def test_index_names_only_files_of_the_folder(tiny_models, tmp_path, monkeypatch
     assert opened == []
 
 
+def opened_or_refused(case: Path, *, fp8: bool = False, every_expert: bool = False) -> str:
+    """A fuzz case of a model folder: 'accepted' if it opens, is described and its first expert (or every one) is
+    read; 'refused' if that stops with one line naming the folder; never another exception or a hang."""
+    from test_untrusted_bundles import deadline
+
+    from esftctl.describe import describe_path
+
+    try:
+        with deadline(20):
+            ckpt = MoECheckpoint(case, fp8=fp8)
+            describe_path(case)
+            pairs = ([(layer, e) for layer in ckpt.moe_layers for e in range(ckpt.num_experts)] if every_expert
+                     else [(ckpt.moe_layers[0], 0)])
+            for layer, expert in pairs:
+                ckpt.read_expert(layer, expert)
+        return "accepted"
+    except EsftError as e:
+        assert "\n" not in str(e) and str(case) in str(e), str(e)
+        return "refused"
+
+
 def test_fuzz_checkpoint_configs(tiny_models, tmp_path):
     """Random changes of tiny models' config.json values (the bundle fuzz's, tests/test_untrusted_bundles.py), fixed
     seed, about 10 s over four architectures: refused in one line naming the folder's config, or opened, described
@@ -240,9 +262,7 @@ def test_fuzz_checkpoint_configs(tiny_models, tmp_path):
     import random
     import time
 
-    from test_untrusted_bundles import deadline, mutate_manifest
-
-    from esftctl.describe import describe_path
+    from test_untrusted_bundles import mutate_manifest
 
     rng = random.Random(5)
     outcomes = {"refused": 0, "accepted": 0}
@@ -252,15 +272,7 @@ def test_fuzz_checkpoint_configs(tiny_models, tmp_path):
         case = _copy(tiny_models[arch], tmp_path / f"case{n}")
         config = json.loads((case / "config.json").read_text())
         (case / "config.json").write_text(json.dumps(mutate_manifest(config, rng)))
-        try:
-            with deadline(20):
-                ckpt = MoECheckpoint(case)
-                describe_path(case)
-                ckpt.read_expert(ckpt.moe_layers[0], 0)
-            outcomes["accepted"] += 1
-        except EsftError as e:
-            assert "\n" not in str(e) and str(case) in str(e), str(e)
-            outcomes["refused"] += 1
+        outcomes[opened_or_refused(case)] += 1
         shutil.rmtree(case)
         n += 1
     assert n >= 100 and min(outcomes.values()) > 0, outcomes
