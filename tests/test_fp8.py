@@ -129,11 +129,13 @@ def test_fp8_checkpoint_opens_and_reads_experts(fp8_world):
         MoECheckpoint(fp8_world["base"])  # commands that do not handle FP8 still refuse it
 
 
-def _rewrite(src: Path, out: Path, change) -> Path:
+def _rewrite(src: Path, out: Path, change, *, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """A copy of the checkpoint `src` whose tensors (`src`'s, or `tensors` as read from it before) `change` edits."""
     out.mkdir()
     for f in src.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(src / "model.safetensors")
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors") if tensors is None else tensors
     change(tensors)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
@@ -191,9 +193,8 @@ def test_fuzz_fp8_checkpoints(fp8_world, tmp_path):
     start, n = time.monotonic(), 0
     while time.monotonic() - start < 8 and n < 1000:
         mine, my_config = dict(tensors), json.loads(json.dumps(config))
-        mine.update({k: v.clone() for k, v in mine.items() if v.dtype == torch.float32})
-        _mutate_fp8(mine, my_config, rng)
-        case = _rewrite(base, tmp_path / f"case{n}", lambda t: (t.clear(), t.update(mine)))
+        mine.update({k: v.clone() for k, v in mine.items() if v.dtype == torch.float32})  # values change in place
+        case = _rewrite(base, tmp_path / f"case{n}", lambda t: _mutate_fp8(t, my_config, rng), tensors=mine)
         (case / "config.json").write_text(json.dumps(my_config))
         outcomes[opened_or_refused(case, fp8=True, every_expert=True)] += 1
         shutil.rmtree(case)
