@@ -32,7 +32,10 @@ starts, then 3 x (duration + 3) s a rate and round):
     benchmarks/scripts/side_by_side.py --out /tmp/side --rates 1,2,5 --rounds 3 --budget 700"
   bash benchmarks/scripts/background.sh wait side 240 /tmp/side/side_by_side.json   (again until it ends; short
     waits, since a machine lost during one brings nothing of it back)
-A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4 --duration 2 --rounds 1`.
+It needs about 97 GiB with 20 adapters, so an H200. An 80 GB H100 holds two bases and 5 adapters' experts with
+`--adapters 5 --share 0.95`: by arithmetic, 3.6 GiB left to each server past its weights (75.6 GiB, less 9.5 for the
+experts, halved, less the base's 29.4). A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4
+--duration 2 --rounds 1`.
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ from esftctl.bench import serve_models
 from esftctl.bench.conditions import Watch
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
-from esftctl.bench.serve import PROFILES, split_memory
+from esftctl.bench.serve import PROFILES, split_memory, with_flag
 from esftctl.bench.serve_report import interval, number, percent
 from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
 from esftctl.serve import Server
+
+FLAG = "--gpu-memory-utilization"
 
 
 def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int,
@@ -201,8 +206,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds (each rate's three runs) at most")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds after both servers are ready in which a round may start")
+    parser.add_argument("--share", type=float, default=None,
+                        help="the card's memory share both servers split (default: the profile's, 0.92 for "
+                             "DeepSeek-V2-Lite); an 80 GB card holds two bases and 5 adapters' experts at 0.95")
     args = parser.parse_args()
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
+    if args.share is not None and FLAG in profile.engine_args:
+        profile = dataclasses.replace(profile, engine_args=with_flag(profile.engine_args, FLAG, f"{args.share:g}"))
     say("side by side: the base")
     served = serve_models.prepare_base(args.model, args.work, say)
     shape = "deepseek" if args.model != "tiny" else "table1"
@@ -210,6 +220,7 @@ def main() -> None:
                                 shape=shape, on_step=say)
     aside = serve_models.adapter_bytes(served.base, served.bundles.values())  # what arm_plan sets aside for esftctl
     engine_args = dict(zip(("plain", "esftctl"), split_memory(profile.engine_args, [0, aside], card=card_bytes())))
+    say(f"engine arguments: {engine_args}")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
     plans = {arm: arm_plan(served, arm == "esftctl", engine_args[arm]) for arm in engine_args}
