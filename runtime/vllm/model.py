@@ -192,11 +192,14 @@ class EsftModel:
         for index, engine in engine_layers.items():
             self.layers[index] = self._install(engine, base, num_slots, experts_per_slot)
             self.layers[index].replace_base((base_rows or {}).get(index, {}))
+            # vLLM's tensors of this layer's experts are replaced: their memory goes back to the driver, which maps
+            # the next layer's rows. Kept in torch's cache, they made the start-up hold the base's experts twice
+            # (27 GiB more for DeepSeek-V2-Lite: beside plain vLLM on an 80 GB H100 it ran out, 2026-12-05)
+            if self.pool is not None:
+                torch.cuda.empty_cache()
         self.slots = AdapterSlots(self.layers, budget=adapter_budget)
         self.pager, self.residency = None, None
         if paging_window:
-            if self.pool is not None:
-                torch.cuda.empty_cache()  # vLLM's own tensors of the base experts, replaced by the virtual ones
             tier = self._store_tier(base, paging_store, paging_window) if paging_store is not None else \
                 self._fixed_tier(paging_window) if fixed_tier else None
             self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
@@ -227,7 +230,7 @@ class EsftModel:
         aside."""
         if self.pool is None:
             return 0
-        torch.cuda.empty_cache()  # vLLM's replaced expert tensors (when paging: the fixed-rate encoder's temporaries)
+        torch.cuda.empty_cache()  # what start-up left in torch's cache (paging: the fixed-rate encoder's temporaries)
         layer = next(iter(self.layers.values()))
         page, n = self.pool.page_size, len(self.layers)
         adapter_experts = budget or 0
