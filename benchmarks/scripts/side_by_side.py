@@ -224,13 +224,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
     plans = {arm: arm_plan(served, arm == "esftctl", engine_args[arm]) for arm in engine_args}
-    say("starting plain vLLM")
-    with Server(plans["plain"]) as plain:
-        plain.wait_ready(timeout=1200)  # one at a time: each sizes its KV cache by the memory free as it starts
-        say("plain vLLM ready; starting esftctl")
-        with Server(plans["esftctl"]) as esft:
-            esft.wait_ready(timeout=1200)
-            say("esftctl ready; warming both up")
+    # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
+    # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05)
+    say("starting esftctl")
+    with Server(plans["esftctl"]) as esft:
+        esft.wait_ready(timeout=1200)
+        say("esftctl ready; starting plain vLLM")
+        with Server(plans["plain"]) as plain:
+            plain.wait_ready(timeout=1200)
+            say("plain vLLM ready; warming both up")
             run = {k: runner(p.url, "base", served=served, profile=profile, routes=None, out=args.out)
                    for k, p in plans.items()}
             scenarios = [Scenario(f"{args.adapters} adapters @ {rate:g} rps", rate, adapters=args.adapters,
