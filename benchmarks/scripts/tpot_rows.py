@@ -1,0 +1,176 @@
+"""Each request's TPOT over plain vLLM's beside the expert rows its decode steps read (issue 29).
+
+Why: esftctl's 20 adapters on an H100 (2026-12-05) gave TPOT 1.004, 1.017 and 1.031x plain vLLM's at 1, 2 and 5
+requests/s, request by request: the cost rises with load. A decode step reads every expert row some token routes
+to. A token of adapter a routed to an expert that a replaced reads a's row, and the base's row is still read if
+another token needs it. So adapters add rows only where several sequences decode together. If that is the cost,
+a request's TPOT ratio follows the rows of the steps it decoded in, and a request that decoded alone pays nothing.
+This sets each request's measured ratio beside the rows the sequences around it predict.
+
+The rows, for the generated model's router (about uniform: top-k of E), each adapter replacing k_a experts of a layer
+at random. A step of n_0 base sequences and n_a of each adapter a reads, in expectation,
+    E (1 - q^n_0 prod_a (r_a + (1 - r_a) q^n_a)) + E sum_a r_a (1 - q^n_a)
+rows a layer, with q = 1 - k/E and r_a = k_a/E. The base alone with n sequences reads E (1 - q^n). (benchmarks/scripts/
+rows_model.py draws the same by simulation.) The bundles of `bench serve --adapter-shape deepseek` have 83 to 153
+experts over the 26 layers (esftctl.bench.serve_models._esft_sized): k_a is adapter a's total / 26.
+
+For each request of an esftctl run, the rows excess over the base (rows / base rows - 1) is averaged over its decode,
+from its first token to its last in that run, with the sequences then decoding (their adapters from the run's
+draw). Its TPOT ratio is over the same request in plain vLLM's base run of its round on its machine
+(esftctl.bench.load.request_ratios). The share s of a step that moves with the rows is fitted through the origin:
+ratio - 1 = s x excess. Decode steps only: prefill steps and the prompts' own rows are left out.
+Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from ttft_runs import base_runs
+
+from esftctl.bench.load import request_ratios
+from esftctl.bench.serve_models import ESFT_SIZED_TOTALS
+from esftctl.bench.slices import load_slices
+
+E, TOP_K, LAYERS = 64, 6, 26  # DeepSeek-V2-Lite's routed experts, top-k and MoE layers
+BUCKETS = (0.0, 0.005, 0.015, 0.03, 0.05)  # predicted rows excess, lower bounds
+
+
+def adapter_experts(adapters: int, distinct: int = 10) -> list[float]:
+    """Experts a layer of each grid adapter replaces (bench serve's DeepSeek-sized bundles, name i on file
+    i mod distinct)."""
+    k = min(adapters, distinct)
+    low, high = ESFT_SIZED_TOTALS
+    totals = [low + (high - low) * i // max(k - 1, 1) for i in range(k)]
+    return [totals[i % k] / LAYERS for i in range(adapters)]
+
+
+def rows(counts: dict[int | None, int], replaced: list[float]) -> float:
+    """Expected distinct rows a layer for `counts` sequences a name (None: base requests), uniform routing."""
+    q = 1 - TOP_K / E
+    miss = q ** counts.get(None, 0)
+    own = 0.0
+    for a, n in counts.items():
+        if a is None:
+            continue
+        r = replaced[a] / E
+        miss *= r + (1 - r) * q ** n
+        own += r * (1 - q ** n)
+    return E * (1 - miss) + E * own
+
+
+def excess(counts: dict[int | None, int], replaced: list[float]) -> float:
+    n = sum(counts.values())
+    return rows(counts, replaced) / rows({None: n}, replaced) - 1 if n else 0.0
+
+
+def decode_excess(requests: dict, drawn: list[int], replaced: list[float]) -> list[tuple[float, float] | None]:
+    """Per request: (the rows excess averaged over its decode, the mean sequences decoding then), None where it did
+    not complete."""
+    spans = [(s + t / 1000, s + lat / 1000) if 0 < t < lat else None
+             for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])]
+    out = []
+    for span in spans:
+        if span is None:
+            out.append(None)
+            continue
+        lo, hi = span
+        cuts = sorted({lo, hi, *(x for sp in spans if sp for x in sp if lo < x < hi)})
+        area = seqs = 0.0
+        for a, b in zip(cuts, cuts[1:]):
+            mid = (a + b) / 2
+            counts: dict[int | None, int] = {}
+            for sp, name in zip(spans, drawn):
+                if sp and sp[0] <= mid < sp[1]:
+                    counts[name] = counts.get(name, 0) + 1
+            area += (b - a) * excess(counts, replaced)
+            seqs += (b - a) * sum(counts.values())
+        out.append((area / (hi - lo), seqs / (hi - lo)))
+    return out
+
+
+def paired(folder: Path) -> list[dict]:
+    """Every esftctl run under `folder` that pairs with a base run: its requests' TPOT ratios, rows excess and
+    sequences decoding beside them."""
+    bases, out = base_runs(folder), []
+    for s in load_slices(folder / "esftctl", "*.json"):
+        output_len = s.get("profile", {}).get("output_len", 0)
+        for run in s.get("runs", []):
+            scenario = run["scenario"]
+            anchor = bases.get((s.get("machine"), run["round"], scenario["rate"]))
+            requests = run.get("requests") or {}
+            if not anchor or not requests.get("start_s") or not scenario.get("adapters"):
+                continue
+            ratios = request_ratios(requests, anchor, output_len, aligned=True)["tpot"]
+            if not any(r is not None for r in ratios):
+                continue
+            predicted = decode_excess(requests, run["drawn"], adapter_experts(scenario["adapters"]))
+            kept = [(r, p) for r, p in zip(ratios, predicted) if r is not None and p is not None]
+            out.append({"scenario": scenario["name"], "round": run["round"], "rate": scenario["rate"],
+                        "ratios": [r for r, _ in kept], "excess": [p[0] for _, p in kept],
+                        "seqs": [p[1] for _, p in kept]})
+    return out
+
+
+def fit(runs: list[dict]) -> float:
+    """s in ratio - 1 = s x excess, least squares through the origin over every request."""
+    xs = [x for r in runs for x in r["excess"]]
+    ys = [y - 1 for r in runs for y in r["ratios"]]
+    return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+
+
+def buckets(runs: list[dict]) -> list[dict]:
+    pairs = [(x, y) for r in runs for x, y in zip(r["excess"], r["ratios"])]
+    out = []
+    for lo, hi in zip(BUCKETS, (*BUCKETS[1:], float("inf"))):
+        inside = [(x, y) for x, y in pairs if lo <= x < hi]
+        if inside:
+            out.append({"from": lo, "to": hi, "requests": len(inside),
+                        "excess": statistics.median(x for x, _ in inside),
+                        "ratio": statistics.median(y for _, y in inside)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="a grid's slices on one device: .../slices/<model>/<grid>/<device>")
+    parser.add_argument("--json", action="store_true", help="the runs, buckets and fit as JSON instead of tables")
+    args = parser.parse_args()
+    if not (args.folder / "base").is_dir() or not (args.folder / "esftctl").is_dir():
+        raise SystemExit(f"error: {args.folder}: needs base/ and esftctl/ folders of slices")
+    runs = paired(args.folder)
+    if not runs:
+        raise SystemExit(f"error: {args.folder}: no esftctl run pairs with a base run of its round on its machine")
+    s = fit(runs)
+    summary = [{"scenario": r["scenario"], "round": r["round"], "requests": len(r["ratios"]),
+                "seqs": statistics.mean(r["seqs"]), "excess": statistics.median(r["excess"]),
+                "ratio": statistics.median(r["ratios"]), "predicted": 1 + s * statistics.median(r["excess"])}
+               for r in runs]
+    if args.json:
+        print(json.dumps({"share": s, "runs": summary, "buckets": buckets(runs)}, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"each esftctl run: sequences decoding beside a request (mean), the rows excess its decode steps "
+                    f"read (median over requests), its TPOT over plain vLLM's same request (median), and 1 + s x "
+                    f"excess with s = {s:.2f} fitted over every request", title_justify="left")
+    for col in ("scenario", "round", "requests", "sequences", "rows excess", "TPOT x", "1 + s x excess"):
+        t.add_column(col, justify="left" if col == "scenario" else "right")
+    for r in summary:
+        t.add_row(r["scenario"], str(r["round"]), str(r["requests"]), f"{r['seqs']:.1f}", f"{r['excess']:+.2%}",
+                  f"{r['ratio']:.3f}", f"{r['predicted']:.3f}")
+    b = Table(title="every request by its predicted rows excess: the median TPOT ratio", title_justify="left")
+    for col in ("rows excess", "requests", "median excess", "TPOT x"):
+        b.add_column(col, justify="right")
+    for row in buckets(runs):
+        b.add_row(f"{row['from']:.1%}-{row['to']:.1%}", str(row["requests"]), f"{row['excess']:+.2%}",
+                  f"{row['ratio']:.3f}")
+    Console(width=160).print(t, b)
+
+
+if __name__ == "__main__":
+    main()

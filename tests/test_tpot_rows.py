@@ -1,0 +1,76 @@
+"""benchmarks/scripts/tpot_rows.py: the expert rows a decode step reads in closed form, averaged over each request's
+decode, set beside its TPOT over plain vLLM's same request."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+
+
+def _drawn_rows(counts: dict, replaced: list[int], E: int, top_k: int, trials: int = 4000) -> float:
+    """The rows a layer reads, drawn: each adapter's replaced experts at random, each sequence's top-k at random."""
+    rng, total = random.Random(0), 0
+    for _ in range(trials):
+        swapped = {a: set(rng.sample(range(E), k)) for a, k in enumerate(replaced)}
+        rows = set()
+        for name, n in counts.items():
+            for _ in range(n):
+                for e in rng.sample(range(E), top_k):
+                    rows.add((name, e) if name is not None and e in swapped[name] else (None, e))
+        total += len(rows)
+    return total / trials
+
+
+def test_the_closed_form_counts_the_rows_a_draw_counts():
+    script = load_script("tpot_rows")
+    replaced = [4, 9]
+    for counts in ({None: 3}, {0: 2, 1: 1}, {None: 2, 0: 3, 1: 2}):
+        want = _drawn_rows(counts, replaced, script.E, script.TOP_K)
+        assert script.rows(counts, replaced) == pytest.approx(want, rel=0.01), counts
+    assert script.excess({0: 5}, replaced) == pytest.approx(0.0)  # one adapter's requests only swap rows
+    assert script.excess({None: 1, 0: 1}, replaced) > 0 and script.excess({}, replaced) == 0.0
+
+
+def test_each_request_averages_the_rows_over_its_own_decode():
+    script = load_script("tpot_rows")
+    replaced = [5.0, 5.0]
+    # request 0 decodes 1.0-3.0 s, request 1 (another adapter) 2.0-4.0 s: they share half of each decode
+    requests = {"start_s": [0.0, 1.5], "ttft_ms": [1000.0, 500.0], "latency_ms": [3000.0, 2500.0]}
+    shared = script.excess({0: 1, 1: 1}, replaced)
+    (first, seqs0), (second, seqs1) = script.decode_excess(requests, [0, 1], replaced)
+    assert first == pytest.approx(shared / 2) and second == pytest.approx(shared / 2)
+    assert seqs0 == pytest.approx(1.5) and seqs1 == pytest.approx(1.5)
+    same = script.decode_excess(requests, [0, 0], replaced)  # one adapter: no extra rows
+    assert [e for e, _ in same] == pytest.approx([0.0, 0.0])
+    requests["ttft_ms"][1] = 0.0  # not completed: no span, and no sequence beside the other
+    assert script.decode_excess(requests, [0, 1], replaced) == [(0.0, 1.0), None]
+
+
+def _run(rate: float, ttft: list[float], latency: list[float], drawn: list[int], rnd: int = 0) -> dict:
+    return {"scenario": {"name": f"x @ {rate:g} rps", "rate": rate, "adapters": 2 if drawn else 0}, "round": rnd,
+            "drawn": drawn, "requests": {"start_s": [0.0, 0.05], "ttft_ms": ttft, "latency_ms": latency,
+                                         "alone": [True, True]}}
+
+
+def _slice(path: Path, machine: str, runs: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine, "profile": {"output_len": 11}, "runs": runs}))
+
+
+def test_runs_pair_with_the_base_of_their_round_on_their_machine_and_the_share_is_fitted(tmp_path):
+    script = load_script("tpot_rows")
+    _slice(tmp_path / "base" / "r0.json", "card", [_run(2.0, [10.0, 10.0], [110.0, 110.0], [])])
+    _slice(tmp_path / "base" / "on-other.r1.json", "other", [_run(2.0, [10.0, 10.0], [50.0, 50.0], [], rnd=1)])
+    _slice(tmp_path / "esftctl" / "n2.r0.json", "card", [_run(2.0, [10.0, 10.0], [120.0, 130.0], [0, 1])])
+    _slice(tmp_path / "esftctl" / "n2.r1.json", "card", [_run(2.0, [10.0, 10.0], [120.0, 130.0], [0, 1], rnd=1)])
+    (run,) = script.paired(tmp_path)  # round 1's base ran on another machine
+    assert run["ratios"] == pytest.approx([1.1, 1.2]) and run["round"] == 0
+    assert all(x > 0 for x in run["excess"])  # the two adapters' decodes overlap
+    runs = [{"excess": [0.01, 0.02, 0.04], "ratios": [1.005, 1.01, 1.02]}]
+    assert script.fit(runs) == pytest.approx(0.5)
+    (low, high) = script.buckets([{"excess": [0.001, 0.06], "ratios": [1.0, 1.03]}])
+    assert (low["requests"], low["ratio"], high["ratio"]) == (1, 1.0, 1.03)
