@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from itertools import islice
 from pathlib import Path
 from typing import Annotated
 
@@ -98,7 +99,7 @@ def relevance(
     if scored_tokens not in SCORED:
         raise EsftError(f"unknown --scored-tokens {scored_tokens!r} (choose all or completion)")
     check_output(out, overwrite=overwrite)  # before scoring, which takes a while
-    examples = list(read_jsonl(data))[:max_examples]
+    examples = list(islice(read_jsonl(data), max_examples))  # the lines past it are not read
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("scoring", total=len(examples))
         rel = compute_relevance(model, examples, scored=scored_tokens, batch_size=batch_size, data_name=str(data),

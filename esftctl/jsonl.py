@@ -18,24 +18,31 @@ def write_jsonl(path: Path, examples: list[Example]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in examples))
 
 
+MAX_LINE = 64 << 20  # bytes of one example: a longer line is refused, not read whole
+
+
 def read_jsonl(path: Path) -> Iterator[Example]:
-    """Yield the examples of `path`, refusing a line that is not an object with string prompt and completion."""
+    """Yield the examples of `path` a line at a time (a large file is never held whole, and `itertools.islice`
+    reads only the lines it takes), refusing a line that is not UTF-8, not an object with string prompt and
+    completion, or longer than MAX_LINE."""
     fd = open_regular(path)  # a FIFO would block, /dev/zero never end
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            lines = f.read().decode("utf-8").split("\n")  # JSON Lines: not splitlines(), which also splits at U+2028
-    except UnicodeDecodeError:
-        raise EsftError("not a UTF-8 text file", path) from None
-    finally:
-        os.close(fd)
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # JSONDecodeError, a number past Python's digit limit, deep nesting
-            raise EsftError(f"line {number} is not valid JSON", path) from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
-                or not isinstance(record.get("completion"), str):
-            raise EsftError(f"line {number} needs string fields 'prompt' and 'completion'", path)
-        yield record
+    with os.fdopen(fd, "rb") as f:
+        # JSON Lines: lines end at b"\n" only (not at U+2028, as str.splitlines would), and no UTF-8 character
+        # holds that byte, so each line decodes alone
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
+            if len(raw) > MAX_LINE:
+                raise EsftError(f"line {number} is longer than {MAX_LINE:,} bytes", path)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise EsftError(f"line {number} is not UTF-8 text", path) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):  # JSONDecodeError, a number past Python's digit limit, deep nesting
+                raise EsftError(f"line {number} is not valid JSON", path) from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
+                    or not isinstance(record.get("completion"), str):
+                raise EsftError(f"line {number} needs string fields 'prompt' and 'completion'", path)
+            yield record

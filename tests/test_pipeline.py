@@ -306,6 +306,26 @@ def test_task_data_is_json_lines(tmp_path):
         list(read_jsonl(tmp_path / "fifo.jsonl"))
 
 
+def test_task_data_is_read_a_line_at_a_time(tmp_path, monkeypatch):
+    """Lines are read as they are taken (the examples past `score --max-examples` are never read, so a bad line
+    there is not refused), each decoded alone; a line that is not UTF-8 or longer than the bound is refused by
+    number, the bound checked before the line is read whole."""
+    from itertools import islice
+
+    import esftctl.jsonl as jsonl
+
+    good = json.dumps({"prompt": "ü", "completion": "x"})
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(f"{good}\n{good}\n".encode() + b"\xff\xfe\n")
+    assert len(list(islice(jsonl.read_jsonl(data), 2))) == 2
+    with pytest.raises(EsftError, match=r"data.jsonl: line 3 is not UTF-8 text$"):
+        list(jsonl.read_jsonl(data))
+    monkeypatch.setattr(jsonl, "MAX_LINE", len(good) + 1)  # the line and its newline
+    data.write_text(f"{good}\n{good} \n")
+    with pytest.raises(EsftError, match=rf"data.jsonl: line 2 is longer than {len(good) + 1:,} bytes$"):
+        list(jsonl.read_jsonl(data))
+
+
 def test_pack_compares_stored_bits(tiny_models, tmp_path, monkeypatch):
     """A change is a change of stored bits: -0.0 for 0.0 is one (torch.equal misses it), the same NaN in both
     is none (torch.equal sees a change); a tensor compared in several chunks shows a change in its last one."""
