@@ -66,3 +66,23 @@ def test_where_ttft_went_splits_the_client_mean_by_vllms_histograms_and_takes_ea
     table = script.where_table({2.0: splits})
     assert [c.header for c in table.columns] == ["rate", "arm", "TTFT", "queue", "prefill", "API server", "outside"]
     assert table.row_count == 3
+
+
+def test_a_split_that_leaves_a_server_no_room_is_refused_before_any_start():
+    """DeepSeek-V2-Lite's 29.3 GiB base twice: with 5 adapters' 9.5 GiB at a 0.95 share of an 80 GB H100 both
+    servers keep 3.8 GiB past their weights; with 20 adapters' 37.9 GiB neither holds its base; the CPU build's
+    arguments carry no share and are not checked."""
+    from esftctl.bench.serve import split_memory
+
+    script = load_script("side_by_side")
+    gib, card, weights = 2**30, 81559 * 2**20, int(29.26 * 2**30)
+    engine = ("--max-model-len", "4096", "--gpu-memory-utilization", "0.95")
+    for adapters, fits in ((9.5, True), (37.9, False)):
+        aside = {"plain": 0, "esftctl": int(adapters * gib)}
+        args = dict(zip(aside, split_memory(engine, list(aside.values()), card=card)))
+        if fits:
+            script.check_room(args, aside, weights, card=card)
+        else:
+            with pytest.raises(SystemExit, match=r"side_by_side: plain would have -\d+\.\d GiB past the base's 29\.3"):
+                script.check_room(args, aside, weights, card=card)
+    script.check_room({"plain": ["--max-model-len", "256"]}, {"plain": 0}, weights, card=0)

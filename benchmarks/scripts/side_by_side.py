@@ -185,6 +185,24 @@ def say(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
+MIN_ROOM = 2 << 30  # bytes a server needs past its weights and adapters: activations, CUDA graphs, KV cache
+
+
+def check_room(engine_args: dict[str, list[str]], aside: dict[str, int], weights: int, *, card: int) -> None:
+    """Refuse, before any server starts, a split that leaves a server under MIN_ROOM past the base's weights and its
+    set-aside (20 adapters on an 80 GB card: both bases and their experts do not fit; the CUDA build only, whose
+    engine arguments carry a share)."""
+    for arm, args in engine_args.items():
+        if FLAG not in args:
+            continue
+        room = float(args[args.index(FLAG) + 1]) * card - weights - aside[arm]
+        if room < MIN_ROOM:
+            raise SystemExit(f"side_by_side: {arm} would have {room / 2**30:.1f} GiB past the base's "
+                             f"{weights / 2**30:.1f} GiB and {aside[arm] / 2**30:.1f} GiB of adapters on this "
+                             f"{card / 2**30:.1f} GiB card (needs {MIN_ROOM >> 30} GiB): fewer --adapters, a larger "
+                             f"--share or a larger card")
+
+
 def card_bytes() -> int:
     """The GPU's memory (0 on vLLM's CPU build, whose engine arguments carry no memory share)."""
     import torch
@@ -219,8 +237,11 @@ def main() -> None:
     serve_models.write_adapters(served, args.model, args.scratch, args.adapters, distinct=min(args.adapters, 10),
                                 shape=shape, on_step=say)
     aside = serve_models.adapter_bytes(served.base, served.bundles.values())  # what arm_plan sets aside for esftctl
-    engine_args = dict(zip(("plain", "esftctl"), split_memory(profile.engine_args, [0, aside], card=card_bytes())))
+    card = card_bytes()
+    engine_args = dict(zip(("plain", "esftctl"), split_memory(profile.engine_args, [0, aside], card=card)))
     say(f"engine arguments: {engine_args}")
+    weights = sum(f.stat().st_size for f in served.base.glob("*.safetensors"))
+    check_room(engine_args, {"plain": 0, "esftctl": aside}, weights, card=card)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
     plans = {arm: arm_plan(served, arm == "esftctl", engine_args[arm]) for arm in engine_args}
