@@ -12,7 +12,9 @@ at random. A step of n_0 base sequences and n_a of each adapter a reads, in expe
     E (1 - q^n_0 prod_a (r_a + (1 - r_a) q^n_a)) + E sum_a r_a (1 - q^n_a)
 rows a layer, with q = 1 - k/E and r_a = k_a/E. The base alone with n sequences reads E (1 - q^n). (benchmarks/scripts/
 rows_model.py draws the same by simulation.) The bundles of `bench serve --adapter-shape deepseek` have 83 to 153
-experts over the 26 layers (esftctl.bench.serve_models._esft_sized): k_a is adapter a's total / 26.
+experts over the 26 layers (esftctl.bench.serve_models._esft_sized): k_a is adapter a's total / 26. The grid's
+names i and i + 10 share one file, so their replaced experts coincide where this draws them apart: a step then
+skips the base's copy of those experts a little more often, and the rows here are a slight overestimate.
 
 For each request of an esftctl run, the rows excess over the base (rows / base rows - 1) is averaged over its decode,
 from its first token to its last in that run, with the sequences then decoding (their adapters from the run's
