@@ -54,13 +54,11 @@ from esftctl.bench import serve_models
 from esftctl.bench.conditions import Watch
 from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
-from esftctl.bench.serve import PROFILES, split_memory, with_flag
+from esftctl.bench.serve import MEMORY_FLAG, PROFILES, split_memory, utilization, with_flag
 from esftctl.bench.serve_report import interval, number, percent
 from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
 from esftctl.serve import Server
-
-FLAG = "--gpu-memory-utilization"
 
 
 def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int,
@@ -193,9 +191,9 @@ def check_room(engine_args: dict[str, list[str]], aside: dict[str, int], weights
     set-aside (20 adapters on an 80 GB card: both bases and their experts do not fit; the CUDA build only, whose
     engine arguments carry a share)."""
     for arm, args in engine_args.items():
-        if FLAG not in args:
+        if MEMORY_FLAG not in args:
             continue
-        room = float(args[args.index(FLAG) + 1]) * card - weights - aside[arm]
+        room = utilization(args) * card - weights - aside[arm]
         if room < MIN_ROOM:
             raise SystemExit(f"side_by_side: {arm} would have {room / 2**30:.1f} GiB past the base's "
                              f"{weights / 2**30:.1f} GiB and {aside[arm] / 2**30:.1f} GiB of adapters on this "
@@ -229,8 +227,9 @@ def main() -> None:
                              "DeepSeek-V2-Lite); an 80 GB card holds two bases and 5 adapters' experts at 0.95")
     args = parser.parse_args()
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
-    if args.share is not None and FLAG in profile.engine_args:
-        profile = dataclasses.replace(profile, engine_args=with_flag(profile.engine_args, FLAG, f"{args.share:g}"))
+    if args.share is not None and MEMORY_FLAG in profile.engine_args:
+        profile = dataclasses.replace(profile, engine_args=with_flag(profile.engine_args, MEMORY_FLAG,
+                                                                     f"{args.share:g}"))
     say("side by side: the base")
     served = serve_models.prepare_base(args.model, args.work, say)
     shape = "deepseek" if args.model != "tiny" else "table1"

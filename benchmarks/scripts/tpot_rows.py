@@ -12,7 +12,7 @@ at random. A step of n_0 base sequences and n_a of each adapter a reads, in expe
     E (1 - q^n_0 prod_a (r_a + (1 - r_a) q^n_a)) + E sum_a r_a (1 - q^n_a)
 rows a layer, with q = 1 - k/E and r_a = k_a/E. The base alone with n sequences reads E (1 - q^n). (benchmarks/scripts/
 rows_model.py draws the same by simulation.) The bundles of `bench serve --adapter-shape deepseek` have 83 to 153
-experts over the 26 layers (esftctl.bench.serve_models._esft_sized): k_a is adapter a's total / 26. The grid's
+experts over the 26 layers (esftctl.bench.serve_models.esft_sized_totals): k_a is adapter a's total / 26. The grid's
 names i and i + 10 share one file, so their replaced experts coincide where this draws them apart: a step then
 skips the base's copy of those experts a little more often, and the rows here are a slight overestimate.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from ttft_runs import base_runs
 
 from esftctl.bench.load import request_ratios
-from esftctl.bench.serve_models import ESFT_SIZED_TOTALS
+from esftctl.bench.serve_models import esft_sized_totals
 from esftctl.bench.slices import load_slices
 
 E, TOP_K, LAYERS = 64, 6, 26  # DeepSeek-V2-Lite's routed experts, top-k and MoE layers
@@ -44,10 +44,8 @@ BUCKETS = (0.0, 0.005, 0.015, 0.03, 0.05)  # predicted rows excess, lower bounds
 def adapter_experts(adapters: int, distinct: int = 10) -> list[float]:
     """Experts a layer of each grid adapter replaces (bench serve's DeepSeek-sized bundles, name i on file
     i mod distinct)."""
-    k = min(adapters, distinct)
-    low, high = ESFT_SIZED_TOTALS
-    totals = [low + (high - low) * i // max(k - 1, 1) for i in range(k)]
-    return [totals[i % k] / LAYERS for i in range(adapters)]
+    totals = esft_sized_totals(min(adapters, distinct))
+    return [totals[i % len(totals)] / LAYERS for i in range(adapters)]
 
 
 def rows(counts: dict[int | None, int], replaced: list[float]) -> float:

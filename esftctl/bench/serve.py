@@ -459,12 +459,16 @@ def merged_fit(base: Path, engine_args: tuple[str, ...], gpu: bool) -> int:
     from esftctl.formats.checkpoint import MoECheckpoint
 
     total = torch.cuda.mem_get_info()[1]
-    return max(1, int(_utilization(engine_args) * total // (MoECheckpoint(base).total_nbytes + MERGED_HEADROOM)))
+    return max(1, int(utilization(engine_args) * total // (MoECheckpoint(base).total_nbytes + MERGED_HEADROOM)))
 
 
-def _utilization(engine_args: tuple[str, ...]) -> float:
+MEMORY_FLAG = "--gpu-memory-utilization"
+
+
+def utilization(engine_args: tuple[str, ...] | list[str]) -> float:
+    """The share of the card the engine arguments give vLLM (its default, 0.9, without the flag)."""
     args = list(engine_args)
-    return float(args[args.index("--gpu-memory-utilization") + 1]) if "--gpu-memory-utilization" in args else 0.9
+    return float(args[args.index(MEMORY_FLAG) + 1]) if MEMORY_FLAG in args else 0.9
 
 
 def share_memory(engine_args: tuple[str, ...], copies: int) -> list[str]:
@@ -480,14 +484,13 @@ def split_memory(engine_args: tuple[str, ...], aside: list[int], *, card: int) -
     the share instead left esftctl beside plain vLLM no KV cache at all (H200, 2026-12-05: 64.6 GiB each, of
     which a DeepSeek-V2-Lite base took 29.4 and 20 adapters' experts 37.9). The CPU build sizes each server's KV
     cache itself."""
-    flag = "--gpu-memory-utilization"
-    if flag not in engine_args:
+    if MEMORY_FLAG not in engine_args:
         return [list(engine_args) for _ in aside]
-    each = (_utilization(engine_args) * card - sum(aside)) / len(aside)
+    each = (utilization(engine_args) * card - sum(aside)) / len(aside)
     if each <= 0:
         raise EsftError(f"{sum(aside) / 2**30:.1f} GiB set aside leave the {len(aside)} servers no memory of a "
                         f"{card / 2**30:.1f} GiB card's share")
-    return [list(with_flag(engine_args, flag, f"{(each + a) / card:.3f}")) for a in aside]
+    return [list(with_flag(engine_args, MEMORY_FLAG, f"{(each + a) / card:.3f}")) for a in aside]
 
 
 RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("throughput_ratio", "output_throughput"),

@@ -140,13 +140,17 @@ def _table1(base, folder: Path, k: int, on_step: Callable[[str], None]) -> list[
             for row, (_, most, mean) in enumerate(TABLE1_ADAPTERS[:k])]
 
 
-def _esft_sized(base, folder: Path, k: int, on_step: Callable[[str], None]) -> list[Path]:
-    """k adapters of DeepSeek's published sizes, 83 to 153 experts in even steps (at most 9 in a layer); each
-    file is named by its expert count, so every k shares the files of the counts it has in common."""
+def esft_sized_totals(k: int) -> list[int]:
+    """The expert counts of k adapters of DeepSeek's published sizes: 83 to 153 in even steps."""
     low, high = ESFT_SIZED_TOTALS
-    totals = [low + (high - low) * i // max(k - 1, 1) for i in range(k)]
+    return [low + (high - low) * i // max(k - 1, 1) for i in range(k)]
+
+
+def _esft_sized(base, folder: Path, k: int, on_step: Callable[[str], None]) -> list[Path]:
+    """k adapters of DeepSeek's published sizes (esft_sized_totals; at most 9 experts in a layer); each file is
+    named by its expert count, so every k shares the files of the counts it has in common."""
     return [_lite(base, folder / f"ds-{total}e", most=ESFT_SIZED_MOST, mean=total / len(base.moe_layers),
-                  seed=100 + total, on_step=on_step) for total in totals]
+                  seed=100 + total, on_step=on_step) for total in esft_sized_totals(k)]
 
 
 def write_loras(served: Served, scratch: Path, n: int, *, distinct: int,
