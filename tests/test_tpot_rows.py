@@ -74,3 +74,26 @@ def test_runs_pair_with_the_base_of_their_round_on_their_machine_and_the_share_i
     assert script.fit(runs) == pytest.approx(0.5)
     (low, high) = script.buckets([{"excess": [0.001, 0.06], "ratios": [1.0, 1.03]}])
     assert (low["requests"], low["ratio"], high["ratio"]) == (1, 1.0, 1.03)
+
+
+def _requests(latency: list[float]) -> dict:
+    # two requests, one after the other: each decodes alone
+    return {"start_s": [0.0, 1.0], "ttft_ms": [10.0, 10.0], "latency_ms": latency, "alone": [True, True]}
+
+
+def test_side_by_side_runs_pair_with_both_plain_runs_and_requests_that_decoded_alone_are_told_apart(tmp_path):
+    script = load_script("tpot_rows")
+    side = tmp_path / "side_by_side.json"
+    rounds = [{"plain": _requests([80.0, 80.0]), "esftctl": _requests([87.0, 94.0]),
+               "plain again": _requests([94.0, 108.0])}]
+    side.write_text(json.dumps({"args": {"model": "tiny", "adapters": "2", "alpha": "1.0"}, "rounds": {"2": rounds}}))
+    (run,) = script.load_runs(side)
+    # tiny's 8 tokens, 7 after the first: TPOT 11 and 12 ms against plain's 10, then plain again's 12 and 14
+    assert run["ratios"] == pytest.approx([1.1, 1.2, 11 / 12, 12 / 14]) and run["rate"] == 2.0
+    assert run["excess"] == pytest.approx([0.0] * 4) and run["seqs"] == pytest.approx([1.0] * 4)
+    assert script.alone([run]) == {"requests": 4, "ratio": pytest.approx((1.1 + 11 / 12) / 2)}
+    overlapping = {**run, "seqs": [1.5] * 4}
+    assert script.alone([overlapping]) is None
+    side.write_text("{}")
+    with pytest.raises(SystemExit, match="not side_by_side.py's JSON"):
+        script.load_runs(side)

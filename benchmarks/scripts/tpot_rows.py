@@ -21,7 +21,12 @@ from its first token to its last in that run, with the sequences then decoding (
 draw). Its TPOT ratio is over the same request in plain vLLM's base run of its round on its machine
 (esftctl.bench.load.request_ratios). The share s of a step that moves with the rows is fitted through the origin:
 ratio - 1 = s x excess. Decode steps only: prefill steps and the prompts' own rows are left out.
+Requests that decoded alone (no other sequence from their first token to their last) read the base's rows, so their
+ratio is what an adapter costs a step without rows: a fixed cost, or the server's start (Inductor's per-process picks).
+It reads a grid's slices, or side_by_side.py's JSON, where each esftctl run pairs with both plain vLLM runs of its
+round on the same card.
 Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--json]
+       python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--json]
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from pathlib import Path
 from ttft_runs import base_runs
 
 from esftctl.bench.load import request_ratios
+from esftctl.bench.serve import PROFILES
 from esftctl.bench.serve_models import esft_sized_totals
+from esftctl.bench.serve_runs import Scenario
 from esftctl.bench.slices import load_slices
 
 E, TOP_K, LAYERS = 64, 6, 26  # DeepSeek-V2-Lite's routed experts, top-k and MoE layers
@@ -92,9 +99,22 @@ def decode_excess(requests: dict, drawn: list[int], replaced: list[float]) -> li
     return out
 
 
+def record(scenario: dict, rnd: int, requests: dict, anchors: list[dict], drawn: list[int],
+           output_len: int) -> dict | None:
+    """One esftctl run against plain vLLM's runs of the same traffic (`anchors`): each request's TPOT ratio over
+    each anchor, beside its rows excess and the sequences decoding with it; None where no request pairs."""
+    predicted = decode_excess(requests, drawn, adapter_experts(scenario["adapters"]))
+    kept = [(r, p) for anchor in anchors
+            for r, p in zip(request_ratios(requests, anchor, output_len, aligned=True)["tpot"], predicted)
+            if r is not None and p is not None]
+    if not kept:
+        return None
+    return {"scenario": scenario["name"], "round": rnd, "rate": scenario["rate"], "ratios": [r for r, _ in kept],
+            "excess": [p[0] for _, p in kept], "seqs": [p[1] for _, p in kept]}
+
+
 def paired(folder: Path) -> list[dict]:
-    """Every esftctl run under `folder` that pairs with a base run: its requests' TPOT ratios, rows excess and
-    sequences decoding beside them."""
+    """Every esftctl run under `folder` that pairs with a base run of its round on its machine (record)."""
     bases, out = base_runs(folder), []
     for s in load_slices(folder / "esftctl", "*.json"):
         output_len = s.get("profile", {}).get("output_len", 0)
@@ -102,17 +122,26 @@ def paired(folder: Path) -> list[dict]:
             scenario = run["scenario"]
             anchor = bases.get((s.get("machine"), run["round"], scenario["rate"]))
             requests = run.get("requests") or {}
-            if not anchor or not requests.get("start_s") or not scenario.get("adapters"):
-                continue
-            ratios = request_ratios(requests, anchor, output_len, aligned=True)["tpot"]
-            if not any(r is not None for r in ratios):
-                continue
-            predicted = decode_excess(requests, run["drawn"], adapter_experts(scenario["adapters"]))
-            kept = [(r, p) for r, p in zip(ratios, predicted) if r is not None and p is not None]
-            out.append({"scenario": scenario["name"], "round": run["round"], "rate": scenario["rate"],
-                        "ratios": [r for r, _ in kept], "excess": [p[0] for _, p in kept],
-                        "seqs": [p[1] for _, p in kept]})
-    return out
+            if anchor and requests.get("start_s") and scenario.get("adapters"):
+                out.append(record(scenario, run["round"], requests, [anchor], run["drawn"], output_len))
+    return [r for r in out if r]
+
+
+def paired_side(path: Path) -> list[dict]:
+    """side_by_side.py's esftctl runs, each against both plain vLLM runs of its round (pooled, as side_by_side
+    pools them); each run's adapters drawn again as side_by_side drew them (Scenario.draw)."""
+    data = json.loads(path.read_text())
+    args = data["args"]
+    adapters, alpha = int(args["adapters"]), float(args["alpha"])
+    output_len, out = PROFILES[args["model"]].output_len, []
+    for rate, rounds in data.get("rounds", {}).items():
+        scenario = Scenario(f"{adapters} adapters @ {rate} rps", float(rate), adapters=adapters, alpha=alpha)
+        for rnd, runs in enumerate(rounds):
+            requests = runs["esftctl"]
+            drawn = scenario.draw(rnd, len(requests["start_s"]))
+            out.append(record({"name": scenario.name, "rate": scenario.rate, "adapters": adapters}, rnd, requests,
+                              [runs["plain"], runs["plain again"]], drawn, output_len))
+    return [r for r in out if r]
 
 
 def fit(runs: list[dict]) -> float:
@@ -134,23 +163,43 @@ def buckets(runs: list[dict]) -> list[dict]:
     return out
 
 
+def alone(runs: list[dict]) -> dict | None:
+    """The requests that decoded alone (one sequence throughout their decode): how many, their median TPOT ratio."""
+    ratios = [y for r in runs for y, n in zip(r["ratios"], r["seqs"]) if abs(n - 1) < 1e-9]
+    return {"requests": len(ratios), "ratio": statistics.median(ratios)} if ratios else None
+
+
+def load_runs(source: Path) -> list[dict]:
+    """The paired runs of a grid folder (paired) or of side_by_side.py's JSON (paired_side); SystemExit with one
+    line naming `source` where it is neither."""
+    if source.is_file():
+        try:
+            return paired_side(source)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: {source}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
+    if not (source / "base").is_dir() or not (source / "esftctl").is_dir():
+        raise SystemExit(f"error: {source}: needs base/ and esftctl/ folders of slices, or side_by_side.py's JSON")
+    return paired(source)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path, help="a grid's slices on one device: .../slices/<model>/<grid>/<device>")
+    parser.add_argument("source", type=Path,
+                        help="a grid's slices on one device (.../slices/<model>/<grid>/<device>), or side_by_side.py's "
+                             "JSON")
     parser.add_argument("--json", action="store_true", help="the runs, buckets and fit as JSON instead of tables")
     args = parser.parse_args()
-    if not (args.folder / "base").is_dir() or not (args.folder / "esftctl").is_dir():
-        raise SystemExit(f"error: {args.folder}: needs base/ and esftctl/ folders of slices")
-    runs = paired(args.folder)
+    runs = load_runs(args.source)
     if not runs:
-        raise SystemExit(f"error: {args.folder}: no esftctl run pairs with a base run of its round on its machine")
+        raise SystemExit(f"error: {args.source}: no esftctl run pairs with a plain vLLM run of its round on its "
+                         "machine")
     s = fit(runs)
     summary = [{"scenario": r["scenario"], "round": r["round"], "requests": len(r["ratios"]),
                 "seqs": statistics.mean(r["seqs"]), "excess": statistics.median(r["excess"]),
                 "ratio": statistics.median(r["ratios"]), "predicted": 1 + s * statistics.median(r["excess"])}
                for r in runs]
     if args.json:
-        print(json.dumps({"share": s, "runs": summary, "buckets": buckets(runs)}, indent=1))
+        print(json.dumps({"share": s, "runs": summary, "buckets": buckets(runs), "alone": alone(runs)}, indent=1))
         return
     from rich.console import Console
     from rich.table import Table
@@ -169,6 +218,8 @@ def main() -> None:
     for row in buckets(runs):
         b.add_row(f"{row['from']:.1%}-{row['to']:.1%}", str(row["requests"]), f"{row['excess']:+.2%}",
                   f"{row['ratio']:.3f}")
+    if lone := alone(runs):
+        b.add_row("decoded alone", str(lone["requests"]), f"{0:+.2%}", f"{lone['ratio']:.3f}")
     Console(width=160).print(t, b)
 
 
