@@ -50,6 +50,18 @@ def test_each_request_averages_the_rows_over_its_own_decode():
     assert script.decode_excess(requests, [0, 1], replaced) == [(0.0, 1.0), None]
 
 
+def test_a_prompt_is_set_beside_the_sequences_decoding_halfway_through_its_wait():
+    script = load_script("tpot_rows")
+    replaced = [5.0, 5.0]
+    # request 0 waits 0-1.0 s and decodes 1.0-3.0 s; request 1 (the other adapter) waits 1.5-2.0 s, beside it
+    requests = {"start_s": [0.0, 1.5], "ttft_ms": [1000.0, 500.0], "latency_ms": [3000.0, 2500.0]}
+    (first, seqs0), (second, seqs1) = script.prefill_excess(requests, [0, 1], replaced, prompt_len=256)
+    assert (first, seqs0) == (0.0, 1)  # alone: its prompt reads its copies instead of the base's rows
+    assert seqs1 == 2 and second == pytest.approx(script.excess({1: 256, 0: 1}, replaced))
+    assert second > script.excess({1: 1, 0: 1}, replaced) > 0  # a prompt reads every expert: the base rows stay
+    assert script.prefill_excess(requests, [0, 0], replaced, prompt_len=256)[1] == (pytest.approx(0.0), 2)
+
+
 def _run(rate: float, ttft: list[float], latency: list[float], drawn: list[int], rnd: int = 0) -> dict:
     return {"scenario": {"name": f"x @ {rate:g} rps", "rate": rate, "adapters": 2 if drawn else 0}, "round": rnd,
             "drawn": drawn, "requests": {"start_s": [0.0, 0.05], "ttft_ms": ttft, "latency_ms": latency,
@@ -92,6 +104,8 @@ def test_side_by_side_runs_pair_with_both_plain_runs_and_requests_that_decoded_a
     assert run["ratios"] == pytest.approx([1.1, 1.2, 11 / 12, 12 / 14]) and run["rate"] == 2.0
     assert run["excess"] == pytest.approx([0.0] * 4) and run["seqs"] == pytest.approx([1.0] * 4)
     assert script.alone([run]) == {"requests": 4, "ratio": pytest.approx((1.1 + 11 / 12) / 2)}
+    (ttft,) = script.load_runs(side, "ttft")  # TTFT 10 ms everywhere
+    assert ttft["ratios"] == pytest.approx([1.0] * 4) and ttft["seqs"] == [1] * 4
     overlapping = {**run, "seqs": [1.5] * 4}
     assert script.alone([overlapping]) is None
     side.write_text("{}")

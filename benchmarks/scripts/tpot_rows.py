@@ -23,10 +23,14 @@ draw). Its TPOT ratio is over the same request in plain vLLM's base run of its r
 ratio - 1 = s x excess. Decode steps only: prefill steps and the prompts' own rows are left out.
 Requests that decoded alone (no other sequence from their first token to their last) read the base's rows, so their
 ratio is what an adapter costs a step without rows: a fixed cost, or the server's start (Inductor's per-process picks).
+`--ttft` sets each request's TTFT ratio beside the rows of the step that prefilled it instead: its prompt (every
+expert, its adapter's copies where it replaced one) with the sequences decoding halfway through its wait. A prompt
+prefilled alone reads the base's rows; beside adapters' decodes it reads their copies and the base rows they replace
+(side by side on an H100, 2026-12-05, the 5-requests/s TTFT excess sat in prompts beside four or more decodes).
 It reads a grid's slices, or side_by_side.py's JSON, where each esftctl run pairs with both plain vLLM runs of its
 round on the same card.
-Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--json]
-       python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--json]
+Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--ttft] [--json]
+       python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--ttft] [--json]
 """
 
 from __future__ import annotations
@@ -99,13 +103,38 @@ def decode_excess(requests: dict, drawn: list[int], replaced: list[float]) -> li
     return out
 
 
-def record(scenario: dict, rnd: int, requests: dict, anchors: list[dict], drawn: list[int],
-           output_len: int) -> dict | None:
-    """One esftctl run against plain vLLM's runs of the same traffic (`anchors`): each request's TPOT ratio over
-    each anchor, beside its rows excess and the sequences decoding with it; None where no request pairs."""
-    predicted = decode_excess(requests, drawn, adapter_experts(scenario["adapters"]))
+def prefill_excess(requests: dict, drawn: list[int], replaced: list[float],
+                   prompt_len: int) -> list[tuple[float, float] | None]:
+    """Per request: (the rows excess of the step that prefilled it, the sequences in that step counting its prompt),
+    None where it did not complete. The step is taken halfway through its wait for the first token."""
+    spans = [(s + t / 1000, s + lat / 1000) if 0 < t < lat else None
+             for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])]
+    out = []
+    for start, span, name in zip(requests["start_s"], spans, drawn):
+        if span is None:
+            out.append(None)
+            continue
+        mid = (start + span[0]) / 2
+        counts: dict[int | None, int] = {name: prompt_len}
+        decoding = 0
+        for sp, other in zip(spans, drawn):
+            if sp and sp[0] <= mid < sp[1]:
+                counts[other] = counts.get(other, 0) + 1
+                decoding += 1
+        out.append((excess(counts, replaced), 1 + decoding))
+    return out
+
+
+def record(scenario: dict, rnd: int, requests: dict, anchors: list[dict], drawn: list[int], *, output_len: int,
+           prompt_len: int, kind: str) -> dict | None:
+    """One esftctl run against plain vLLM's runs of the same traffic (`anchors`): each request's ratio of `kind`
+    (TPOT or TTFT) over each anchor, beside the rows excess of its decode (decode_excess) or its prefill
+    (prefill_excess) and the sequences in those steps; None where no request pairs."""
+    replaced = adapter_experts(scenario["adapters"])
+    predicted = (decode_excess(requests, drawn, replaced) if kind == "tpot"
+                 else prefill_excess(requests, drawn, replaced, prompt_len))
     kept = [(r, p) for anchor in anchors
-            for r, p in zip(request_ratios(requests, anchor, output_len, aligned=True)["tpot"], predicted)
+            for r, p in zip(request_ratios(requests, anchor, output_len, aligned=True)[kind], predicted)
             if r is not None and p is not None]
     if not kept:
         return None
@@ -113,34 +142,36 @@ def record(scenario: dict, rnd: int, requests: dict, anchors: list[dict], drawn:
             "excess": [p[0] for _, p in kept], "seqs": [p[1] for _, p in kept]}
 
 
-def paired(folder: Path) -> list[dict]:
+def paired(folder: Path, kind: str = "tpot") -> list[dict]:
     """Every esftctl run under `folder` that pairs with a base run of its round on its machine (record)."""
     bases, out = base_runs(folder), []
     for s in load_slices(folder / "esftctl", "*.json"):
-        output_len = s.get("profile", {}).get("output_len", 0)
+        profile = s.get("profile", {})
         for run in s.get("runs", []):
             scenario = run["scenario"]
             anchor = bases.get((s.get("machine"), run["round"], scenario["rate"]))
             requests = run.get("requests") or {}
             if anchor and requests.get("start_s") and scenario.get("adapters"):
-                out.append(record(scenario, run["round"], requests, [anchor], run["drawn"], output_len))
+                out.append(record(scenario, run["round"], requests, [anchor], run["drawn"], kind=kind,
+                                  output_len=profile.get("output_len", 0), prompt_len=profile.get("input_len", 0)))
     return [r for r in out if r]
 
 
-def paired_side(path: Path) -> list[dict]:
+def paired_side(path: Path, kind: str = "tpot") -> list[dict]:
     """side_by_side.py's esftctl runs, each against both plain vLLM runs of its round (pooled, as side_by_side
     pools them); each run's adapters drawn again as side_by_side drew them (Scenario.draw)."""
     data = json.loads(path.read_text())
     args = data["args"]
-    adapters, alpha = int(args["adapters"]), float(args["alpha"])
-    output_len, out = PROFILES[args["model"]].output_len, []
+    adapters, alpha, profile = int(args["adapters"]), float(args["alpha"]), PROFILES[args["model"]]
+    out = []
     for rate, rounds in data.get("rounds", {}).items():
         scenario = Scenario(f"{adapters} adapters @ {rate} rps", float(rate), adapters=adapters, alpha=alpha)
         for rnd, runs in enumerate(rounds):
             requests = runs["esftctl"]
             drawn = scenario.draw(rnd, len(requests["start_s"]))
             out.append(record({"name": scenario.name, "rate": scenario.rate, "adapters": adapters}, rnd, requests,
-                              [runs["plain"], runs["plain again"]], drawn, output_len))
+                              [runs["plain"], runs["plain again"]], drawn, kind=kind,
+                              output_len=profile.output_len, prompt_len=profile.input_len))
     return [r for r in out if r]
 
 
@@ -164,22 +195,23 @@ def buckets(runs: list[dict]) -> list[dict]:
 
 
 def alone(runs: list[dict]) -> dict | None:
-    """The requests that decoded alone (one sequence throughout their decode): how many, their median TPOT ratio."""
+    """The requests that decoded (or were prefilled) alone, one sequence in their steps: how many, their median
+    ratio."""
     ratios = [y for r in runs for y, n in zip(r["ratios"], r["seqs"]) if abs(n - 1) < 1e-9]
     return {"requests": len(ratios), "ratio": statistics.median(ratios)} if ratios else None
 
 
-def load_runs(source: Path) -> list[dict]:
+def load_runs(source: Path, kind: str = "tpot") -> list[dict]:
     """The paired runs of a grid folder (paired) or of side_by_side.py's JSON (paired_side); SystemExit with one
     line naming `source` where it is neither."""
     if source.is_file():
         try:
-            return paired_side(source)
+            return paired_side(source, kind)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"error: {source}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
     if not (source / "base").is_dir() or not (source / "esftctl").is_dir():
         raise SystemExit(f"error: {source}: needs base/ and esftctl/ folders of slices, or side_by_side.py's JSON")
-    return paired(source)
+    return paired(source, kind)
 
 
 def main() -> None:
@@ -187,9 +219,12 @@ def main() -> None:
     parser.add_argument("source", type=Path,
                         help="a grid's slices on one device (.../slices/<model>/<grid>/<device>), or side_by_side.py's "
                              "JSON")
+    parser.add_argument("--ttft", action="store_true",
+                        help="TTFT beside the rows of each request's prefill step, instead of TPOT beside its decode's")
     parser.add_argument("--json", action="store_true", help="the runs, buckets and fit as JSON instead of tables")
     args = parser.parse_args()
-    runs = load_runs(args.source)
+    kind = "ttft" if args.ttft else "tpot"
+    runs = load_runs(args.source, kind)
     if not runs:
         raise SystemExit(f"error: {args.source}: no esftctl run pairs with a plain vLLM run of its round on its "
                          "machine")
@@ -204,22 +239,24 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"each esftctl run: sequences decoding beside a request (mean), the rows excess its decode steps "
-                    f"read (median over requests), its TPOT over plain vLLM's same request (median), and 1 + s x "
-                    f"excess with s = {s:.2f} fitted over every request", title_justify="left")
-    for col in ("scenario", "round", "requests", "sequences", "rows excess", "TPOT x", "1 + s x excess"):
+    name, steps = ("TPOT", "decode steps") if kind == "tpot" else ("TTFT", "prefill step")
+    t = Table(title=f"each esftctl run: sequences in a request's {steps} (mean), the rows excess they read (median "
+                    f"over requests), its {name} over plain vLLM's same request (median), and 1 + s x excess with "
+                    f"s = {s:.2f} fitted over every request", title_justify="left")
+    for col in ("scenario", "round", "requests", "sequences", "rows excess", f"{name} x", "1 + s x excess"):
         t.add_column(col, justify="left" if col == "scenario" else "right")
     for r in summary:
         t.add_row(r["scenario"], str(r["round"]), str(r["requests"]), f"{r['seqs']:.1f}", f"{r['excess']:+.2%}",
                   f"{r['ratio']:.3f}", f"{r['predicted']:.3f}")
-    b = Table(title="every request by its predicted rows excess: the median TPOT ratio", title_justify="left")
-    for col in ("rows excess", "requests", "median excess", "TPOT x"):
+    b = Table(title=f"every request by its predicted rows excess: the median {name} ratio", title_justify="left")
+    for col in ("rows excess", "requests", "median excess", f"{name} x"):
         b.add_column(col, justify="right")
     for row in buckets(runs):
         b.add_row(f"{row['from']:.1%}-{row['to']:.1%}", str(row["requests"]), f"{row['excess']:+.2%}",
                   f"{row['ratio']:.3f}")
     if lone := alone(runs):
-        b.add_row("decoded alone", str(lone["requests"]), f"{0:+.2%}", f"{lone['ratio']:.3f}")
+        b.add_row("decoded alone" if kind == "tpot" else "prefilled alone", str(lone["requests"]), f"{0:+.2%}",
+                  f"{lone['ratio']:.3f}")
     Console(width=160).print(t, b)
 
 
