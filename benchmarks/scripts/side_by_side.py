@@ -36,6 +36,9 @@ It needs about 97 GiB with 20 adapters, so an H200. An 80 GB H100 holds two base
 `--adapters 5 --share 0.95`: by arithmetic, 3.6 GiB left to each server past its weights (75.6 GiB, less 9.5 for the
 experts, halved, less the base's 29.4). A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4
 --duration 2 --rounds 1`.
+`--group-adapters G` serves esftctl with `esftctl serve --group-adapters G --group-wait W` (at most G adapters a
+step, esftctl.runtime.adapter_groups): issue 29's lever for the rows adapters add, set against plain vLLM the same
+way, and what the scheduler did (steps, requests held) kept in the JSON's "groups".
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from esftctl.bench.serve import MEMORY_FLAG, PROFILES, split_memory, utilization
 from esftctl.bench.serve_report import interval, number, percent
 from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
+from esftctl.jsonfile import read_json
+from esftctl.runtime.adapter_groups import stats_file
 from esftctl.serve import Server
 
 
@@ -134,10 +139,10 @@ def where(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     return arm_medians(rounds, "server", SERVER)
 
 
-def table(summary: dict[float, dict[str, dict]], rounds: int):
+def table(summary: dict[float, dict[str, dict]], rounds: int, served_as: str = ""):
     from rich.table import Table
 
-    t = Table(title=f"side by side on one card, {rounds} round(s) a rate: request by request, median [95%]",
+    t = Table(title=f"side by side on one card{served_as}, {rounds} round(s) a rate: request by request, median [95%]",
               title_justify="left")
     for col in ("rate", "ratio", "pairs", "TTFT x", "TTFT x, both alone", "TPOT x"):
         t.add_column(col, justify="left" if col == "ratio" else "right")
@@ -225,6 +230,10 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=None,
                         help="the card's memory share both servers split (default: the profile's, 0.92 for "
                              "DeepSeek-V2-Lite); an 80 GB card holds two bases and 5 adapters' experts at 0.95")
+    parser.add_argument("--group-adapters", type=int, default=0,
+                        help="serve esftctl with at most this many adapters a step (0: not grouped)")
+    parser.add_argument("--group-wait", type=int, default=8,
+                        help="with --group-adapters: steps a request may be held back in a row")
     args = parser.parse_args()
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
     if args.share is not None and MEMORY_FLAG in profile.engine_args:
@@ -243,7 +252,10 @@ def main() -> None:
     check_room(engine_args, {"plain": 0, "esftctl": aside}, weights, card=card)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
-    plans = {arm: arm_plan(served, arm == "esftctl", engine_args[arm]) for arm in engine_args}
+    grouping = ({"group_adapters": args.group_adapters, "group_wait": args.group_wait,
+                 "state_dir": args.work / "state-grouped"} if args.group_adapters else {})
+    plans = {"plain": arm_plan(served, False, engine_args["plain"]),
+             "esftctl": arm_plan(served, True, engine_args["esftctl"], **grouping)}
     # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
     # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05)
     say("starting esftctl")
@@ -279,11 +291,16 @@ def main() -> None:
     result["summary"] = {f"{r:g}": s for r, s in summary.items()}
     result["machine"] = {f"{r:g}": m for r, m in machines.items()}
     result["where"] = {f"{r:g}": m for r, m in splits.items()}
+    if grouping and (stats := stats_file(grouping["state_dir"] / "status.json")).is_file():
+        result["groups"] = read_json(stats)
     (args.out / "side_by_side.json").write_text(json.dumps(result))
     from rich.console import Console
 
-    Console(width=160).print(table(summary, max(len(v) for v in done.values())), machine_table(machines),
+    served_as = f" (esftctl --group-adapters {args.group_adapters} --group-wait {args.group_wait})" if grouping else ""
+    Console(width=160).print(table(summary, max(len(v) for v in done.values()), served_as), machine_table(machines),
                              where_table(splits))
+    if "groups" in result:
+        say(f"the grouping scheduler over the runs: {json.dumps(result['groups'])}")
 
 
 if __name__ == "__main__":

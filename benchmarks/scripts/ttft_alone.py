@@ -170,11 +170,13 @@ def prepare(args) -> tuple:
     return served, json.loads((served.base / "config.json").read_text())["vocab_size"]
 
 
-def arm_plan(served, esft: bool, engine_args: list[str], *, state_dir: Path | None = None):
-    """One arm's server: plain vLLM, or esftctl with the adapters and exactly their memory set aside."""
+def arm_plan(served, esft: bool, engine_args: list[str], *, state_dir: Path | None = None, **serve_settings):
+    """One arm's server: plain vLLM, or esftctl with the adapters and exactly their memory set aside (and
+    `serve_settings`, ServeSettings' fields such as group_adapters)."""
     return plan(served.base, [f"{n}={p}" for n, p in served.bundles.items()] if esft else [], name="base",
                 esft=esft, port=free_port(), state_dir=state_dir, vllm_args=engine_args,
-                adapter_memory=serve_models.adapter_bytes(served.base, served.bundles.values()) if esft else None)
+                adapter_memory=serve_models.adapter_bytes(served.base, served.bundles.values()) if esft else None,
+                **serve_settings)
 
 
 def main() -> None:
