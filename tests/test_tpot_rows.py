@@ -11,33 +11,38 @@ import pytest
 from conftest import load_script
 
 
-def _drawn_rows(counts: dict, replaced: list[int], E: int, top_k: int, trials: int = 4000) -> float:
-    """The rows a layer reads, drawn: each adapter's replaced experts at random, each sequence's top-k at random."""
+def _drawn_rows(counts: dict, replaced: list, E: int, top_k: int, trials: int = 4000) -> float:
+    """The rows a layer reads, drawn: each file's replaced experts at random (its names share them), each name's
+    copies its own, each sequence's top-k at random."""
     rng, total = random.Random(0), 0
     for _ in range(trials):
-        swapped = {a: set(rng.sample(range(E), k)) for a, k in enumerate(replaced)}
+        files = {swap.file: set(rng.sample(range(E), int(swap.experts))) for swap in replaced}
         rows = set()
         for name, n in counts.items():
             for _ in range(n):
                 for e in rng.sample(range(E), top_k):
-                    rows.add((name, e) if name is not None and e in swapped[name] else (None, e))
+                    mine = name is not None and e in files[replaced[name].file]
+                    rows.add((name, e) if mine else (None, e))
         total += len(rows)
     return total / trials
 
 
 def test_the_closed_form_counts_the_rows_a_draw_counts():
     script = load_script("tpot_rows")
-    replaced = [4, 9]
-    for counts in ({None: 3}, {0: 2, 1: 1}, {None: 2, 0: 3, 1: 2}):
+    replaced = [script.Swap(0, 4), script.Swap(1, 9), script.Swap(1, 9)]  # names 1 and 2 on one file
+    for counts in ({None: 3}, {0: 2, 1: 1}, {None: 2, 0: 3, 1: 2}, {1: 3, 2: 3}, {None: 1, 1: 2, 2: 2}):
         want = _drawn_rows(counts, replaced, script.E, script.TOP_K)
         assert script.rows(counts, replaced) == pytest.approx(want, rel=0.01), counts
     assert script.excess({0: 5}, replaced) == pytest.approx(0.0)  # one adapter's requests only swap rows
     assert script.excess({None: 1, 0: 1}, replaced) > 0 and script.excess({}, replaced) == 0.0
+    # two names on one file skip the base's copies of the same experts: fewer rows than two files would read
+    apart = [script.Swap(0, 9), script.Swap(1, 9)]
+    assert script.rows({1: 3, 2: 3}, replaced) < script.rows({0: 3, 1: 3}, apart)
 
 
 def test_each_request_averages_the_rows_over_its_own_decode():
     script = load_script("tpot_rows")
-    replaced = [5.0, 5.0]
+    replaced = [script.Swap(0, 5.0), script.Swap(1, 5.0)]
     # request 0 decodes 1.0-3.0 s, request 1 (another adapter) 2.0-4.0 s: they share half of each decode
     requests = {"start_s": [0.0, 1.5], "ttft_ms": [1000.0, 500.0], "latency_ms": [3000.0, 2500.0]}
     shared = script.excess({0: 1, 1: 1}, replaced)
@@ -52,7 +57,7 @@ def test_each_request_averages_the_rows_over_its_own_decode():
 
 def test_a_prompt_is_set_beside_the_sequences_decoding_halfway_through_its_wait():
     script = load_script("tpot_rows")
-    replaced = [5.0, 5.0]
+    replaced = [script.Swap(0, 5.0), script.Swap(1, 5.0)]
     # request 0 waits 0-1.0 s and decodes 1.0-3.0 s; request 1 (the other adapter) waits 1.5-2.0 s, beside it
     requests = {"start_s": [0.0, 1.5], "ttft_ms": [1000.0, 500.0], "latency_ms": [3000.0, 2500.0]}
     (first, seqs0), (second, seqs1) = script.prefill_excess(requests, [0, 1], replaced, prompt_len=256)

@@ -7,14 +7,15 @@ another token needs it. So adapters add rows only where several sequences decode
 a request's TPOT ratio follows the rows of the steps it decoded in, and a request that decoded alone pays nothing.
 This sets each request's measured ratio beside the rows the sequences around it predict.
 
-The rows, for the generated model's router (about uniform: top-k of E), each adapter replacing k_a experts of a layer
-at random. A step of n_0 base sequences and n_a of each adapter a reads, in expectation,
-    E (1 - q^n_0 prod_a (r_a + (1 - r_a) q^n_a)) + E sum_a r_a (1 - q^n_a)
-rows a layer, with q = 1 - k/E and r_a = k_a/E. The base alone with n sequences reads E (1 - q^n). (benchmarks/scripts/
-rows_model.py draws the same by simulation.) The bundles of `bench serve --adapter-shape deepseek` have 83 to 153
-experts over the 26 layers (esftctl.bench.serve_models.esft_sized_totals): k_a is adapter a's total / 26. The grid's
-names i and i + 10 share one file, so their replaced experts coincide where this draws them apart: a step then
-skips the base's copy of those experts a little more often, and the rows here are a slight overestimate.
+The rows, for the generated model's router (about uniform: top-k of E), each bundle file f replacing k_f experts of a
+layer at random. A step of n_0 base sequences and n_a of each adapter name a reads, in expectation,
+    E (1 - q^n_0 prod_f (r_f + (1 - r_f) q^n_f)) + E sum_a r_a (1 - q^n_a)
+rows a layer, with q = 1 - k/E, r_f = k_f/E, n_f the sequences of the names on file f, and r_a its file's: names on
+one file replace the same experts, so the base's row of one of them is skipped unless some other name's token needs
+it, while each name reads its own copies (the server loads each name into its own slot). The base alone with n
+sequences reads E (1 - q^n). (benchmarks/scripts/rows_model.py draws the same by simulation.) The bundles of `bench
+serve --adapter-shape deepseek` have 83 to 153 experts over the 26 layers (esftctl.bench.serve_models.
+esft_sized_totals): k_f is file f's total / 26. The grid's names i and i + 10 share file i mod 10.
 
 For each request of an esftctl run, the rows excess over the base (rows / base rows - 1) is averaged over its decode,
 from its first token to its last in that run, with the sequences then decoding (their adapters from the run's
@@ -39,6 +40,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 from ttft_runs import base_runs
 
@@ -52,33 +54,43 @@ E, TOP_K, LAYERS = 64, 6, 26  # DeepSeek-V2-Lite's routed experts, top-k and MoE
 BUCKETS = (0.0, 0.005, 0.015, 0.03, 0.05)  # predicted rows excess, lower bounds
 
 
-def adapter_experts(adapters: int, distinct: int = 10) -> list[float]:
-    """Experts a layer of each grid adapter replaces (bench serve's DeepSeek-sized bundles, name i on file
+class Swap(NamedTuple):
+    """What one adapter name replaces: its bundle file, and the experts a layer that file replaces."""
+
+    file: int
+    experts: float
+
+
+def adapter_experts(adapters: int, distinct: int = 10) -> list[Swap]:
+    """Each grid name's file and experts a layer (bench serve's DeepSeek-sized bundles, name i on file
     i mod distinct)."""
     totals = esft_sized_totals(min(adapters, distinct))
-    return [totals[i % len(totals)] / LAYERS for i in range(adapters)]
+    return [Swap(i % len(totals), totals[i % len(totals)] / LAYERS) for i in range(adapters)]
 
 
-def rows(counts: dict[int | None, int], replaced: list[float]) -> float:
+def rows(counts: dict[int | None, int], replaced: list[Swap]) -> float:
     """Expected distinct rows a layer for `counts` sequences a name (None: base requests), uniform routing."""
     q = 1 - TOP_K / E
-    miss = q ** counts.get(None, 0)
+    on_file: dict[int, tuple[float, int]] = {}  # file: (its share of the experts, its names' sequences)
     own = 0.0
     for a, n in counts.items():
         if a is None:
             continue
-        r = replaced[a] / E
-        miss *= r + (1 - r) * q ** n
+        r = replaced[a].experts / E
+        on_file[replaced[a].file] = (r, on_file.get(replaced[a].file, (r, 0))[1] + n)
         own += r * (1 - q ** n)
+    miss = q ** counts.get(None, 0)
+    for r, n in on_file.values():
+        miss *= r + (1 - r) * q ** n
     return E * (1 - miss) + E * own
 
 
-def excess(counts: dict[int | None, int], replaced: list[float]) -> float:
+def excess(counts: dict[int | None, int], replaced: list[Swap]) -> float:
     n = sum(counts.values())
     return rows(counts, replaced) / rows({None: n}, replaced) - 1 if n else 0.0
 
 
-def decode_excess(requests: dict, drawn: list[int], replaced: list[float]) -> list[tuple[float, float] | None]:
+def decode_excess(requests: dict, drawn: list[int], replaced: list[Swap]) -> list[tuple[float, float] | None]:
     """Per request: (the rows excess averaged over its decode, the mean sequences decoding then), None where it did
     not complete."""
     spans = [(s + t / 1000, s + lat / 1000) if 0 < t < lat else None
@@ -103,7 +115,7 @@ def decode_excess(requests: dict, drawn: list[int], replaced: list[float]) -> li
     return out
 
 
-def prefill_excess(requests: dict, drawn: list[int], replaced: list[float],
+def prefill_excess(requests: dict, drawn: list[int], replaced: list[Swap],
                    prompt_len: int) -> list[tuple[float, float] | None]:
     """Per request: (the rows excess of the step that prefilled it, the sequences in that step counting its prompt),
     None where it did not complete. The step is taken halfway through its wait for the first token."""
