@@ -256,6 +256,8 @@ def main() -> None:
                  "state_dir": args.work / "state-grouped"} if args.group_adapters else {})
     plans = {"plain": arm_plan(served, False, engine_args["plain"]),
              "esftctl": arm_plan(served, True, engine_args["esftctl"], **grouping)}
+    if grouping:  # an earlier run's statistics are not this one's
+        stats_file(grouping["state_dir"] / "status.json").unlink(missing_ok=True)
     # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
     # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05)
     say("starting esftctl")
