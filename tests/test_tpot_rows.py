@@ -89,6 +89,7 @@ def test_runs_pair_with_the_base_of_their_round_on_their_machine_and_the_share_i
     assert all(x > 0 for x in run["excess"])  # the two adapters' decodes overlap
     runs = [{"excess": [0.01, 0.02, 0.04], "ratios": [1.005, 1.01, 1.02]}]
     assert script.fit(runs) == pytest.approx(0.5)
+    assert script.fit([{"excess": [0.0, 0.0], "ratios": [1.01, 0.99]}]) == 0.0  # nothing read extra rows
     (low, high) = script.buckets([{"excess": [0.001, 0.06], "ratios": [1.0, 1.03]}])
     assert (low["requests"], low["ratio"], high["ratio"]) == (1, 1.0, 1.03)
 

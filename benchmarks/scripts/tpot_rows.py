@@ -1,4 +1,4 @@
-"""Each request's TPOT over plain vLLM's beside the expert rows its decode steps read (issue 29).
+"""Each request's TPOT (or TTFT) over plain vLLM's beside the expert rows its steps read (issue 29).
 
 Why: esftctl's 20 adapters on an H100 (2026-12-05) gave TPOT 1.004, 1.017 and 1.031x plain vLLM's at 1, 2 and 5
 requests/s, request by request: the cost rises with load. A decode step reads every expert row some token routes
@@ -27,9 +27,11 @@ ratio is what an adapter costs a step without rows: a fixed cost, or the server'
 `--ttft` sets each request's TTFT ratio beside the rows of the step that prefilled it instead: its prompt (every
 expert, its adapter's copies where it replaced one) with the sequences decoding halfway through its wait. A prompt
 prefilled alone reads the base's rows; beside adapters' decodes it reads their copies and the base rows they replace
-(side by side on an H100, 2026-12-05, the 5-requests/s TTFT excess sat in prompts beside four or more decodes).
+(side by side on an H100, 2026-12-05: TTFT 1.00-1.01x for prompts prefilled alone, 1.03-1.06x where the step read 3%
+more rows or more).
 It reads a grid's slices, or side_by_side.py's JSON, where each esftctl run pairs with both plain vLLM runs of its
-round on the same card.
+round on the same card. The rows are those of the sequences in flight, as an ungrouped server steps them: a run
+served with `--group-adapters` held some back, so its steps read fewer than this predicts.
 Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--ttft] [--json]
        python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--ttft] [--json]
 """
@@ -188,10 +190,12 @@ def paired_side(path: Path, kind: str = "tpot") -> list[dict]:
 
 
 def fit(runs: list[dict]) -> float:
-    """s in ratio - 1 = s x excess, least squares through the origin over every request."""
+    """s in ratio - 1 = s x excess, least squares through the origin over every request (0 where no request's
+    steps read extra rows)."""
     xs = [x for r in runs for x in r["excess"]]
     ys = [y - 1 for r in runs for y in r["ratios"]]
-    return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    spread = sum(x * x for x in xs)
+    return sum(x * y for x, y in zip(xs, ys)) / spread if spread else 0.0
 
 
 def buckets(runs: list[dict]) -> list[dict]:
