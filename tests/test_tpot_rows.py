@@ -34,6 +34,7 @@ def test_the_closed_form_counts_the_rows_a_draw_counts():
         want = _drawn_rows(counts, replaced, script.E, script.TOP_K)
         assert script.rows(counts, replaced) == pytest.approx(want, rel=0.01), counts
     assert script.excess({0: 5}, replaced) == pytest.approx(0.0)  # one adapter's requests only swap rows
+    assert all(script.excess({0: n}, replaced) >= 0.0 for n in range(1, 300))  # rounding never goes below
     assert script.excess({None: 1, 0: 1}, replaced) > 0 and script.excess({}, replaced) == 0.0
     # two names on one file skip the base's copies of the same experts: fewer rows than two files would read
     apart = [script.Swap(0, 9), script.Swap(1, 9)]

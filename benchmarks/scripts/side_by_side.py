@@ -36,14 +36,19 @@ It needs about 97 GiB with 20 adapters, so an H200. An 80 GB H100 holds two base
 `--adapters 5 --share 0.95`: by arithmetic, 3.6 GiB left to each server past its weights (75.6 GiB, less 9.5 for the
 experts, halved, less the base's 29.4). A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4
 --duration 2 --rounds 1`.
-`--group-adapters G` serves esftctl with `esftctl serve --group-adapters G --group-wait W` (at most G adapters a
-step, esftctl.runtime.adapter_groups): issue 29's lever for the rows adapters add, set against plain vLLM the same
-way, and what the scheduler did (steps, requests held) kept in the JSON's "groups".
+`--group-adapters 0,G` measures esftctl ungrouped, then served with `esftctl serve --group-adapters G --group-wait
+W` (at most G adapters a step, esftctl.runtime.adapter_groups): issue 29's lever for the rows adapters add. Each
+setting is a server of its own, started in turn beside the one plain vLLM server and set against it the same way,
+its runs in OUT/side_by_side-groups-G.json with what the scheduler did (steps, requests held) under "groups". So
+the settings share plain vLLM's start, and each has its own yardstick (plain again / plain). At 5 requests/s on an
+H100 with 5 adapters: `--rates 5 --rounds 3 --group-adapters 0,2`, about 7 min for the starts, then 5 min a
+setting (its start and three rounds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -213,6 +218,56 @@ def card_bytes() -> int:
     return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
 
 
+def out_file(out: Path, group: int) -> Path:
+    """Where one esftctl setting's runs go: side_by_side.json ungrouped, side_by_side-groups-G.json grouped."""
+    return out / ("side_by_side.json" if not group else f"side_by_side-groups-{group}.json")
+
+
+def measure(run: dict[str, Callable], urls: dict[str, str], *, args, served, profile, result: dict,
+            path: Path) -> dict[float, list]:
+    """esftctl's warm-up, then its rounds against plain vLLM (round_runs), each rate's runs written to `path` as
+    they end; `result` is the JSON so far (arguments, engine arguments)."""
+    scenarios = [Scenario(f"{args.adapters} adapters @ {rate:g} rps", rate, adapters=args.adapters, alpha=args.alpha)
+                 for rate in args.rates]
+    # the grid's warm-up: every name once, then the busiest rate paced (serve_runs.warm_up says why)
+    warm_up(run["esftctl"], "esftctl", scenarios, names={"grid": served.grid}, profile=profile, on_step=say)
+    ready, done = time.monotonic(), {rate: [] for rate in args.rates}
+    for rnd in range(args.rounds):
+        if time.monotonic() - ready > args.budget:
+            say(f"budget spent after {rnd} round(s)")
+            break
+        for rate, scenario in zip(args.rates, scenarios):
+            say(f"round {rnd} at {rate:g} rps")
+            done[rate].append(round_runs(run, scenario, names=served.grid, profile=profile, rnd=rnd, urls=urls))
+            result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
+            path.write_text(json.dumps(result))
+    return done
+
+
+def report(done: dict[float, list], *, result: dict, path: Path, output_len: int, served_as: str,
+           stats: Path | None) -> None:
+    """One esftctl setting's summary, machine and TTFT split into `result` and `path`, printed as tables; a grouped
+    server's scheduler statistics (`stats`) kept too (the server writes them at most once a second while it steps,
+    so the last second's steps may be missing)."""
+    summary = {rate: summarize(runs, output_len) for rate, runs in done.items() if runs}
+    machines = {rate: machine(runs) for rate, runs in done.items() if runs}
+    splits = {rate: where(runs) for rate, runs in done.items() if runs}
+    result["summary"] = {f"{r:g}": s for r, s in summary.items()}
+    result["machine"] = {f"{r:g}": m for r, m in machines.items()}
+    result["where"] = {f"{r:g}": m for r, m in splits.items()}
+    if stats is not None and stats.is_file():
+        result["groups"] = read_json(stats)
+    path.write_text(json.dumps(result))
+    if not summary:
+        return
+    from rich.console import Console
+
+    Console(width=160).print(table(summary, max(len(v) for v in done.values()), served_as), machine_table(machines),
+                             where_table(splits))
+    if "groups" in result:
+        say(f"the grouping scheduler over the runs: {json.dumps(result['groups'])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(PROFILES))
@@ -224,17 +279,20 @@ def main() -> None:
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 5.0],
                         help="requests per second, one after another in each round")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds (each rate's three runs) at most")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds (each rate's three runs) at most, per setting")
     parser.add_argument("--budget", type=float, default=float("inf"),
-                        help="seconds after both servers are ready in which a round may start")
+                        help="seconds after esftctl's warm-up in which a round may start, per setting")
     parser.add_argument("--share", type=float, default=None,
                         help="the card's memory share both servers split (default: the profile's, 0.92 for "
                              "DeepSeek-V2-Lite); an 80 GB card holds two bases and 5 adapters' experts at 0.95")
-    parser.add_argument("--group-adapters", type=int, default=0,
-                        help="serve esftctl with at most this many adapters a step (0: not grouped)")
+    parser.add_argument("--group-adapters", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                        help="esftctl's settings, one after another beside one plain vLLM server: at most this many "
+                             "adapters a step, 0 not grouped (0,2: ungrouped, then groups of 2)")
     parser.add_argument("--group-wait", type=int, default=8,
                         help="with --group-adapters: steps a request may be held back in a row")
     args = parser.parse_args()
+    if any(g < 0 for g in args.group_adapters) or len(set(args.group_adapters)) < len(args.group_adapters):
+        raise SystemExit("error: --group-adapters: distinct counts, 0 or more")
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
     if args.share is not None and MEMORY_FLAG in profile.engine_args:
         profile = dataclasses.replace(profile, engine_args=with_flag(profile.engine_args, MEMORY_FLAG,
@@ -251,58 +309,47 @@ def main() -> None:
     weights = sum(f.stat().st_size for f in served.base.glob("*.safetensors"))
     check_room(engine_args, {"plain": 0, "esftctl": aside}, weights, card=card)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "engine_args": engine_args, "rounds": {}}
-    grouping = ({"group_adapters": args.group_adapters, "group_wait": args.group_wait,
-                 "state_dir": args.work / "state-grouped"} if args.group_adapters else {})
-    plans = {"plain": arm_plan(served, False, engine_args["plain"]),
-             "esftctl": arm_plan(served, True, engine_args["esftctl"], **grouping)}
-    if grouping:  # an earlier run's statistics are not this one's
-        stats_file(grouping["state_dir"] / "status.json").unlink(missing_ok=True)
+
+    def esft_plan(group: int):
+        if not group:
+            return arm_plan(served, True, engine_args["esftctl"])
+        state = args.work / f"state-groups-{group}"
+        stats_file(state / "status.json").unlink(missing_ok=True)  # an earlier run's statistics are not this one's
+        return arm_plan(served, True, engine_args["esftctl"], state_dir=state, group_adapters=group,
+                        group_wait=args.group_wait)
+
+    def served_as(group: int) -> str:
+        return f" (esftctl --group-adapters {group} --group-wait {args.group_wait})" if group else ""
+
     # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
-    # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05)
-    say("starting esftctl")
-    with Server(plans["esftctl"]) as esft:
+    # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05;
+    # since ad69d94 it holds one layer's twice at most, so a later setting starts beside plain vLLM)
+    with contextlib.ExitStack() as servers:
+        say(f"starting esftctl{served_as(args.group_adapters[0])}")
+        esft = servers.enter_context(Server(esft_plan(args.group_adapters[0])))
         esft.wait_ready(timeout=1200)
         say("esftctl ready; starting plain vLLM")
-        with Server(plans["plain"]) as plain:
-            plain.wait_ready(timeout=1200)
-            say("plain vLLM ready; warming both up")
-            run = {k: runner(p.url, "base", served=served, profile=profile, routes=None, out=args.out)
-                   for k, p in plans.items()}
-            scenarios = [Scenario(f"{args.adapters} adapters @ {rate:g} rps", rate, adapters=args.adapters,
-                                  alpha=args.alpha) for rate in args.rates]
-            # the grid's warm-up: every name once, then the busiest rate paced (serve_runs.warm_up says why)
-            warm_up(run["plain"], "plain", [Scenario("base", rate) for rate in args.rates], names={},
-                    profile=profile, on_step=say)
-            warm_up(run["esftctl"], "esftctl", scenarios, names={"grid": served.grid}, profile=profile,
-                    on_step=say)
-            ready, done = time.monotonic(), {rate: [] for rate in args.rates}
-            for rnd in range(args.rounds):
-                if time.monotonic() - ready > args.budget:
-                    say(f"budget spent after {rnd} round(s)")
-                    break
-                for rate, scenario in zip(args.rates, scenarios):
-                    say(f"round {rnd} at {rate:g} rps")
-                    done[rate].append(round_runs(run, scenario, names=served.grid, profile=profile, rnd=rnd,
-                                                 urls={k: p.url for k, p in plans.items()}))
-                    result["rounds"] = {f"{r:g}": runs for r, runs in done.items()}
-                    (args.out / "side_by_side.json").write_text(json.dumps(result))
-    summary = {rate: summarize(runs, profile.output_len) for rate, runs in done.items() if runs}
-    machines = {rate: machine(runs) for rate, runs in done.items() if runs}
-    splits = {rate: where(runs) for rate, runs in done.items() if runs}
-    result["summary"] = {f"{r:g}": s for r, s in summary.items()}
-    result["machine"] = {f"{r:g}": m for r, m in machines.items()}
-    result["where"] = {f"{r:g}": m for r, m in splits.items()}
-    if grouping and (stats := stats_file(grouping["state_dir"] / "status.json")).is_file():
-        result["groups"] = read_json(stats)
-    (args.out / "side_by_side.json").write_text(json.dumps(result))
-    from rich.console import Console
-
-    served_as = f" (esftctl --group-adapters {args.group_adapters} --group-wait {args.group_wait})" if grouping else ""
-    Console(width=160).print(table(summary, max(len(v) for v in done.values()), served_as), machine_table(machines),
-                             where_table(splits))
-    if "groups" in result:
-        say(f"the grouping scheduler over the runs: {json.dumps(result['groups'])}")
+        plain = servers.enter_context(Server(arm_plan(served, False, engine_args["plain"])))
+        plain.wait_ready(timeout=1200)
+        say("plain vLLM ready; warming it up")
+        run_plain = runner(plain.plan.url, "base", served=served, profile=profile, routes=None, out=args.out)
+        warm_up(run_plain, "plain", [Scenario("base", rate) for rate in args.rates], names={}, profile=profile,
+                on_step=say)
+        for i, group in enumerate(args.group_adapters):
+            if i:
+                esft.stop()
+                say(f"starting esftctl{served_as(group)} beside plain vLLM")
+                esft = servers.enter_context(Server(esft_plan(group)))
+                esft.wait_ready(timeout=1200)
+            result = {"args": {k: str(v) for k, v in vars(args).items()} | {"group_adapters": str(group)},
+                      "engine_args": engine_args, "rounds": {}}
+            run = {"plain": run_plain, "esftctl": runner(esft.plan.url, "base", served=served, profile=profile,
+                                                         routes=None, out=args.out)}
+            path = out_file(args.out, group)
+            done = measure(run, {"plain": plain.plan.url, "esftctl": esft.plan.url}, args=args, served=served,
+                           profile=profile, result=result, path=path)
+            report(done, result=result, path=path, output_len=profile.output_len, served_as=served_as(group),
+                   stats=stats_file(esft.plan.state_dir / "status.json") if group else None)
 
 
 if __name__ == "__main__":

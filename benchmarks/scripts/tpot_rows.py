@@ -88,8 +88,10 @@ def rows(counts: dict[int | None, int], replaced: list[Swap]) -> float:
 
 
 def excess(counts: dict[int | None, int], replaced: list[Swap]) -> float:
+    """rows / the base's rows for as many sequences, less 1: never below 0 (every token reads one row of each
+    expert it routes to, a copy or the base's), so rounding's -1e-16 is 0 and lands in the first bucket."""
     n = sum(counts.values())
-    return rows(counts, replaced) / rows({None: n}, replaced) - 1 if n else 0.0
+    return max(0.0, rows(counts, replaced) / rows({None: n}, replaced) - 1) if n else 0.0
 
 
 def decode_excess(requests: dict, drawn: list[int], replaced: list[Swap]) -> list[tuple[float, float] | None]:
@@ -271,7 +273,7 @@ def main() -> None:
         b.add_row(f"{row['from']:.1%}-{row['to']:.1%}", str(row["requests"]), f"{row['excess']:+.2%}",
                   f"{row['ratio']:.3f}")
     if lone := alone(runs):
-        b.add_row("decoded alone" if kind == "tpot" else "prefilled alone", str(lone["requests"]), f"{0:+.2%}",
+        b.add_row("of which alone", str(lone["requests"]), f"{0:+.2%}",
                   f"{lone['ratio']:.3f}")
     Console(width=160).print(t, b)
 
