@@ -94,11 +94,17 @@ def excess(counts: dict[int | None, int], replaced: list[Swap]) -> float:
     return max(0.0, rows(counts, replaced) / rows({None: n}, replaced) - 1) if n else 0.0
 
 
+def decode_spans(requests: dict) -> list[tuple[float, float] | None]:
+    """Each request's decode, from its first token to its last (s from the run's first send); None where it did
+    not complete."""
+    return [(s + t / 1000, s + lat / 1000) if 0 < t < lat else None
+            for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])]
+
+
 def decode_excess(requests: dict, drawn: list[int], replaced: list[Swap]) -> list[tuple[float, float] | None]:
     """Per request: (the rows excess averaged over its decode, the mean sequences decoding then), None where it did
     not complete."""
-    spans = [(s + t / 1000, s + lat / 1000) if 0 < t < lat else None
-             for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])]
+    spans = decode_spans(requests)
     out = []
     for span in spans:
         if span is None:
@@ -123,8 +129,7 @@ def prefill_excess(requests: dict, drawn: list[int], replaced: list[Swap],
                    prompt_len: int) -> list[tuple[float, float] | None]:
     """Per request: (the rows excess of the step that prefilled it, the sequences in that step counting its prompt),
     None where it did not complete. The step is taken halfway through its wait for the first token."""
-    spans = [(s + t / 1000, s + lat / 1000) if 0 < t < lat else None
-             for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])]
+    spans = decode_spans(requests)
     out = []
     for start, span, name in zip(requests["start_s"], spans, drawn):
         if span is None:
