@@ -86,3 +86,48 @@ def test_a_split_that_leaves_a_server_no_room_is_refused_before_any_start():
             with pytest.raises(SystemExit, match=r"side_by_side: plain would have -\d+\.\d GiB past the base's 29\.3"):
                 script.check_room(args, aside, weights, card=card)
     script.check_room({"plain": ["--max-model-len", "256"]}, {"plain": 0}, weights, card=0)
+
+
+def test_the_trade_is_each_runs_median_p99_and_throughput_and_esftctl_over_both_plain_runs_a_round_at_a_time():
+    """Issue 29's trade table (TTFT and TPOT median and p99, output tok/s): from each run's requests, plain vLLM's
+    two runs of a round averaged, esftctl's ratio taken a round at a time, [median, lowest, highest] over rounds."""
+    script = load_script("side_by_side")
+    run = {"start_s": [0.0, 1.0, 2.0, 3.0, 3.5], "ttft_ms": [10.0, 20.0, 30.0, 40.0, 0.0],
+           "latency_ms": [14.0, 24.0, 34.0, 1000.0, 0.0], "alone": [True] * 5}  # the last request failed
+    n = script.run_numbers(run, output_len=5)
+    assert n["ttft_p50"] == 25.0 and n["ttft_p99"] == pytest.approx(30.0 + 0.97 * 10.0)  # linear, as vLLM's
+    assert n["tpot_p50"] == 1.0 and n["tpot_p99"] == pytest.approx(1.0 + 0.97 * 239.0)
+    assert n["tok_s"] == pytest.approx(4 * 5 / 4.0)  # 4 requests of 5 tokens from 0 s to the last finish at 4 s
+    assert script.run_numbers({"start_s": [0.0], "ttft_ms": [0.0], "latency_ms": [0.0]}, 5)["tpot_p50"] is None
+    rounds = [{"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.1), "plain again": _run(24.0, 1.2)},
+              {"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.1), "plain again": _run(20.0, 1.0)}]
+    out = script.trade(rounds, output_len=5)
+    assert out["plain"]["tpot_p50"] == pytest.approx(1.05)  # 1.1 and 1.0, the two rounds' means of both plain runs
+    assert out["esftctl / plain"]["tpot_p50"] == pytest.approx([1.05, 1.0, 1.1])
+    assert out["esftctl / plain"]["ttft_p99"] == pytest.approx([1.05, 1.0, 1.1])
+    assert out["esftctl / plain"]["tok_s"][0] < 1  # esftctl's requests end later, over the same sends
+    assert script.ranged([1.05, 1.0, 1.1]) == "1.050 [1.000-1.100]" and script.ranged([1.0, 1.0, 1.0]) == "1.000"
+
+
+def test_report_rereads_each_settings_json_and_names_a_file_that_is_not_one(tmp_path, capsys):
+    """`--report`: the tables again from kept runs, the trade included for a run that predates it; one line naming
+    a file that is not side_by_side's."""
+    import json
+
+    script = load_script("side_by_side")
+    rnd = {"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.0), "plain again": _run(20.0, 1.0)}
+    for name, group in (("side_by_side.json", None), ("side_by_side-groups-2.json", "2")):
+        args = {"model": "tiny"} | ({"group_adapters": group, "group_wait": "8"} if group else {})
+        (tmp_path / name).write_text(json.dumps({"args": args, "rounds": {"5": [rnd, rnd]}}))
+    results = script.reread([tmp_path])
+    assert [script.setting(r) for r in results] == [" (esftctl --group-adapters 2 --group-wait 8)", ""]
+    assert results[1]["trade"]["5"]["esftctl / plain"]["ttft_p50"] == pytest.approx([1.1, 1.1, 1.1])
+    assert script.trade_table(results).row_count == 6  # plain, esftctl and their ratio, per setting
+    (tmp_path / "notes.json").write_text(json.dumps({"args": {"model": "tiny"}}))
+    with pytest.raises(SystemExit, match=r"notes\.json: not side_by_side\.py's JSON \(KeyError"):
+        script.reread([tmp_path])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"empty: no \.json files"):
+        script.reread([tmp_path / "empty"])
+    with pytest.raises(SystemExit, match=r"nothing: file not found"):
+        script.reread([tmp_path / "nothing"])

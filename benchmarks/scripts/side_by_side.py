@@ -42,7 +42,10 @@ setting is a server of its own, started in turn beside the one plain vLLM server
 its runs in OUT/side_by_side-groups-G.json with what the scheduler did (steps, requests held) under "groups". So
 the settings share plain vLLM's start, and each has its own yardstick (plain again / plain). At 5 requests/s on an
 H100 with 5 adapters: `--rates 5 --rounds 3 --group-adapters 0,2`, about 7 min for the starts, then 5 min a
-setting (its start and three rounds).
+setting (its start and three rounds). `--rates 5,inf` adds the load where grouping pays (all requests at once).
+Last, a trade table over the settings, in the terms issue 29 asks for: TTFT and TPOT median and p99 and output
+tok/s, each arm's and esftctl's over plain vLLM's a round at a time. `--report OUT` prints every table again from
+the JSON files, nothing started.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from esftctl.bench.serve import MEMORY_FLAG, PROFILES, split_memory, utilization
 from esftctl.bench.serve_report import interval, number, percent
 from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
+from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json
 from esftctl.runtime.adapter_groups import stats_file
 from esftctl.serve import Server
@@ -144,10 +148,75 @@ def where(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     return arm_medians(rounds, "server", SERVER)
 
 
-def table(summary: dict[float, dict[str, dict]], rounds: int, served_as: str = ""):
+TRADE = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s")
+
+
+def run_numbers(requests: dict, output_len: int) -> dict[str, float | None]:
+    """A run's aggregates from its requests (load.per_request), what issue 29's trade is told in: TTFT and TPOT (ms
+    a token after the first), median and p99 (linear, as vLLM's), and output tokens a second from the first send
+    to the last finish. None where no request completed."""
+    done = [(s, t, lat) for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])
+            if 0 < t < lat]
+    if not done:
+        return dict.fromkeys(TRADE)
+    ttft = [t for _, t, _ in done]
+    tpot = [(lat - t) / max(output_len - 1, 1) for _, t, lat in done]
+    span = max(s + lat / 1000 for s, _, lat in done) - min(s for s, _, _ in done)
+    return {"ttft_p50": statistics.median(ttft), "ttft_p99": p99(ttft), "tpot_p50": statistics.median(tpot),
+            "tpot_p99": p99(tpot), "tok_s": len(done) * output_len / span if span > 0 else None}
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
+
+
+def trade(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
+    """A setting's trade at one rate: plain vLLM's numbers (run_numbers, the mean of its two runs in a round) and
+    esftctl's, medians over rounds; and esftctl's over plain's, a round at a time, as [median, lowest, highest]
+    over rounds (None where either lacks the number)."""
+    per_round = []
+    for runs in rounds:
+        arms = {arm: run_numbers(runs[arm], output_len) for arm in ("plain", "esftctl", "plain again")}
+        plain = {k: None if None in (a := (arms["plain"][k], arms["plain again"][k])) else sum(a) / 2 for k in TRADE}
+        per_round.append({"plain": plain, "esftctl": arms["esftctl"]})
+    out = {arm: {k: statistics.median(v) if (v := [r[arm][k] for r in per_round if r[arm][k] is not None]) else None
+                 for k in TRADE}
+           for arm in ("plain", "esftctl")}
+    ratios = {k: [r["esftctl"][k] / r["plain"][k] for r in per_round if r["esftctl"][k] and r["plain"][k]]
+              for k in TRADE}
+    out["esftctl / plain"] = {k: [statistics.median(v), min(v), max(v)] if v else None for k, v in ratios.items()}
+    return out
+
+
+def trade_table(results: list[dict]):
+    """Every setting's trade (settle's "trade") by rate: plain vLLM, esftctl and esftctl over plain."""
     from rich.table import Table
 
-    t = Table(title=f"side by side on one card{served_as}, {rounds} round(s) a rate: request by request, median [95%]",
+    t = Table(title="the trade by setting: TTFT and TPOT (ms), median and p99, output tok/s from first send to last "
+                    "finish; plain vLLM's two runs a round averaged, medians over rounds; esftctl / plain a round at "
+                    "a time, median over rounds with its lowest and highest", title_justify="left")
+    for col in ("setting", "rate", "arm", "TTFT", "TTFT p99", "TPOT", "TPOT p99", "tok/s"):
+        t.add_column(col, justify="left" if col in ("setting", "arm") else "right")
+    for result in results:
+        group, wait = result["args"].get("group_adapters", "0"), result["args"].get("group_wait")
+        label = f"groups of {group}, wait {wait}" if group != "0" else "ungrouped"
+        for rate, arms in result.get("trade", {}).items():
+            for arm, m in arms.items():
+                cells = [ranged(m[k]) if arm == "esftctl / plain" else number(m[k], ".0f" if k == "tok_s" else ".2f")
+                         for k in TRADE]
+                t.add_row(label, f"{rate} rps", arm, *cells)
+    return t
+
+
+def ranged(m: list[float] | None) -> str:
+    """[median, lowest, highest] over rounds as a cell: the median alone where the rounds agree (or there is one)."""
+    return "-" if not m else f"{m[0]:.3f}" if m[1] == m[2] else f"{m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}]"
+
+
+def table(summary: dict[float, dict[str, dict]], rounds: int, setting: str = ""):
+    from rich.table import Table
+
+    t = Table(title=f"side by side on one card{setting}, {rounds} round(s) a rate: request by request, median [95%]",
               title_justify="left")
     for col in ("rate", "ratio", "pairs", "TTFT x", "TTFT x, both alone", "TPOT x"):
         t.add_column(col, justify="left" if col == "ratio" else "right")
@@ -244,28 +313,65 @@ def measure(run: dict[str, Callable], urls: dict[str, str], *, args, served, pro
     return done
 
 
-def report(done: dict[float, list], *, result: dict, path: Path, output_len: int, served_as: str,
-           stats: Path | None) -> None:
-    """One esftctl setting's summary, machine and TTFT split into `result` and `path`, printed as tables; a grouped
-    server's scheduler statistics (`stats`) kept too (the server writes them at most once a second while it steps,
-    so the last second's steps may be missing)."""
-    summary = {rate: summarize(runs, output_len) for rate, runs in done.items() if runs}
-    machines = {rate: machine(runs) for rate, runs in done.items() if runs}
-    splits = {rate: where(runs) for rate, runs in done.items() if runs}
-    result["summary"] = {f"{r:g}": s for r, s in summary.items()}
-    result["machine"] = {f"{r:g}": m for r, m in machines.items()}
-    result["where"] = {f"{r:g}": m for r, m in splits.items()}
+def settle(done: dict[float, list], *, result: dict, output_len: int, stats: Path | None) -> None:
+    """One esftctl setting's summary, machine, TTFT split and trade (trade) into `result`; a grouped server's
+    scheduler statistics (`stats`) kept too (the server writes them at most once a second while it steps, so the
+    last second's steps may be missing)."""
+    done = {rate: runs for rate, runs in done.items() if runs}
+    for key, of in (("summary", lambda runs: summarize(runs, output_len)), ("machine", machine), ("where", where),
+                    ("trade", lambda runs: trade(runs, output_len))):
+        result[key] = {f"{r:g}": of(runs) for r, runs in done.items()}
     if stats is not None and stats.is_file():
         result["groups"] = read_json(stats)
-    path.write_text(json.dumps(result))
-    if not summary:
-        return
-    from rich.console import Console
 
-    Console(width=160).print(table(summary, max(len(v) for v in done.values()), served_as), machine_table(machines),
-                             where_table(splits))
+
+def served_as(group: int, wait) -> str:
+    """How esftctl was served: "" ungrouped, else its --group-adapters and --group-wait."""
+    return f" (esftctl --group-adapters {group} --group-wait {wait})" if group else ""
+
+
+def setting(result: dict) -> str:
+    """served_as for a setting's JSON (its arguments kept as strings; a run before the grouped settings had none)."""
+    return served_as(int(result["args"].get("group_adapters", "0")), result["args"].get("group_wait"))
+
+
+def show(result: dict) -> None:
+    """One setting's tables (settle's records), printed."""
+    if not result.get("summary"):
+        return
+    rounds = max(len(v) for v in result["rounds"].values())
+    by_rate = {key: {float(r): v for r, v in result[key].items()} for key in ("summary", "machine", "where")}
+    print_tables(table(by_rate["summary"], rounds, setting(result)), machine_table(by_rate["machine"]),
+                 where_table(by_rate["where"]))
     if "groups" in result:
         say(f"the grouping scheduler over the runs: {json.dumps(result['groups'])}")
+
+
+def print_tables(*tables) -> None:
+    from rich.console import Console
+
+    Console(width=180).print(*tables)
+
+
+def reread(paths: list[Path]) -> list[dict]:
+    """`--report`: each setting's JSON (a file, or each .json in a folder: --out's, or the ones kept), its records
+    settled again from its rounds (a run before the trade table kept none); SystemExit with one line naming the
+    file where one is not side_by_side's."""
+    files = [f for p in paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
+    if not files:
+        raise SystemExit(f"error: {', '.join(map(str, paths))}: no .json files")
+    results = []
+    for path in files:
+        try:
+            result = read_json(path)
+            done = {float(r): runs for r, runs in result["rounds"].items()}
+            settle(done, result=result, output_len=PROFILES[result["args"]["model"]].output_len, stats=None)
+        except EsftError as e:
+            raise SystemExit(f"error: {e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, statistics.StatisticsError) as e:
+            raise SystemExit(f"error: {path}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
+        results.append(result)
+    return results
 
 
 def main() -> None:
@@ -290,7 +396,16 @@ def main() -> None:
                              "adapters a step, 0 not grouped (0,2: ungrouped, then groups of 2)")
     parser.add_argument("--group-wait", type=int, default=8,
                         help="with --group-adapters: steps a request may be held back in a row")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="PATH",
+                        help="print the tables of earlier runs and exit, nothing started: their JSON files, or folders "
+                             "of them (--out's, benchmarks/serve-bench/side-by-side)")
     args = parser.parse_args()
+    if args.report:
+        results = reread(args.report)
+        for result in results:
+            show(result)
+        print_tables(trade_table(results))
+        return
     if any(g < 0 for g in args.group_adapters) or len(set(args.group_adapters)) < len(args.group_adapters):
         raise SystemExit("error: --group-adapters: distinct counts, 0 or more")
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
@@ -318,14 +433,12 @@ def main() -> None:
         return arm_plan(served, True, engine_args["esftctl"], state_dir=state, group_adapters=group,
                         group_wait=args.group_wait)
 
-    def served_as(group: int) -> str:
-        return f" (esftctl --group-adapters {group} --group-wait {args.group_wait})" if group else ""
-
     # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
     # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05;
     # since ad69d94 it holds one layer's twice at most, so a later setting starts beside plain vLLM)
+    results = []
     with contextlib.ExitStack() as servers:
-        say(f"starting esftctl{served_as(args.group_adapters[0])}")
+        say(f"starting esftctl{served_as(args.group_adapters[0], args.group_wait)}")
         esft = servers.enter_context(Server(esft_plan(args.group_adapters[0])))
         esft.wait_ready(timeout=1200)
         say("esftctl ready; starting plain vLLM")
@@ -338,7 +451,7 @@ def main() -> None:
         for i, group in enumerate(args.group_adapters):
             if i:
                 esft.stop()
-                say(f"starting esftctl{served_as(group)} beside plain vLLM")
+                say(f"starting esftctl{served_as(group, args.group_wait)} beside plain vLLM")
                 esft = servers.enter_context(Server(esft_plan(group)))
                 esft.wait_ready(timeout=1200)
             result = {"args": {k: str(v) for k, v in vars(args).items()} | {"group_adapters": str(group)},
@@ -348,8 +461,12 @@ def main() -> None:
             path = out_file(args.out, group)
             done = measure(run, {"plain": plain.plan.url, "esftctl": esft.plan.url}, args=args, served=served,
                            profile=profile, result=result, path=path)
-            report(done, result=result, path=path, output_len=profile.output_len, served_as=served_as(group),
+            settle(done, result=result, output_len=profile.output_len,
                    stats=stats_file(esft.plan.state_dir / "status.json") if group else None)
+            path.write_text(json.dumps(result))
+            show(result)
+            results.append(result)
+    print_tables(trade_table(results))
 
 
 if __name__ == "__main__":
