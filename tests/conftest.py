@@ -178,6 +178,7 @@ def load_script(name: str):
     try:
         spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name as they are made
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(scripts))

@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 from ttft_alone import arm_plan
 
 from esftctl.bench import serve_models
@@ -162,12 +163,9 @@ def run_numbers(requests: dict, output_len: int) -> dict[str, float | None]:
     ttft = [t for _, t, _ in done]
     tpot = [(lat - t) / max(output_len - 1, 1) for _, t, lat in done]
     span = max(s + lat / 1000 for s, _, lat in done) - min(s for s, _, _ in done)
-    return {"ttft_p50": statistics.median(ttft), "ttft_p99": p99(ttft), "tpot_p50": statistics.median(tpot),
-            "tpot_p99": p99(tpot), "tok_s": len(done) * output_len / span if span > 0 else None}
-
-
-def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
+    return {"ttft_p50": statistics.median(ttft), "ttft_p99": float(np.percentile(ttft, 99)),
+            "tpot_p50": statistics.median(tpot), "tpot_p99": float(np.percentile(tpot, 99)),
+            "tok_s": len(done) * output_len / span if span > 0 else None}
 
 
 def trade(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
