@@ -118,3 +118,20 @@ def test_side_by_side_runs_pair_with_both_plain_runs_and_requests_that_decoded_a
     side.write_text("{}")
     with pytest.raises(SystemExit, match="not side_by_side.py's JSON"):
         script.load_runs(side)
+
+
+def test_side_by_side_runs_are_set_beside_the_adapters_they_kept(tmp_path):
+    """A run's kept "drawn" names its requests' adapters: two sequences decoding together read no extra rows on one
+    adapter (its copies only swap rows) and read extra on two."""
+    script = load_script("tpot_rows")
+    together = {"start_s": [0.0, 0.0], "ttft_ms": [10.0, 10.0], "latency_ms": [80.0, 80.0], "alone": [True, True]}
+    excess = {}
+    for drawn in ([0, 0], [0, 1]):
+        rounds = [{"plain": together, "esftctl": together | {"drawn": drawn}, "plain again": together}]
+        side = {"args": {"model": "tiny", "adapters": "2", "alpha": "1.0"}, "rounds": {"2": rounds}}
+        (tmp_path / "side.json").write_text(json.dumps(side))
+        (run,) = script.load_runs(tmp_path / "side.json")
+        excess[tuple(drawn)] = run["excess"]
+    assert excess[(0, 0)] == pytest.approx([0.0, 0.0, 0.0, 0.0])
+    two = script.excess({0: 1, 1: 1}, script.adapter_experts(2))  # each reads its own copies where it replaced one
+    assert two > 0.005 and excess[(0, 1)] == pytest.approx([two] * 4)

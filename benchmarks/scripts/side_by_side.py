@@ -79,12 +79,14 @@ from esftctl.serve import Server
 def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str], profile, rnd: int,
                urls: dict[str, str]) -> dict[str, dict]:
     """One round of one scenario: plain vLLM, esftctl, plain vLLM again, the same traffic each time (vLLM's seed
-    and the grid's draw of adapters, Scenario.draw); each run's kept requests (load.per_request), the machine's
-    state over it ("machine": esftctl.bench.conditions) and where its TTFT went ("server": server_split) by arm.
+    and the grid's draw of adapters, Scenario.draw, kept as esftctl's "drawn"); each run's kept requests
+    (load.per_request), the machine's state over it ("machine": esftctl.bench.conditions) and where its TTFT went
+    ("server": server_split) by arm.
     `run`: each server's serve_runs.runner; `urls`: each server's address, for its /metrics."""
     count = profile.requests(scenario.rate)
     load = Load(scenario.rate, count, profile.input_len, profile.output_len, seed=rnd, cv=profile.cv)
-    adapters = [names[i] for i in scenario.draw(rnd, count)]
+    drawn = scenario.draw(rnd, count)
+    adapters = [names[i] for i in drawn]
     out = {}
     for arm, server, models in (("plain", "plain", []), ("esftctl", "esftctl", adapters), ("plain again", "plain", [])):
         before = server_times([urls[server]])
@@ -93,6 +95,7 @@ def round_runs(run: dict[str, Callable], scenario: Scenario, *, names: list[str]
         out[arm] = per_request(raw) | {"machine": machine.result,
                                        "server": server_split(server_means(before, server_times([urls[server]])),
                                                               raw.get("mean_ttft_ms"))}
+    out["esftctl"]["drawn"] = drawn  # each request's adapter, by index into the served names (tpot_rows.py reads it)
     return out
 
 

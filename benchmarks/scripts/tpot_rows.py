@@ -180,7 +180,8 @@ def paired(folder: Path, kind: str = "tpot") -> list[dict]:
 
 def paired_side(path: Path, kind: str = "tpot") -> list[dict]:
     """side_by_side.py's esftctl runs, each against both plain vLLM runs of its round (pooled, as side_by_side
-    pools them); each run's adapters drawn again as side_by_side drew them (Scenario.draw)."""
+    pools them); each run's adapters as it kept them ("drawn"), or for a run kept before it did, drawn again as
+    side_by_side drew them (Scenario.draw)."""
     data = json.loads(path.read_text())
     args = data["args"]
     adapters, alpha, profile = int(args["adapters"]), float(args["alpha"]), PROFILES[args["model"]]
@@ -189,7 +190,7 @@ def paired_side(path: Path, kind: str = "tpot") -> list[dict]:
         scenario = Scenario(f"{adapters} adapters @ {rate} rps", float(rate), adapters=adapters, alpha=alpha)
         for rnd, runs in enumerate(rounds):
             requests = runs["esftctl"]
-            drawn = scenario.draw(rnd, len(requests["start_s"]))
+            drawn = requests.get("drawn") or scenario.draw(rnd, len(requests["start_s"]))
             out.append(record({"name": scenario.name, "rate": scenario.rate, "adapters": adapters}, rnd, requests,
                               [runs["plain"], runs["plain again"]], drawn, kind=kind,
                               output_len=profile.output_len, prompt_len=profile.input_len))
