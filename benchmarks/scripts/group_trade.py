@@ -19,8 +19,9 @@ it gives esftctl ungrouped 1.149x the base's TPOT with 64 requests at once over 
 that H200 measured 1.132x (benchmarks/RESULTS.md, 2026-11-23, when bench serve sent 64). Compute beyond the
 prompts, vLLM's KV-cache bound and its host time are left out: a model to say where to measure, not a measurement.
 
+Another card: --fixed-ms, --all-rows-ms and --prompt-ms (an H100's 3.35 TB/s reads the experts in 8.6 ms).
 Usage: python benchmarks/scripts/group_trade.py [--adapters 5] [--rate 5|inf] [--requests N] [--groups 2,4]
-         [--max-loras 2,4] [--max-seqs 256] [--json]
+         [--max-loras 2,4] [--max-seqs 128] [--fixed-ms 3.5 --all-rows-ms 6 --prompt-ms 3] [--json]
 """
 
 from __future__ import annotations
@@ -189,17 +190,24 @@ def main() -> None:
     parser.add_argument("--max-loras", type=lambda s: [int(x) for x in s.split(",")], default=[2],
                         help="vLLM --max-loras settings to model")
     parser.add_argument("--max-seqs", type=int, default=MAX_SEQS, help="vLLM's --max-num-seqs (bench serve's)")
+    for name, default, what in (("fixed", StepCost.fixed_ms, "a step's time apart from its experts and prompts"),
+                                ("all-rows", StepCost.all_rows_ms, "reading every routed expert of every layer once"),
+                                ("prompt", StepCost.prompt_ms, "a prompt's compute")):
+        parser.add_argument(f"--{name}-ms", type=float, default=default, help=f"ms of {what} (default: the H200's)")
     parser.add_argument("--json", action="store_true", help="the numbers as JSON instead of a table")
     args = parser.parse_args()
     if args.adapters < 1 or min(args.groups + args.max_loras + [args.wait, args.max_seqs], default=1) < 1:
         raise SystemExit("error: --adapters, --groups, --max-loras, --wait and --max-seqs take counts of 1 or more")
     if not args.rate > 0 or (args.requests is not None and args.requests < 2):
         raise SystemExit("error: --rate must be above 0 and --requests at least 2")
+    if min(args.fixed_ms, args.all_rows_ms, args.prompt_ms) < 0:
+        raise SystemExit("error: --fixed-ms, --all-rows-ms and --prompt-ms take times of 0 or more")
+    cost = StepCost(fixed_ms=args.fixed_ms, all_rows_ms=args.all_rows_ms, prompt_ms=args.prompt_ms)
     count = args.requests or (PROFILE.prompts if math.isinf(args.rate) else max(2, round(args.rate * 60)))
     policies = [Policy("esftctl")] + [Policy(f"esftctl, groups of {g}", groups=g, wait=args.wait)
                                       for g in args.groups] + [Policy(f"max-loras {m}", max_loras=m)
                                                                 for m in args.max_loras]
-    out = trade(args.adapters, args.rate, count, policies, max_seqs=args.max_seqs)
+    out = trade(args.adapters, args.rate, count, policies, max_seqs=args.max_seqs, cost=cost)
     if args.json:
         print(json.dumps(out, indent=1))
         return
