@@ -120,7 +120,8 @@ def test_report_rereads_each_settings_json_and_names_a_file_that_is_not_one(tmp_
         args = {"model": "tiny"} | ({"group_adapters": group, "group_wait": "8"} if group else {})
         (tmp_path / name).write_text(json.dumps({"args": args, "rounds": {"5": [rnd, rnd]}}))
     results = script.reread([tmp_path])
-    assert [script.setting(r) for r in results] == [" (esftctl --group-adapters 2 --group-wait 8)", ""]
+    # ungrouped first, though its file sorts last
+    assert [script.setting(r) for r in results] == ["", " (esftctl --group-adapters 2 --group-wait 8)"]
     assert results[1]["trade"]["5"]["esftctl / plain"]["ttft_p50"] == pytest.approx([1.1, 1.1, 1.1])
     assert script.trade_table(results).row_count == 6  # plain, esftctl and their ratio, per setting
     (tmp_path / "notes.json").write_text(json.dumps({"args": {"model": "tiny"}}))

@@ -199,8 +199,8 @@ def trade_table(results: list[dict]):
     for col in ("setting", "rate", "arm", "TTFT", "TTFT p99", "TPOT", "TPOT p99", "tok/s"):
         t.add_column(col, justify="left" if col in ("setting", "arm") else "right")
     for result in results:
-        group, wait = result["args"].get("group_adapters", "0"), result["args"].get("group_wait")
-        label = f"groups of {group}, wait {wait}" if group != "0" else "ungrouped"
+        group, wait = grouping(result)
+        label = f"groups of {group}, wait {wait}" if group else "ungrouped"
         for rate, arms in result.get("trade", {}).items():
             for arm, m in arms.items():
                 cells = [ranged(m[k]) if arm == "esftctl / plain" else number(m[k], ".0f" if k == "tok_s" else ".2f")
@@ -331,9 +331,14 @@ def served_as(group: int, wait) -> str:
     return f" (esftctl --group-adapters {group} --group-wait {wait})" if group else ""
 
 
+def grouping(result: dict) -> tuple[int, str | None]:
+    """A setting's --group-adapters and --group-wait from its JSON (arguments kept as strings; a run before the
+    grouped settings had none: ungrouped)."""
+    return int(result["args"].get("group_adapters", "0")), result["args"].get("group_wait")
+
+
 def setting(result: dict) -> str:
-    """served_as for a setting's JSON (its arguments kept as strings; a run before the grouped settings had none)."""
-    return served_as(int(result["args"].get("group_adapters", "0")), result["args"].get("group_wait"))
+    return served_as(*grouping(result))
 
 
 def show(result: dict) -> None:
@@ -356,8 +361,8 @@ def print_tables(*tables) -> None:
 
 def reread(paths: list[Path]) -> list[dict]:
     """`--report`: each setting's JSON (a file, or each .json in a folder: --out's, or the ones kept), its records
-    settled again from its rounds (a run before the trade table kept none); SystemExit with one line naming the
-    file where one is not side_by_side's."""
+    settled again from its rounds (a run before the trade table kept none), ungrouped first; SystemExit with one
+    line naming the file where one is not side_by_side's."""
     files = [f for p in paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
     if not files:
         raise SystemExit(f"error: {', '.join(map(str, paths))}: no .json files")
@@ -372,7 +377,7 @@ def reread(paths: list[Path]) -> list[dict]:
         except (ValueError, KeyError, TypeError, AttributeError, statistics.StatisticsError) as e:
             raise SystemExit(f"error: {path}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
         results.append(result)
-    return results
+    return sorted(results, key=lambda r: grouping(r)[0])  # ungrouped first, as a run measures them
 
 
 def main() -> None:
