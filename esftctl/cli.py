@@ -463,6 +463,12 @@ def serve(
     group_wait: int = typer.Option(8, help="With --group-adapters: engine steps a request may be held back in a row "
                                            "before its adapter must run (more adapters with work than fit a step "
                                            "add a few steps: esftctl.runtime.adapter_groups)."),
+    admit_by_adapter: float = typer.Option(0.0, min=0.0, metavar="SECONDS",
+                                           help="When requests queue for batch slots, admit those of the adapters "
+                                                "already running first, so that a step reads fewer adapters' "
+                                                "experts; none is passed over for longer than SECONDS (0: off, "
+                                                "vLLM's first-come-first-served order, the default). No slot is "
+                                                "left empty for it; without a queue it changes nothing."),
 ) -> None:
     """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;
     a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager
@@ -479,7 +485,8 @@ def serve(
         paging_adaptive=paging_adaptive, paging_fetch=paging_fetch, host_cache=_parse_bytes(host_cache, "--host-cache"),
         variants=variants,
         variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
-        api_key=api_key or None, adapter_root=adapter_root, group_adapters=group_adapters, group_wait=group_wait)
+        api_key=api_key or None, adapter_root=adapter_root, group_adapters=group_adapters, group_wait=group_wait,
+        admit_by_adapter=admit_by_adapter)
     serve_plan = plan_serving(settings)
     server, key = Server(serve_plan), serve_plan.request_key
     server.start()

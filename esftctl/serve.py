@@ -131,7 +131,7 @@ class ServePlan:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in modules.items())]
         if self.settings.variants:
             cmd += ["--scheduler-cls", "esftctl.runtime.vllm.variant_turns.variant_scheduler"]
-        elif self.settings.group_adapters:
+        elif self.settings.group_adapters or self.settings.admit_by_adapter:
             cmd += ["--scheduler-cls", "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"]
         if self.eager and "--enforce-eager" not in vllm_args:
             cmd.append("--enforce-eager")

@@ -56,6 +56,8 @@ class ServeSettings:
     adapter_root: Path | None = None  # adapters load at run time only from under this folder
     group_adapters: int = 0  # > 0: at most this many adapters per engine step (esftctl.runtime.adapter_groups)
     group_wait: int = 8  # with group_adapters: engine steps a request may be held back before it must run
+    admit_by_adapter: float = 0.0  # > 0: queued requests of running adapters admitted first, none passed over longer
+    # than this many seconds (esftctl.runtime.adapter_groups.admission_order); 0: vLLM's order
 
     def __post_init__(self) -> None:
         if (self.base is None) == (self.variants is None):
@@ -84,6 +86,11 @@ class ServeSettings:
         if self.group_adapters and self.variants is not None:
             raise EsftError("--group-adapters cannot be combined with --variants, whose steps already run one variant "
                             "each (--quantum)")
+        if not self.admit_by_adapter >= 0 or self.admit_by_adapter == float("inf"):
+            raise EsftError(f"--admit-by-adapter {self.admit_by_adapter}: give the seconds a waiting request may be "
+                            "passed over (0: off)")
+        if self.admit_by_adapter and self.variants is not None:
+            raise EsftError("--admit-by-adapter cannot be combined with --variants, whose steps run one variant each")
 
     @property
     def compressed_tier(self) -> str | None:

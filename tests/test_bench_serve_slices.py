@@ -478,3 +478,22 @@ def test_the_median_of_paired_requests_carries_an_interval_over_rounds_then_requ
     assert apart[1] == pytest.approx(1.0) and apart[2] == pytest.approx(1.1)
     assert slices.clustered_median([[1.05] * 10]) == (1.05, 1.05, 1.05)
     assert slices.clustered_median([[], []]) is None and slices.clustered_median(one) == (median, low, high)
+
+
+def test_the_admitted_server_is_esftctl_with_its_bound_and_its_statistics_merge_beside_the_grouped_ones():
+    from esftctl.bench.serve_report import groups_table
+
+    profile, options = grid(admit_by_adapter=30.0, group_adapters=2)
+    servers = {s.key: s for s in bench.bench_servers(profile, options)}
+    assert servers["admitted-30"].serve == (("admit_by_adapter", 30.0),) and servers["admitted-30"].role == "esftctl"
+    assert [s.server for s in ss.slice_plan(profile, options, "g")].count("admitted-30") == 6  # a start per count
+    admitted = ss.merge_groups([{"admit_by_adapter": 30.0, "reordered": 4}, {"admit_by_adapter": 30.0, "reordered": 1}])
+    assert admitted == {"admit_by_adapter": 30.0, "reordered": 5}
+    one = {"most": 2, "wait": 8, "steps": 10, "grouped_steps": 3, "most_groups_scheduled": 2, "longest_wait": 4,
+           "held": {"1": 3}}
+    grouped = ss.merge_groups([one, one | {"longest_wait": 6}])
+    assert (grouped["steps"], grouped["longest_wait"], grouped["held"]) == (20, 6, {"1": 6})
+    assert "reordered" not in grouped
+    table = groups_table({"servers": [{"server": "grouped-2-8", "groups": grouped},
+                                      {"server": "admitted-30", "groups": admitted}]})
+    assert table.row_count == 2 and table.columns[-1].header == "reordered"

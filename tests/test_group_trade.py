@@ -52,3 +52,17 @@ def test_the_model_fitted_to_plain_vllm_gives_the_h200s_measured_cost_of_five_ad
     out = script.trade(5, math.inf, 64, [script.Policy("esftctl")])
     assert out["esftctl"]["x"]["tpot_p50"] == pytest.approx(1.132, abs=0.03)
     assert out["plain"]["tpot_p50"] == pytest.approx(9.56, rel=0.1)
+
+
+def test_admitting_by_adapter_reads_fewer_rows_where_requests_queue_and_changes_nothing_where_they_do_not():
+    """The server's admission order (esftctl.runtime.adapter_groups.admission_order) in the model: 256 requests at
+    once for 128 slots gather on fewer adapters, so steps read fewer rows and the run ends sooner; at 5 requests/s
+    nothing queues and every number is ungrouped's."""
+    script = load_script("group_trade")
+    policies = [script.Policy("free"), script.Policy("admit", admit_ms=10_000.0)]
+    queued = script.trade(20, math.inf, 256, policies)
+    assert queued["admit"]["rows_x"] < queued["free"]["rows_x"] - 0.05
+    assert queued["admit"]["tok_s"] > 1.03 * queued["free"]["tok_s"]
+    assert queued["admit"]["ttft_p99"] <= queued["free"]["ttft_p99"]  # no one waits longer at the end
+    light = script.trade(20, 5.0, 100, policies)
+    assert light["admit"] == light["free"]

@@ -6,9 +6,11 @@ replaced an expert, so adapters add rows. `esftctl serve --group-adapters G` hol
 request its step holds back waits the step out, and vLLM keeps a held running request in its batch (its KV cache,
 its slot: esftctl.runtime.vllm.scheduling), so the step runs fewer tokens. vLLM's `--max-loras M` bounds the
 adapters among running requests at admission instead: a queued request of an adapter not running waits for a
-slot. Which trade wins, and where? This steps one run's requests through each policy (the grouping one is the
-server's own class, esftctl.runtime.adapter_groups.AdapterGroups) beside plain vLLM's base on the same arrivals,
-one step taking
+slot, and slots stay empty. `esftctl serve --admit-by-adapter S` leaves none empty: when requests queue for
+slots, those of the adapters already running take them first (none passed over for more than S seconds), so the
+running requests gather on fewer adapters. Which trade wins, and where? This steps one run's requests through
+each policy (the grouping and admission ones are the server's own: esftctl.runtime.adapter_groups.AdapterGroups
+and admission_order) beside plain vLLM's base on the same arrivals, one step taking
     fixed_ms + all_rows_ms x rows / E + prompt_ms x prompts,
 rows from tpot_rows.py's closed form (uniform routing, bench serve's DeepSeek-sized bundles; a prompt's 256 tokens
 read every row, and its adapter's copies), over bench serve's deepseek-v2-lite profile (256-token prompts, 128
@@ -21,7 +23,7 @@ prompts, vLLM's KV-cache bound and its host time are left out: a model to say wh
 
 Another card: --fixed-ms, --all-rows-ms and --prompt-ms (an H100's 3.35 TB/s reads the experts in 8.6 ms).
 Usage: python benchmarks/scripts/group_trade.py [--adapters 5] [--rate 5|inf] [--requests N] [--groups 2,4]
-         [--max-loras 2,4] [--max-seqs 128] [--fixed-ms 3.5 --all-rows-ms 6 --prompt-ms 3] [--json]
+         [--admit 2,10] [--max-loras 2,4] [--max-seqs 128] [--fixed-ms 3.5 --all-rows-ms 6 --prompt-ms 3] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import math
 import random
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +41,7 @@ from tpot_rows import E, adapter_experts, rows
 
 from esftctl.bench.serve import PROFILES
 from esftctl.bench.serve_runs import Scenario
-from esftctl.runtime.adapter_groups import AdapterGroups, Work
+from esftctl.runtime.adapter_groups import AdapterGroups, Work, admission_order
 
 PROFILE = PROFILES["deepseek-v2-lite"]  # bench serve's: 256-token prompts, 128 tokens out, 256 requests at inf
 MAX_SEQS = int(PROFILE.engine_args[PROFILE.engine_args.index("--max-num-seqs") + 1])  # 128 there
@@ -69,12 +72,14 @@ class Request:
 @dataclass(frozen=True)
 class Policy:
     """How a server picks a step's requests: all (esftctl ungrouped, plain vLLM), `groups` adapters a step held to
-    (esftctl --group-adapters, `wait` its --group-wait), or `max_loras` adapters among running requests."""
+    (esftctl --group-adapters, `wait` its --group-wait), `max_loras` adapters among running requests, or queued
+    requests admitted by adapter, none passed over longer than `admit_ms` (esftctl --admit-by-adapter)."""
 
     label: str
     groups: int = 0
     wait: int = 8
     max_loras: int = 0
+    admit_ms: float = 0.0
 
 
 @dataclass
@@ -118,6 +123,11 @@ def simulate(requests: list[Request], policy: Policy, *, output_len: int = PROFI
             candidates = [r for r in arrived if r.adapter in allowed]
         else:
             decode, candidates = list(running), arrived
+        if policy.admit_ms and len(candidates) > 1:
+            by_id = {id(r): r for r in candidates}
+            counts = Counter(r.adapter for r in running)
+            candidates = [by_id[i] for i in admission_order([(id(r), r.adapter, now - r.arrive) for r in candidates],
+                                                            counts, wait=policy.admit_ms)]
         admit, lora = [], {r.adapter for r in running}
         for r in candidates:
             slots = max_seqs - len(running) - len(admit)
@@ -189,6 +199,8 @@ def main() -> None:
     parser.add_argument("--wait", type=int, default=8, help="their --group-wait")
     parser.add_argument("--max-loras", type=lambda s: [int(x) for x in s.split(",")], default=[2],
                         help="vLLM --max-loras settings to model")
+    parser.add_argument("--admit", type=lambda s: [float(x) for x in s.split(",")], default=[10.0],
+                        help="esftctl --admit-by-adapter settings to model, seconds")
     parser.add_argument("--max-seqs", type=int, default=MAX_SEQS, help="vLLM's --max-num-seqs (bench serve's)")
     for name, default, what in (("fixed", StepCost.fixed_ms, "a step's time apart from its experts and prompts"),
                                 ("all-rows", StepCost.all_rows_ms, "reading every routed expert of every layer once"),
@@ -198,15 +210,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.adapters < 1 or min(args.groups + args.max_loras + [args.wait, args.max_seqs], default=1) < 1:
         raise SystemExit("error: --adapters, --groups, --max-loras, --wait and --max-seqs take counts of 1 or more")
+    if not all(0 < a < math.inf for a in args.admit):
+        raise SystemExit("error: --admit takes seconds above 0")
     if not args.rate > 0 or (args.requests is not None and args.requests < 2):
         raise SystemExit("error: --rate must be above 0 and --requests at least 2")
     if min(args.fixed_ms, args.all_rows_ms, args.prompt_ms) < 0:
         raise SystemExit("error: --fixed-ms, --all-rows-ms and --prompt-ms take times of 0 or more")
     cost = StepCost(fixed_ms=args.fixed_ms, all_rows_ms=args.all_rows_ms, prompt_ms=args.prompt_ms)
     count = args.requests or (PROFILE.prompts if math.isinf(args.rate) else max(2, round(args.rate * 60)))
-    policies = [Policy("esftctl")] + [Policy(f"esftctl, groups of {g}", groups=g, wait=args.wait)
-                                      for g in args.groups] + [Policy(f"max-loras {m}", max_loras=m)
-                                                                for m in args.max_loras]
+    policies = [Policy("esftctl"), *(Policy(f"esftctl, groups of {g}", groups=g, wait=args.wait) for g in args.groups),
+                *(Policy(f"esftctl, admit by adapter {a:g} s", admit_ms=a * 1000) for a in args.admit),
+                *(Policy(f"max-loras {m}", max_loras=m) for m in args.max_loras)]
     out = trade(args.adapters, args.rate, count, policies, max_seqs=args.max_seqs, cost=cost)
     if args.json:
         print(json.dumps(out, indent=1))

@@ -42,7 +42,9 @@ setting is a server of its own, started in turn beside the one plain vLLM server
 its runs in OUT/side_by_side-groups-G.json with what the scheduler did (steps, requests held) under "groups". So
 the settings share plain vLLM's start, and each has its own yardstick (plain again / plain). At 5 requests/s on an
 H100 with 5 adapters: `--rates 5 --rounds 3 --group-adapters 0,2`, about 7 min for the starts, then 5 min a
-setting (its start and three rounds). `--rates 5,inf` adds the load where grouping pays (all requests at once).
+setting (its start and three rounds). `--rates 5,inf` adds the load where requests queue (all at once), and
+`--admit-by-adapter S` one more setting, `esftctl serve --admit-by-adapter S` (queued requests of the adapters
+already running admitted first; in OUT/side_by_side-admit-S.json).
 Last, a trade table over the settings, in the terms issue 29 asks for: TTFT and TPOT median and p99 and output
 tok/s, each arm's and esftctl's over plain vLLM's a round at a time. `--report OUT` prints every table again from
 the JSON files, nothing started.
@@ -57,7 +59,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 from ttft_alone import arm_plan
@@ -199,8 +201,7 @@ def trade_table(results: list[dict]):
     for col in ("setting", "rate", "arm", "TTFT", "TTFT p99", "TPOT", "TPOT p99", "tok/s"):
         t.add_column(col, justify="left" if col in ("setting", "arm") else "right")
     for result in results:
-        group, wait = grouping(result)
-        label = f"groups of {group}, wait {wait}" if group else "ungrouped"
+        label = setting(result).strip(" ()").removeprefix("esftctl ") or "ungrouped"
         for rate, arms in result.get("trade", {}).items():
             for arm, m in arms.items():
                 cells = [ranged(m[k]) if arm == "esftctl / plain" else number(m[k], ".0f" if k == "tok_s" else ".2f")
@@ -288,9 +289,26 @@ def card_bytes() -> int:
     return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
 
 
-def out_file(out: Path, group: int) -> Path:
-    """Where one esftctl setting's runs go: side_by_side.json ungrouped, side_by_side-groups-G.json grouped."""
-    return out / ("side_by_side.json" if not group else f"side_by_side-groups-{group}.json")
+class Setting(NamedTuple):
+    """One way esftctl is served here: ungrouped (both 0), `esftctl serve --group-adapters group`, or
+    `--admit-by-adapter admit` (seconds)."""
+
+    group: int = 0
+    admit: float = 0.0
+
+    def flags(self, wait: int | str | None) -> str:
+        """" (esftctl --group-adapters G --group-wait W)", " (esftctl --admit-by-adapter S)", or "" ungrouped."""
+        if self.group:
+            return f" (esftctl --group-adapters {self.group} --group-wait {wait})"
+        return f" (esftctl --admit-by-adapter {self.admit:g})" if self.admit else ""
+
+
+def out_file(out: Path, setting: Setting) -> Path:
+    """Where one esftctl setting's runs go: side_by_side.json ungrouped, side_by_side-groups-G.json grouped,
+    side_by_side-admit-S.json admitted by adapter."""
+    if setting.group:
+        return out / f"side_by_side-groups-{setting.group}.json"
+    return out / (f"side_by_side-admit-{setting.admit:g}.json" if setting.admit else "side_by_side.json")
 
 
 def measure(run: dict[str, Callable], urls: dict[str, str], *, args, served, profile, result: dict,
@@ -326,19 +344,14 @@ def settle(done: dict[float, list], *, result: dict, output_len: int, stats: Pat
         result["groups"] = read_json(stats)
 
 
-def served_as(group: int, wait) -> str:
-    """How esftctl was served: "" ungrouped, else its --group-adapters and --group-wait."""
-    return f" (esftctl --group-adapters {group} --group-wait {wait})" if group else ""
-
-
-def grouping(result: dict) -> tuple[int, str | None]:
-    """A setting's --group-adapters and --group-wait from its JSON (arguments kept as strings; a run before the
-    grouped settings had none: ungrouped)."""
-    return int(result["args"].get("group_adapters", "0")), result["args"].get("group_wait")
+def setting_of(result: dict) -> Setting:
+    """A setting's JSON's Setting (its arguments kept as strings; runs before a setting had its flag had none)."""
+    return Setting(int(result["args"].get("group_adapters", "0")), float(result["args"].get("admit_by_adapter", "0")))
 
 
 def setting(result: dict) -> str:
-    return served_as(*grouping(result))
+    """How esftctl was served in a setting's JSON, as Setting.flags."""
+    return setting_of(result).flags(result["args"].get("group_wait"))
 
 
 def show(result: dict) -> None:
@@ -377,7 +390,7 @@ def reread(paths: list[Path]) -> list[dict]:
         except (ValueError, KeyError, TypeError, AttributeError, statistics.StatisticsError) as e:
             raise SystemExit(f"error: {path}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
         results.append(result)
-    return sorted(results, key=lambda r: grouping(r)[0])  # ungrouped first, as a run measures them
+    return sorted(results, key=lambda r: (setting_of(r).group, setting_of(r).admit))  # as a run measures them
 
 
 def main() -> None:
@@ -402,6 +415,9 @@ def main() -> None:
                              "adapters a step, 0 not grouped (0,2: ungrouped, then groups of 2)")
     parser.add_argument("--group-wait", type=int, default=8,
                         help="with --group-adapters: steps a request may be held back in a row")
+    parser.add_argument("--admit-by-adapter", type=float, default=0.0, metavar="SECONDS",
+                        help="after the --group-adapters settings, esftctl served with `--admit-by-adapter SECONDS` "
+                             "(queued requests of running adapters admitted first; 0: not)")
     parser.add_argument("--report", type=Path, nargs="+", metavar="PATH",
                         help="print the tables of earlier runs and exit, nothing started: their JSON files, or folders "
                              "of them (--out's, benchmarks/serve-bench/side-by-side)")
@@ -414,6 +430,8 @@ def main() -> None:
         return
     if any(g < 0 for g in args.group_adapters) or len(set(args.group_adapters)) < len(args.group_adapters):
         raise SystemExit("error: --group-adapters: distinct counts, 0 or more")
+    if not 0 <= args.admit_by_adapter < float("inf"):
+        raise SystemExit("error: --admit-by-adapter: seconds, 0 (not) or more")
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
     if args.share is not None and MEMORY_FLAG in profile.engine_args:
         profile = dataclasses.replace(profile, engine_args=with_flag(profile.engine_args, MEMORY_FLAG,
@@ -431,21 +449,23 @@ def main() -> None:
     check_room(engine_args, {"plain": 0, "esftctl": aside}, weights, card=card)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    def esft_plan(group: int):
-        if not group:
+    def esft_plan(how: Setting):
+        if how == Setting():
             return arm_plan(served, True, engine_args["esftctl"])
-        state = args.work / f"state-groups-{group}"
+        state = args.work / f"state-{out_file(Path(), how).stem}"
         stats_file(state / "status.json").unlink(missing_ok=True)  # an earlier run's statistics are not this one's
-        return arm_plan(served, True, engine_args["esftctl"], state_dir=state, group_adapters=group,
-                        group_wait=args.group_wait)
+        return arm_plan(served, True, engine_args["esftctl"], state_dir=state, group_adapters=how.group,
+                        group_wait=args.group_wait, admit_by_adapter=how.admit)
 
+    settings = [Setting(group=g) for g in args.group_adapters]
+    settings += [Setting(admit=args.admit_by_adapter)] if args.admit_by_adapter else []
     # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
     # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05;
     # since ad69d94 it holds one layer's twice at most, so a later setting starts beside plain vLLM)
     results = []
     with contextlib.ExitStack() as servers:
-        say(f"starting esftctl{served_as(args.group_adapters[0], args.group_wait)}")
-        esft = servers.enter_context(Server(esft_plan(args.group_adapters[0])))
+        say(f"starting esftctl{settings[0].flags(args.group_wait)}")
+        esft = servers.enter_context(Server(esft_plan(settings[0])))
         esft.wait_ready(timeout=1200)
         say("esftctl ready; starting plain vLLM")
         plain = servers.enter_context(Server(arm_plan(served, False, engine_args["plain"])))
@@ -454,21 +474,22 @@ def main() -> None:
         run_plain = runner(plain.plan.url, "base", served=served, profile=profile, routes=None, out=args.out)
         warm_up(run_plain, "plain", [Scenario("base", rate) for rate in args.rates], names={}, profile=profile,
                 on_step=say)
-        for i, group in enumerate(args.group_adapters):
+        for i, how in enumerate(settings):
             if i:
                 esft.stop()
-                say(f"starting esftctl{served_as(group, args.group_wait)} beside plain vLLM")
-                esft = servers.enter_context(Server(esft_plan(group)))
+                say(f"starting esftctl{how.flags(args.group_wait)} beside plain vLLM")
+                esft = servers.enter_context(Server(esft_plan(how)))
                 esft.wait_ready(timeout=1200)
-            result = {"args": {k: str(v) for k, v in vars(args).items()} | {"group_adapters": str(group)},
+            result = {"args": {k: str(v) for k, v in vars(args).items()} | {"group_adapters": str(how.group),
+                                                                              "admit_by_adapter": str(how.admit)},
                       "engine_args": engine_args, "rounds": {}}
             run = {"plain": run_plain, "esftctl": runner(esft.plan.url, "base", served=served, profile=profile,
                                                          routes=None, out=args.out)}
-            path = out_file(args.out, group)
+            path = out_file(args.out, how)
             done = measure(run, {"plain": plain.plan.url, "esftctl": esft.plan.url}, args=args, served=served,
                            profile=profile, result=result, path=path)
             settle(done, result=result, output_len=profile.output_len,
-                   stats=stats_file(esft.plan.state_dir / "status.json") if group else None)
+                   stats=stats_file(esft.plan.state_dir / "status.json") if how != Setting() else None)
             path.write_text(json.dumps(result))
             show(result)
             results.append(result)

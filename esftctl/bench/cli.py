@@ -267,6 +267,10 @@ def serve(
     max_loras: int = typer.Option(0, min=0, help="Also measure esftctl serve with vLLM's --max-loras N, below the "
                                                  "adapter count: at most N adapters among the running requests, "
                                                  "the others wait to be admitted (0: not)."),
+    admit_by_adapter: float = typer.Option(0.0, min=0.0, metavar="SECONDS",
+                                           help="Also measure `esftctl serve --admit-by-adapter SECONDS`: queued "
+                                                "requests of the adapters already running admitted first, none "
+                                                "passed over longer (0: not)."),
     parallel: str = typer.Option("1", help="Comma-separated tensor-parallel sizes: every server is measured at "
                                            "each (1,2: what a second GPU buys, as tok/s against the first size). On "
                                            "the CPU build each rank of a larger size gets one core "
@@ -294,9 +298,9 @@ def serve(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """ExpertWeave's protocol: TTFT, TPOT, prefill and decode speed (vLLM bench serve; power-law adapter shares,
-    Gamma arrivals) of plain vLLM (base, merged copies), esftctl serve over 0-20 adapters (and grouped, or under
-    --max-loras) and vLLM multi-LoRA; microbenchmarks; KV-cache room; adapter load time. Runs in slices that
-    resume: a rerun skips what is under --out."""
+    Gamma arrivals) of plain vLLM (base, merged copies), esftctl serve over 0-20 adapters (and grouped, admitted by
+    adapter, or under --max-loras) and vLLM multi-LoRA; microbenchmarks; KV-cache room; adapter load time. Runs in
+    slices that resume: a rerun skips what is under --out."""
     from esftctl.bench import serve as bench
     from esftctl.bench.serve_models import SHAPES
     from esftctl.errors import EsftError
@@ -335,7 +339,8 @@ def serve(
         model, gpu=gpu or (report_only and model != "tiny"), counts=counts, rates=_rates(rates) if rates else None,
         duration=duration, prompts=prompts, repeats=repeats, alphas=_alphas(alphas) if alphas else None, cv=cv,
         shape=adapter_shape, micro_runs=micro_runs, slice_by=slice_by, capture_size=capture_size, servers=chosen,
-        group_adapters=group_adapters, group_wait=group_wait, max_loras=max_loras, merged_copies=merged_copies,
+        group_adapters=group_adapters, group_wait=group_wait, max_loras=max_loras,
+        admit_by_adapter=admit_by_adapter, merged_copies=merged_copies,
         parallel=sizes, expert_parallel=expert_parallel)
     rounds = tuple(_counts("--only-rounds", only_rounds, minimum=0)) if only_rounds else None
     if rounds and max(rounds) >= profile.repeats:

@@ -16,7 +16,9 @@ speed):
   with the Table 1 shapes, also a run over adapters of DeepSeek's published size at the highest rate;
 - `esftctl, groups of G` (`group_adapters`): the same with `esftctl serve --group-adapters G`, at most G
   adapters per engine step (esftctl.runtime.adapter_groups); `esftctl, --max-loras K` (`max_loras`): the same
-  with vLLM's own bound, at most K adapters among the running requests: the two ways to read fewer rows;
+  with vLLM's own bound, at most K adapters among the running requests; `esftctl, admitted by adapter`
+  (`admit_by_adapter`): the same with `esftctl serve --admit-by-adapter S`, queued requests of running adapters
+  admitted first: the three ways to read fewer rows;
 - `vLLM multi-LoRA`, the peer: rank-16 LoRA on every routed expert and on attention (bench.lora_peer),
   `--max-loras` = the largest adapter count, the same runs. GPU only: vLLM's CPU build sends MoE LoRA to its
   Triton kernel, which needs a GPU.
@@ -209,7 +211,7 @@ def environ(**values: str):
 
 @dataclass(frozen=True)
 class Options:
-    """The run's choices beyond the profile: which servers, the two row-saving settings, merged copies."""
+    """The run's choices beyond the profile: which servers, the three row-saving settings, merged copies."""
 
     servers: tuple[str, ...]
     parallel: tuple[int, ...] = (1,)
@@ -217,6 +219,7 @@ class Options:
     group_adapters: int = 0  # > 0: also measure esftctl serve --group-adapters this
     group_wait: int = 8
     max_loras: int = 0  # > 0: also measure esftctl serve with vLLM's --max-loras this
+    admit_by_adapter: float = 0.0  # > 0: also measure esftctl serve --admit-by-adapter this (seconds)
     merged_copies: int = 0  # 0: as many as fit
     load_repeats: int = 3
 
@@ -241,17 +244,19 @@ def configure(model: str = "tiny", *, gpu: bool, counts: tuple[int, ...] | None 
 class BenchServer:
     """One server of the bench as its slices know it: `key` names its folder of slices, `kind` its rows."""
 
-    key: str  # base, merged, esftctl, grouped-G-W, max-loras-K, lora; with -tp2 (or -ep2) past one rank
-    kind: str  # vLLM base, vLLM merged, esftctl, "esftctl, groups of G", "esftctl, --max-loras K", vLLM multi-LoRA
+    key: str  # base, merged, esftctl, grouped-G-W, admitted-S, max-loras-K, lora; -tp2 (or -ep2) past one rank
+    kind: str  # vLLM base, vLLM merged, esftctl, "esftctl, groups of G", "esftctl, admitted by adapter",
+    # "esftctl, --max-loras K", vLLM multi-LoRA
     role: str  # what it serves and runs: base, merged, esftctl or lora
     ranks: int = 1
-    serve: tuple[tuple[str, int], ...] = ()  # esftctl serve's settings of this kind (--group-adapters, --group-wait)
+    serve: tuple[tuple[str, float], ...] = ()  # esftctl serve's settings of this kind (--group-adapters, ...)
     vllm_extra: tuple[str, ...] = ()  # vLLM arguments of this kind (--max-loras K)
 
 
 def bench_servers(profile: Profile, options: Options) -> list[BenchServer]:
     """The servers the options ask for, each at every parallel size: plain vLLM's base (always, the anchor),
-    merged copies, esftctl (plain, grouped, under --max-loras), multi-LoRA (when some count has adapters)."""
+    merged copies, esftctl (plain, grouped, admitted by adapter, under --max-loras), multi-LoRA (when some count
+    has adapters)."""
     o = options
     kinds = [BenchServer("base", "vLLM base", "base")]
     if "merged" in o.servers:
@@ -261,6 +266,9 @@ def bench_servers(profile: Profile, options: Options) -> list[BenchServer]:
     if o.group_adapters:
         kinds.append(BenchServer(f"grouped-{o.group_adapters}-{o.group_wait}", f"esftctl, groups of {o.group_adapters}",
                                  "esftctl", serve=(("group_adapters", o.group_adapters), ("group_wait", o.group_wait))))
+    if o.admit_by_adapter:
+        kinds.append(BenchServer(f"admitted-{o.admit_by_adapter:g}", "esftctl, admitted by adapter", "esftctl",
+                                 serve=(("admit_by_adapter", o.admit_by_adapter),)))
     if o.max_loras:
         kinds.append(BenchServer(f"max-loras-{o.max_loras}", f"esftctl, --max-loras {o.max_loras}", "esftctl",
                                  vllm_extra=("--max-loras", str(o.max_loras))))
@@ -398,7 +406,7 @@ class Bench:
         job = Job(lambda label, par: [self.esftctl_plan(label, par, server.vllm_extra, **settings)],
                   scenarios(profile, len(served.grid), len(served.esft_sized)),
                   names={"grid": served.grid, "esft_sized": served.esft_sized},
-                  after=self.group_stats(label) if settings.get("group_adapters") else None)
+                  after=self.group_stats(label) if settings else None)
         if server.kind == "esftctl" and served.grid:  # only here: microbenchmarks (batch 1 groups nothing) and loads
             job.micro = _chain(lambda url: {"adapter_load": adapter_load_times(
                 url, served, self.options.load_repeats, self.on_step)},
@@ -407,7 +415,8 @@ class Bench:
         return job
 
     def group_stats(self, label: str) -> Callable[[str], dict]:
-        """What the grouping scheduler did over the runs (esftctl.runtime.vllm.adapter_groups writes it)."""
+        """What the grouping scheduler did over the runs, held steps or reordered queues
+        (esftctl.runtime.vllm.adapter_groups writes it)."""
         from esftctl.jsonfile import read_json
         from esftctl.runtime.adapter_groups import stats_file
 

@@ -268,12 +268,15 @@ def groups_table(result: dict):
         return None
     t = Table(title="adapter groups over the runs (the scheduler's own count): engine steps, steps that held some "
                     "adapter back, the most adapters vLLM scheduled in one step, the longest a request was held "
-                    "back (steps in a row)", title_justify="left")
-    for col in ("server", "G", "W", "steps", "held-back steps", "most in a step", "longest wait"):
+                    "back (steps in a row); admitted by adapter: the bound (s) and the steps whose queue it "
+                    "reordered", title_justify="left")
+    for col in ("server", "G", "W", "steps", "held-back steps", "most in a step", "longest wait", "admit s",
+                "reordered"):
         t.add_column(col, justify="left" if col == "server" else "right")
     for server, g in grouped:
-        t.add_row(server, str(g["most"]), str(g["wait"]), f"{g['steps']:,}", f"{g['grouped_steps']:,}",
-                  str(g["most_groups_scheduled"]), str(g["longest_wait"]))
+        t.add_row(server, *(number(g.get(k), spec) for k, spec in (
+            ("most", "d"), ("wait", "d"), ("steps", ",d"), ("grouped_steps", ",d"), ("most_groups_scheduled", "d"),
+            ("longest_wait", "d"), ("admit_by_adapter", "g"), ("reordered", ",d"))))
     return t
 
 

@@ -335,13 +335,18 @@ def _result(label: str, res: dict, profile: Profile) -> dict:
 
 
 def merge_groups(stats: list[dict]) -> dict:
-    """The grouping scheduler's statistics of several starts: steps summed, the most and the longest the largest."""
-    out = {"most": stats[0]["most"], "wait": stats[0]["wait"], "held": {}}
-    for key in ("steps", "grouped_steps"):
-        out[key] = sum(g[key] for g in stats)
-    for key in ("most_groups_scheduled", "longest_wait"):
-        out[key] = max(g[key] for g in stats)
-    for g in stats:
-        for name, steps in (g.get("held") or {}).items():
-            out["held"][name] = out["held"].get(name, 0) + steps
+    """The grouping scheduler's statistics of several starts: steps summed, the most and the longest the largest;
+    with --admit-by-adapter, the steps whose queue it reordered summed."""
+    out: dict = {}
+    if "most" in stats[0]:
+        out = {"most": stats[0]["most"], "wait": stats[0]["wait"], "held": {}}
+        for key in ("steps", "grouped_steps"):
+            out[key] = sum(g[key] for g in stats)
+        for key in ("most_groups_scheduled", "longest_wait"):
+            out[key] = max(g[key] for g in stats)
+        for g in stats:
+            for name, steps in (g.get("held") or {}).items():
+                out["held"][name] = out["held"].get(name, 0) + steps
+    if "admit_by_adapter" in stats[0]:
+        out |= {"admit_by_adapter": stats[0]["admit_by_adapter"], "reordered": sum(g["reordered"] for g in stats)}
     return out
