@@ -149,14 +149,15 @@ def test_admitting_by_adapter_gathers_running_requests_on_fewer_adapters_and_pas
 
 
 class Queue(list):
-    """vLLM's request queue, as the mixin uses it."""
+    """vLLM's first-come-first-served request queue, as the mixin uses it: prepend_requests is a deque's extendleft
+    there (vLLM 0.25 and 0.32), which puts what it is given in front in reverse."""
 
     def remove_requests(self, requests):
         for r in requests:
             self.remove(r)
 
     def prepend_requests(self, requests: deque):
-        self[:0] = list(requests)
+        self[:0] = list(reversed(requests))
 
 
 class StandIn:

@@ -81,7 +81,7 @@ class AdapterGroupsMixin:
             return
         held, by_id = [r for r in queue if r.status != RequestStatus.WAITING], {r.request_id: r for r in new}
         queue.remove_requests(list(queue))
-        queue.prepend_requests(deque([*held, *(by_id[rid] for rid in order)]))
+        queue.prepend_requests(deque(reversed([*held, *(by_id[rid] for rid in order)])))  # extendleft reverses
         self.reordered += 1
 
     def _maxima(self) -> tuple[int, int, bool]:

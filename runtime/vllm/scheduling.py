@@ -3,7 +3,9 @@ esftctl.runtime.vllm.adapter_groups): holding requests back for one schedule() c
 own means, so that its scheduler stays whole. A held-back running request is not eligible this call
 (`next_decode_eligible_step`, restored afterwards; schedule() first advances current_step, hence + 2), and a
 held-back waiting one leaves its queue for the call and comes back in front, in its order, as vLLM puts back the
-requests it skipped (the same in vLLM 0.25 and 0.32).
+requests it skipped (the same in vLLM 0.25 and 0.32). The first-come-first-served queue's prepend_requests is a
+deque's extendleft, which reverses what it is given: vLLM hands it the skipped requests in reverse, and so does
+this (before 2026-12-05 it did not, and requests held two steps came back in reverse order).
 """
 
 from __future__ import annotations
@@ -38,4 +40,4 @@ def holding_back(scheduler, runs: Callable[[object], bool]) -> Iterator[None]:
             request.next_decode_eligible_step = step
         for queue, requests in hidden:
             if requests:
-                queue.prepend_requests(deque(requests))
+                queue.prepend_requests(deque(reversed(requests)))  # extendleft: vLLM's own callers hand it reversed
