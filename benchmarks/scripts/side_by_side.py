@@ -297,7 +297,8 @@ class Setting(NamedTuple):
     admit: float = 0.0
 
     def flags(self, wait: int | str | None) -> str:
-        """" (esftctl --group-adapters G --group-wait W)", " (esftctl --admit-by-adapter S)", or "" ungrouped."""
+        """The setting as esftctl's flags in a title: ` (esftctl --group-adapters G --group-wait W)`,
+        ` (esftctl --admit-by-adapter S)`, or nothing ungrouped."""
         if self.group:
             return f" (esftctl --group-adapters {self.group} --group-wait {wait})"
         return f" (esftctl --admit-by-adapter {self.admit:g})" if self.admit else ""
