@@ -125,9 +125,9 @@ def simulate(requests: list[Request], policy: Policy, *, output_len: int = PROFI
             decode, candidates = list(running), arrived
         if policy.admit_ms and len(candidates) > 1:
             by_id = {id(r): r for r in candidates}
-            counts = Counter(r.adapter for r in running)
+            per_adapter = Counter(r.adapter for r in running)
             candidates = [by_id[i] for i in admission_order([(id(r), r.adapter, now - r.arrive) for r in candidates],
-                                                            counts, wait=policy.admit_ms)]
+                                                            per_adapter, wait=policy.admit_ms)]
         admit, lora = [], {r.adapter for r in running}
         for r in candidates:
             slots = max_seqs - len(running) - len(admit)

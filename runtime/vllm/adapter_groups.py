@@ -26,12 +26,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from esftctl.runtime.adapter_groups import AdapterGroups, Work, admission_order, stats_file
+from esftctl.runtime.adapter_groups import AdapterGroups, GroupStats, Work, admission_order, stats_file
 from esftctl.runtime.engine_status import StatusFile
 from esftctl.runtime.serve_config import ServeConfig, ServeSettings
 from esftctl.runtime.vllm.scheduling import holding_back, waiting_queues
 
 STATS_EVERY_S = 1.0
+NO_GROUPS = GroupStats()  # the maxima without --group-adapters: none (read, never written)
 
 
 def group_of(request) -> int:
@@ -85,8 +86,8 @@ class AdapterGroupsMixin:
         self.reordered += 1
 
     def _maxima(self) -> tuple[int, int, bool]:
-        stats = self.groups.stats if self.groups is not None else None
-        return (stats.most_groups_scheduled if stats else 0, stats.longest_wait if stats else 0, self.reordered > 0)
+        stats = self.groups.stats if self.groups is not None else NO_GROUPS
+        return stats.most_groups_scheduled, stats.longest_wait, self.reordered > 0
 
     def _record(self, output, before: tuple[int, int, bool]) -> None:
         """Count the groups vLLM scheduled; write the statistics when a maximum grew (or the first reorder came),
@@ -107,18 +108,22 @@ class AdapterGroupsMixin:
         return stats
 
 
+def _configured() -> tuple[ServeSettings, str | None]:
+    """The server's settings and status file, as esftctl serve handed them to the engine."""
+    config = ServeConfig.from_env()
+    return config.settings, config.status_file
+
+
 class GroupingScheduler(AdapterGroupsMixin, Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        config = ServeConfig.from_env()
-        self._init_groups(config.settings, config.status_file)
+        self._init_groups(*_configured())
 
 
 class AsyncGroupingScheduler(AdapterGroupsMixin, AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        config = ServeConfig.from_env()
-        self._init_groups(config.settings, config.status_file)
+        self._init_groups(*_configured())
 
 
 def grouping_scheduler(*, vllm_config, **kwargs):
