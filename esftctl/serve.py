@@ -427,6 +427,16 @@ class Server:
                 return " ".join(cause.split())[:400]
         return " ".join((lines[-1:] or ["no output"])[0].split())[:400]
 
+    def error_lines(self, count: int = 40, width: int = 300) -> list[str]:
+        """Up to `count` lines of vLLM's log from its first ERROR on (a fatal engine error's traceback and cause),
+        each cut to `width` characters: vLLM dumps the scheduler's state with it, every prompt's token ids, so the
+        whole log of a server that died under 256 requests ran past 16 MiB (H100, 2026-12-06)."""
+        if not self.plan.log_file.exists():
+            return []
+        lines = self.plan.log_file.read_text(errors="replace").splitlines()
+        first = next((i for i, line in enumerate(lines) if " ERROR " in line), len(lines))
+        return [line[:width] for line in lines[first:] if line.strip()][:count]
+
     def memory_hint(self) -> str:
         """What esftctl set aside before vLLM sized its KV cache, where vLLM found no room left for it."""
         if not self.plan.esft or not self.plan.adapter_budget or "No available memory for the cache" not in \

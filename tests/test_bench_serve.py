@@ -197,6 +197,42 @@ def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path
     assert jit_compiles([SimpleNamespace(log_file=logs[2])]) == 0
 
 
+def test_a_failed_run_says_what_the_servers_logs_give(tmp_path):
+    """A load run that fails brings the servers' causes with it: each log's lines from its first ERROR on (bounded
+    in count and width, since vLLM dumps every prompt's token ids there) go to the progress lines, and each
+    server's root cause joins the error; a server whose log says nothing adds its last line, one never started
+    nothing."""
+    from types import SimpleNamespace
+
+    from esftctl.bench.serve_runs import failures_explained
+    from esftctl.serve import Server
+
+    dead, calm, never = (tmp_path / f"{name}.log" for name in ("dead", "calm", "never"))
+    dumped = "(EngineCore pid=7) ERROR 12-06 02:00:12 [dump_input.py:72] NewRequestData(prompt_token_ids=[" + \
+        ", ".join(["1234"] * 500) + "])"
+    dead.write_text("(EngineCore pid=7) INFO 12-06 02:00:11 [core.py:1] ready\n"
+                    "(EngineCore pid=7) ERROR 12-06 02:00:12 [core.py:2] EngineCore encountered a fatal error.\n"
+                    + f"{dumped}\n" * 60 +
+                    "(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    calm.write_text("(APIServer pid=8) INFO 12-06 02:00:13 [loggers.py:1] Running: 0 reqs\n")
+    servers = [Server(SimpleNamespace(log_file=log)) for log in (dead, calm, never)]
+    said = []
+    with pytest.raises(RuntimeError) as failed:
+        with failures_explained(servers, said.append):
+            raise RuntimeError("plain_r0: 255 of 256 requests failed (first error: Never received a valid chunk)")
+    message = str(failed.value)
+    assert message.startswith("plain_r0: 255 of 256 requests failed")
+    assert f"{dead}: (EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in message
+    assert f"{calm}: (APIServer pid=8) INFO" in message and str(never) not in message
+    assert said[0] == f"{dead}: (EngineCore pid=7) ERROR 12-06 02:00:12 [core.py:2] EngineCore encountered a fatal " \
+        "error."
+    assert len(said) == 40 and all(len(line) <= len(str(dead)) + 2 + 300 for line in said)
+    with pytest.raises(KeyError):  # anything but a failed run passes as it came
+        with failures_explained(servers, said.append):
+            raise KeyError("x")
+    assert len(said) == 40
+
+
 @pytest.mark.vllm
 def test_bench_serve_runs_on_the_cpu_build(tmp_path):
     """CI size: plain vLLM's base, esftctl serve with two adapters over 0 and 2 of them (and grouped, and under

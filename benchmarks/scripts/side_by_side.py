@@ -44,7 +44,10 @@ the settings share plain vLLM's start, and each has its own yardstick (plain aga
 H100 with 5 adapters: `--rates 5 --rounds 3 --group-adapters 0,2`, about 7 min for the starts, then 5 min a
 setting (its start and three rounds). `--rates 5,inf` adds the load where requests queue (all at once), and
 `--admit-by-adapter S` one more setting, `esftctl serve --admit-by-adapter S` (queued requests of the adapters
-already running admitted first; in OUT/side_by_side-admit-S.json).
+already running admitted first; in OUT/side_by_side-admit-S.json). On an H100 at `--share 0.95` plain vLLM's
+engine failed every request of its first run at inf (256 at once, 2026-12-06), where it had served 16 at once
+in its warm-up; on the CPU build the same run passes. A run that fails now prints each server's first ERROR
+lines (serve_runs.failures_explained); until its cause is known, run inf on an H200.
 Last, a trade table over the settings, in the terms issue 29 asks for: TTFT and TPOT median and p99 and output
 tok/s, each arm's and esftctl's over plain vLLM's a round at a time. `--report OUT` prints every table again from
 the JSON files, nothing started.
@@ -70,7 +73,7 @@ from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import MEMORY_FLAG, PROFILES, split_memory, utilization, with_flag
 from esftctl.bench.serve_report import interval, number, percent
-from esftctl.bench.serve_runs import Scenario, runner, server_means, server_times, warm_up
+from esftctl.bench.serve_runs import Scenario, failures_explained, runner, server_means, server_times, warm_up
 from esftctl.bench.slices import clustered_median
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json
@@ -487,8 +490,9 @@ def main() -> None:
             run = {"plain": run_plain, "esftctl": runner(esft.plan.url, "base", served=served, profile=profile,
                                                          routes=None, out=args.out)}
             path = out_file(args.out, how)
-            done = measure(run, {"plain": plain.plan.url, "esftctl": esft.plan.url}, args=args, served=served,
-                           profile=profile, result=result, path=path)
+            with failures_explained([plain, esft], say):
+                done = measure(run, {"plain": plain.plan.url, "esftctl": esft.plan.url}, args=args, served=served,
+                               profile=profile, result=result, path=path)
             settle(done, result=result, output_len=profile.output_len,
                    stats=stats_file(esft.plan.state_dir / "status.json") if how != Setting() else None)
             path.write_text(json.dumps(result))

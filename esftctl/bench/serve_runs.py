@@ -165,8 +165,11 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
     on_step(f"{label}: starting vLLM" + (f" ({len(plans)} servers side by side)" if len(plans) > 1 else ""))
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        servers = []
         for p in plans:  # one after another: each sizes itself by the memory the ones before left
-            stack.enter_context(Server(p)).wait_ready(timeout=1800)
+            servers.append(stack.enter_context(Server(p)))
+            servers[-1].wait_ready(timeout=1800)
+        stack.enter_context(failures_explained(servers, on_step))
         ready_s = time.perf_counter() - started
         url, model = plans[0].url, plans[0].name
         kv = kv_cache_tokens(url)
@@ -189,6 +192,21 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
             yield {"server": label, "ready_s": ready_s, "kv_cache_tokens": kv, "runs": measured,
                    "jit_compiles_in_runs": compiled, "parts_before": i, "own_s": time.perf_counter() - began,
                    **extra}
+
+
+@contextlib.contextmanager
+def failures_explained(servers: list[Server], on_step: Callable[[str], None]) -> Iterator[None]:
+    """A load run that fails (run_load's RuntimeError) says why, from the servers' logs: each one's first ERROR
+    lines go to `on_step`, and its root cause joins the error. On an H100 (2026-12-06) plain vLLM answered 255 of
+    256 requests sent at once with streams that held no token, and the cause stayed in a log too large to fetch."""
+    try:
+        yield
+    except RuntimeError as e:
+        for server in servers:
+            for line in server.error_lines():
+                on_step(f"{server.plan.log_file}: {line}")
+        causes = "; ".join(f"{s.plan.log_file}: {s.last_error()}" for s in servers if s.plan.log_file.exists())
+        raise RuntimeError(f"{e}; the servers' logs say: {causes}") from e
 
 
 def runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
