@@ -428,9 +428,9 @@ class Server:
         return " ".join((lines[-1:] or ["no output"])[0].split())[:400]
 
     def error_lines(self, count: int = 40, width: int = 300) -> list[str]:
-        """Up to `count` lines of vLLM's log from its first ERROR on (a fatal engine error's traceback and cause),
-        each cut to `width` characters: vLLM dumps the scheduler's state with it, every prompt's token ids, so the
-        whole log of a server that died under 256 requests ran past 16 MiB (H100, 2026-12-06)."""
+        """Up to `count` lines of vLLM's log from its first ERROR on (a fatal engine error's dump of its config and
+        scheduler output, then the traceback), each cut to `width` characters: the whole log can be too large to
+        read back, as plain vLLM's was, past 16 MiB, after its engine failed under 256 requests (H100, 2026-12-06)."""
         if not self.plan.log_file.exists():
             return []
         lines = self.plan.log_file.read_text(errors="replace").splitlines()

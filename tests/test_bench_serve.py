@@ -199,17 +199,16 @@ def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path
 
 def test_a_failed_run_says_what_the_servers_logs_give(tmp_path):
     """A load run that fails brings the servers' causes with it: each log's lines from its first ERROR on (bounded
-    in count and width, since vLLM dumps every prompt's token ids there) go to the progress lines, and each
-    server's root cause joins the error; a server whose log says nothing adds its last line, one never started
-    nothing."""
+    in count and width, since vLLM's fatal-error dump is long) go to the progress lines, and each server's root
+    cause joins the error; a server whose log says nothing adds its last line, one never started nothing."""
     from types import SimpleNamespace
 
     from esftctl.bench.serve_runs import failures_explained
     from esftctl.serve import Server
 
     dead, calm, never = (tmp_path / f"{name}.log" for name in ("dead", "calm", "never"))
-    dumped = "(EngineCore pid=7) ERROR 12-06 02:00:12 [dump_input.py:72] NewRequestData(prompt_token_ids=[" + \
-        ", ".join(["1234"] * 500) + "])"
+    dumped = "(EngineCore pid=7) ERROR 12-06 02:00:12 [dump_input.py:79] Dumping scheduler output for model " \
+        "execution: SchedulerOutput(scheduled_new_reqs=[" + ", ".join(["NewRequestData(req_id=1)"] * 200) + "])"
     dead.write_text("(EngineCore pid=7) INFO 12-06 02:00:11 [core.py:1] ready\n"
                     "(EngineCore pid=7) ERROR 12-06 02:00:12 [core.py:2] EngineCore encountered a fatal error.\n"
                     + f"{dumped}\n" * 60 +
