@@ -73,7 +73,15 @@ from esftctl.bench.load import REQUEST_KINDS as KINDS
 from esftctl.bench.load import Load, per_request, request_ratios
 from esftctl.bench.serve import MEMORY_FLAG, PROFILES, split_memory, utilization, with_flag
 from esftctl.bench.serve_report import interval, number, percent
-from esftctl.bench.serve_runs import Scenario, failures_explained, runner, server_means, server_times, warm_up
+from esftctl.bench.serve_runs import (
+    Scenario,
+    failures_explained,
+    kv_cache_tokens,
+    runner,
+    server_means,
+    server_times,
+    warm_up,
+)
 from esftctl.bench.slices import clustered_median
 from esftctl.errors import EsftError
 from esftctl.jsonfile import read_json
@@ -474,7 +482,8 @@ def main() -> None:
         say("esftctl ready; starting plain vLLM")
         plain = servers.enter_context(Server(arm_plan(served, False, engine_args["plain"])))
         plain.wait_ready(timeout=1200)
-        say("plain vLLM ready; warming it up")
+        say(f"plain vLLM ready (KV cache: {kv_cache_tokens(plain.plan.url)} tokens; esftctl's: "
+            f"{kv_cache_tokens(esft.plan.url)}); warming it up")
         run_plain = runner(plain.plan.url, "base", served=served, profile=profile, routes=None, out=args.out)
         warm_up(run_plain, "plain", [Scenario("base", rate) for rate in args.rates], names={}, profile=profile,
                 on_step=say)
@@ -484,6 +493,7 @@ def main() -> None:
                 say(f"starting esftctl{how.flags(args.group_wait)} beside plain vLLM")
                 esft = servers.enter_context(Server(esft_plan(how)))
                 esft.wait_ready(timeout=1200)
+                say(f"esftctl ready (KV cache: {kv_cache_tokens(esft.plan.url)} tokens)")
             result = {"args": {k: str(v) for k, v in vars(args).items()} | {"group_adapters": str(how.group),
                                                                               "admit_by_adapter": str(how.admit)},
                       "engine_args": engine_args, "rounds": {}}
