@@ -197,10 +197,15 @@ def test_warm_up_paces_the_busiest_rate_and_kernel_compiles_are_counted(tmp_path
     assert jit_compiles([SimpleNamespace(log_file=logs[2])]) == 0
 
 
-def test_a_failed_run_says_what_the_servers_logs_give(tmp_path):
+def test_a_failed_run_says_what_the_servers_logs_give(tmp_path, monkeypatch):
     """A load run that fails brings the servers' causes with it: each log's lines from its first ERROR on (bounded
-    in count and width, since vLLM's fatal-error dump is long) go to the progress lines, and each server's root
-    cause joins the error; a server whose log says nothing adds its last line, one never started nothing."""
+    in count and width, since vLLM's fatal-error dump is long) go to the progress lines, then the memory each
+    process holds on the GPUs, named by its server where it is one's; each server's root cause joins the error; a
+    server whose log says nothing adds its last line, one never started nothing. Without nvidia-smi, no memory
+    line."""
+    import os
+    import stat
+    import sys
     from types import SimpleNamespace
 
     from esftctl.bench.serve_runs import failures_explained
@@ -215,21 +220,34 @@ def test_a_failed_run_says_what_the_servers_logs_give(tmp_path):
                     "(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
     calm.write_text("(APIServer pid=8) INFO 12-06 02:00:13 [loggers.py:1] Running: 0 reqs\n")
     servers = [Server(SimpleNamespace(log_file=log)) for log in (dead, calm, never)]
+    servers[1].process = SimpleNamespace(pid=os.getpgid(0))  # this test's process stands in for calm's engine
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"  # a stand-in: this process on two cards, and one of no server's (a pid unused)
+    smi.write_text(f"#!{sys.executable}\nprint('{os.getpid()}, 30000\\n{os.getpid()}, 12\\n4194303, 5')\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def fail(said: list[str], error: Exception) -> str:
+        with pytest.raises(type(error)) as failed:
+            with failures_explained(servers, said.append):
+                raise error
+        return str(failed.value)
+
     said = []
-    with pytest.raises(RuntimeError) as failed:
-        with failures_explained(servers, said.append):
-            raise RuntimeError("plain_r0: 255 of 256 requests failed (first error: Never received a valid chunk)")
-    message = str(failed.value)
+    message = fail(said, RuntimeError("plain_r0: 255 of 256 requests failed (first error: Never received a chunk)"))
     assert message.startswith("plain_r0: 255 of 256 requests failed")
     assert f"{dead}: (EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in message
     assert f"{calm}: (APIServer pid=8) INFO" in message and str(never) not in message
     assert said[0] == f"{dead}: (EngineCore pid=7) ERROR 12-06 02:00:12 [core.py:2] EngineCore encountered a fatal " \
         "error."
-    assert len(said) == 40 and all(len(line) <= len(str(dead)) + 2 + 300 for line in said)
-    with pytest.raises(KeyError):  # anything but a failed run passes as it came
-        with failures_explained(servers, said.append):
-            raise KeyError("x")
-    assert len(said) == 40
+    assert len(said) == 41 and all(len(line) <= len(str(dead)) + 2 + 300 for line in said[:40])
+    assert said[40] == f"GPU memory held now: process {os.getpid()} ({calm}) 30012 MiB, process 4194303 5 MiB"
+    assert fail(said, KeyError("x")) == "'x'" and len(said) == 41  # anything but a failed run passes as it came
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: the CPU build
+    said.clear()
+    fail(said, RuntimeError("failed"))
+    assert len(said) == 40 and not any(line.startswith("GPU memory") for line in said)
 
 
 @pytest.mark.vllm

@@ -88,6 +88,27 @@ def query(smi: str) -> str | None:
     return None
 
 
+def gpu_processes(smi: str = "nvidia-smi") -> dict[int, int] | None:
+    """MiB each process holds on the GPUs, by pid (nvidia-smi's compute apps; a process on two cards, summed); None
+    where there is no nvidia-smi or it does not answer. Read where a run failed beside another server: whether each
+    held what its share gave it."""
+    if not shutil.which(smi):
+        return None
+    try:
+        done = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode:
+        return None
+    held: dict[int, int] = {}
+    for line in done.stdout.splitlines():
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        if pid.isdigit() and mib.isdigit():
+            held[int(pid)] = held.get(int(pid), 0) + int(mib)
+    return held
+
+
 def visible_gpus() -> set[int] | None:
     """The GPU indices CUDA_VISIBLE_DEVICES names where it names them by number; None: every GPU."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import re
 import statistics
 import time
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from esftctl.bench.conditions import Watch
+from esftctl.bench.conditions import Watch, gpu_processes
 from esftctl.bench.load import Load, floors, per_request, run_load, summary
 from esftctl.bench.traffic import check_shares, draw_adapters, run_seed, slora_shares
 from esftctl.serve import Server
@@ -197,16 +198,30 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
 @contextlib.contextmanager
 def failures_explained(servers: list[Server], on_step: Callable[[str], None]) -> Iterator[None]:
     """A load run that fails (run_load's RuntimeError) says why, from the servers' logs: each one's first ERROR
-    lines go to `on_step`, and its root cause joins the error. On an H100 (2026-12-06) plain vLLM answered 255 of
-    256 requests sent at once with streams that held no token, and the cause stayed in a log too large to fetch."""
+    lines go to `on_step`, then what each process holds on the GPUs now, and each server's root cause joins the
+    error. On an H100 (2026-12-06) plain vLLM answered 255 of 256 requests sent at once with streams that held no
+    token, beside esftctl on the same card, and the cause stayed in a log too large to fetch."""
     try:
         yield
     except RuntimeError as e:
         for server in servers:
             for line in server.error_lines():
                 on_step(f"{server.plan.log_file}: {line}")
+        held = gpu_processes()
+        if held:
+            on_step("GPU memory held now: " + ", ".join(f"{owner(p, servers)} {mib} MiB" for p, mib in held.items()))
         causes = "; ".join(f"{s.plan.log_file}: {s.last_error()}" for s in servers if s.plan.log_file.exists())
         raise RuntimeError(f"{e}; the servers' logs say: {causes}") from e
+
+
+def owner(pid: int, servers: list[Server]) -> str:
+    """A process named by the server it belongs to (its process group: each server starts a session of its own)."""
+    try:
+        group = os.getpgid(pid)
+    except OSError:  # gone, or a pid of another namespace
+        return f"process {pid}"
+    return next((f"process {pid} ({s.plan.log_file})" for s in servers if s.process and s.process.pid == group),
+                f"process {pid}")
 
 
 def runner(url: str, model: str, *, served, profile, routes, out: Path) -> Callable:
