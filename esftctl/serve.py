@@ -129,10 +129,8 @@ class ServePlan:
         modules = {**dict(zip(self.variant_names[1:], self.variant_paths[1:])), **self.adapters}
         if modules:
             cmd += ["--lora-modules", *(f"{n}={p}" for n, p in modules.items())]
-        if self.settings.variants:
-            cmd += ["--scheduler-cls", "esftctl.runtime.vllm.variant_turns.variant_scheduler"]
-        elif self.settings.group_adapters or self.settings.admit_by_adapter:
-            cmd += ["--scheduler-cls", "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"]
+        if self.settings.scheduler:
+            cmd += ["--scheduler-cls", self.settings.scheduler]
         if self.eager and "--enforce-eager" not in vllm_args:
             cmd.append("--enforce-eager")
         return cmd + vllm_args

@@ -26,7 +26,10 @@ Modelled with this class (benchmarks/scripts/group_trade.py), holding steps to G
 keeps a held request in its batch slot, so a step loses tokens faster than rows (at 5 requests/s over 5 adapters,
 TPOT 1.44x the base's with G = 2 against 1.009x). Admitting by adapter leaves no slot empty: it only chooses which
 queued request takes a free one, and it gains where requests queue (bench serve's 256 at once: throughput 0.91x
-the base's against 0.87x over 5 adapters, 0.80x against 0.76x over 20).
+the base's against 0.87x over 5 adapters, 0.80x against 0.76x over 20). Measured on an H200 at that load over 5
+adapters (2026-12-06, benchmarks/scripts/side_by_side.py), both held: groups of 2 gave 0.691x plain vLLM's throughput
+with TPOT p99 2.05x, admitting by adapter 0.958x against 0.912x in vLLM's order, and `serve` now admits by adapter by
+default (esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S).
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ def admission_order(waiting: Sequence[tuple[str, Hashable, float]], running: Map
     slots the running ones gather on fewer adapters and a step reads fewer adapter copies. No slot is left empty
     for it (vLLM's --max-loras leaves them empty). A request that has waited `wait` is overdue, and overdue requests
     go first, the longest waiting first, so none is passed over for longer. Modelled at bench serve's all-at-once
-    load (benchmarks/scripts/group_trade.py), it takes throughput from 0.87 to 0.91x the base's over 5 adapters.
+    load (benchmarks/scripts/group_trade.py), it takes throughput from 0.87 to 0.91x the base's over 5 adapters;
+    measured there on an H200 (2026-12-06), from 0.912 to 0.958x plain vLLM's, so `serve` admits so by default.
     `waiting`: (request id, group, time it has waited) for each request; `running`: running requests per group.
     The groups are ranked once, then the requests sorted by plain tuples: 1,000 queued take 0.65 ms on the dev
     CPU (a key function per request took 2.4 ms)."""

@@ -19,6 +19,11 @@ from pathlib import Path
 from esftctl.errors import EsftError
 
 ENV = "ESFTCTL_SERVE"
+# `serve --admit-by-adapter`'s default, seconds a queued request may be passed over. Measured on an H200 (2026-12-06,
+# benchmarks/RESULTS.md, fortieth session): 256 requests at once over 5 adapters, against plain vLLM side by side,
+# throughput 0.958x against 0.912x in vLLM's order, TPOT 1.045x against 1.120x, TTFT p99 1.034x against 1.077x.
+# Without a queue for batch slots it changes nothing (esftctl.runtime.vllm.adapter_groups).
+ADMIT_BY_ADAPTER_S = 10.0
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
 API_KEY_ENV = "ESFTCTL_API_KEY"  # esftctl's: `serve --api-key` and the client read it (it keeps the key out of `ps`)
 
@@ -56,10 +61,14 @@ class ServeSettings:
     adapter_root: Path | None = None  # adapters load at run time only from under this folder
     group_adapters: int = 0  # > 0: at most this many adapters per engine step (esftctl.runtime.adapter_groups)
     group_wait: int = 8  # with group_adapters: engine steps a request may be held back before it must run
-    admit_by_adapter: float = 0.0  # > 0: queued requests of running adapters admitted first, none passed over longer
-    # than this many seconds (esftctl.runtime.adapter_groups.admission_order); 0: vLLM's order
+    admit_by_adapter: float | None = None  # > 0: queued requests of running adapters admitted first, none passed
+    # over longer than this many seconds (esftctl.runtime.adapter_groups.admission_order); 0: vLLM's order; None:
+    # ADMIT_BY_ADAPTER_S where adapters are served, 0 for plain vLLM and --variants (resolved in __post_init__)
 
     def __post_init__(self) -> None:
+        if self.admit_by_adapter is None:
+            default = ADMIT_BY_ADAPTER_S if self.esft and self.variants is None else 0.0
+            object.__setattr__(self, "admit_by_adapter", default)
         if (self.base is None) == (self.variants is None):
             raise EsftError("give a base model or --variants MAP_DIR, not both")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
@@ -91,6 +100,21 @@ class ServeSettings:
                             "passed over (0: off)")
         if self.admit_by_adapter and self.variants is not None:
             raise EsftError("--admit-by-adapter cannot be combined with --variants, whose steps run one variant each")
+        if self.scheduler and any(a.partition("=")[0].replace("_", "-") == "--scheduler-cls" for a in self.vllm_args):
+            raise EsftError("--scheduler-cls after `--`: esftctl gives vLLM its own scheduler (variants' turns, "
+                            "adapter groups, or the admission order, which `--admit-by-adapter 0` turns off), and "
+                            "vLLM would take the last one given")
+
+    @property
+    def scheduler(self) -> str | None:
+        """The scheduler esftctl has vLLM build (`--scheduler-cls`), or None for vLLM's own."""
+        if not self.esft:
+            return None
+        if self.variants is not None:
+            return "esftctl.runtime.vllm.variant_turns.variant_scheduler"
+        if self.group_adapters or self.admit_by_adapter:
+            return "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"
+        return None
 
     @property
     def compressed_tier(self) -> str | None:

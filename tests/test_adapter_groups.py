@@ -192,7 +192,8 @@ def test_the_mixin_hides_other_adapters_for_one_call_and_puts_everything_back():
     running = [request("r1", 1), request("r2", 2), request("r3", 2)]
     waiting = [request("w1", 3), request("w2", None), request("w3", 2), request("w4", 3)]
     scheduler = Grouped(running, waiting)
-    scheduler._init_groups(ServeSettings(base=Path("base"), group_adapters=1, group_wait=8), None)
+    scheduler._init_groups(ServeSettings(base=Path("base"), group_adapters=1, group_wait=8,
+                                         admit_by_adapter=0.0), None)  # grouping alone: vLLM's order
     out = scheduler.schedule()
     assert set(out.num_scheduled_tokens) == {"r2", "r3", "w3"}  # adapter 2 only: the most running requests
     assert [r.next_decode_eligible_step for r in running] == [0, 0, 0, 0]  # restored
@@ -244,17 +245,29 @@ def test_the_mixin_puts_vllms_queue_in_admission_order_while_a_slot_is_free():
 
 def test_serve_option_reaches_the_engine(world):
     """`serve --group-adapters` and `--admit-by-adapter`: checked once in the settings, carried to the engine, and
-    vLLM is told to build the grouping scheduler (off by default; refused beside --variants, which has its own
-    turns)."""
+    vLLM is told to build the grouping scheduler (grouping off by default, admitting on within ADMIT_BY_ADAPTER_S;
+    both refused beside --variants, which has its own turns; a --scheduler-cls of the user's after `--` refused
+    while esftctl names one, since vLLM would take the last)."""
     from esftctl.errors import EsftError
+    from esftctl.runtime.serve_config import ADMIT_BY_ADAPTER_S
     from esftctl.serve import free_port, plan
 
-    grouped = plan(world.base_dir, [], port=free_port(), group_adapters=2, group_wait=3)
+    grouped = plan(world.base_dir, [], port=free_port(), group_adapters=2, group_wait=3, admit_by_adapter=0.0)
     command = grouped.command()
     assert command[command.index("--scheduler-cls") + 1] == "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"
     settings = ServeSettings.from_json(grouped.settings.to_json())
-    assert (settings.group_adapters, settings.group_wait) == (2, 3)
-    assert "--scheduler-cls" not in plan(world.base_dir, [], port=free_port()).command()
+    assert (settings.group_adapters, settings.group_wait, settings.admit_by_adapter) == (2, 3, 0.0)
+    default = plan(world.base_dir, [], port=free_port())
+    assert default.settings.admit_by_adapter == ADMIT_BY_ADAPTER_S > 0
+    assert default.command()[default.command().index("--scheduler-cls") + 1].endswith("grouping_scheduler")
+    assert ServeSettings.from_json(default.settings.to_json()).admit_by_adapter == ADMIT_BY_ADAPTER_S
+    fcfs = plan(world.base_dir, [], port=free_port(), admit_by_adapter=0.0, vllm_args=["--scheduler-cls", "mine"])
+    assert fcfs.command().count("--scheduler-cls") == 1 and fcfs.command()[-1] == "mine"  # the user's, alone
+    with pytest.raises(EsftError, match="--scheduler-cls after `--`"):
+        plan(world.base_dir, [], port=free_port(), vllm_args=["--scheduler_cls=mine"])
+    plain = plan(world.base_dir, [], port=free_port(), esft=False)  # plain vLLM: its own scheduler, nothing to admit
+    assert plain.settings.admit_by_adapter == 0.0 and "--scheduler-cls" not in plain.command()
+    assert ServeSettings(variants=Path("map")).admit_by_adapter == 0.0
     with pytest.raises(EsftError, match="cannot be combined with --variants"):
         ServeSettings(variants=Path("map"), group_adapters=2)
     with pytest.raises(EsftError, match="--group-wait 0"):

@@ -483,9 +483,18 @@ def test_the_median_of_paired_requests_carries_an_interval_over_rounds_then_requ
 def test_the_admitted_server_is_esftctl_with_its_bound_and_its_statistics_merge_beside_the_grouped_ones():
     from esftctl.bench.serve_report import groups_table
 
-    profile, options = grid(admit_by_adapter=30.0, group_adapters=2)
+    profile, options = grid(admit_by_adapter=30.0, group_adapters=2, max_loras=2)
     servers = {s.key: s for s in bench.bench_servers(profile, options)}
     assert servers["admitted-30"].serve == (("admit_by_adapter", 30.0),) and servers["admitted-30"].role == "esftctl"
+    assert servers["esftctl"].serve == ()  # esftctl as a user runs it: admitted by adapter, its default
+    for lever in ("grouped-2-8", "max-loras-2"):  # each measures its own lever, in vLLM's order
+        assert ("admit_by_adapter", 0.0) in servers[lever].serve
+    fcfs = {s.key: s for s in bench.bench_servers(*grid(admit_by_adapter=0.0))}["admitted-0"]
+    assert (fcfs.kind, fcfs.serve) == ("esftctl, vLLM's order", (("admit_by_adapter", 0.0),))
+    assert "admitted-0" not in {s.key for s in bench.bench_servers(*grid())}  # none asked for
+    # statistics, and so a start per count, only where grouping or admission is set explicitly
+    assert {k for k, s in servers.items() if s.scheduling_stats} == {"admitted-30", "grouped-2-8"}
+    assert not fcfs.scheduling_stats
     assert [s.server for s in ss.slice_plan(profile, options, "g")].count("admitted-30") == 6  # a start per count
     admitted = ss.merge_groups([{"admit_by_adapter": 30.0, "reordered": 4}, {"admit_by_adapter": 30.0, "reordered": 1}])
     assert admitted == {"admit_by_adapter": 30.0, "reordered": 5}

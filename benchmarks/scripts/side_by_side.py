@@ -36,6 +36,8 @@ It needs about 97 GiB with 20 adapters, so an H200. An 80 GB H100 holds two base
 `--adapters 5 --share 0.95`: by arithmetic, 3.6 GiB left to each server past its weights (75.6 GiB, less 9.5 for the
 experts, halved, less the base's 29.4). A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4
 --duration 2 --rounds 1`.
+esftctl runs here in vLLM's first-come-first-served order (`--admit-by-adapter 0`), as in every run kept before
+its default became admitting by adapter (2026-12-06); `--admit-by-adapter 10` adds the default as a setting.
 `--group-adapters 0,G` measures esftctl ungrouped, then served with `esftctl serve --group-adapters G --group-wait
 W` (at most G adapters a step, esftctl.runtime.adapter_groups): issue 29's lever for the rows adapters add. Each
 setting is a server of its own, started in turn beside the one plain vLLM server and set against it the same way,
@@ -47,7 +49,9 @@ setting (its start and three rounds). `--rates 5,inf` adds the load where reques
 already running admitted first; in OUT/side_by_side-admit-S.json). On an H100 at `--share 0.95` plain vLLM's
 engine failed every request of its first run at inf (256 at once, 2026-12-06), where it had served 16 at once
 in its warm-up; on the CPU build the same run passes. A run that fails now prints each server's first ERROR
-lines (serve_runs.failures_explained); until its cause is known, run inf on an H200.
+lines (serve_runs.failures_explained); until its cause is known, run inf on an H200. There (2026-12-06, 5 adapters,
+`--rates inf --rounds 3 --group-adapters 0,2 --admit-by-adapter 10`) every run completed: admitted by adapter,
+esftctl's throughput was 0.958x plain vLLM's against 0.912x in vLLM's order and 0.691x in groups of 2.
 Last, a trade table over the settings, in the terms issue 29 asks for: TTFT and TPOT median and p99 and output
 tok/s, each arm's and esftctl's over plain vLLM's a round at a time. `--report OUT` prints every table again from
 the JSON files, nothing started.
@@ -212,7 +216,7 @@ def trade_table(results: list[dict]):
     for col in ("setting", "rate", "arm", "TTFT", "TTFT p99", "TPOT", "TPOT p99", "tok/s"):
         t.add_column(col, justify="left" if col in ("setting", "arm") else "right")
     for result in results:
-        label = setting(result).strip(" ()").removeprefix("esftctl ") or "ungrouped"
+        label = setting(result).strip(" ()").removeprefix("esftctl ") or "vLLM's order"
         for rate, arms in result.get("trade", {}).items():
             for arm, m in arms.items():
                 cells = [ranged(m[k]) if arm == "esftctl / plain" else number(m[k], ".0f" if k == "tok_s" else ".2f")
@@ -301,8 +305,10 @@ def card_bytes() -> int:
 
 
 class Setting(NamedTuple):
-    """One way esftctl is served here: ungrouped (both 0), `esftctl serve --group-adapters group`, or
-    `--admit-by-adapter admit` (seconds)."""
+    """One way esftctl is served here: ungrouped in vLLM's first-come-first-served order (both 0: `esftctl serve
+    --admit-by-adapter 0`, esftctl's default before 2026-12-06, so the kept runs compare), `esftctl serve
+    --group-adapters group` (in vLLM's order too), or `--admit-by-adapter admit` (seconds; 10 is esftctl's
+    default)."""
 
     group: int = 0
     admit: float = 0.0
@@ -463,7 +469,7 @@ def main() -> None:
 
     def esft_plan(how: Setting):
         if how == Setting():
-            return arm_plan(served, True, engine_args["esftctl"])
+            return arm_plan(served, True, engine_args["esftctl"], admit_by_adapter=0.0)
         state = args.work / f"state-{out_file(Path(), how).stem}"
         stats_file(state / "status.json").unlink(missing_ok=True)  # an earlier run's statistics are not this one's
         return arm_plan(served, True, engine_args["esftctl"], state_dir=state, group_adapters=how.group,

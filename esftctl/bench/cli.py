@@ -267,10 +267,11 @@ def serve(
     max_loras: int = typer.Option(0, min=0, help="Also measure esftctl serve with vLLM's --max-loras N, below the "
                                                  "adapter count: at most N adapters among the running requests, "
                                                  "the others wait to be admitted (0: not)."),
-    admit_by_adapter: float = typer.Option(0.0, min=0.0, metavar="SECONDS",
+    admit_by_adapter: float = typer.Option(None, min=0.0, metavar="SECONDS",
                                            help="Also measure `esftctl serve --admit-by-adapter SECONDS`: queued "
                                                 "requests of the adapters already running admitted first, none "
-                                                "passed over longer (0: not)."),
+                                                "passed over longer (esftctl's own server does so within 10 s, its "
+                                                "default; 0 measures vLLM's first-come-first-served order)."),
     parallel: str = typer.Option("1", help="Comma-separated tensor-parallel sizes: every server is measured at "
                                            "each (1,2: what a second GPU buys, as tok/s against the first size). On "
                                            "the CPU build each rank of a larger size gets one core "

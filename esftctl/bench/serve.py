@@ -10,15 +10,18 @@ speed):
   the device as fit (each with its share of the memory; counted, and the count recorded), the requests of
   adapter i going to copy i mod copies, at the largest count and every alpha; one copy serves the base's
   traffic;
-- `esftctl`: `esftctl serve` with every adapter loaded; its runs spread requests over the first N adapters
-  (N = 0: all to the base through the ESFT runtime) by S-LoRA's power law (esftctl.bench.traffic: alpha 1
-  uniform, 0.6 / 0.3 / 0.1 more and more skewed; the first alpha at every N, the others at the largest N);
+- `esftctl`: `esftctl serve` as a user runs it (since 2026-12-06 queued requests admitted by adapter within 10 s,
+  esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S), with every adapter loaded; its runs spread requests over the
+  first N adapters (N = 0: all to the base through the ESFT runtime) by S-LoRA's power law (esftctl.bench.traffic:
+  alpha 1 uniform, 0.6 / 0.3 / 0.1 more and more skewed; the first alpha at every N, the others at the largest N);
   with the Table 1 shapes, also a run over adapters of DeepSeek's published size at the highest rate;
 - `esftctl, groups of G` (`group_adapters`): the same with `esftctl serve --group-adapters G`, at most G
   adapters per engine step (esftctl.runtime.adapter_groups); `esftctl, --max-loras K` (`max_loras`): the same
-  with vLLM's own bound, at most K adapters among the running requests; `esftctl, admitted by adapter`
-  (`admit_by_adapter`): the same with `esftctl serve --admit-by-adapter S`, queued requests of running adapters
-  admitted first: the three ways to read fewer rows;
+  with vLLM's own bound, at most K adapters among the running requests, both in vLLM's first-come-first-served
+  order (`--admit-by-adapter 0`), so each measures its own lever; `esftctl, admitted by adapter`
+  (`admit_by_adapter` S): the same with `esftctl serve --admit-by-adapter S`, queued requests of running adapters
+  admitted first, or with S = 0 `esftctl, vLLM's order` (esftctl's default before 2026-12-06): the three ways to
+  read fewer rows, and the order without any;
 - `vLLM multi-LoRA`, the peer: rank-16 LoRA on every routed expert and on attention (bench.lora_peer),
   `--max-loras` = the largest adapter count, the same runs. GPU only: vLLM's CPU build sends MoE LoRA to its
   Triton kernel, which needs a GPU.
@@ -219,7 +222,7 @@ class Options:
     group_adapters: int = 0  # > 0: also measure esftctl serve --group-adapters this
     group_wait: int = 8
     max_loras: int = 0  # > 0: also measure esftctl serve with vLLM's --max-loras this
-    admit_by_adapter: float = 0.0  # > 0: also measure esftctl serve --admit-by-adapter this (seconds)
+    admit_by_adapter: float | None = None  # also measure esftctl serve --admit-by-adapter this (s; 0: vLLM's order)
     merged_copies: int = 0  # 0: as many as fit
     load_repeats: int = 3
 
@@ -246,11 +249,19 @@ class BenchServer:
 
     key: str  # base, merged, esftctl, grouped-G-W, admitted-S, max-loras-K, lora; -tp2 (or -ep2) past one rank
     kind: str  # vLLM base, vLLM merged, esftctl, "esftctl, groups of G", "esftctl, admitted by adapter",
-    # "esftctl, --max-loras K", vLLM multi-LoRA
+    # "esftctl, vLLM's order", "esftctl, --max-loras K", vLLM multi-LoRA
     role: str  # what it serves and runs: base, merged, esftctl or lora
     ranks: int = 1
     serve: tuple[tuple[str, float], ...] = ()  # esftctl serve's settings of this kind (--group-adapters, ...)
     vllm_extra: tuple[str, ...] = ()  # vLLM arguments of this kind (--max-loras K)
+
+    @property
+    def scheduling_stats(self) -> bool:
+        """Whether its runs report what the grouping scheduler did: the servers that set grouping or admission
+        explicitly. Those counts run from a server's start, so each of its slices starts its own
+        (serve_slices.shares_start). The plain `esftctl` server admits by adapter too, its default, but reports
+        nothing, so that its counts share one start as before; side_by_side.py measures the order's effect."""
+        return any(value for key, value in self.serve if key in ("group_adapters", "admit_by_adapter"))
 
 
 def bench_servers(profile: Profile, options: Options) -> list[BenchServer]:
@@ -263,15 +274,18 @@ def bench_servers(profile: Profile, options: Options) -> list[BenchServer]:
         kinds.append(BenchServer("merged", "vLLM merged", "merged"))
     if "esftctl" in o.servers:
         kinds.append(BenchServer("esftctl", "esftctl", "esftctl"))
+    fcfs = ("admit_by_adapter", 0.0)  # the grouped and --max-loras servers: one lever each, in vLLM's order
     if o.group_adapters:
         kinds.append(BenchServer(f"grouped-{o.group_adapters}-{o.group_wait}", f"esftctl, groups of {o.group_adapters}",
-                                 "esftctl", serve=(("group_adapters", o.group_adapters), ("group_wait", o.group_wait))))
-    if o.admit_by_adapter:
-        kinds.append(BenchServer(f"admitted-{o.admit_by_adapter:g}", "esftctl, admitted by adapter", "esftctl",
+                                 "esftctl", serve=(("group_adapters", o.group_adapters), ("group_wait", o.group_wait),
+                                                   fcfs)))
+    if o.admit_by_adapter is not None:
+        kinds.append(BenchServer(f"admitted-{o.admit_by_adapter:g}", "esftctl, admitted by adapter"
+                                 if o.admit_by_adapter else "esftctl, vLLM's order", "esftctl",
                                  serve=(("admit_by_adapter", o.admit_by_adapter),)))
     if o.max_loras:
         kinds.append(BenchServer(f"max-loras-{o.max_loras}", f"esftctl, --max-loras {o.max_loras}", "esftctl",
-                                 vllm_extra=("--max-loras", str(o.max_loras))))
+                                 serve=(fcfs,), vllm_extra=("--max-loras", str(o.max_loras))))
     if "lora" in o.servers and max(profile.counts):
         kinds.append(BenchServer("lora", "vLLM multi-LoRA", "lora"))
     suffix = "ep" if o.expert_parallel else "tp"
@@ -406,7 +420,7 @@ class Bench:
         job = Job(lambda label, par: [self.esftctl_plan(label, par, server.vllm_extra, **settings)],
                   scenarios(profile, len(served.grid), len(served.esft_sized)),
                   names={"grid": served.grid, "esft_sized": served.esft_sized},
-                  after=self.group_stats(label) if settings else None)
+                  after=self.group_stats(label) if server.scheduling_stats else None)
         if server.kind == "esftctl" and served.grid:  # only here: microbenchmarks (batch 1 groups nothing) and loads
             job.micro = _chain(lambda url: {"adapter_load": adapter_load_times(
                 url, served, self.options.load_repeats, self.on_step)},

@@ -163,9 +163,9 @@ def default_runs_s(profile: Profile, server: BenchServer, part: str) -> float:
 def shares_start(a: Slice, b: Slice, server: BenchServer) -> bool:
     """Whether slice b can follow a on a's server start: two adapter counts of one round of one server (every
     count is served by the same server, all adapters loaded). Not the microbenchmarks (they unload adapters),
-    nor the grouping scheduler's server (its statistics count from its start)."""
+    nor a server that reports the grouping scheduler's statistics (they count from its start)."""
     return (a.group, a.server, a.round) == (b.group, b.server, b.round) and MICRO not in (a.part, b.part) \
-        and bool(a.part and b.part) and not server.serve
+        and bool(a.part and b.part) and not server.scheduling_stats
 
 
 def estimate_s(sl: Slice, server: BenchServer, *, warm: bool = False, out: Path, profile: Profile,
