@@ -117,17 +117,19 @@ def test_report_rereads_each_settings_json_and_names_a_file_that_is_not_one(tmp_
     script = load_script("side_by_side")
     rnd = {"plain": _run(20.0, 1.0), "esftctl": _run(22.0, 1.0), "plain again": _run(20.0, 1.0)}
     kept = (("side_by_side.json", {}), ("side_by_side-groups-2.json", {"group_adapters": "2", "group_wait": "8"}),
-            ("side_by_side-admit-10.json", {"group_adapters": "0", "group_wait": "8", "admit_by_adapter": "10.0"}))
+            ("side_by_side-admit-10.json", {"group_adapters": "0", "group_wait": "8", "admit_by_adapter": "10.0"}),
+            ("side_by_side-max-loras-2.json", {"group_adapters": "0", "admit_by_adapter": "0.0", "max_loras": "2"}))
     for name, args in kept:  # the first as kept before the settings had flags
         (tmp_path / name).write_text(json.dumps({"args": {"model": "tiny"} | args, "rounds": {"5": [rnd, rnd]}}))
     results = script.reread([tmp_path])
     # ungrouped first, though its file sorts last
-    assert [script.setting(r) for r in results] == ["", " (esftctl --admit-by-adapter 10)",
+    assert [script.setting(r) for r in results] == ["", " (esftctl --max-loras 2)", " (esftctl --admit-by-adapter 10)",
                                                      " (esftctl --group-adapters 2 --group-wait 8)"]
     assert [script.out_file(tmp_path, script.setting_of(r)).name for r in results] == [
-        "side_by_side.json", "side_by_side-admit-10.json", "side_by_side-groups-2.json"]
+        "side_by_side.json", "side_by_side-max-loras-2.json", "side_by_side-admit-10.json",
+        "side_by_side-groups-2.json"]
     assert results[1]["trade"]["5"]["esftctl / plain"]["ttft_p50"] == pytest.approx([1.1, 1.1, 1.1])
-    assert script.trade_table(results).row_count == 9  # plain, esftctl and their ratio, per setting
+    assert script.trade_table(results).row_count == 12  # plain, esftctl and their ratio, per setting
     (tmp_path / "notes.json").write_text(json.dumps({"args": {"model": "tiny"}}))
     with pytest.raises(SystemExit, match=r"notes\.json: not side_by_side\.py's JSON \(KeyError"):
         script.reread([tmp_path])

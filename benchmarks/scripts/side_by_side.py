@@ -46,7 +46,9 @@ the settings share plain vLLM's start, and each has its own yardstick (plain aga
 H100 with 5 adapters: `--rates 5 --rounds 3 --group-adapters 0,2`, about 7 min for the starts, then 5 min a
 setting (its start and three rounds). `--rates 5,inf` adds the load where requests queue (all at once), and
 `--admit-by-adapter S` one more setting, `esftctl serve --admit-by-adapter S` (queued requests of the adapters
-already running admitted first; in OUT/side_by_side-admit-S.json). On an H100 at `--share 0.95` plain vLLM's
+already running admitted first; in OUT/side_by_side-admit-S.json), and `--max-loras K` one more, esftctl under
+vLLM's own bound at admission, at most K adapters among the running requests (in OUT/side_by_side-max-loras-K.json;
+issue 29 asks the trade set against it). On an H100 at `--share 0.95` plain vLLM's
 engine failed every request of its first run at inf (256 at once, 2026-12-06), where it had served 16 at once
 in its warm-up; on the CPU build the same run passes. A run that fails now prints each server's first ERROR
 lines (serve_runs.failures_explained); until its cause is known, run inf on an H200. There (2026-12-06, 5 adapters,
@@ -307,25 +309,30 @@ def card_bytes() -> int:
 class Setting(NamedTuple):
     """One way esftctl is served here: ungrouped in vLLM's first-come-first-served order (both 0: `esftctl serve
     --admit-by-adapter 0`, esftctl's default before 2026-12-06, so the kept runs compare), `esftctl serve
-    --group-adapters group` (in vLLM's order too), or `--admit-by-adapter admit` (seconds; 10 is esftctl's
-    default)."""
+    --group-adapters group` (in vLLM's order too), `--admit-by-adapter admit` (seconds; 10 is esftctl's
+    default), or vLLM's `--max-loras max_loras` below the adapter count (in vLLM's order)."""
 
     group: int = 0
     admit: float = 0.0
+    max_loras: int = 0
 
     def flags(self, wait: int | str | None) -> str:
         """The setting as esftctl's flags in a title: ` (esftctl --group-adapters G --group-wait W)`,
-        ` (esftctl --admit-by-adapter S)`, or nothing ungrouped."""
+        ` (esftctl --admit-by-adapter S)`, ` (esftctl --max-loras K)`, or nothing ungrouped."""
         if self.group:
             return f" (esftctl --group-adapters {self.group} --group-wait {wait})"
+        if self.max_loras:
+            return f" (esftctl --max-loras {self.max_loras})"
         return f" (esftctl --admit-by-adapter {self.admit:g})" if self.admit else ""
 
 
 def out_file(out: Path, setting: Setting) -> Path:
     """Where one esftctl setting's runs go: side_by_side.json ungrouped, side_by_side-groups-G.json grouped,
-    side_by_side-admit-S.json admitted by adapter."""
+    side_by_side-admit-S.json admitted by adapter, side_by_side-max-loras-K.json under vLLM's --max-loras."""
     if setting.group:
         return out / f"side_by_side-groups-{setting.group}.json"
+    if setting.max_loras:
+        return out / f"side_by_side-max-loras-{setting.max_loras}.json"
     return out / (f"side_by_side-admit-{setting.admit:g}.json" if setting.admit else "side_by_side.json")
 
 
@@ -364,7 +371,9 @@ def settle(done: dict[float, list], *, result: dict, output_len: int, stats: Pat
 
 def setting_of(result: dict) -> Setting:
     """A setting's JSON's Setting (its arguments kept as strings; runs before a setting had its flag had none)."""
-    return Setting(int(result["args"].get("group_adapters", "0")), float(result["args"].get("admit_by_adapter", "0")))
+    args = result["args"]
+    return Setting(int(args.get("group_adapters", "0")), float(args.get("admit_by_adapter", "0")),
+                   int(args.get("max_loras", "0")))
 
 
 def setting(result: dict) -> str:
@@ -408,7 +417,7 @@ def reread(paths: list[Path]) -> list[dict]:
         except (ValueError, KeyError, TypeError, AttributeError, statistics.StatisticsError) as e:
             raise SystemExit(f"error: {path}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
         results.append(result)
-    return sorted(results, key=lambda r: (setting_of(r).group, setting_of(r).admit))  # as a run measures them
+    return sorted(results, key=setting_of)  # vLLM's order ungrouped first
 
 
 def main() -> None:
@@ -436,6 +445,9 @@ def main() -> None:
     parser.add_argument("--admit-by-adapter", type=float, default=0.0, metavar="SECONDS",
                         help="after the --group-adapters settings, esftctl served with `--admit-by-adapter SECONDS` "
                              "(queued requests of running adapters admitted first; 0: not)")
+    parser.add_argument("--max-loras", type=int, default=0, metavar="K",
+                        help="last, esftctl served with vLLM's --max-loras K, below --adapters: at most K adapters "
+                             "among the running requests, the others' requests wait for a slot (0: not)")
     parser.add_argument("--report", type=Path, nargs="+", metavar="PATH",
                         help="print the tables of earlier runs and exit, nothing started: their JSON files, or folders "
                              "of them (--out's, benchmarks/serve-bench/side-by-side)")
@@ -450,6 +462,8 @@ def main() -> None:
         raise SystemExit("error: --group-adapters: distinct counts, 0 or more")
     if not 0 <= args.admit_by_adapter < float("inf"):
         raise SystemExit("error: --admit-by-adapter: seconds, 0 (not) or more")
+    if not 0 <= args.max_loras < args.adapters:
+        raise SystemExit(f"error: --max-loras {args.max_loras}: give 0 (not) or fewer than --adapters {args.adapters}")
     profile = dataclasses.replace(PROFILES[args.model], duration=args.duration)
     if args.share is not None and MEMORY_FLAG in profile.engine_args:
         profile = dataclasses.replace(profile, engine_args=with_flag(profile.engine_args, MEMORY_FLAG,
@@ -472,11 +486,13 @@ def main() -> None:
             return arm_plan(served, True, engine_args["esftctl"], admit_by_adapter=0.0)
         state = args.work / f"state-{out_file(Path(), how).stem}"
         stats_file(state / "status.json").unlink(missing_ok=True)  # an earlier run's statistics are not this one's
-        return arm_plan(served, True, engine_args["esftctl"], state_dir=state, group_adapters=how.group,
+        bound = ["--max-loras", str(how.max_loras)] if how.max_loras else []  # after esftctl's own: vLLM takes it
+        return arm_plan(served, True, [*engine_args["esftctl"], *bound], state_dir=state, group_adapters=how.group,
                         group_wait=args.group_wait, admit_by_adapter=how.admit)
 
     settings = [Setting(group=g) for g in args.group_adapters]
     settings += [Setting(admit=args.admit_by_adapter)] if args.admit_by_adapter else []
+    settings += [Setting(max_loras=args.max_loras)] if args.max_loras else []
     # one at a time, each sizing its KV cache by the memory free as it starts; esftctl first, since its start-up
     # maps each layer's experts before vLLM's copy goes (beside plain vLLM on an H100 that once ran out, 2026-12-05;
     # since ad69d94 it holds one layer's twice at most, so a later setting starts beside plain vLLM)
@@ -501,7 +517,8 @@ def main() -> None:
                 esft.wait_ready(timeout=1200)
                 say(f"esftctl ready (KV cache: {kv_cache_tokens(esft.plan.url)} tokens)")
             result = {"args": {k: str(v) for k, v in vars(args).items()} | {"group_adapters": str(how.group),
-                                                                              "admit_by_adapter": str(how.admit)},
+                                                                              "admit_by_adapter": str(how.admit),
+                                                                              "max_loras": str(how.max_loras)},
                       "engine_args": engine_args, "rounds": {}}
             run = {"plain": run_plain, "esftctl": runner(esft.plan.url, "base", served=served, profile=profile,
                                                          routes=None, out=args.out)}
