@@ -3,7 +3,8 @@
 # build in /tmp/site (on a new checkout: build_payload.sh, then benchmarks/scripts/payload_split.sh for the
 # transfers). The tiny world comes carried in .world (built here: ESFTCTL_WORLD=.world python
 # recipes/tiny_world.py --root .world), so the device does not rebuild it.
-# Usage: bash benchmarks/scripts/gpu_tests.sh NAME PYTEST_ARGS...   (log in $OUT/NAME.log, vLLM logs beside)
+# Usage: bash benchmarks/scripts/gpu_tests.sh NAME PYTEST_ARGS...   (log in $OUT/NAME.log, every test's vLLM logs
+#   beside in NAME-vllm-logs.tgz, passed or not)
 # It lists the tests it selected first: -k matches substrings, so 'cuda_graphs_served_exactly' also selects
 # test_paging_with_cuda_graphs_served_exactly (2026-11-29: a call meant for one test ran out of time in the second;
 # name a test by its whole name, 'test_cuda_graphs_served_exactly'). It refuses to start while another process
@@ -24,8 +25,12 @@ if [ "${used:-0}" -gt 4096 ]; then  # idle: about 0.6 GiB; a bench's server: nea
 fi
 python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>&1 | grep '::' | sed 's/^/selected: /' \
   | tee "$out/$name.log"
-python3 -m pytest -q -rs --durations=12 -p no:cacheprovider "$@" 2>&1 | tee -a "$out/$name.log"
+# Passed tests keep their tmp_path here (pyproject drops them, for CI's disk), so that their vLLM logs come back too:
+# 2026-12-06's tarballs of two passed tests were empty, and their start-ups, 100 s slower than before, unread.
+stamp=$(mktemp)
+python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -o tmp_path_retention_policy=all "$@" 2>&1 \
+  | tee -a "$out/$name.log"
 status=${PIPESTATUS[0]}
-find /tmp/pytest-of-root -name vllm.log -mmin -15 2>/dev/null \
+find /tmp/pytest-of-root -name vllm.log -newer "$stamp" 2>/dev/null \
   | tar -czf "$out/$name-vllm-logs.tgz" -T - 2>/dev/null
 exit "$status"
