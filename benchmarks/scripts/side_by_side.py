@@ -32,10 +32,11 @@ starts, then 3 x (duration + 3) s a rate and round):
     benchmarks/scripts/side_by_side.py --out /tmp/side --rates 1,2,5 --rounds 3 --budget 700"
   bash benchmarks/scripts/background.sh wait side 240 /tmp/side/side_by_side.json   (again until it ends; short
     waits, since a machine lost during one brings nothing of it back)
-It needs about 97 GiB with 20 adapters, so an H200. An 80 GB H100 holds two bases and 5 adapters' experts with
-`--adapters 5 --share 0.95`: by arithmetic, 3.6 GiB left to each server past its weights (75.6 GiB, less 9.5 for the
-experts, halved, less the base's 29.4). A smoke run on vLLM's CPU build: `--model tiny --adapters 2 --rates 4
---duration 2 --rounds 1`.
+It needs about 97 GiB with 20 adapters, so an H200 (on an H100, `esftctl bench serve` has the same settings as
+servers that each have the card alone: benchmarks/serve-bench/README.md's third command). An 80 GB H100 holds
+two bases and 5 adapters' experts with `--adapters 5 --share 0.95`: by arithmetic, 3.6 GiB left to each server
+past its weights (75.6 GiB, less 9.5 for the experts, halved, less the base's 29.4). A smoke run on vLLM's CPU
+build: `--model tiny --adapters 2 --rates 4 --duration 2 --rounds 1`.
 esftctl runs here in vLLM's first-come-first-served order (`--admit-by-adapter 0`), as in every run kept before
 its default became admitting by adapter (2026-12-06); `--admit-by-adapter 10` adds the default as a setting.
 `--group-adapters 0,G` measures esftctl ungrouped, then served with `esftctl serve --group-adapters G --group-wait
