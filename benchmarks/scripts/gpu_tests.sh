@@ -33,4 +33,5 @@ python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -o tmp_path_retentio
 status=${PIPESTATUS[0]}
 find /tmp/pytest-of-root -name vllm.log -newer "$stamp" 2>/dev/null \
   | tar -czf "$out/$name-vllm-logs.tgz" -T - 2>/dev/null
+rm -f "$stamp"
 exit "$status"
