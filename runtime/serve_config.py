@@ -100,7 +100,7 @@ class ServeSettings:
                             "passed over (0: off)")
         if self.admit_by_adapter and self.variants is not None:
             raise EsftError("--admit-by-adapter cannot be combined with --variants, whose steps run one variant each")
-        if self.scheduler and any(a.partition("=")[0].replace("_", "-") == "--scheduler-cls" for a in self.vllm_args):
+        if self.scheduler and "--scheduler-cls" in map(vllm_option, self.vllm_args):
             raise EsftError("--scheduler-cls after `--`: esftctl gives vLLM its own scheduler (variants' turns, "
                             "adapter groups, or the admission order, which `--admit-by-adapter 0` turns off), and "
                             "vLLM would take the last one given")
@@ -161,13 +161,18 @@ class ServeSettings:
 PATH_FIELDS = tuple(f.name for f in fields(ServeSettings) if "Path" in str(f.type))
 
 
+def vllm_option(arg: str) -> str:
+    """The option an argument of vLLM's names, as its parser reads it: `--api_key=K` is `--api-key`."""
+    return arg.partition("=")[0].replace("_", "-")
+
+
 def vllm_api_keys(args) -> list[str]:
     """The API keys in vLLM's arguments, as its parser reads them: `--api-key K [K ...]` or `--api-key=K` (also
     spelt `--api_key`), the last such option winning."""
     keys: list[str] = []
     for i, arg in enumerate(args):
-        option, eq, value = arg.partition("=")
-        if option.replace("_", "-") == "--api-key":
+        _, eq, value = arg.partition("=")
+        if vllm_option(arg) == "--api-key":
             keys = [value] if eq else list(takewhile(lambda a: not a.startswith("-"), args[i + 1:]))
     return [k for k in keys if k]
 
