@@ -96,6 +96,8 @@ def test_the_trade_is_each_runs_median_p99_and_throughput_and_esftctl_over_both_
            "latency_ms": [14.0, 24.0, 34.0, 1000.0, 0.0], "alone": [True] * 5}  # the last request failed
     n = script.run_numbers(run, output_len=5)
     assert n["ttft_p50"] == 25.0 and n["ttft_p99"] == pytest.approx(30.0 + 0.97 * 10.0)  # linear, as vLLM's
+    waves = {"start_s": [0.0] * 4, "ttft_ms": [10.0, 10.0, 11.0, 100.0], "latency_ms": [20.0, 20.0, 21.0, 110.0]}
+    assert script.run_numbers(waves, 5)["ttft_mean"] == pytest.approx(32.75)  # the second wave's weight, not 10.5
     assert n["tpot_p50"] == 1.0 and n["tpot_p99"] == pytest.approx(1.0 + 0.97 * 239.0)
     assert n["tok_s"] == pytest.approx(4 * 5 / 4.0)  # 4 requests of 5 tokens from 0 s to the last finish at 4 s
     assert script.run_numbers({"start_s": [0.0], "ttft_ms": [0.0], "latency_ms": [0.0]}, 5)["tpot_p50"] is None
@@ -105,6 +107,7 @@ def test_the_trade_is_each_runs_median_p99_and_throughput_and_esftctl_over_both_
     assert out["plain"]["tpot_p50"] == pytest.approx(1.05)  # 1.1 and 1.0, the two rounds' means of both plain runs
     assert out["esftctl / plain"]["tpot_p50"] == pytest.approx([1.05, 1.0, 1.1])
     assert out["esftctl / plain"]["ttft_p99"] == pytest.approx([1.05, 1.0, 1.1])
+    assert out["esftctl / plain"]["ttft_mean"] == pytest.approx([1.05, 1.0, 1.1])
     assert out["esftctl / plain"]["tok_s"][0] < 1  # esftctl's requests end later, over the same sends
     assert script.ranged([1.05, 1.0, 1.1]) == "1.050 [1.000-1.100]" and script.ranged([1.0, 1.0, 1.0]) == "1.000"
 

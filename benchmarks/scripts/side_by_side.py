@@ -56,8 +56,9 @@ lines (serve_runs.failures_explained); until its cause is known, run inf on an H
 `--rates inf --rounds 3 --group-adapters 0,2 --admit-by-adapter 10`) every run completed: admitted by adapter,
 esftctl's throughput was 0.958x plain vLLM's against 0.912x in vLLM's order and 0.691x in groups of 2.
 Last, a trade table over the settings, in the terms issue 29 asks for: TTFT and TPOT median and p99 and output
-tok/s, each arm's and esftctl's over plain vLLM's a round at a time. `--report OUT` prints every table again from
-the JSON files, nothing started.
+tok/s, and TTFT's mean (all at once, the median lies between the first wave of prompts and the rest), each arm's
+and esftctl's over plain vLLM's a round at a time. `--report OUT` prints every table again from the JSON files,
+nothing started.
 """
 
 from __future__ import annotations
@@ -172,13 +173,15 @@ def where(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     return arm_medians(rounds, "server", SERVER)
 
 
-TRADE = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s")
+TRADE = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s")
 
 
 def run_numbers(requests: dict, output_len: int) -> dict[str, float | None]:
     """A run's aggregates from its requests (load.per_request), what issue 29's trade is told in: TTFT and TPOT (ms
-    a token after the first), median and p99 (linear, as vLLM's), and output tokens a second from the first send
-    to the last finish. None where no request completed."""
+    a token after the first), median and p99 (linear, as vLLM's), TTFT's mean, and output tokens a second from the
+    first send to the last finish. None where no request completed. The mean, because all at once, past
+    --max-num-seqs, the median lies between the first wave of prompts and the rest, one or two requests deciding it
+    (benchmarks/RESULTS.md, 2026-12-06, forty-second session)."""
     done = [(s, t, lat) for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])
             if 0 < t < lat]
     if not done:
@@ -186,7 +189,8 @@ def run_numbers(requests: dict, output_len: int) -> dict[str, float | None]:
     ttft = [t for _, t, _ in done]
     tpot = [(lat - t) / max(output_len - 1, 1) for _, t, lat in done]
     span = max(s + lat / 1000 for s, _, lat in done) - min(s for s, _, _ in done)
-    return {"ttft_p50": statistics.median(ttft), "ttft_p99": float(np.percentile(ttft, 99)),
+    return {"ttft_mean": statistics.fmean(ttft), "ttft_p50": statistics.median(ttft),
+            "ttft_p99": float(np.percentile(ttft, 99)),
             "tpot_p50": statistics.median(tpot), "tpot_p99": float(np.percentile(tpot, 99)),
             "tok_s": len(done) * output_len / span if span > 0 else None}
 
@@ -213,10 +217,10 @@ def trade_table(results: list[dict]):
     """Every setting's trade (settle's "trade") by rate: plain vLLM, esftctl and esftctl over plain."""
     from rich.table import Table
 
-    t = Table(title="the trade by setting: TTFT and TPOT (ms), median and p99, output tok/s from first send to last "
-                    "finish; plain vLLM's two runs a round averaged, medians over rounds; esftctl / plain a round at "
-                    "a time, median over rounds with its lowest and highest", title_justify="left")
-    for col in ("setting", "rate", "arm", "TTFT", "TTFT p99", "TPOT", "TPOT p99", "tok/s"):
+    t = Table(title="the trade by setting: TTFT's mean, TTFT and TPOT (ms), median and p99, output tok/s from first "
+                    "send to last finish; plain vLLM's two runs a round averaged, medians over rounds; esftctl / "
+                    "plain a round at a time, median over rounds with its lowest and highest", title_justify="left")
+    for col in ("setting", "rate", "arm", "TTFT mean", "TTFT", "TTFT p99", "TPOT", "TPOT p99", "tok/s"):
         t.add_column(col, justify="left" if col in ("setting", "arm") else "right")
     for result in results:
         label = setting(result).strip(" ()").removeprefix("esftctl ") or "vLLM's order"

@@ -76,13 +76,14 @@ def runs_table(result: dict):
                     "alone at the same rate, each round against the base's run of the same round (the same "
                     "traffic) on the same machine, their median ('k paired': only k of the rounds had one; 'k by "
                     "round': none had, k against the base's same round on another machine; 0 paired: the medians' "
-                    "ratio across machines and rounds); shares: the drawn "
-                    "adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
+                    "ratio across machines and rounds); TTFT mean x: the mean's (all at once, past --max-num-seqs, "
+                    "the median lies between the first wave of prompts and the rest: read the mean); shares: the "
+                    "drawn adapter shares against S-LoRA's alpha (chi-square p, worst share in standard errors)",
               title_justify="left")
     several = len(c.get("parallel", [1])) > 1
     for col in ("server", "scenario", "req", "rounds", "TTFT ms", "TTFT p99", "TTFT spread", "TPOT ms", "TPOT p99",
-                "prefill tok/s", "decode tok/s", "tok/s", "TTFT x", "TPOT x", "tok/s x", "shares p / z", "cv",
-                *(["tok/s vs first"] if several else [])):
+                "prefill tok/s", "decode tok/s", "tok/s", "TTFT x", "TTFT mean x", "TPOT x", "tok/s x",
+                "shares p / z", "cv", *(["tok/s vs first"] if several else [])):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for res in result["servers"]:
         for r in res["rows"]:
@@ -94,7 +95,7 @@ def runs_table(result: dict):
                       number(r.get("median_prefill_tps"), ".0f"), number(r.get("median_decode_tps"), ".1f"),
                       _throughput(r),
                       *(number(r.get(k), ".3f")
-                        for k in ("median_ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
+                        for k in ("median_ttft_ratio", "ttft_ratio", "median_tpot_ratio", "throughput_ratio")),
                       f"{shares['p_value']:.2f} / {shares['worst_z']:.1f}" if shares else "-",
                       number(r.get("arrival_cv"), ".2f"), *([f"{r['throughput_vs_first']:.2f}"] if several else []))
     return t
