@@ -32,7 +32,8 @@ more rows or more).
 It reads a grid's slices, or side_by_side.py's JSON, where each esftctl run pairs with both plain vLLM runs of its
 round on the same card. The rows are those of the sequences in flight, as an ungrouped server steps them: a run
 served with `--group-adapters` held some back, so its steps read fewer than this predicts.
-Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--ttft] [--json]
+Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--ttft]
+         [--server esftctl|admitted-0|max-loras-K] [--json]
        python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--ttft] [--json]
 """
 
@@ -163,10 +164,11 @@ def record(scenario: dict, rnd: int, requests: dict, anchors: list[dict], drawn:
             "excess": [p[0] for _, p in kept], "seqs": [p[1] for _, p in kept]}
 
 
-def paired(folder: Path, kind: str = "tpot") -> list[dict]:
-    """Every esftctl run under `folder` that pairs with a base run of its round on its machine (record)."""
+def paired(folder: Path, kind: str = "tpot", server: str = "esftctl") -> list[dict]:
+    """Every run of `server` (its slices' folder: esftctl, admitted-0, max-loras-4, ...) under `folder` that pairs
+    with a base run of its round on its machine (record)."""
     bases, out = base_runs(folder), []
-    for s in load_slices(folder / "esftctl", "*.json"):
+    for s in load_slices(folder / server, "*.json"):
         profile = s.get("profile", {})
         for run in s.get("runs", []):
             scenario = run["scenario"]
@@ -225,17 +227,17 @@ def alone(runs: list[dict]) -> dict | None:
     return {"requests": len(ratios), "ratio": statistics.median(ratios)} if ratios else None
 
 
-def load_runs(source: Path, kind: str = "tpot") -> list[dict]:
-    """The paired runs of a grid folder (paired) or of side_by_side.py's JSON (paired_side); SystemExit with one
-    line naming `source` where it is neither."""
+def load_runs(source: Path, kind: str = "tpot", server: str = "esftctl") -> list[dict]:
+    """The paired runs of a grid folder (paired, `server`'s slices) or of side_by_side.py's JSON (paired_side);
+    SystemExit with one line naming `source` where it is neither."""
     if source.is_file():
         try:
             return paired_side(source, kind)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"error: {source}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
-    if not (source / "base").is_dir() or not (source / "esftctl").is_dir():
-        raise SystemExit(f"error: {source}: needs base/ and esftctl/ folders of slices, or side_by_side.py's JSON")
-    return paired(source, kind)
+    if not (source / "base").is_dir() or not (source / server).is_dir():
+        raise SystemExit(f"error: {source}: needs base/ and {server}/ folders of slices, or side_by_side.py's JSON")
+    return paired(source, kind, server)
 
 
 def main() -> None:
@@ -245,10 +247,13 @@ def main() -> None:
                              "JSON")
     parser.add_argument("--ttft", action="store_true",
                         help="TTFT beside the rows of each request's prefill step, instead of TPOT beside its decode's")
+    parser.add_argument("--server", default="esftctl",
+                        help="in a grid, which server's slices (its folder: esftctl, admitted-0 for vLLM's order, "
+                             "max-loras-K, grouped-G-W, ...)")
     parser.add_argument("--json", action="store_true", help="the runs, buckets and fit as JSON instead of tables")
     args = parser.parse_args()
     kind = "ttft" if args.ttft else "tpot"
-    runs = load_runs(args.source, kind)
+    runs = load_runs(args.source, kind, args.server)
     if not runs:
         raise SystemExit(f"error: {args.source}: no esftctl run pairs with a plain vLLM run of its round on its "
                          "machine")
