@@ -87,12 +87,12 @@ def test_runs_pair_with_the_base_of_their_round_on_their_machine_and_the_share_i
     _slice(tmp_path / "esftctl" / "n2.r1.json", "card", [_run(2.0, [10.0, 10.0], [120.0, 130.0], [0, 1], rnd=1)])
     (run,) = script.paired(tmp_path)  # round 1's base ran on another machine
     assert run["ratios"] == pytest.approx([1.1, 1.2]) and run["round"] == 0
+    assert all(x > 0 for x in run["excess"])  # the two adapters' decodes overlap
     _slice(tmp_path / "admitted-0" / "n2.r0.json", "card", [_run(2.0, [10.0, 10.0], [132.0, 143.0], [0, 1])])
     (fcfs,) = script.load_runs(tmp_path, server="admitted-0")  # another server of the grid, as bench serve names it
     assert fcfs["ratios"] == pytest.approx([1.22, 1.33])
     with pytest.raises(SystemExit, match="needs base/ and max-loras-4/ folders"):
         script.load_runs(tmp_path, server="max-loras-4")
-    assert all(x > 0 for x in run["excess"])  # the two adapters' decodes overlap
     runs = [{"excess": [0.01, 0.02, 0.04], "ratios": [1.005, 1.01, 1.02]}]
     assert script.fit(runs) == pytest.approx(0.5)
     assert script.fit([{"excess": [0.0, 0.0], "ratios": [1.01, 0.99]}]) == 0.0  # nothing read extra rows

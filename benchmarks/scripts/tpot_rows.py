@@ -255,7 +255,7 @@ def main() -> None:
     kind = "ttft" if args.ttft else "tpot"
     runs = load_runs(args.source, kind, args.server)
     if not runs:
-        raise SystemExit(f"error: {args.source}: no esftctl run pairs with a plain vLLM run of its round on its "
+        raise SystemExit(f"error: {args.source}: no {args.server} run pairs with a plain vLLM run of its round on its "
                          "machine")
     s = fit(runs)
     summary = [{"scenario": r["scenario"], "round": r["round"], "requests": len(r["ratios"]),
