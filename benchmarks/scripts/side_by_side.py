@@ -149,6 +149,7 @@ def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]
     return out
 
 
+ARMS = ("plain", "esftctl", "plain again")  # a round's runs, in the order they are sent
 MACHINE = ("gpu_sm_mhz", "gpu_sm_mhz_p10", "gpu_idle_share", "gpu_slowdown_share", "host_steal")
 SERVER = ("ttft_ms", "queue_ms", "prefill_ms", "api_ms", "outside_ms")
 
@@ -156,7 +157,7 @@ SERVER = ("ttft_ms", "queue_ms", "prefill_ms", "api_ms", "outside_ms")
 def arm_medians(rounds: list[dict[str, dict]], record: str, keys: tuple[str, ...]) -> dict[str, dict]:
     """Each arm's median over rounds of `keys` in its runs' `record` (None where no run has the key)."""
     out = {}
-    for arm in ("plain", "esftctl", "plain again"):
+    for arm in ARMS:
         runs = [r[arm].get(record) or {} for r in rounds]
         out[arm] = {k: statistics.median(v) if (v := [m[k] for m in runs if m.get(k) is not None]) else None
                     for k in keys}
@@ -201,7 +202,7 @@ def trade(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]:
     over rounds (None where either lacks the number)."""
     per_round = []
     for runs in rounds:
-        arms = {arm: run_numbers(runs[arm], output_len) for arm in ("plain", "esftctl", "plain again")}
+        arms = {arm: run_numbers(runs[arm], output_len) for arm in ARMS}
         plain = {k: None if None in (a := (arms["plain"][k], arms["plain again"][k])) else sum(a) / 2 for k in TRADE}
         per_round.append({"plain": plain, "esftctl": arms["esftctl"]})
     out = {arm: {k: statistics.median(v) if (v := [r[arm][k] for r in per_round if r[arm][k] is not None]) else None

@@ -24,6 +24,8 @@ import math
 import statistics
 from pathlib import Path
 
+from side_by_side import ARMS
+
 from esftctl.bench.slices import load_slices
 
 DELIVERIES = 6  # the first wave's first deliveries shown
@@ -74,7 +76,7 @@ def runs_of(source: Path) -> list[tuple[str, str, dict]]:
         try:
             data = json.loads(source.read_text())
             return [(arm, f"round {i}", run[arm]) for i, run in enumerate(data["rounds"].get("inf", []))
-                    for arm in ("plain", "esftctl", "plain again")]
+                    for arm in ARMS]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"error: {source}: not side_by_side.py's JSON ({type(e).__name__}: {e})") from None
     if not source.is_dir():
