@@ -29,10 +29,10 @@ queued request takes a free one, and it gains where requests queue (bench serve'
 the base's against 0.87x over 5 adapters, 0.80x against 0.76x over 20). Measured on an H200 at that load over 5
 adapters (2026-12-06, benchmarks/scripts/side_by_side.py), both held: groups of 2 gave 0.691x plain vLLM's throughput
 with TPOT p99 2.05x, admitting by adapter 0.958x against 0.912x in vLLM's order, and `serve` now admits by adapter by
-default (esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S). Over 20 adapters on an H100 (bench serve, one start each),
-admitting cut the rows a decode step read from +62% over the base's to +48% and TPOT from 1.31x to 1.22x, as the
-rows predict, but throughput stayed at 0.80x: that start's first wave of prompts was slow (benchmarks/RESULTS.md,
-forty-second session). vLLM's --max-loras 4 there: TPOT 0.85x, throughput 0.48x, slots left empty.
+default (esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S). Over 20 adapters on an H100 (bench serve, three starts
+each, medians), admitting cut the rows a decode step read from +62% over the base's to +48-52%, TPOT from 1.31x to
+1.22x as the rows predict, and took throughput from 0.79x to 0.82x (benchmarks/RESULTS.md, forty-third session).
+vLLM's --max-loras 4 there: TPOT 0.85x, throughput 0.48x, slots left empty.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ ENV = "ESFTCTL_SERVE"
 # `serve --admit-by-adapter`'s default, seconds a queued request may be passed over. Measured on an H200 (2026-12-06,
 # benchmarks/RESULTS.md, fortieth session): 256 requests at once over 5 adapters, against plain vLLM side by side,
 # throughput 0.958x against 0.912x in vLLM's order, TPOT 1.045x against 1.120x, TTFT p99 1.034x against 1.077x.
-# Over 20 adapters on an H100 (forty-second session, one start each): TPOT 1.218x against 1.308x, throughput 0.802x
-# against 0.804x, TTFT by the mean 1.298x against 1.157x, the admitted start's first wave slow for a cause not shown.
+# Over 20 adapters on an H100 (forty-second and forty-third sessions, three starts each, medians): TPOT 1.218x
+# against 1.308x, throughput 0.823x against 0.787x, TTFT by the mean 1.124x against 1.187x.
 # Without a queue for batch slots it changes nothing (esftctl.runtime.vllm.adapter_groups).
 ADMIT_BY_ADAPTER_S = 10.0
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there

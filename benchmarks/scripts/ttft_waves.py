@@ -6,11 +6,14 @@ that finishing requests free. TTFT's median then falls between the waves, one or
 serve's 256 over 128 slots, H100, 2026-12-06: 1.61x plain vLLM's by the median, 1.30x by the mean). And where two
 servers differ, the waves say where: on that H100 esftctl admitted by adapter had its first wave's first tokens at
 a mean of 1,116 ms against 763 in vLLM's order, its steps of 32 prompts 169-189 ms apart against 90-123, and the
-first prompt sent at 237 ms against 125 (benchmarks/RESULTS.md, forty-second session). The first wave is the
-requests whose first token came before the first request finished (no slot was freed before them). A delivery is a
-run of first tokens each within --gap ms of the one before: one engine step's prompts, as the API server handed
-them out, so its spread is the API server's time, and the gaps between deliveries the engine's steps. Times run
-from the run's first send, not each request's: the client takes 30-80 ms to send 256, which TTFT carries.
+first prompt's at 237 ms against 125 (forty-second session); two more starts of each on another H100 put the first
+waves at 577 and 549 ms against 590 and 623, and the excess in the second wave (3,106-3,120 ms against 3,324-3,333
+and the base's 2,710), so that slow wave was the start, not the order (benchmarks/RESULTS.md, forty-third session).
+The first wave is the requests whose first token came before the first request finished (no slot was freed before
+them). A delivery is a run of first tokens each within --gap ms of the one before: one engine step's prompts, as the
+API server handed them out, so its spread is the API server's time, and the gaps between deliveries the engine's
+steps. Times run from the run's first send, not each request's: the client takes 30-80 ms to send 256, which TTFT
+carries.
 Usage: python benchmarks/scripts/ttft_waves.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--gap 8]
          [--json]    (every server's runs at rate inf)
        python benchmarks/scripts/ttft_waves.py benchmarks/serve-bench/side-by-side/<file>.json [--gap 8] [--json]
