@@ -117,11 +117,11 @@ def test_the_report_shows_the_machine_over_each_run():
     from esftctl.bench.serve_report import machine_table
 
     row = {"scenario": "base @ 2 rps", "gpu_sm_mhz": 1432.4, "gpu_sm_mhz_p10": 345.0, "gpu_power_w": 151.2,
-           "gpu_temp_c": 44.0, "gpu_idle_share": 0.31, "gpu_slowdown_share": 0.0, "host_busy": 0.12,
+           "gpu_temp_c": 44.0, "gpu_util": 64.6, "gpu_idle_share": 0.31, "gpu_slowdown_share": 0.0, "host_busy": 0.12,
            "host_steal": 0.004}
     assert machine_table({"servers": [{"server": "vLLM base", "rows": [{"scenario": "x"}]}]}) is None  # none kept
     text = io.StringIO()
     Console(file=text, width=250).print(machine_table({"servers": [{"server": "vLLM base", "rows": [row]}]}))
     line = next(x for x in text.getvalue().splitlines() if "base @ 2 rps" in x)
-    assert [c for c in line.replace("│", " ").split()][-8:] == ["1432", "345", "151", "44", "31%", "0%", "12%",
-                                                                  "0.4%"]
+    assert [c for c in line.replace("│", " ").split()][-9:] == ["1432", "345", "151", "44", "65%", "31%", "0%",
+                                                                  "12%", "0.4%"]

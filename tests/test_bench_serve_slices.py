@@ -66,7 +66,7 @@ class FakeBench:
                     "seconds": 1.0, "result": {"output_throughput": speed - s.adapters, "mean_ttft_ms": 20.0 + round,
                                                "median_ttft_ms": 20.0 + round, "p99_ttft_ms": 40.0,
                                                "mean_tpot_ms": 5.0, "median_tpot_ms": 5.0, "p99_tpot_ms": 9.0,
-                                               "arrival_cv": 1.0},
+                                               "arrival_cv": 1.0, "gpu_util": SPEED[server.role] - 10 * round},
                     # the requests a slice keeps (load.per_request): TPOT 500 / speed ms, TTFT as the round's
                     "requests": {"start_s": [0.0, 1.0, 2.0, 3.0], "ttft_ms": [20.0 + round] * 4,
                                  "alone": [True, True, False, False],
@@ -328,6 +328,34 @@ def test_ratios_are_taken_within_one_machine(fake, tmp_path):
     text = io.StringIO()
     Console(file=text, width=250).print(bench.tables(result)[0])
     assert "2 (1 paired)" in text.getvalue()
+
+
+def test_the_rounds_table_shows_what_each_start_moved(fake, tmp_path):
+    """A median over rounds hides the one start that differed (H100, 20 adapters, 2026-12-06: 0.802x the base's
+    throughput on one machine, 0.846x and 0.823x on another), so each round's ratios are kept, in round order, with
+    the GPU busy share of the run and of its base run."""
+    from esftctl.bench.serve_report import rounds_table
+
+    profile, options = grid(repeats=2, micro_runs=0)
+    out = tmp_path / "out"
+    done = fake(profile, options, out)
+    (out / "slices" / "tiny" / done["grid"] / "esftctl" / "n2.r1.json").unlink()
+    FakeBench.machine, FakeBench.speed = "slow", 0.8
+    fake(profile, options, out)  # esftctl's round 1 at 2 adapters, and the base's round 1 once more, on "slow"
+    (result,) = ss.report(out, profile, options)
+    rows = {(s["server"], r["scenario"]): r for s in result["servers"] for r in s["rows"]}
+    esft = rows[("esftctl", "2 adapters, alpha 1 @ 8 rps")]["by_round"]
+    assert [(r["round"], r["machine"]) for r in esft] == [(0, "m0"), (1, "slow")]
+    assert [r["throughput_ratio"] for r in esft] == pytest.approx([88 / 100, (90 * 1.1 * 0.8 - 2) / (100 * 1.1 * 0.8)])
+    assert [r["ttft_ratio"] for r in esft] == pytest.approx([1.0, 1.0])
+    assert [(r["gpu_util"], r["base_gpu_util"]) for r in esft] == [(90.0, 100.0), (80.0, 90.0)]
+    assert "by_round" not in rows[("vLLM base", "base @ 8 rps")]  # the base against itself says nothing
+    text = io.StringIO()
+    Console(file=text, width=250).print(rounds_table(result))
+    line = next(x for x in text.getvalue().splitlines() if "esftctl" in x and "2 adapters" in x)
+    assert [c.strip() for c in line.split("│")[3:-1]] == ["0 1", "A B", "1.000 / 1.000", "1.000 / 1.000",
+                                                           "0.880 / 0.877", "90 / 80", "100 / 90"]
+    assert rounds_table({"servers": [{"server": "esftctl", "rows": [{"by_round": esft[:1]}]}]}) is None  # one round
 
 
 def test_a_row_with_no_base_on_its_machine_pairs_by_round(fake, tmp_path):

@@ -523,6 +523,7 @@ RATIOS = (("ttft_ratio", "mean_ttft_ms"), ("tpot_ratio", "mean_tpot_ms"), ("thro
           ("ttft_alone_ratio", "median_ttft_alone_ms"), ("ttft_beside_ratio", "median_ttft_beside_ms"),
           ("stall_ratio", "median_stall_ms"), ("decode_time_ratio", "server_decode_ms"),
           ("p10_tpot_ratio", "p10_tpot_ms"), ("p10_ttft_alone_ratio", "p10_ttft_alone_ms"))
+BY_ROUND = ("ttft_ratio", "median_tpot_ratio", "throughput_ratio")  # the main table's TTFT mean x, TPOT x, tok/s x
 
 
 @dataclass(frozen=True)
@@ -596,6 +597,35 @@ def paired_ratios(r: dict, base: dict) -> None:
             r[key], r[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
         elif not r["paired_rounds"] and r.get(metric) is not None and base.get(metric):
             r[key] = r[metric] / base[metric]
+    if r is not base:
+        r["by_round"] = round_ratios(r, base, pairs)
+
+
+def round_ratios(r: dict, base: dict, pairs: Callable) -> list[dict]:
+    """Each paired run's main ratios (BY_ROUND) against the base's runs it pairs with, and both sides' GPU busy
+    share (nvidia-smi's utilization over the run, esftctl.bench.conditions): what one start moves, where a median
+    over rounds hides it. On two H100s at 20 adapters (2026-12-06) esftctl's throughput was 0.802x the base's in a
+    round on one and 0.846x and 0.823x on the other, where the first machine's first two runs had kept the GPU busy
+    65% and 71% of the time against 84-91% in every other run."""
+    where, reps, ratio_of = _where(r), r.get("repeats", []), dict(RATIOS)
+    out = []
+    for i, js in pairs(where, _where(base)):
+        anchors = [base["repeats"][j] for j in js]
+        out.append({"round": where[i][0], "machine": where[i][1],
+                    **{key: _over(reps[i], anchors, ratio_of[key]) for key in BY_ROUND},
+                    "gpu_util": reps[i].get("gpu_util"), "base_gpu_util": _median_of(anchors, "gpu_util")})
+    return out
+
+
+def _over(run: dict, anchors: list[dict], metric: str) -> float | None:
+    """A run's `metric` over the median of its anchor runs', None where one is missing."""
+    under = _median_of(anchors, metric)
+    return run[metric] / under if run.get(metric) is not None and under else None
+
+
+def _median_of(runs: list[dict], metric: str) -> float | None:
+    values = [run.get(metric) for run in runs]
+    return statistics.median(values) if values and all(v is not None for v in values) else None
 
 
 def request_paired(r: dict, base: dict, output_len: int) -> None:

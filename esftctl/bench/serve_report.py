@@ -10,8 +10,8 @@ from esftctl.bench.load import REQUEST_KINDS
 
 def tables(result: dict) -> list:
     out = [runs_table(result)]
-    for table in (floors_table(result), requests_table(result), server_times_table(result), modes_table(result),
-                  machine_table(result), micro_table(result), groups_table(result)):
+    for table in (floors_table(result), requests_table(result), rounds_table(result), server_times_table(result),
+                  modes_table(result), machine_table(result), micro_table(result), groups_table(result)):
         if table is not None:
             out.append(table)
     out.append(kv_table(result))
@@ -153,6 +153,36 @@ def interval(m) -> str:
     return "-" if not m else f"{m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}]"
 
 
+def rounds_table(result: dict):
+    """The main ratios round by round (bench.serve.round_ratios), for the rows paired in two rounds or more, with
+    the GPU busy share of each run and of its base run: a start whose engine waits on its host shows there. None
+    where no row has two."""
+    from rich.table import Table
+
+    rows = [(res["server"], r) for res in result["servers"] for r in res["rows"] if len(r.get("by_round", ())) > 1]
+    if not rows:
+        return None
+    letters: dict = {}  # machine -> A, B, ... in order of appearance
+    for _, r in rows:
+        for rnd in r["by_round"]:
+            letters.setdefault(rnd["machine"], chr(ord("A") + len(letters) % 26))
+    t = Table(title="round by round: each round's ratios against plain vLLM's base run of the same round on the same "
+                    "machine (the main table has their median), in round order; machines lettered in order of "
+                    "appearance; GPU busy: nvidia-smi's utilization over the run, and the base run's",
+              title_justify="left")
+    for col in ("server", "scenario", "rounds", "machines", "TTFT mean x", "TPOT x", "tok/s x", "GPU busy %",
+                "base's %"):
+        t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
+    for server, r in rows:
+        runs = r["by_round"]
+        t.add_row(server, r["scenario"], " ".join(str(rnd["round"]) for rnd in runs),
+                  " ".join(letters[rnd["machine"]] for rnd in runs),
+                  *(" / ".join(number(rnd.get(key), spec) for rnd in runs)
+                    for key, spec in (("ttft_ratio", ".3f"), ("median_tpot_ratio", ".3f"), ("throughput_ratio", ".3f"),
+                                      ("gpu_util", ".0f"), ("base_gpu_util", ".0f"))))
+    return t
+
+
 def server_times_table(result: dict):
     """Where the mean TTFT went (esftctl.bench.serve_runs.SERVER_TIMES): waiting to be scheduled, scheduled to
     first token, and the API server's share (the client's mean less vLLM's); medians over rounds. None before any
@@ -203,8 +233,9 @@ def modes_table(result: dict):
 
 def machine_table(result: dict):
     """The machine over each run (esftctl.bench.conditions): the GPU's SM clock (mean and 10th percentile),
-    power, hottest temperature, the shares of samples nvidia-smi called idle or slowed down, and the host's CPU
-    busy and steal shares; medians over rounds. None before any run carried them."""
+    power, hottest temperature, how busy nvidia-smi found it (the share of time a kernel ran), the shares of
+    samples it called idle or slowed down, and the host's CPU busy and steal shares; medians over rounds. None
+    before any run carried them."""
     from rich.table import Table
 
     rows = [(res["server"], r) for res in result["servers"] for r in res["rows"]
@@ -212,15 +243,19 @@ def machine_table(result: dict):
     if not rows:
         return None
     t = Table(title="the machine over each run (esftctl.bench.conditions: nvidia-smi every 100 ms, /proc/stat): "
-                    "medians over rounds; idle and slowed: the shares of samples whose clock reasons say so (slowed: "
-                    "power cap, thermal or hardware slowdown); steal: CPU time the host's other tenants took",
+                    "medians over rounds; GPU busy: nvidia-smi's utilization, the time a kernel ran (a GPU that waits "
+                    "on its host is less busy for the same work); idle and slowed: the shares of samples whose clock "
+                    "reasons say so (slowed: power cap, thermal or hardware slowdown); steal: CPU time the host's "
+                    "other tenants took",
               title_justify="left")
-    for col in ("server", "scenario", "SM MHz", "SM p10", "power W", "max C", "idle", "slowed", "CPU busy",
-                "steal"):
+    for col in ("server", "scenario", "SM MHz", "SM p10", "power W", "max C", "GPU busy", "idle", "slowed",
+                "CPU busy", "steal"):
         t.add_column(col, justify="left" if col in ("server", "scenario") else "right")
     for server, r in rows:
+        busy = r.get("gpu_util")
         t.add_row(server, r["scenario"], number(r.get("gpu_sm_mhz"), ".0f"), number(r.get("gpu_sm_mhz_p10"), ".0f"),
                   number(r.get("gpu_power_w"), ".0f"), number(r.get("gpu_temp_c"), ".0f"),
+                  "-" if busy is None else f"{busy:.0f}%",
                   *(percent(r.get(k)) for k in ("gpu_idle_share", "gpu_slowdown_share", "host_busy")),
                   percent(r.get("host_steal"), ".1f"))
     return t
