@@ -43,7 +43,8 @@ def test_each_arms_machine_is_its_median_over_rounds():
     assert machines["plain again"]["host_steal"] is None and machines["esftctl"]["gpu_sm_mhz_p10"] is None
     assert script.summarize(rounds, output_len=5)["esftctl / plain"]["ttft"][0] == pytest.approx(1.0)
     table = script.machine_table({1.0: machines})
-    assert [c.header for c in table.columns] == ["rate", "arm", "SM MHz", "SM p10", "idle", "slowed", "steal"]
+    assert [c.header for c in table.columns] == ["rate", "arm", "SM MHz", "SM p10", "GPU busy %", "idle", "slowed",
+                                                "steal"]
     assert table.row_count == 3
 
 

@@ -150,7 +150,7 @@ def summarize(rounds: list[dict[str, dict]], output_len: int) -> dict[str, dict]
 
 
 ARMS = ("plain", "esftctl", "plain again")  # a round's runs, in the order they are sent
-MACHINE = ("gpu_sm_mhz", "gpu_sm_mhz_p10", "gpu_idle_share", "gpu_slowdown_share", "host_steal")
+MACHINE = ("gpu_sm_mhz", "gpu_sm_mhz_p10", "gpu_util", "gpu_idle_share", "gpu_slowdown_share", "host_steal")
 SERVER = ("ttft_ms", "queue_ms", "prefill_ms", "api_ms", "outside_ms")
 
 
@@ -267,10 +267,12 @@ def arm_table(title: str, by_rate: dict[float, dict[str, dict]], cells: dict[str
 
 def machine_table(machines: dict[float, dict[str, dict]]):
     return arm_table("the machine over each arm's runs (esftctl.bench.conditions), medians over rounds: the SM clock's "
-                     "mean and 10th percentile, the shares of nvidia-smi's samples idle or slowed down, the host's "
-                     "steal", machines,
+                     "mean and 10th percentile, how busy nvidia-smi found the GPU (the time a kernel ran: one that "
+                     "waits on its host is less busy for the same work), the shares of its samples idle or slowed "
+                     "down, the host's steal", machines,
                      {"SM MHz": ("gpu_sm_mhz", number, ".0f"), "SM p10": ("gpu_sm_mhz_p10", number, ".0f"),
-                      "idle": ("gpu_idle_share", percent, ".1f"), "slowed": ("gpu_slowdown_share", percent, ".1f"),
+                      "GPU busy %": ("gpu_util", number, ".0f"), "idle": ("gpu_idle_share", percent, ".1f"),
+                      "slowed": ("gpu_slowdown_share", percent, ".1f"),
                       "steal": ("host_steal", percent, ".1f")})
 
 
