@@ -624,6 +624,7 @@ def _over(run: dict, anchors: list[dict], metric: str) -> float | None:
 
 
 def _median_of(runs: list[dict], metric: str) -> float | None:
+    """The median of the runs' `metric`, None where one lacks it."""
     values = [run.get(metric) for run in runs]
     return statistics.median(values) if values and all(v is not None for v in values) else None
 

@@ -165,7 +165,8 @@ def rounds_table(result: dict):
     letters: dict = {}  # machine -> A, B, ... in order of appearance
     for _, r in rows:
         for rnd in r["by_round"]:
-            letters.setdefault(rnd["machine"], chr(ord("A") + len(letters) % 26))
+            n = len(letters)
+            letters.setdefault(rnd["machine"], chr(ord("A") + n) if n < 26 else f"M{n + 1}")
     t = Table(title="round by round: each round's ratios against plain vLLM's base run of the same round on the same "
                     "machine (the main table has their median), in round order; machines lettered in order of "
                     "appearance; GPU busy: nvidia-smi's utilization over the run, and the base run's",
