@@ -85,7 +85,7 @@ from esftctl.bench.load import request_ratios
 from esftctl.bench.serve_models import Served, adapter_bytes, bundle_experts
 from esftctl.bench.serve_report import plot, tables  # noqa: F401  (the CLI finds them here)
 from esftctl.bench.serve_runs import Scenario, base_runs, measure_server, part_of, rate_label, scenarios, slug
-from esftctl.bench.slices import clustered_median, pair_by_machine, pair_by_round, ratios_within_machines
+from esftctl.bench.slices import clustered_median, pair_by_machine, pair_by_round, ratio_by_run
 from esftctl.bench.traffic import SLORA_ALPHAS
 from esftctl.errors import EsftError, one_line
 from esftctl.serve import free_port, plan
@@ -579,7 +579,7 @@ def finish(profile: Profile, facts: ModelFacts | None, results: list[dict], erro
 
 def paired_ratios(r: dict, base: dict) -> None:
     """A row's RATIOS against plain vLLM's base row at the same rate, like with like: each round against the
-    base's runs of the same round (the same traffic) on its machine (esftctl.bench.slices.ratios_within_machines),
+    base's runs of the same round (the same traffic) on its machine (esftctl.bench.slices.ratio_by_run),
     the median of those ratios with their range; a round with no such base run is left out. A row with none is
     paired by round across machines where it can be (`paired_across`: the same traffic on another card; a run's
     TPOT follows its traffic more than its card, 2026-11-29), else its median against the base's median, across
@@ -589,44 +589,34 @@ def paired_ratios(r: dict, base: dict) -> None:
     pairs, across = pair_by_machine, None if r["paired_rounds"] else pair_by_round(where, base_where)
     if across:
         pairs, r["paired_across"] = pair_by_round, len(across)
+    by_run = {}  # BY_ROUND's ratios, run index -> ratio
     for key, metric in RATIOS:
-        values = ratios_within_machines([(*w, rep.get(metric)) for w, rep in zip(where, r.get("repeats", []))],
-                                        [(*w, b.get(metric)) for w, b in zip(base_where, base.get("repeats", []))],
-                                        pairs)
-        if values:
+        per_run = ratio_by_run([(*w, rep.get(metric)) for w, rep in zip(where, r.get("repeats", []))],
+                               [(*w, b.get(metric)) for w, b in zip(base_where, base.get("repeats", []))], pairs)
+        if values := [v for v in per_run.values() if v is not None]:
             r[key], r[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
         elif not r["paired_rounds"] and r.get(metric) is not None and base.get(metric):
             r[key] = r[metric] / base[metric]
+        if key in BY_ROUND:
+            by_run[key] = per_run
     if r is not base:
-        r["by_round"] = round_ratios(r, base, pairs)
+        r["by_round"] = round_ratios(r, base, pairs, by_run)
 
 
-def round_ratios(r: dict, base: dict, pairs: Callable) -> list[dict]:
-    """Each paired run's main ratios (BY_ROUND) against the base's runs it pairs with, and both sides' GPU busy
-    share (nvidia-smi's utilization over the run, esftctl.bench.conditions): what one start moves, where a median
-    over rounds hides it. On two H100s at 20 adapters (2026-12-06) esftctl's throughput was 0.802x the base's in a
-    round on one and 0.846x and 0.823x on the other, where the first machine's first two runs had kept the GPU busy
-    65% and 71% of the time against 84-91% in every other run."""
-    where, reps, ratio_of = _where(r), r.get("repeats", []), dict(RATIOS)
+def round_ratios(r: dict, base: dict, pairs: Callable, by_run: dict[str, dict[int, float | None]]) -> list[dict]:
+    """Each paired run's main ratios (`by_run`: BY_ROUND's, from paired_ratios) and both sides' GPU busy share
+    (nvidia-smi's utilization over the run, esftctl.bench.conditions): what one start moves, where a median over
+    rounds hides it. On two H100s at 20 adapters (2026-12-06) esftctl's throughput was 0.802x the base's in a round
+    on one and 0.846x and 0.823x on the other, where the first machine's first two runs had kept the GPU busy 65%
+    and 71% of the time against 84-91% in every other run."""
+    where, reps = _where(r), r.get("repeats", [])
     out = []
     for i, js in pairs(where, _where(base)):
-        anchors = [base["repeats"][j] for j in js]
-        out.append({"round": where[i][0], "machine": where[i][1],
-                    **{key: _over(reps[i], anchors, ratio_of[key]) for key in BY_ROUND},
-                    "gpu_util": reps[i].get("gpu_util"), "base_gpu_util": _median_of(anchors, "gpu_util")})
+        busy = [base["repeats"][j].get("gpu_util") for j in js]
+        out.append({"round": where[i][0], "machine": where[i][1], **{key: by_run[key][i] for key in BY_ROUND},
+                    "gpu_util": reps[i].get("gpu_util"),
+                    "base_gpu_util": statistics.median(busy) if None not in busy else None})
     return out
-
-
-def _over(run: dict, anchors: list[dict], metric: str) -> float | None:
-    """A run's `metric` over the median of its anchor runs', None where one is missing."""
-    under = _median_of(anchors, metric)
-    return run[metric] / under if run.get(metric) is not None and under else None
-
-
-def _median_of(runs: list[dict], metric: str) -> float | None:
-    """The median of the runs' `metric`, None where one lacks it."""
-    values = [run.get(metric) for run in runs]
-    return statistics.median(values) if values and all(v is not None for v in values) else None
 
 
 def request_paired(r: dict, base: dict, output_len: int) -> None:

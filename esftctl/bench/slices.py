@@ -99,15 +99,21 @@ def pair_by_machine(runs: list[tuple[int, str | None]], anchors: list[tuple[int,
     return pair_by_round(runs, anchors, same_machine=True)
 
 
+def ratio_by_run(runs: list[tuple[int, str | None, float | None]], anchors: list[tuple[int, str | None, float | None]],
+                 pairs: Callable = pair_by_machine) -> dict[int, float | None]:
+    """Runs and anchor runs as (round, machine, value): for each run that pairs (`pairs`: pair_by_machine, or
+    pair_by_round), its index -> its value over the median of the anchor values it pairs with, None where a value
+    is missing."""
+    return {i: runs[i][2] / statistics.median(anchors[j][2] for j in js)
+            if runs[i][2] is not None and all(anchors[j][2] for j in js) else None
+            for i, js in pairs([r[:2] for r in runs], [a[:2] for a in anchors])}
+
+
 def ratios_within_machines(runs: list[tuple[int, str | None, float | None]],
                            anchors: list[tuple[int, str | None, float | None]],
                            pairs: Callable = pair_by_machine) -> list[float]:
-    """Runs and anchor runs as (round, machine, value): each run's value over the median of the anchor values it
-    pairs with (`pairs`: pair_by_machine, or pair_by_round), for the runs that pair and whose values are all
-    there."""
-    return [runs[i][2] / statistics.median(anchors[j][2] for j in js)
-            for i, js in pairs([r[:2] for r in runs], [a[:2] for a in anchors])
-            if runs[i][2] is not None and all(anchors[j][2] for j in js)]
+    """ratio_by_run's ratios, for the runs that pair and whose values are all there."""
+    return [v for v in ratio_by_run(runs, anchors, pairs).values() if v is not None]
 
 
 def clustered_median(groups: list[list[float]], *, draws: int = 2000, seed: int = 0
