@@ -177,14 +177,20 @@ def where(rounds: list[dict[str, dict]]) -> dict[str, dict]:
 TRADE = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s")
 
 
+def completed(requests: dict) -> list[tuple[float, float, float]]:
+    """A run's completed requests from its kept ones (load.per_request): (sent s, TTFT ms, latency ms) of each whose
+    first token came, before its last."""
+    return [(s, t, lat) for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])
+            if 0 < t < lat]
+
+
 def run_numbers(requests: dict, output_len: int) -> dict[str, float | None]:
     """A run's aggregates from its requests (load.per_request), what issue 29's trade is told in: TTFT and TPOT (ms
     a token after the first), median and p99 (linear, as vLLM's), TTFT's mean, and output tokens a second from the
     first send to the last finish. None where no request completed. The mean, because all at once, past
     --max-num-seqs, the median lies between the first wave of prompts and the rest, one or two requests deciding it
     (benchmarks/RESULTS.md, 2026-12-06, forty-second session)."""
-    done = [(s, t, lat) for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])
-            if 0 < t < lat]
+    done = completed(requests)
     if not done:
         return dict.fromkeys(TRADE)
     ttft = [t for _, t, _ in done]

@@ -27,7 +27,7 @@ import math
 import statistics
 from pathlib import Path
 
-from side_by_side import ARMS
+from side_by_side import ARMS, completed
 
 from esftctl.bench.slices import load_slices
 
@@ -38,8 +38,7 @@ def waves(requests: dict, gap_ms: float = 8.0) -> dict | None:
     """A run's waves from its requests (start_s, ttft_ms, latency_ms): times in ms from its first send, and the TTFT
     of the request sent first (it meets an idle server, unless others sent after it reached vLLM first); None without
     a completed request."""
-    done = [(s, t, lat) for s, t, lat in zip(requests["start_s"], requests["ttft_ms"], requests["latency_ms"])
-            if 0 < t < lat]
+    done = completed(requests)
     if not done:
         return None
     t0 = min(s for s, _, _ in done)
