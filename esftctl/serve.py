@@ -26,8 +26,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -373,6 +375,27 @@ class AnotherServer(EsftError):
     """Something other than the vLLM this command started answers on the plan's port."""
 
 
+@contextmanager
+def _child_hears_sigint():
+    """Start vLLM able to hear the SIGINT that Server.stop sends. A command that a shell script puts in the
+    background (`esftctl serve ... &`, nohup) ignores SIGINT, and a child inherits an ignored signal across exec:
+    vLLM's API server then ignores stop's SIGINT until uvicorn sets its handlers (before that vLLM catches only
+    SIGTERM), and the suite's stand-in servers (`sleep`) ignored it outright, each stop waiting its 30 s grace
+    before SIGKILL (a suite run from `nohup ... &`, 2026-12-06). A caught signal is reset to its default by exec,
+    so catching SIGINT for the moment of the start gives the child the default while esftctl keeps ignoring it;
+    the child is in a session of its own, which no terminal's Ctrl-C reaches. Python sets handlers only on the
+    main thread; elsewhere nothing changes."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Server:
     """The vLLM server process of a plan: start, wait until it answers, stop."""
 
@@ -385,8 +408,9 @@ class Server:
         if self.plan.esft and self.plan.verified:  # the engine loads these next: hashed once, here
             record_verified(self.plan.config().status_file, self.plan.verified)
         log = open(self.plan.log_file, "ab")
-        self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        with _child_hears_sigint():
+            self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
     def wait_ready(self, timeout: float = 900, on_wait=lambda seconds: None) -> None:

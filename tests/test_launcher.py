@@ -3,12 +3,14 @@
 Without vLLM: a launcher process starts a child as ServePlan starts vLLM (a session of its own, the plan's
 environment), the child calls what esftctl's vLLM plugin calls first, and the launcher is killed with SIGKILL,
 which it cannot handle. The child must then get SIGTERM; a child that was not started by the pid in the
-environment must not.
+environment must not. And a server started by an esftctl that ignores SIGINT (a shell script's background command)
+must still hear the SIGINT that stops it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,3 +90,25 @@ def test_every_plan_names_its_launcher(world, tmp_path):
     for esft in (True, False):
         env = plan(world.base_dir, [], name="base", esft=esft, port=8000, state_dir=tmp_path).env()
         assert env[LAUNCHER_ENV] == str(os.getpid())
+
+
+def test_a_server_started_from_a_background_shell_hears_the_sigint_that_stops_it(tmp_path, monkeypatch):
+    """A shell script's background command ignores SIGINT and its children inherit that, so vLLM would not hear
+    Server.stop's SIGINT (the suite's `sleep` stand-ins waited the 30 s grace, then SIGKILL). Server.start gives the
+    child SIGINT's default back while esftctl itself keeps ignoring it."""
+    from esftctl.runtime.serve_config import ServeSettings
+    from esftctl.serve import ServePlan, Server
+
+    monkeypatch.setattr(ServePlan, "command", lambda self: ["sleep", "60"])
+    server = Server(ServePlan(ServeSettings(base=tmp_path, state_dir=tmp_path / "s"), tmp_path, "base"))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server.start()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # esftctl's own disposition is kept
+        ignored = int(re.search(r"SigIgn:\t(\w+)", Path(f"/proc/{server.process.pid}/status").read_text())[1], 16)
+        assert not ignored & (1 << (signal.SIGINT - 1))
+        assert server.stop(grace=5) == -signal.SIGINT  # not -SIGKILL after the grace
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if server.process is not None and server.process.poll() is None:
+            server.process.kill()

@@ -488,15 +488,16 @@ def test_serve_refuses_a_busy_port_before_starting_vllm(world, tmp_path):
     assert set(Path(tempfile.gettempdir()).glob("esftctl-serve-*")) == before
 
 
-def test_a_server_that_is_not_ours_is_never_taken_for_ours(tmp_path):
+def test_a_server_that_is_not_ours_is_never_taken_for_ours(tmp_path, monkeypatch):
     """Issue 18, item 1: should another server answer on the port while ours starts, the launcher stops and says
     so instead of reporting that server's models and status as its own."""
     import http.server
-    import subprocess
     import threading
 
     from esftctl.runtime.serve_config import ServeSettings
     from esftctl.serve import AnotherServer, ServePlan
+
+    monkeypatch.setattr(ServePlan, "command", lambda self: ["sleep", "60"])  # "our vLLM", still starting
 
     class Impostor(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -514,7 +515,7 @@ def test_a_server_that_is_not_ours_is_never_taken_for_ours(tmp_path):
         settings = ServeSettings(base=tmp_path, port=impostor.server_address[1], state_dir=tmp_path / "s")
         serve_plan = ServePlan(settings, tmp_path, "base")
         server = Server(serve_plan)
-        server.process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # "our vLLM", still starting
+        server.start()
         with pytest.raises(AnotherServer, match=r"another server \(process 1\) answers at http://127.0.0.1:"):
             server.wait_ready(timeout=20)
         assert server.process.poll() is not None  # ours was stopped

@@ -367,15 +367,16 @@ class KeyedServer(http.server.ThreadingHTTPServer):
 
 
 @pytest.mark.parametrize("how", ["--api-key", "after --"])
-def test_the_launcher_waits_for_its_server_with_the_key(tmp_path, how):
+def test_the_launcher_waits_for_its_server_with_the_key(tmp_path, how, monkeypatch):
     """Issue 32, item 4: the readiness calls sent no key, got 401 and stopped vLLM after the timeout."""
+    monkeypatch.setattr(ServePlan, "command", lambda self: ["sleep", "60"])  # "our vLLM"
     with KeyedServer() as fake:
         options = {"api_key": KEY} if how == "--api-key" else {"vllm_args": ["--api-key", KEY]}
         options = {"vllm_args": tuple(options["vllm_args"])} if "vllm_args" in options else options
         settings = ServeSettings(base=tmp_path, port=fake.server_address[1], state_dir=tmp_path / "s", **options)
         serve_plan = ServePlan(settings, tmp_path, "base")
         server = Server(serve_plan)
-        server.process = subprocess.Popen(["sleep", "60"], start_new_session=True)  # "our vLLM"
+        server.start()
         fake.pid = server.process.pid
         try:
             server.wait_ready(timeout=10)
