@@ -407,11 +407,9 @@ class Server:
         self.plan.state.mkdir(parents=True, exist_ok=True)
         if self.plan.esft and self.plan.verified:  # the engine loads these next: hashed once, here
             record_verified(self.plan.config().status_file, self.plan.verified)
-        log = open(self.plan.log_file, "ab")
-        with _child_hears_sigint():
+        with open(self.plan.log_file, "ab") as log, _child_hears_sigint():  # the child keeps its own handle
             self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
 
     def wait_ready(self, timeout: float = 900, on_wait=lambda seconds: None) -> None:
         start = time.monotonic()
