@@ -9,6 +9,9 @@
 # test_paging_with_cuda_graphs_served_exactly (2026-11-29: a call meant for one test ran out of time in the second;
 # name a test by its whole name, 'test_cuda_graphs_served_exactly'). It refuses to start while another process
 # holds GPU memory (a background bench's server leaves the tests' engines too little memory to start).
+# DEADLINE=S: pytest is interrupted (SIGINT) after S seconds and still prints its failures and their tracebacks,
+# and the vLLM logs are still packed: set it below the call's limit (2026-12-06: `timeout 570` around this script
+# killed it in the sixth of thirteen tests, and of a failure only its "F" came back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 ESFTCTL_WORLD=$PWD/.world PYTHONUNBUFFERED=1
 name=$1; shift
@@ -28,8 +31,8 @@ python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>&1 | grep '::' | 
 # Passed tests keep their tmp_path here (pyproject drops them, for CI's disk), so that their vLLM logs come back too:
 # 2026-12-06's tarballs of two passed tests were empty, and their start-ups, 100 s slower than before, unread.
 stamp=$(mktemp)
-python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -o tmp_path_retention_policy=all "$@" 2>&1 \
-  | tee -a "$out/$name.log"
+${DEADLINE:+timeout -s INT -k 60 "$DEADLINE"} python3 -m pytest -q -rfEs --durations=12 -p no:cacheprovider \
+  -o tmp_path_retention_policy=all "$@" 2>&1 | tee -a "$out/$name.log"
 status=${PIPESTATUS[0]}
 find /tmp/pytest-of-root -name vllm.log -newer "$stamp" 2>/dev/null \
   | tar -czf "$out/$name-vllm-logs.tgz" -T - 2>/dev/null
