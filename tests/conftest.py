@@ -76,13 +76,19 @@ def tiny_models(tmp_path_factory):
 
 def engine_settings(*, graphs: bool = False) -> dict:
     """vLLM engine settings for serving tests, as `vllm.LLM` arguments: small; eager, or with vLLM's default
-    compilation and CUDA graphs; on a GPU a tenth of its memory each (servers and references run side by side).
-    `server_args` gives the same settings as server flags, so a server and its reference run alike."""
+    compilation and CUDA graphs; on a GPU a tenth of its memory each (servers and references run side by side), and
+    where FlashInfer is not installed (the device's vLLM install carries none) Gated DeltaNet prefills (Qwen3-Next)
+    by vLLM's Triton kernels, which vLLM 0.25 otherwise takes from FlashInfer on Hopper. `server_args` gives the same
+    settings as server flags, so a server and its reference run alike."""
+    import importlib.util
+
     from esftctl.vllm_generate import DEFAULT_ENGINE
 
     settings = {**DEFAULT_ENGINE, "enforce_eager": not graphs}
     if has_gpu():
         settings["gpu_memory_utilization"] = 0.1
+        if importlib.util.find_spec("flashinfer") is None:
+            settings["additional_config"] = {"gdn_prefill_backend": "triton"}
     return settings
 
 
@@ -96,6 +102,8 @@ def server_args(settings: dict) -> list[str]:
         args += ["--tensor-parallel-size", str(settings["tensor_parallel_size"])]
     if settings.get("enable_expert_parallel"):
         args.append("--enable-expert-parallel")
+    if backend := settings.get("additional_config", {}).get("gdn_prefill_backend"):
+        args += ["--gdn-prefill-backend", backend]
     return args
 
 
