@@ -93,10 +93,11 @@ def _fsync(path: str | Path, *, folder: bool = False) -> None:
         os.close(fd)
 
 
-def _finish(tmp: Path, *, durable: bool = True) -> None:
+def _finish(tmp: Path, *, durable: bool = True, private: bool = False) -> None:
     """The umask's modes for everything written (mkdtemp, mkstemp and some writers, safetensors among them, make
-    things private), and (if `durable`) everything on disk: files first, then the folders that name them."""
-    mask = _umask()
+    things private), or, if `private`, only the owner's, and (if `durable`) everything on disk: files first, then
+    the folders that name them."""
+    mask = 0o077 if private else _umask()
     if tmp.is_dir():
         for folder, dirs, files in os.walk(tmp, topdown=False):
             for name in files:
@@ -190,7 +191,11 @@ def atomic_dir(target: str | Path, *, overwrite: bool = False) -> Iterator[Path]
 def atomic_file(target: str | Path, *, overwrite: bool = True, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `target` that replaces it when the block finishes without error. Not
     `durable`: whole for every reader, but not fsynced, for files that only describe a running process (a crash
-    ends what they describe) and are rewritten where an fsync's milliseconds would be waited on."""
+    ends what they describe) and are rewritten where an fsync's milliseconds would be waited on.
+
+    The file gets the umask's mode, except in a folder only its owner may enter (no group or other bits, as a
+    server's state folder: esftctl.serve), where it stays 0600 as mkstemp made it: the launcher and the engine
+    write status and records there that its API key protects over HTTP."""
     target = check_output(target, overwrite=overwrite)
     with _parents(target) as created:
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
@@ -198,7 +203,7 @@ def atomic_file(target: str | Path, *, overwrite: bool = True, durable: bool = T
         tmp = Path(name)
         try:
             yield tmp
-            _finish(tmp, durable=durable)
+            _finish(tmp, durable=durable, private=not os.stat(target.parent).st_mode & 0o077)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

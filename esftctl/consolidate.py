@@ -12,10 +12,15 @@ At inference a position that is loaded serves every variant with the loaded expe
 loaded serves each variant its own expert (a miss: loaded on demand). `materialize` writes the checkpoint a
 variant effectively runs: its own non-expert weights, the mapped experts where loaded, its own elsewhere.
 Experts are streamed one at a time: whole models are never held in memory.
+
+The map names each variant by its path (a relative one is taken from the map's folder, wherever the command runs)
+and records its fingerprint (structure and router weights), which every reader checks: a map is a file someone may
+hand on, and a variant replaced under the same path would otherwise be served or materialized silently.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -26,10 +31,24 @@ import torch
 from esftctl.errors import EsftError
 from esftctl.formats import native
 from esftctl.formats.architectures import EXPERTS, LAYERS
+from esftctl.formats.bundle import base_identity
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, write_checkpoint
 from esftctl.jsonfile import read_json, write_json
 
 MAP_FILE, RANKING_FILE = "expert_map.json", "ranking.json"
+MAP_VERSION = 2  # 2: each variant's fingerprint beside its path (version 1 maps had none: refused, made again)
+# Variants of one map. A server gives each a slot of its own and consolidation sums M (M - 1) / 2 pair distances per
+# position: 64 is far past what anyone consolidates (the paper's are a handful), and a map of 20,000 entries read
+# without a bound ran past 120 s.
+MAX_VARIANTS = 64
+MAP_LIMIT = 16 << 20  # bytes of a map: DeepSeek-V3's 58 MoE layers x 256 experts take about 60 KB
+FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # esftctl.formats.bundle.base_identity's
+
+
+def fingerprint(model: MoECheckpoint) -> str:
+    """A model's fingerprint (its structure and router weights: esftctl.formats.bundle.base_identity), which a map
+    records of each variant, so that a variant replaced by another model under the same path is refused."""
+    return base_identity(model)["fingerprint"]
 
 
 def check_same_architecture(models: Sequence[MoECheckpoint]) -> None:
@@ -96,41 +115,69 @@ def assign_round_robin(ranking: Sequence[tuple[int, int]], num_models: int, capa
 
 @dataclass
 class ExpertMap:
-    models: list[str]
+    models: list[str]  # as loaded: absolute, relative ones taken from the map's folder
     moe_layers: list[int]
     num_experts: int
     capacity: int
     owner: np.ndarray  # [MoE layers, experts]: variant index whose expert is loaded, -1 = not loaded
+    fingerprints: list[str]  # each variant's (`fingerprint`) when the map was made, checked by open_variants
 
     def to_json(self) -> dict:
-        return {"format": "esftctl-expert-map", "version": 1, "models": self.models, "moe_layers": self.moe_layers,
-                "num_experts": self.num_experts, "capacity": self.capacity,
+        return {"format": "esftctl-expert-map", "version": MAP_VERSION, "models": self.models,
+                "fingerprints": self.fingerprints, "moe_layers": self.moe_layers, "num_experts": self.num_experts,
+                "capacity": self.capacity,
                 "map": {str(l): self.owner[i].tolist() for i, l in enumerate(self.moe_layers)}}
 
     @classmethod
     def load(cls, path: Path) -> "ExpertMap":
         """The map in `path`, every field checked (_map_problem) before anything reads it: a map may come from
-        someone else, and serving indexes variants by its owners."""
-        d = read_json(path)
+        someone else, and serving indexes variants by its owners. A variant's relative path is taken from the map's
+        folder, not the current one, so the map names the same models wherever a command runs; a map of version 1,
+        without its variants' fingerprints, is refused."""
+        d = read_json(path, MAP_LIMIT)
         if not isinstance(d, dict) or d.get("format") != "esftctl-expert-map":
             raise EsftError("not an esftctl expert map", path)
+        if d.get("version") == 1:
+            raise EsftError("an expert map of version 1, made by an older esftctl without its variants' fingerprints, "
+                            "which this one checks them against: run `esftctl consolidate` again", path)
         problem = _map_problem(d)
         if problem:
             raise EsftError(f"malformed expert map: {problem}", path)
         layers, experts = d["moe_layers"], d["num_experts"]
         owner = np.array([d["map"][str(l)] for l in layers], dtype=np.int64).reshape(len(layers), experts)
-        return cls(d["models"], layers, experts, d["capacity"], owner)
+        folder = Path(path).parent.absolute()
+        models = [str(folder / m) if not Path(m).is_absolute() else m for m in d["models"]]
+        return cls(models, layers, experts, d["capacity"], owner, d["fingerprints"])
+
+    def open_variants(self, path: Path) -> list[MoECheckpoint]:
+        """The variants of this map (read from `path`), checked: each present, all of one architecture, and each
+        still the model the map was made of (its fingerprint), else one line naming the map and the variant."""
+        for i, p in enumerate(self.models):
+            if not Path(p).is_dir():
+                raise EsftError(f"variant {i} of the map, {p}, is missing", path)
+        models = [MoECheckpoint(p) for p in self.models]
+        check_same_architecture(models)
+        for i, (model, want) in enumerate(zip(models, self.fingerprints)):
+            if fingerprint(model) != want:
+                raise EsftError(f"variant {i} of the map, {model.path}, is not the model the map was made of (its "
+                                "config or router weights changed): run `esftctl consolidate` again", path)
+        return models
 
 
 def _map_problem(d: dict) -> str | None:
-    """What is wrong with an expert map's fields (the first thing), or None: variants as paths, layers increasing,
-    one owner per expert of each layer, each a variant or -1, and no more loaded than the capacity."""
-    models, layers, experts, capacity, rows = (d.get(k) for k in ("models", "moe_layers", "num_experts", "capacity",
-                                                                  "map"))
-    if d.get("version") != 1:
-        return "version must be 1"
-    if not (isinstance(models, list) and models and all(isinstance(m, str) and m and "\0" not in m for m in models)):
-        return "models must be a non-empty list of paths"
+    """What is wrong with an expert map's fields (the first thing), or None: at most MAX_VARIANTS variants as paths,
+    each with its fingerprint, layers increasing, one owner per expert of each layer, each a variant or -1, and no
+    more loaded than the capacity."""
+    models, fingerprints, layers, experts, capacity, rows = (
+        d.get(k) for k in ("models", "fingerprints", "moe_layers", "num_experts", "capacity", "map"))
+    if d.get("version") != MAP_VERSION:
+        return f"version must be {MAP_VERSION}"
+    if not (isinstance(models, list) and 0 < len(models) <= MAX_VARIANTS
+            and all(isinstance(m, str) and m and "\0" not in m for m in models)):
+        return f"models must be a non-empty list of at most {MAX_VARIANTS} paths"
+    if not (isinstance(fingerprints, list) and len(fingerprints) == len(models)
+            and all(isinstance(f, str) and FINGERPRINT.fullmatch(f) for f in fingerprints)):
+        return "fingerprints must hold one fingerprint (sha256:...) per model"
     if not (isinstance(layers, list) and all(type(l) is int and 0 <= l < LAYERS for l in layers)
             and layers == sorted(set(layers))):
         return f"moe_layers must be increasing layer indices below {LAYERS}"
@@ -155,6 +202,8 @@ def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = No
     """Write DIR/expert_map.json, DIR/ranking.json and DIR/distances.png; return the map and distances."""
     from esftctl.atomic import atomic_dir
 
+    if len(model_dirs) > MAX_VARIANTS:
+        raise EsftError(f"{len(model_dirs)} variants given: a map holds at most {MAX_VARIANTS}")
     models = [MoECheckpoint(p) for p in model_dirs]
     check_same_architecture(models)
     if (capacity is None) == (budget_bytes is None):
@@ -170,7 +219,7 @@ def consolidate(model_dirs: Sequence[Path], out: Path, capacity: int | None = No
     for (li, e), m in assigned.items():
         owner[li, e] = m
     emap = ExpertMap([str(Path(p).resolve()) for p in model_dirs], models[0].moe_layers, models[0].num_experts,
-                     capacity, owner)
+                     capacity, owner, [fingerprint(m) for m in models])
     layers = models[0].moe_layers
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_json(tmp / MAP_FILE, emap.to_json())
@@ -205,8 +254,7 @@ def materialize(map_dir: Path, variant: int, out: Path, *, overwrite: bool = Fal
     emap = ExpertMap.load(map_dir / MAP_FILE)
     if not 0 <= variant < len(emap.models):
         raise EsftError(f"variant {variant} out of range (the map has {len(emap.models)} models)", map_dir)
-    models = [MoECheckpoint(p) for p in emap.models]
-    check_same_architecture(models)
+    models = emap.open_variants(map_dir / MAP_FILE)
     own = models[variant]
     replacements = {}
     for li, layer in enumerate(emap.moe_layers):

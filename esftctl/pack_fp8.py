@@ -20,7 +20,7 @@ import torch
 from esftctl.errors import EsftError
 from esftctl.formats.architectures import EXPERT_SCALES, EXPERT_WEIGHTS
 from esftctl.formats.bundle import base_identity
-from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, finite_expert
 from esftctl.formats.fp8 import SCALE_SUFFIX, WEIGHT_DTYPE
 
 UNCOMPARED = ("fingerprint", "expert_dtype", "weight_block_size")  # what a plain fine-tune of an FP8 base changes
@@ -108,10 +108,12 @@ class PlainOverFp8:
 
     def adapter_expert(self, layer: int, expert: int, changed: bool) -> ExpertWeights:
         """The expert as the bundle stores it: the fine-tune's quantized with the base's scheme, or, where it did
-        not change, the base's own bytes."""
+        not change, the base's own bytes. A changed weight must be finite: a NaN or an infinity quantizes to a NaN
+        or infinite block scale, which the bundle would carry to every merge and server (refused naming the file)."""
         if not changed:
             return self.base.read_expert(layer, expert)
-        plain = self.tuned.read_expert(layer, expert)
+        plain = finite_expert(self.tuned, layer, expert, self.tuned.read_expert(layer, expert),
+                              why="quantized for the FP8 base, its block scales would be too")
         parts = {}
         for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES):
             parts[w], parts[s] = self.scheme.quantize(getattr(plain, w))

@@ -29,10 +29,12 @@ from typing import Callable, Sequence
 import torch
 
 from esftctl.errors import EsftError
+from esftctl.formats.architectures import LAYERS
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonfile import read_json, write_json
 from esftctl.jsonl import Example
 from esftctl.routing import routing_scores
+from esftctl.selection import LAYER_KEY_DIGITS, layer_key
 
 METRICS = ("gate", "token")
 SCORED = ("all", "completion")  # which tokens of an example are scored
@@ -65,18 +67,35 @@ class Relevance:
         if not isinstance(d, dict) or d.get("format") != SCORES_FORMAT:
             raise EsftError(f"not an esftctl relevance scores file (format is not {SCORES_FORMAT!r})", path)
         try:
-            scores = {m: {int(l): [_score(x) for x in s] for l, s in d["scores"][m].items()} for m in METRICS}
+            scores = {m: {_layer(l): [_score(x) for x in s] for l, s in d["scores"][m].items()} for m in METRICS}
             scored = d.get("scored", "all")
             if scored not in SCORED:
                 raise ValueError(f"scored is {scored!r}, not one of {', '.join(SCORED)}")
-            moe_layers = [int(l) for l in d["moe_layers"]]
+            moe_layers = d["moe_layers"]
+            if not all(type(l) is int and 0 <= l < LAYERS for l in moe_layers):
+                raise ValueError(f"moe_layers must be layer indices below {LAYERS}")
             widths = {len(s) for per in scores.values() for s in per.values()}
             if any(sorted(per) != sorted(moe_layers) for per in scores.values()) or len(widths) != 1 or 0 in widths:
                 raise ValueError("every metric must score the same experts of every MoE layer in moe_layers")
-            return cls(d["model"], d["data"], int(d["examples"]), int(d["tokens"]), int(d["top_k"]),
-                       moe_layers, scores, scored)
+            return cls(d["model"], d["data"], _count(d["examples"]), _count(d["tokens"]), _count(d["top_k"]),
+                       list(moe_layers), scores, scored)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:  # Overflow: a 400-digit number
             raise EsftError(f"malformed scores file ({e.__class__.__name__}: {e})", path) from None
+
+
+def _layer(key: str) -> int:
+    """A layer key of `scores` (esftctl.selection.layer_key: plain digits, at most 9)."""
+    layer = layer_key(key)
+    if layer is None:
+        raise ValueError(f"layer key {key[:40]!r} is not a layer index (at most {LAYER_KEY_DIGITS} digits)")
+    return layer
+
+
+def _count(x) -> int:
+    """A count as the file holds it: a non-negative JSON integer (not a string, a float or a boolean)."""
+    if type(x) is not int or x < 0:
+        raise ValueError(f"a count must be a non-negative integer, not {str(x)[:40]!r}")
+    return x
 
 
 def _score(x) -> float:

@@ -33,6 +33,18 @@ LAYER_BASES = (0, 1)
 # Sums of float scores can fall short of p = 1 by rounding; a prefix this close counts as reaching p.
 _EPS = 1e-9
 
+# The longest layer key read from a file: far past any model's layer count, far below int()'s 4,300 digits (a
+# longer key was a ValueError traceback, not a line naming the file).
+LAYER_KEY_DIGITS = 9
+
+
+def layer_key(key: object) -> int | None:
+    """A layer index as a JSON object's key holds it (expert configs, relevance scores): 1-9 ASCII digits, nothing
+    else (int() also takes " 1", "1_0", "+1" and digits such as "²" or "١"); None for anything else."""
+    if isinstance(key, str) and 0 < len(key) <= LAYER_KEY_DIGITS and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
 
 def select_layer(scores: Sequence[float], p: float) -> list[int]:
     """The shortest prefix of experts, best first, whose scores sum to at least p."""
@@ -73,13 +85,15 @@ class ExpertConfig:
             raise EsftError("expert config needs an 'experts' object keyed by layer index", path)
         experts: dict[int, list[int]] = {}
         for key, ids in d["experts"].items():
-            # JSON's true and false are Python ints, and str.isdigit() passes digits that int() refuses ("²")
-            if not (key.isascii() and key.isdigit()) or not isinstance(ids, list) or not all(
-                    type(i) is int for i in ids):
-                raise EsftError(f"experts[{key!r}] must be a list of expert ids under a layer index", path)
+            layer = layer_key(key)
+            shown = repr(key) if len(key) <= 40 else f"{key[:40]!r}..."
+            # JSON's true and false are Python ints
+            if layer is None or not isinstance(ids, list) or not all(type(i) is int for i in ids):
+                raise EsftError(f"experts[{shown}] must be a list of expert ids under a layer index (at most "
+                                f"{LAYER_KEY_DIGITS} digits)", path)
             if len(set(ids)) != len(ids):
-                raise EsftError(f"experts[{key!r}] lists an expert twice", path)
-            experts[int(key)] = ids
+                raise EsftError(f"experts[{shown}] lists an expert twice", path)
+            experts[layer] = ids
         flags = {k: d.get(k, False) for k in ("shared_experts", "non_expert_modules")}
         for k, v in flags.items():
             if type(v) is not bool:  # "false" would be true to DeepSeek's loader, which tests it as Python does

@@ -13,16 +13,19 @@ vLLM loads, every other one is a LoRA module name bound to its slot, and vLLM's 
 The launcher waits until the server answers, prints the adapter table, and forwards Ctrl-C / SIGTERM.
 With an API key (`serve --api-key` or ESFTCTL_API_KEY), vLLM gets it in its environment (VLLM_API_KEY), not on a
 command line every user can read; a key given to vLLM after `--` works too. The launcher's own requests send it.
-`--adapter-root DIR` limits adapters loaded at run time to bundles under DIR (checked by the middleware).
+`--adapter-root DIR` limits adapters loaded at run time to bundles under DIR (checked by the middleware, and read
+by the engine through their folder opened beneath DIR: esftctl.beneath).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -371,6 +374,62 @@ def _check_paging(settings: ServeSettings, base: MoECheckpoint) -> ServeSettings
     return replace(settings, paging_store=Path(store).resolve())
 
 
+def private_state_folder(path: Path) -> None:
+    """Make `path` a server's state folder, which only its owner may enter (0700): the vLLM log, the status and the
+    record of verified bundles in it are what the API key protects over HTTP. A missing one is created so (its
+    parents as the umask says). An existing one must be this user's and writable by no one else, else it is refused
+    in one line: another user's folder, or one others may write (a shared /tmp folder), may already hold what they
+    planted, such as a `vllm.log` link that would receive the server's log, and tightening its mode would not remove
+    it. One of this user's that others may only read or enter is tightened to 0700."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        found = os.stat(path)
+    except OSError as e:
+        raise EsftError(f"cannot create the state folder ({e.strerror or e})", path) from None
+    if not stat.S_ISDIR(found.st_mode):
+        raise EsftError("--state-dir: not a folder", path)
+    if found.st_uid != os.geteuid():
+        raise EsftError(f"the state folder belongs to another user (uid {found.st_uid}): give a folder of your own "
+                        "(--state-dir)", path)
+    if found.st_mode & 0o022:
+        raise EsftError(f"the state folder is writable by others (mode {stat.S_IMODE(found.st_mode):o}): what they put "
+                        "there (a vllm.log link) would receive the server's files; give a folder only you may write "
+                        "(--state-dir), or chmod 700 this one after checking what it holds", path)
+    if stat.S_IMODE(found.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def open_log(path: Path) -> int:
+    """A descriptor to append vLLM's output to `path`, a regular file of mode 0600 (created so, an older one
+    tightened), opened without following a symbolic link (O_NOFOLLOW: a link there is refused in one line, not
+    written through) or waiting on a FIFO."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise EsftError("the server's log is a symbolic link here: not written through; remove it", path) from None
+        raise EsftError(f"cannot open the server's log ({e.strerror or e})", path) from None
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise EsftError("the server's log is not a regular file; remove it", path)
+        if stat.S_IMODE(found.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+    except OSError as e:
+        os.close(fd)
+        raise EsftError(f"cannot make the server's log private ({e.strerror or e})", path) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class AnotherServer(EsftError):
     """Something other than the vLLM this command started answers on the plan's port."""
 
@@ -404,12 +463,14 @@ class Server:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.plan.state.mkdir(parents=True, exist_ok=True)
-        if self.plan.esft and self.plan.verified:  # the engine loads these next: hashed once, here
-            record_verified(self.plan.config().status_file, self.plan.verified)
-        with open(self.plan.log_file, "ab") as log, _child_hears_sigint():  # the child keeps its own handle
-            self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        """Start vLLM, its output appended to the log in the plan's state folder (private_state_folder, open_log)."""
+        private_state_folder(self.plan.state)
+        with os.fdopen(open_log(self.plan.log_file), "ab") as log:  # the child keeps its own handle
+            if self.plan.esft and self.plan.verified:  # the engine loads these next: hashed once, here
+                record_verified(self.plan.config().status_file, self.plan.verified)
+            with _child_hears_sigint():
+                self.process = subprocess.Popen(self.plan.command(), env=self.plan.env(), stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 900, on_wait=lambda seconds: None) -> None:
         start = time.monotonic()

@@ -15,11 +15,12 @@ C = every position, no variant adds a single expert.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from esftctl.consolidate import MAP_FILE, ExpertMap, check_same_architecture
+from esftctl.consolidate import MAP_FILE, ExpertMap
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint
 from esftctl.names import check_name
@@ -41,13 +42,9 @@ class VariantSet:
         map_dir = Path(map_dir)
         if not (map_dir / MAP_FILE).is_file():
             raise EsftError(f"no {MAP_FILE} here: not a folder written by `esftctl consolidate`", map_dir)
-        emap = ExpertMap.load(map_dir / MAP_FILE)
-        paths = [Path(p) if Path(p).is_absolute() else (Path.cwd() / p) for p in emap.models]
-        for i, p in enumerate(paths):
-            if not p.is_dir():
-                raise EsftError(f"variant {i} of the map, {p}, is missing", map_dir / MAP_FILE)
-        checkpoints = [MoECheckpoint(p) for p in paths]
-        check_same_architecture(checkpoints)
+        emap = ExpertMap.load(map_dir / MAP_FILE)  # variants' paths relative to the map's folder, at most 64
+        checkpoints = emap.open_variants(map_dir / MAP_FILE)  # present, of one architecture, as fingerprinted
+        paths = [c.path for c in checkpoints]
         first = checkpoints[0]
         if first.moe_layers != emap.moe_layers or first.num_experts != emap.num_experts:
             raise EsftError(f"the map is of {len(emap.moe_layers)} MoE layers x {emap.num_experts} experts, its "
@@ -57,7 +54,7 @@ class VariantSet:
             raise EsftError(f"{len(names)} variant names given for the map's {len(paths)} variants", map_dir)
         for name in names:
             check_name(name, "variant")
-        clash = sorted({n for n in names if names.count(n) > 1})
+        clash = sorted(n for n, count in Counter(names).items() if count > 1)
         if clash:
             raise EsftError(f"variants share the name {clash[0]!r}; name them with --variant-names", map_dir)
         return cls(map_dir, emap, names, checkpoints)

@@ -36,14 +36,20 @@ def test_ranking_and_round_robin_on_hand_made_distances():
     assert assign_round_robin(ranking, 2, 0) == {}
 
 
-GOOD_MAP = {"format": "esftctl-expert-map", "version": 1, "models": ["/m/a", "/m/b"], "moe_layers": [1, 2],
-            "num_experts": 3, "capacity": 4, "map": {"1": [0, -1, 1], "2": [1, 0, -1]}}
+FINGERPRINTS = ["sha256:" + "a" * 64, "sha256:" + "b" * 64]
+GOOD_MAP = {"format": "esftctl-expert-map", "version": 2, "models": ["/m/a", "/m/b"], "fingerprints": FINGERPRINTS,
+            "moe_layers": [1, 2], "num_experts": 3, "capacity": 4, "map": {"1": [0, -1, 1], "2": [1, 0, -1]}}
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"version": 2}, "version must be 1"),
-    ({"models": []}, "models must be a non-empty list of paths"),
-    ({"models": ["/m/a", 3]}, "models must be a non-empty list of paths"),
+    ({"version": 3}, "version must be 2"),
+    ({"models": []}, "models must be a non-empty list of at most 64 paths"),
+    ({"models": ["/m/a", 3]}, "models must be a non-empty list of at most 64 paths"),
+    ({"models": [f"/m/{i}" for i in range(65)], "fingerprints": FINGERPRINTS[:1] * 65},
+     "models must be a .* at most 64 paths"),
+    ({"fingerprints": FINGERPRINTS[:1]}, r"fingerprints must hold one fingerprint \(sha256:...\) per model"),
+    ({"fingerprints": [FINGERPRINTS[0], "sha256:xyz"]}, "fingerprints must hold one fingerprint"),
+    ({"fingerprints": None}, "fingerprints must hold one fingerprint"),
     ({"moe_layers": [2, 1], "map": {"1": [0, 0, 0], "2": [0, 0, 0]}}, "moe_layers must be increasing"),
     ({"moe_layers": [1, True]}, "moe_layers must be increasing"),
     ({"num_experts": "3"}, "num_experts must be an integer in 1-65536"),

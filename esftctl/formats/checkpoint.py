@@ -7,10 +7,12 @@ are read one at a time through memory maps, so a 16B model is never loaded whole
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -594,6 +596,19 @@ def unfuse(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor
                          gate_up_bias[0::2].contiguous(), gate_up_bias[1::2].contiguous(), down_bias.contiguous())
 
 
+def finite_expert(ckpt: MoECheckpoint, layer: int, expert: int, weights: ExpertWeights, *,
+                  why: str = "a bundle of it would carry them to every merge and server") -> ExpertWeights:
+    """`weights`, expert `expert` of `layer` as read from `ckpt`, if every value is finite; else EsftError naming
+    the file and the tensor holding a NaN or an infinity, and `why` that matters (for what `pack` stores)."""
+    for part, t in weights.items():
+        if not bool(torch.isfinite(t.float() if t.dtype.itemsize == 1 else t).all()):  # float8: no isfinite
+            names = ckpt.expert_tensor_names(layer, expert) if ckpt.arch.fused is None else {}
+            name = names.get(part) or ckpt.routed_tensor_names(layer)[0]
+            raise EsftError(f"tensor {name!r} (expert {expert} of layer {layer}, {part}) holds values that are not "
+                            f"finite (NaN or infinity): {why}", ckpt.tensors[name].file)
+    return weights
+
+
 def _check_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertWeights]) -> None:
     shapes = ckpt.expert_shapes()
     for (layer, expert), weights in experts.items():
@@ -660,6 +675,64 @@ def expert_replacements(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], E
     return {n: write(n, ckpt.read_tensor(n)) for n in sorted(names)}
 
 
+def _extra_files(folder: Path) -> list[tuple[Path, Path]]:
+    """The files a written copy of a model folder carries beside its tensors (README, tokenizer files, ...), as
+    (name in the folder, what to open), from lstat: never what a link points to outside the folder, since the copy
+    is what people publish and its files are readable by all (a base holding README.md -> ~/private or extra.txt ->
+    /proc/self/environ put them in a merged checkpoint). A regular file is itself. A symbolic link is copied by
+    content only where it resolves inside the folder, or inside the `blobs` folder of the Hugging Face cache
+    repository the folder is a snapshot of (the hub stores snapshots/REVISION/FILE as a link to ../../blobs/HASH);
+    any other link, a FIFO, a socket or a device is refused in one line naming it. Sub-folders (and links to
+    folders) are no extras, nor are `*.safetensors` files: the tensors are written anew."""
+    real = Path(os.path.realpath(folder))
+    roots = [real] + ([real.parent.parent / "blobs"] if real.parent.name == "snapshots" else [])
+    extras = []
+    for name in sorted(folder.iterdir()):
+        if name.suffix == ".safetensors":
+            continue
+        mode = os.lstat(name).st_mode
+        if stat.S_ISDIR(mode):
+            continue
+        if stat.S_ISLNK(mode):
+            target = Path(os.path.realpath(name))
+            if not any(target.is_relative_to(root) for root in roots):
+                raise EsftError(f"a symbolic link to {os.readlink(name)[:200]}, outside the model folder: what esftctl "
+                                "writes holds only the folder's own files; put the file itself here or remove the "
+                                "link", name)
+            if not target.is_dir():
+                extras.append((name, target))
+        elif stat.S_ISREG(mode):
+            extras.append((name, name))
+        else:
+            raise EsftError("not a regular file (a FIFO, socket or device) in the model folder: what esftctl writes "
+                            "holds only regular files; remove it", name)
+    return extras
+
+
+def _copy_extra(name: Path, source: Path, dst: Path) -> None:
+    """Copy an extra file (_extra_files: `source` is the file `name` is or resolves to) to `dst`, opened without
+    following a link (O_NOFOLLOW) and only if it is a regular file: a name swapped for a link or a FIFO after the
+    check is refused, not followed."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise EsftError("became a symbolic link while esftctl copied the model folder: not followed",
+                            name) from None
+        raise EsftError(f"cannot open ({e.strerror or e})", name) from None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise EsftError("not a regular file (a FIFO, socket or device) in the model folder: what esftctl writes "
+                            "holds only regular files; remove it", name)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f, open(dst, "xb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+        os.utime(dst, ns=(status.st_atime_ns, status.st_mtime_ns))
+    finally:
+        os.close(fd)
+
+
 def write_checkpoint(
     src: MoECheckpoint,
     dst: str | Path,
@@ -669,13 +742,15 @@ def write_checkpoint(
     on_tensor: Callable[[str], None] = lambda name: None,
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     experts: Mapping[tuple[int, int], ExpertWeights] | None = None,
+    verify: Callable[[str, torch.Tensor], None] | None = None,
 ) -> Path:
     """Write a copy of `src` to `dst` with some tensors replaced (same shards, same index, same extras).
 
     Every replacement must name an existing tensor of the same shape and dtype; `experts` {(layer, expert):
     weights} go into their tensors or fused slices (expert_writer); `transform(name, tensor)`, if given, may
     change any tensor as it streams through (same shape and dtype), so a whole model is never held: one shard at
-    a time. The copy appears at `dst` only once it is complete.
+    a time; `verify(name, tensor)`, if given, sees every tensor read from `src` as read and may refuse it. The copy
+    appears at `dst` only once it is complete.
     """
     if experts:
         write, then = expert_writer(src, experts), transform
@@ -691,14 +766,18 @@ def write_checkpoint(
                 f"{info.torch_dtype} {list(info.shape)} expected", src.path)
     dst = Path(dst)
     with atomic_dir(dst, overwrite=overwrite) as tmp:
-        for extra in src.path.iterdir():
-            if extra.is_file() and extra.suffix != ".safetensors":
-                shutil.copy2(extra, tmp / extra.name)
+        for name, source in _extra_files(src.path):
+            _copy_extra(name, source, tmp / name.name)
         for file in src.files:
             tensors = {}
             for n, info in src.tensors.items():
                 if info.file == file:
-                    t = replacements[n] if n in replacements else src.read_tensor(n)
+                    if n in replacements:
+                        t = replacements[n]
+                    else:
+                        t = src.read_tensor(n)
+                        if verify is not None:
+                            verify(n, t)
                     if transform is not None:
                         t = transform(n, t)
                         if t.shape != info.torch_shape or t.dtype != info.torch_dtype:
