@@ -18,4 +18,5 @@ class EsftError(Exception):
 
     def __init__(self, message: str, path: str | Path | None = None):
         self.path = Path(path) if path is not None else None
+        self.message = message
         super().__init__(f"{path}: {message}" if path is not None else message)

@@ -17,7 +17,7 @@ import numpy as np
 
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import PackReport, base_identity, write_bundle
-from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.formats.checkpoint import MoECheckpoint, finite_expert
 from esftctl.formats.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter
 from esftctl.names import check_name
 from esftctl.pack_fp8 import plain_over_fp8
@@ -164,7 +164,8 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
     if not report.experts and not non_expert:
         raise EsftError("the fine-tuned model is identical to the base: nothing to pack", tuned.path)
     if plain is None:
-        experts = {l: {e: tuned.read_expert(l, e) for e in ids} for l, ids in report.experts.items()}
+        experts = {l: {e: finite_expert(tuned, l, e, tuned.read_expert(l, e)) for e in ids}
+                   for l, ids in report.experts.items()}
     else:
         experts = {l: {e: plain.adapter_expert(l, e, e in changed[l]) for e in ids}
                    for l, ids in report.experts.items()}

@@ -23,7 +23,7 @@ import torch
 
 from esftctl.describe import describe_path
 from esftctl.errors import EsftError
-from esftctl.formats.bundle import DATA_FILE, MANIFEST, Bundle, write_bundle
+from esftctl.formats.bundle import DATA_FILE, MANIFEST, Bundle, manifest_sha256, write_bundle
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.esft_adapter import export_adapter
 from esftctl.merge import merge
@@ -40,11 +40,14 @@ def tiny(tiny_models, tmp_path_factory):
 
 
 def crafted(src: Path, dst: Path, edit=None, raw: str | None = None) -> Path:
-    """A copy of bundle `src` whose manifest `edit(manifest)` changed (or whose manifest text is `raw`)."""
+    """A copy of bundle `src` whose manifest `edit(manifest)` changed, its checksum recomputed as an attacker would
+    (or whose manifest text is `raw`): what the field checks stand against."""
     shutil.copytree(src, dst)
     m = json.loads((dst / MANIFEST).read_text())
     if edit is not None:
         edit(m)
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            m["manifest_sha256"] = manifest_sha256(m)
     (dst / MANIFEST).write_text(raw if raw is not None else json.dumps(m))
     return dst
 

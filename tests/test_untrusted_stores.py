@@ -26,6 +26,7 @@ from esftctl.errors import EsftError
 from esftctl.formats import native
 from esftctl.formats.huffman import MAX_CHUNK
 from esftctl.formats.store import DATA, HEADER, ExpertStore, SourceTensor, header_hash, write_store
+from esftctl.formats.unprotected import ENV
 from esftctl.kernels.huffman_decode import DecodePlan, Segment
 
 TENSORS = {"a": torch.tensor([[1.0, -2.5, 0.0], [3.0e-3, 7.0, -0.125]], dtype=torch.bfloat16),
@@ -150,16 +151,25 @@ def test_a_changed_header_field_is_a_checksum_mismatch(tiny, tmp_path, field, va
     _one_line_error(excinfo, store / HEADER)
 
 
-def test_version_2_stores_still_read_and_say_they_are_unprotected(tiny, tmp_path, caplog):
+def test_version_2_stores_are_read_only_when_asked_for_and_say_they_are_unprotected(tiny, tmp_path, caplog,
+                                                                                    monkeypatch):
+    """A version 2 store has no header checksum: one changed bit of "version": 3 would turn the checks off, so it is
+    refused in one line naming --allow-unprotected; asked for, it reads, marked unprotected."""
     store = _copy(tiny, tmp_path / "v2")
     _as_version_2(store)
+    with pytest.raises(EsftError, match="version 2 store has no checksum over its header.*--allow-unprotected"):
+        ExpertStore(store)
+    proc = _cli("inspect", store, "--json")
+    assert proc.returncode == 1 and "--allow-unprotected" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    monkeypatch.setenv(ENV, "1")
     with caplog.at_level(logging.WARNING, logger="esftctl.formats.store"):
         opened = ExpertStore(store)
     assert any("no header checksum" in r.getMessage() and str(store) in r.getMessage() for r in caplog.records)
     d = opened.describe()
     assert d["version"] == 2 and d["header_checksum"] is False and "no header checksum" in d["warning"]
     assert all(_same(opened.decode_tensor(n), t) for n, t in TENSORS.items())
-    proc = _cli("inspect", store, "--json")
+    monkeypatch.delenv(ENV)
+    proc = _cli("--allow-unprotected", "inspect", store, "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["header_checksum"] is False
     assert "no header checksum" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -476,6 +486,7 @@ def test_fuzz_stores(tiny, tmp_path, monkeypatch):
     bit-exactly) or recomputed as an attacker would (then: refused, or decoded into the header's shapes, the native
     decoder and the numpy reference alike). Never another exception. Fixed seed, at most about 15 s."""
     rng = random.Random(32)
+    monkeypatch.setenv(ENV, "1")  # version 2 stores too, read as asked for
     v2 = _copy(tiny, tmp_path / "v2")
     _as_version_2(v2)
     outcomes = {"refused": 0, "exact": 0, "attacker": 0}
@@ -564,7 +575,7 @@ def test_cli_refuses_crafted_stores_in_one_line(tiny, tmp_path, how):
     for args in (("decompress", store, "--out", work / "out"), ("inspect", store)):
         if how == "corrupt-stream" and args[0] == "inspect":  # inspect decodes nothing
             continue
-        proc = _cli(*args)
+        proc = _cli(*(("--allow-unprotected",) if how == "chunk-2-59" else ()), *args)  # past the version check
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
         assert str(store) in lines[0] and "Traceback" not in proc.stderr

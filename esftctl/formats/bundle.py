@@ -3,22 +3,32 @@
 A bundle is a folder:
 
     manifest.json       format, version, name, the base's identity, expert ids per layer, dtype, shapes,
-                        and a SHA-256 of the tensors (names, dtypes, shapes and bytes, in name order: the
-                        safetensors header's own key order is not stable, so the file's bytes are not hashed)
+                        a SHA-256 of the tensors (names, dtypes, shapes and bytes, in name order: the
+                        safetensors header's own key order is not stable, so the file's bytes are not hashed),
+                        one of base_tensors.json, and one of the manifest itself (manifest_sha256, over its
+                        other fields as canonical JSON), so that an edited manifest is refused by every reader
     experts.safetensors one tensor per expert weight, named layers.{L}.experts.{E}.{gate|up|down} (and
                         {gate|up|down}_bias for experts with biases: GPT-OSS; every architecture's experts in
                         the same orientation, whatever its checkpoint's layout; for an FP8 base, the weights
                         in the base's FP8 form with their float32 block scales {gate|up|down}_scale, and the
                         base's block in base.weight_block_size: esftctl.formats.fp8);
                         with --include-non-expert also non_expert.{checkpoint tensor name}
+    base_tensors.json   a SHA-256 of every tensor of the base as pack read it (dtype, shape and bytes), by name
 
 The base's identity is a fingerprint: SHA-256 over its structural config and every router weight (and router
 correction bias, where the routing uses one), so a bundle is refused by any other base, even one of the same
-shape.
+shape. That is what serving checks at every start and load: hashing a 31 GB base each time would cost minutes.
+It does not cover the other weights: a base whose expert or attention bytes were overwritten in place still has
+the fingerprint. `esftctl merge`, whose output is a whole model people publish, reads every base tensor anyway and
+checks each against base_tensors.json.
+
+Version 1 bundles have neither manifest_sha256 nor base_tensors.json: they are read only when the user asks
+(esftctl.formats.unprotected).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,7 +44,9 @@ from safetensors.torch import save_file
 
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
+from esftctl.beneath import PinnedFolder
 from esftctl.errors import EsftError
+from esftctl.formats import unprotected
 from esftctl.formats.architectures import EXPERT_BIASES, EXPERT_SCALES, EXPERT_WEIGHTS, architecture_for
 from esftctl.formats.checkpoint import (
     TORCH_DTYPES,
@@ -47,14 +59,16 @@ from esftctl.formats.checkpoint import (
     read_stored_bytes,
 )
 from esftctl.formats.fp8 import Fp8Block
-from esftctl.jsonfile import check_regular, read_json
+from esftctl.jsonfile import JSON_LIMIT, check_regular, read_bounded, read_json
 from esftctl.names import check_name
 from esftctl.units import format_ranges
 
 BUNDLE_FORMAT = "esftctl-adapter"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
+READ_VERSIONS = (1, 2)  # 1: no manifest_sha256 nor base_tensors.json, read only when the user asks
 MANIFEST = "manifest.json"
 DATA_FILE = "experts.safetensors"
+BASE_TENSORS = "base_tensors.json"
 MANIFEST_LIMIT = 16 << 20  # bytes; a 60-layer model with every expert listed writes about 100 KB
 NON_EXPERT_PREFIX = "non_expert."
 
@@ -82,6 +96,45 @@ def tensors_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_sha256(m: dict) -> str:
+    """SHA-256 of a manifest's fields but manifest_sha256, as canonical JSON (sorted keys, no spaces)."""
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def tensor_sha256(dtype: str, shape: tuple[int, ...], chunks) -> str:
+    """SHA-256 of one tensor as base_tensors.json records it: dtype and shape, then its bytes (`chunks`)."""
+    h = hashlib.sha256(f"{dtype}|{list(shape)}|".encode())
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def base_tensor_hashes(ckpt: MoECheckpoint) -> dict[str, str]:
+    """Every tensor of `ckpt` hashed from its file (tensor_sha256), by name; two threads (hashing and reading
+    release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> str:
+        info, buffer = ckpt.tensors[name], bytearray(min(HASH_CHUNK, ckpt.tensors[name].nbytes))
+
+        def chunks():
+            for start in range(0, info.nbytes, HASH_CHUNK):
+                view = memoryview(buffer)[:min(HASH_CHUNK, info.nbytes - start)]
+                read_stored_bytes(info, view, start, name=name)
+                yield view
+        return tensor_sha256(info.dtype, info.shape, chunks())
+
+    names = sorted(ckpt.tensors)
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(names, pool.map(one, names)))
+
+
+def base_record_bytes(hashes: dict[str, str]) -> bytes:
+    """base_tensors.json's bytes: one way of writing a record, so that a store's copy gives back the same file."""
+    return json.dumps(hashes, indent=0, sort_keys=True).encode()
+
+
 def base_identity(ckpt: MoECheckpoint) -> dict:
     """What a bundle records of its base: structure, and a fingerprint of config and router weights."""
     structure = {
@@ -107,11 +160,16 @@ def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, d
     for layer, per_layer in sorted(experts.items()):
         for e, weights in sorted(per_layer.items()):
             for w, t in weights.items():
+                if t.dtype.is_floating_point and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+                    raise EsftError(f"expert {e} of layer {layer} ({w}) holds values that are not finite (NaN or "
+                                    "infinity): no bundle written", out)
                 tensors[expert_tensor_name(layer, e, w)] = t.contiguous()
     for tname, t in sorted((non_expert or {}).items()):
         tensors[NON_EXPERT_PREFIX + tname] = t.contiguous()
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file(tensors, tmp / DATA_FILE, metadata={"format": BUNDLE_FORMAT, "name": name})
+        record = base_record_bytes(base_tensor_hashes(base))
+        (tmp / BASE_TENSORS).write_bytes(record)
         manifest = {
             "format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "name": name, "created_by": f"esftctl {__version__}",
             "base": base_identity(base),
@@ -120,7 +178,9 @@ def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, d
             "experts": {str(layer): sorted(ids) for layer, ids in sorted(experts.items()) if ids},
             "non_expert_tensors": sorted(non_expert or {}),
             "file": DATA_FILE, "tensors_sha256": tensors_sha256(tmp / DATA_FILE),
+            "base_tensors_sha256": hashlib.sha256(record).hexdigest(),
         }
+        manifest["manifest_sha256"] = manifest_sha256(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -204,9 +264,21 @@ def _check_manifest(m: object, fields: _Fields) -> dict:
     """Every field of a manifest type- and range-checked, ids against the declared base, shapes its shapes."""
     if not isinstance(m, dict) or m.get("format") != BUNDLE_FORMAT:
         raise EsftError(f"not an esftctl adapter manifest (format is not {BUNDLE_FORMAT!r})", fields.file)
-    if type(m.get("version")) is not int or m["version"] != BUNDLE_VERSION:
+    if type(m.get("version")) is not int or m["version"] not in READ_VERSIONS:
         raise EsftError(f"bundle format version {_short(m.get('version'))} is not supported (this esftctl reads "
-                        f"{BUNDLE_VERSION})", fields.file)
+                        f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]})", fields.file)
+    if m["version"] == 1:
+        unprotected.check("a version 1 bundle", fields.file, "pack the adapter again")
+    else:
+        for key in ("manifest_sha256", "base_tensors_sha256"):
+            if not re.fullmatch(r"[0-9a-f]{64}", fields.str(fields.get(m, key), key, 64)):
+                raise fields.fail(key, m[key], "64 hex digits")
+        try:
+            digest = manifest_sha256(m)
+        except (ValueError, RecursionError):
+            digest = None
+        if digest != m["manifest_sha256"]:
+            raise EsftError("manifest checksum mismatch: manifest.json was changed or is corrupted", fields.file)
     name = fields.get(m, "name")
     if not isinstance(name, str):
         raise fields.fail("name", name, "a string")
@@ -248,13 +320,19 @@ def _check_manifest(m: object, fields: _Fields) -> dict:
     return m
 
 
-def data_file_of(folder: Path, manifest: dict, manifest_file: Path) -> Path:
-    """The data file a manifest names: a plain name of a regular file in the bundle folder. The refusal of a
-    name that leaves the folder (absolute, '..', a link out) says nothing about what lies outside."""
+def data_file_name(manifest: dict, manifest_file: Path) -> str:
+    """The data file a manifest names: a plain name of a file in the bundle folder. The refusal of a name that
+    leaves the folder says nothing about what lies outside."""
     name = manifest.get("file")
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise EsftError(f"manifest field file must name a file in the bundle folder, not {_short(name)}",
                         manifest_file)
+    return name
+
+
+def data_file_of(folder: Path, manifest: dict, manifest_file: Path) -> Path:
+    """The data file a manifest names (data_file_name), a regular file in the bundle folder, not a link out."""
+    name = data_file_name(manifest, manifest_file)
     path = folder / name
     if path.resolve().parent != folder.resolve():
         raise EsftError(f"manifest field file {name!r} is a link out of the bundle folder", manifest_file)
@@ -273,19 +351,35 @@ def read_manifest(folder: Path) -> object:
     return read_json(manifest_file, MANIFEST_LIMIT)
 
 
-def bundle_files(path: str | Path) -> tuple[Path, Path]:
-    """(manifest, data file it names) of a bundle folder, both checked as Bundle.open checks them."""
-    manifest_file = Path(path) / MANIFEST
-    m = read_manifest(Path(path))
-    if not isinstance(m, dict):
-        raise EsftError("not an esftctl adapter manifest (not a JSON object)", manifest_file)
-    return manifest_file, data_file_of(Path(path), m, manifest_file)
+def bundle_files(path: str | Path, pinned: PinnedFolder | None = None, check=None) -> tuple[Path, dict, Path]:
+    """(manifest file, its parsed JSON, the data file it names) of a bundle folder, checked as Bundle.open checks
+    them (`check(manifest)` before the data file is looked for). With `pinned` (the folder opened beneath an
+    adapter root) both are opened through it, links refused, and the paths returned open those very files
+    (esftctl.beneath); messages name the files as given."""
+    path = Path(path)
+    with pinned.naming() if pinned is not None else contextlib.nullcontext():
+        if pinned is None:
+            manifest_file = path / MANIFEST
+            m = read_manifest(path)
+        else:
+            if not os.path.lexists(pinned.path / MANIFEST):
+                raise EsftError(f"not an adapter bundle (no {MANIFEST})", path)
+            manifest_file = pinned.file(MANIFEST)
+            m = read_json(manifest_file, MANIFEST_LIMIT)
+        if check is not None:
+            m = check(m)
+        elif not isinstance(m, dict):
+            raise EsftError("not an esftctl adapter manifest (not a JSON object)", path / MANIFEST)
+        if pinned is None:
+            return manifest_file, m, data_file_of(path, m, manifest_file)
+        return manifest_file, m, pinned.file(data_file_name(m, manifest_file))
 
 
-def file_identity(path: str | Path) -> tuple[tuple[int, int, int, int], ...]:
+def file_identity(path: str | Path, pinned: PinnedFolder | None = None) -> tuple[tuple[int, int, int, int], ...]:
     """What makes two reads of a bundle the same bytes: the device, inode, size and mtime of its manifest and of
     the data file that manifest names (the engine's host cache keys its staged rows by it)."""
-    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, bundle_files(path)))
+    manifest_file, _, data = bundle_files(path, pinned)
+    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, (manifest_file, data)))
 
 
 def identity_json(identity: tuple) -> list[list[int]]:
@@ -314,15 +408,20 @@ class Bundle:
     manifest: dict
     tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)  # the data file's, by name
 
+    data: Path | None = field(default=None, repr=False)  # the data file as read (through `pinned`'s descriptor)
+    pinned: PinnedFolder | None = field(default=None, repr=False)
+
     @classmethod
-    def open(cls, path: str | Path, *, hash_data: bool = True) -> "Bundle":
+    def open(cls, path: str | Path, *, hash_data: bool = True, pinned: PinnedFolder | None = None) -> "Bundle":
         """`hash_data` False: every check but the data's checksum, for bytes verified already (the same file
-        identity, file_identity, hashed by this server's launcher or load check just before)."""
+        identity, file_identity, hashed by this server's launcher or load check just before). `pinned`: the
+        folder opened beneath an adapter root, through which every file is read (bundle_files); the bundle reads
+        through it while it stays open."""
         path = Path(path)
-        manifest_file = path / MANIFEST
-        m = _check_manifest(read_manifest(path), _Fields(manifest_file))
-        bundle = cls(path, m)
-        bundle._verify(data_file_of(path, m, manifest_file), hash_data)
+        _, m, data = bundle_files(path, pinned, check=lambda m: _check_manifest(m, _Fields(path / MANIFEST)))
+        bundle = cls(path, m, data=data, pinned=pinned)
+        with pinned.naming() if pinned is not None else contextlib.nullcontext():
+            bundle._verify(data, hash_data)
         return bundle
 
     def _verify(self, data: Path, hash_data: bool = True) -> None:
@@ -343,6 +442,14 @@ class Bundle:
                             data)
         if hash_data and tensors_sha256(data) != self.manifest["tensors_sha256"]:
             raise EsftError("checksum mismatch: the file is corrupted or truncated", data)
+        if self.fp8 is not None:  # small, and what a load would refuse only inside the engine
+            for l, ids in self.experts.items():
+                for e in ids:
+                    for w, sc in zip(EXPERT_WEIGHTS, EXPERT_SCALES):
+                        scale = self.read_tensor(expert_tensor_name(l, e, sc))
+                        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+                            raise EsftError(f"FP8 weight {expert_tensor_name(l, e, w)!r} has scales that are not "
+                                            "finite and positive", data)
 
     @property
     def name(self) -> str:
@@ -360,7 +467,25 @@ class Bundle:
 
     @property
     def data_file(self) -> Path:
+        """The data file, as the user names it (messages, sizes)."""
         return self.path / self.manifest["file"]
+
+    def base_tensor_hashes(self) -> dict[str, str] | None:
+        """base_tensors.json, checked against the manifest: {base tensor name: tensor_sha256}; None for a version 1
+        bundle, which has none."""
+        if self.manifest["version"] == 1:
+            return None
+        shown = self.path / BASE_TENSORS
+        file = self.pinned.file(BASE_TENSORS) if self.pinned is not None else shown
+        if self.pinned is None:
+            check_regular(file)
+        raw = read_bounded(file, JSON_LIMIT)
+        if hashlib.sha256(raw).hexdigest() != self.manifest["base_tensors_sha256"]:
+            raise EsftError("checksum mismatch: the file was changed or is corrupted", shown)
+        record = json.loads(raw)  # the bytes pack wrote, checked
+        if not isinstance(record, dict) or not all(isinstance(v, str) for v in record.values()):
+            raise EsftError("not a record of base tensor hashes", shown)
+        return record
 
     @cached_property
     def experts(self) -> dict[int, list[int]]:
@@ -442,5 +567,6 @@ class Bundle:
             "experts_per_layer": counts, "total_experts": sum(counts), "max_experts_per_layer": most,
             "mean_experts_per_layer": mean, "sparsity_factor": 1 - mean / most if most else 0.0,
             "expert_bytes": expert_bytes,
-            "bundle_bytes": self.data_file.stat().st_size, "non_expert_tensors": len(self.non_expert_tensors),
+            "bundle_bytes": (self.data or self.data_file).stat().st_size,
+            "non_expert_tensors": len(self.non_expert_tensors),
         }

@@ -18,7 +18,8 @@ reader trusts nothing it has not checked (read_header, validate_header): the hea
 of bounded JSON whose every field is type- and range-checked, every tensor's value count is its shape's, every
 section lies inside the data file, which is a regular file named in the store folder; then the header's hash
 (version 3), and store.bin's (unless the caller defers it: each tensor is then checked against its own hash
-before it is decoded). Version 2 stores (no header or tensor hashes) still read, marked unprotected. The hashes
+before it is decoded). Version 2 stores (no header or tensor hashes) are read only when the user asks
+(esftctl.formats.unprotected), and are then marked unprotected. The hashes
 catch corruption, not an attacker, who can recompute them: against crafted stores stand the checks, which keep
 every decoder inside its buffers and make every refusal one line naming the file.
 """
@@ -43,6 +44,7 @@ import torch
 from esftctl import __version__
 from esftctl.atomic import atomic_dir
 from esftctl.errors import EsftError, one_line
+from esftctl.formats import unprotected
 from esftctl.formats.huffman import (
     GROUP,
     LANES,
@@ -62,7 +64,7 @@ from esftctl.formats.huffman import (
 from esftctl.jsonfile import open_regular, read_json
 
 STORE_FORMAT = "esftctl-expert-store"
-STORE_VERSION = 3  # 2: no header or tensor hashes (still read, unprotected); 1: chunks held consecutive values
+STORE_VERSION = 3  # 2: no header or tensor hashes (read only when asked for); 1: chunks held consecutive values
 READ_VERSIONS = (2, 3)
 HEADER, DATA = "store.json", "store.bin"
 DEFAULT_CHUNK = 1024
@@ -101,7 +103,9 @@ def source_tensors(path: Path) -> tuple[dict, list[SourceTensor]]:
                    for name in (expert_tensor_name(l, e, w),)]
         tensors += [SourceTensor("non_expert." + n, None, None, None, lambda n=n: bundle.read_tensor("non_expert." + n))
                     for n in bundle.non_expert_tensors]
-        return {"kind": "bundle", "path": str(path), "manifest": bundle.manifest}, tensors
+        source = {"kind": "bundle", "path": str(path), "manifest": bundle.manifest}
+        record = bundle.base_tensor_hashes()
+        return source | ({"base_tensors": record} if record is not None else {}), tensors
     ckpt = MoECheckpoint(path)
     if ckpt.arch.fused is not None:  # a layer's experts share its fused tensors: stored whole, as the model has them
         tensors = [SourceTensor(name, l, None, None, lambda name=name: ckpt.read_tensor(name))
@@ -370,6 +374,10 @@ def validate_header(h: dict, path: Path) -> None:
     f.text(source, "path", "source.")
     if source["kind"] == "bundle":
         f.text(f.obj(source.get("manifest"), "source.manifest"), "name", "source.manifest.")
+        if "base_tensors" in source:
+            record = f.obj(source["base_tensors"], "source.base_tensors")
+            if not all(isinstance(v, str) for v in record.values()):
+                f.fail("source.base_tensors must map tensor names to hashes")
     name = f.text(h, "data_file")
     if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         f.fail(f"data_file must be a file name in the store folder, not {_brief.repr(name)}")
@@ -465,6 +473,8 @@ class ExpertStore:
         self.protected = self.version >= 3
         if self.protected and h.get("header_sha256") != _header_hash_of(h, header_file):
             raise EsftError("header checksum mismatch: store.json was changed or is corrupted", header_file)
+        if not self.protected:
+            unprotected.check(f"a version {self.version} store", header_file, "compress the source again")
         validate_header(h, header_file)
         if not self.protected:
             _warn_unprotected(header_file, self.version)
@@ -637,7 +647,7 @@ def decompress(store_dir: Path, out: Path, *, overwrite: bool = False,
     a model store becomes a folder with experts.safetensors (the experts under their checkpoint names)."""
     from safetensors.torch import save_file
 
-    from esftctl.formats.bundle import DATA_FILE, MANIFEST
+    from esftctl.formats.bundle import BASE_TENSORS, DATA_FILE, MANIFEST, base_record_bytes
 
     store = ExpertStore(store_dir)
     source = store.header["source"]
@@ -650,6 +660,8 @@ def decompress(store_dir: Path, out: Path, *, overwrite: bool = False,
             manifest = source["manifest"]
             save_file(tensors, tmp / DATA_FILE, metadata={"format": "esftctl-adapter", "name": manifest["name"]})
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if "base_tensors" in source:
+                (tmp / BASE_TENSORS).write_bytes(base_record_bytes(source["base_tensors"]))
         else:  # a whole model's experts: one tensor in memory at a time
             _stream_safetensors(tmp / "experts.safetensors", store, on_tensor)
     return out
