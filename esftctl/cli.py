@@ -44,8 +44,17 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.", metavar="")) -> None:
+                                       help="Print the version and exit.", metavar=""),
+          allow_unprotected: bool = typer.Option(
+              False, "--allow-unprotected", metavar="",
+              help="Also read files of older format versions that carry no checksum over their headers (version 1 "
+                   "bundles, version 2 stores): refused otherwise, since a change to them would go unnoticed. "
+                   "Give it before the command: `esftctl --allow-unprotected inspect OLD_BUNDLE`.")) -> None:
     """Prepare and serve Expert-Specialized Fine-Tuning (ESFT) adapters of Mixture-of-Experts models."""
+    if allow_unprotected:
+        from esftctl.formats import unprotected
+
+        unprotected.allow()  # in the environment: a server's engine processes read bundles too
 
 
 app.add_typer(bench_app, name="bench")
@@ -407,7 +416,8 @@ def serve(
                                                   "experts each)."),
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file, kept (default: a new "
                                               "temporary folder, removed when the server stops, kept after a "
-                                              "failure for its log)."),
+                                              "failure for its log). Created private (0700); an existing one must "
+                                              "be yours and writable by you alone."),
     ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
     paging_window: int = typer.Option(0, help="Page the experts, base and adapters': the MoE layers share this many "
                                               "layers' worth of GPU memory, and each layer's experts come in from "
@@ -453,9 +463,11 @@ def serve(
                                      "own endpoints and /health included; handed to vLLM in its environment. "
                                      "Prefer the environment variable: an option shows in `ps`."),
     adapter_root: Path = typer.Option(None, help="Load adapters at run time (`esftctl adapters load`, "
-                                                 "/v1/load_lora_adapter) only from bundles under this folder, "
-                                                 "symbolic links resolved; others get HTTP 403 (default: any path "
-                                                 "the server can read)."),
+                                                 "/v1/load_lora_adapter) only from bundles under this folder: each "
+                                                 "is read through its folder opened beneath this one, and no "
+                                                 "symbolic link may lead out of it; others get HTTP 403 (default: "
+                                                 "any path the server can read; bundles given with --adapter are "
+                                                 "not restricted)."),
     group_adapters: int = typer.Option(0, help="Group requests by adapter: each engine step runs the requests of at "
                                                "most this many adapters (the base counts as one), so it reads "
                                                "fewer expert rows, and the others wait (0: off, the default; "

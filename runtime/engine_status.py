@@ -104,6 +104,7 @@ class EngineStatus:
     model_bytes: int
     adapter_expert_bytes: int
     adapter_budget_bytes: int | None
+    adapter_budget_experts: int | None = None  # the same budget in experts (all layers), as the engine counts it
     reserved_bytes: int
     page_bytes: int
     adapter_physical_bytes: int | None  # None while paging: only the window's layers hold memory
@@ -206,7 +207,7 @@ class StatusFile:
 
 
 class NoFreeSlot(EsftError):
-    """A load found every adapter slot taken (HTTP 507 from the middleware)."""
+    """A load found every adapter slot taken, or the adapter memory budget spent (HTTP 507 from the middleware)."""
 
 
 def check_free_slot(slots: int, taken_by: list[str]) -> None:
@@ -215,3 +216,14 @@ def check_free_slot(slots: int, taken_by: list[str]) -> None:
     if len(taken_by) >= slots:
         raise NoFreeSlot(f"no free adapter slot: all {slots} are taken ({', '.join(sorted(taken_by))}); unload one, "
                          "or serve with more --slots")
+
+
+def check_budget(status: EngineStatus, experts: int) -> None:
+    """A load of `experts` experts (all layers) past the adapter memory budget, by the engine's last status:
+    refused as the engine would refuse it (runtime.adapters.AdapterSlots.load), retiring adapters making room."""
+    budget = status.adapter_budget_experts
+    loaded = (sum(sum(a.experts_per_layer) for a in status.adapters if not a.retiring)
+              + sum(sum(v.experts_per_layer) for v in status.variants if not v.home))
+    if budget is not None and loaded + experts > budget:
+        raise NoFreeSlot(f"adapter memory budget exceeded: it needs {experts} experts, {loaded} of the {budget} the "
+                         "budget holds are in use; unload an adapter, or serve with a larger --adapter-memory")

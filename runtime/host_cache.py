@@ -79,10 +79,10 @@ class HostAdapterCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def lookup(self, bundle: str | Path) -> tuple[tuple | None, StagedAdapter | None]:
+    def lookup(self, bundle: str | Path, pinned=None) -> tuple[tuple | None, StagedAdapter | None]:
         """The bundle's identity, taken before anything reads it (the key to `put` its staged rows under), and
-        its staged rows if the cache holds them."""
-        key = bundle_identity(bundle)
+        its staged rows if the cache holds them; `pinned`: the folder as opened beneath an adapter root."""
+        key = bundle_identity(bundle, pinned)
         if key is None:
             return None, None  # the bundle's own checks will say what is wrong with it
         staged = self._entries.get(key)

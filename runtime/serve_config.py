@@ -204,6 +204,23 @@ class ServeConfig:
                                "variant_names": tuple(fields.get("variant_names", ()))})
 
 
+def opened_for_load(settings: ServeSettings, path: str):
+    """How a run-time load opens a bundle: None (by its path) where the server has no adapter root or the path is
+    one the server was started with (`--adapter`, a variant); else the folder pinned beneath the root
+    (esftctl.beneath.PinnedFolder, a context manager), so that every byte read comes from under the root whatever
+    a link under it points at by then. Raises EsftError for a path outside the root."""
+    from esftctl.beneath import PinnedFolder
+
+    if settings.adapter_root is None or path in startup_bundles(settings):
+        return None
+    return PinnedFolder.beneath(settings.adapter_root, path)
+
+
+def startup_bundles(settings: ServeSettings) -> set[str]:
+    """The bundle paths the server was started with, as the launcher hands them to vLLM (resolved)."""
+    return {str(Path(spec.partition("=")[2]).resolve()) for spec in settings.adapters}
+
+
 def rank_status_file(status_file: str | Path, rank: int) -> Path:
     """Where tensor-parallel rank `rank` writes its status: rank 0 the status file itself (every field of the
     table), rank r > 0 a file beside it (the API server adds its memory to rank 0's: esftctl.runtime.vllm.status)."""
@@ -235,13 +252,13 @@ def record_verified(status_file: str | Path, identities) -> None:
     write_json(verified_record(status_file), (kept + [[e, now] for e in entries])[-VERIFIED_KEEP:])
 
 
-def bundle_identity(path: str | Path) -> tuple | None:
+def bundle_identity(path: str | Path, pinned=None) -> tuple | None:
     """A bundle's file identity (esftctl.formats.bundle.file_identity); None where its files cannot say (opening
     it then says what is wrong)."""
     from esftctl.formats.bundle import file_identity
 
     try:
-        return file_identity(path)
+        return file_identity(path, pinned)
     except (OSError, EsftError):
         return None
 
@@ -267,12 +284,12 @@ def _verified(status_file: str | Path) -> list:
     return [e for e in found if isinstance(e, list) and len(e) == 2 and isinstance(e[1], (int, float))]
 
 
-def open_servable_bundle(path: str | Path, base, *, hash_data: bool = True):
+def open_servable_bundle(path: str | Path, base, *, hash_data: bool = True, pinned=None):
     """A verified bundle of `base` (a MoECheckpoint) that changes routed experts only (what the runtime serves);
-    `hash_data` False for bytes verified already (Bundle.open)."""
+    `hash_data` False for bytes verified already, `pinned` the folder opened beneath the adapter root (Bundle.open)."""
     from esftctl.formats.bundle import Bundle  # here: the CLI reads this module's names and stays quick to start
 
-    bundle = Bundle.open(path, hash_data=hash_data)
+    bundle = Bundle.open(path, hash_data=hash_data, pinned=pinned)
     bundle.check_base(base)
     if bundle.non_expert_tensors:
         raise EsftError(f"bundle {bundle.name!r} also changes {len(bundle.non_expert_tensors)} non-expert tensors; "

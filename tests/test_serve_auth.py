@@ -415,14 +415,15 @@ def test_adapters_commands_send_the_key(tmp_path, monkeypatch, capsys):
 # ---- the whole path, on vLLM ---------------------------------------------------------------------------------
 
 
-def raw(url: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict | str]:
+def raw(url: str, path: str, body: dict | None = None, key: str | None = None,
+        method: str | None = None) -> tuple[int, dict | str]:
     """One request, its HTTP status and decoded reply, without the client's error handling."""
     import urllib.error
     import urllib.request
 
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
-                                 headers=headers)
+                                 headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=120) as reply:
             code, text = reply.status, reply.read().decode()
@@ -440,12 +441,15 @@ def raw(url: str, path: str, body: dict | None = None, key: str | None = None) -
 def test_a_server_with_a_key_and_an_adapter_root(world, tmp_path, monkeypatch):
     """`esftctl serve --adapter-root ROOT` with the key in ESFTCTL_API_KEY: every unauthenticated request is 401,
     esftctl's endpoints included; the authorised ones work, `esftctl adapters` with the key too; a load from outside
-    ROOT (directly or through a link) is 403; the key is on no process's command line."""
+    ROOT (directly or through a link) is 403, on every route (SageMaker's /adapters too), and under a link flipped
+    between an inside and an outside bundle no load serves the outside one; a second load of a loaded name, in
+    place or not, is one line saying to unload first; the table is right the moment an unload answers; no route
+    leaves a slot behind; the key is on no process's command line."""
     from esftctl.world.synthetic import write_synthetic_adapter
 
     root = tmp_path / "root"
     inside = write_synthetic_adapter(world.base_dir, root / "inside", "inside", seed=1, experts_per_layer=2)
-    outside = write_synthetic_adapter(world.base_dir, tmp_path / "outside", "outside", seed=2, experts_per_layer=2)
+    outside = write_synthetic_adapter(world.base_dir, tmp_path / "outside", "outside", seed=2, experts_per_layer=3)
     (root / "link").symlink_to(outside)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -483,8 +487,46 @@ def test_a_server_with_a_key_and_an_adapter_root(world, tmp_path, monkeypatch):
             refused = run_cli("adapters", "load", name, path, "--url", url)
             assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
             assert f"loads adapters only from under {root}" in refused.stderr and "HTTP 403" in refused.stderr
+        assert raw(url, "/adapters", {"name": "sm", "src": str(outside)}, key=KEY)[0] == 403
+        assert raw(url, "/adapters/inside", method="DELETE", key=KEY)[0] == 403
+        again = run_cli("adapters", "load", "inside", inside, "--url", url)
+        assert again.returncode == 1 and "unload it first (esftctl adapters unload inside)" in again.stderr
+        code, reply = raw(url, "/v1/load_lora_adapter", {**load, "lora_path": str(outside), "load_inplace": True},
+                          key=KEY)
+        assert code == 400 and "unload it first" in reply["error"]["message"]
+        assert [a["name"] for a in raw(url, "/esftctl/status", key=KEY)[1]["adapters"]] == ["inside"]
         run_cli("adapters", "unload", "inside", "--url", url, check=True)
+        listed = json.loads(run_cli("adapters", "list", "--url", url, "--json", check=True).stdout)
+        assert all(a["retiring"] for a in listed["adapters"] if a["name"] == "inside"), listed
         assert [m["id"] for m in raw(url, "/v1/models", key=KEY)[1]["data"]] == ["base"]
+
+        flip, spare, stop = root / "flip", root / ".flip-next", threading.Event()
+        flip.symlink_to(inside)
+
+        def flipping():
+            targets = [outside, inside]
+            while not stop.is_set():
+                targets.reverse()
+                spare.symlink_to(targets[0])
+                os.replace(spare, flip)
+                time.sleep(0.0005)  # the audit's rate, leaving the server a core
+        flipper = threading.Thread(target=flipping)
+        flipper.start()
+        answers, served = [], []
+        try:
+            for k in range(30):  # each one loaded is checked and unloaded: slots never run out
+                answers.append(raw(url, "/v1/load_lora_adapter", {"lora_name": f"f{k}", "lora_path": str(flip)},
+                                   key=KEY)[0])
+                if answers[-1] == 200:
+                    status = raw(url, "/esftctl/status", key=KEY)[1]["adapters"]
+                    served += [a["experts_per_layer"] for a in status if a["name"] == f"f{k}"]
+                    run_cli("adapters", "unload", f"f{k}", "--url", url, check=True)
+        finally:
+            stop.set()
+            flipper.join()
+        assert set(answers) <= {200, 403, 500}, answers  # 500: the engine's own refusal of a link out
+        assert len(served) == answers.count(200) and all(set(s) == {2} for s in served), (answers, served)
+        run_cli("adapters", "load", "inside", inside, "--url", url, check=True)  # no slot left behind
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -15,14 +15,19 @@ as vLLM reads them), this middleware checks it first, on every path, in constant
   name or a bundle that is not this base's servable adapter (corrupt, another base, non-expert tensors) is 400
   (a bundle whose unchanged files the engine holds staged, verified, is not read again; one opened here is
   recorded as verified, so that the engine does not hash it again),
-  and no free slot (by the engine's last status, unloaded adapters making room) is 507, as vLLM's own LoRA
-  endpoints answer a full cache. With `serve --adapter-root DIR` a path outside DIR, symbolic links resolved, is
-  403 before anything is opened.
+  and no free slot or no room in the adapter memory budget (by the engine's last status, unloaded adapters making
+  room) is 507, as vLLM's own LoRA endpoints answer a full cache. A name already loaded is 400 (unload it first;
+  `load_inplace` included: esftctl does not swap an adapter's experts in place). With `serve --adapter-root DIR` a
+  path outside DIR, or one that leaves it through a link while it is opened, is 403; the bundle is read through
+  the folder opened once beneath DIR (esftctl.beneath), and the engine opens it that way again for its own load.
 - A completion for an unknown model: vLLM's 404 names only the base; the answer names every servable model.
 - POST /v1/unload_lora_adapter: vLLM's handler forgets the name (new requests for it get vLLM's unknown-
   model error) but leaves the weights in the engine, where LoRA evicts lazily. An ESFT adapter holds a
   slot, so after a successful unload this also tells the engine to remove it; the engine keeps it until
   its last running request finishes (EsftWorkerManager.remove_adapter).
+- Any other route that reaches vLLM's adapter load or unload handlers (SageMaker's /adapters, found by reading the
+  app's routes at start-up: esftctl.runtime.vllm.routes) is 403: it would skip these checks.
+- A body nested too deeply for the JSON parser is 400, as any other body that is not JSON.
 Every other request goes to vLLM untouched.
 """
 
@@ -36,8 +41,9 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse
 
-from esftctl.runtime.engine_status import EngineStatus, NoFreeSlot, check_free_slot
+from esftctl.runtime.engine_status import EngineStatus, NoFreeSlot, check_budget, check_free_slot
 from esftctl.runtime.serve_config import VLLM_API_KEY_ENV, ServeConfig, rank_status_file
+from esftctl.runtime.vllm.routes import adapter_routes
 
 STATUS_PATH = "/esftctl/status"
 LOAD_PATH = "/v1/load_lora_adapter"
@@ -63,16 +69,31 @@ class StatusMiddleware:
 
         self.app = app
         self.answered = BaseHTTPMiddleware(app, dispatch=status_middleware)
+        self.refused: list | None = None  # routes that reach the adapter handlers unchecked, read at start-up
+
+    def refused_routes(self, app) -> list:
+        """The app's routes that reach vLLM's adapter handlers besides the two checked here (read once: at the
+        server's start-up, or the first request where no start-up ran)."""
+        if self.refused is None:
+            self.refused = [route for route, guarded in adapter_routes(app) if not guarded]
+        return self.refused
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan" and scope.get("app") is not None:
+            self.refused_routes(scope["app"])
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         from starlette.requests import Request
+        from starlette.routing import Match
 
         path, method = scope["path"], scope["method"]
         if (path, method) in ANSWERED or (method != "OPTIONS" and not _authorized(Request(scope))):
             await self.answered(scope, receive, send)
+        elif any(route.matches(scope)[0] != Match.NONE for route in self.refused_routes(scope.get("app"))):
+            await _error(f"{method} {path} would load or unload an adapter without esftctl's checks: this server does "
+                         "that through POST /v1/load_lora_adapter and /v1/unload_lora_adapter only (esftctl adapters "
+                         "load / unload)", 403, "Forbidden")(scope, receive, send)
         elif path in COMPLETION_PATHS:
             await self.app(scope, receive, _naming_models(scope, receive, send))
         else:
@@ -116,12 +137,22 @@ def _authorized(request) -> bool:
     return match and scheme.lower() == "bearer"
 
 
+TOO_DEEP = object()  # a body nested past the JSON parser's depth
+
+
 async def _json_body(request):
-    """The request's body parsed as JSON, any JSON value (a client may send a list), or None where it is not JSON."""
+    """The request's body parsed as JSON, any JSON value (a client may send a list); None where it is not JSON
+    (vLLM answers that), TOO_DEEP where it nests too deeply to parse (the parser's RecursionError was a 500)."""
     try:
         return await request.json()
     except ValueError:  # not JSON, or not UTF-8
         return None
+    except RecursionError:
+        return TOO_DEEP
+
+
+def _too_deep() -> JSONResponse:
+    return _error("the body's JSON nests too deeply", 400, "BadRequestError")
 
 
 def _is_file_path(path: str) -> bool:
@@ -134,12 +165,17 @@ def _is_file_path(path: str) -> bool:
     return "\0" not in path
 
 
-def _inside(path: str, root: str) -> bool:
-    """Whether `path`, every symbolic link resolved, lies under `root` (resolving reads links, opens no file)."""
+def _outside(settings, path: str) -> bool:
+    """Whether `path`, every link resolved now, lies outside the adapter root and is no bundle the server started
+    with: refused before anything is read (the load itself opens the folder beneath the root, which a link changed
+    in between cannot escape)."""
+    from esftctl.runtime.serve_config import startup_bundles
+
     try:
-        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+        inside = Path(os.path.realpath(path)).is_relative_to(settings.adapter_root)
     except ValueError:  # a NUL byte in the path
-        return False
+        return True
+    return not inside and str(Path(path).resolve()) not in startup_bundles(settings)
 
 
 def _read_status(path: Path) -> EngineStatus | None:
@@ -177,6 +213,8 @@ def _status() -> JSONResponse:
 async def _unload(request, call_next):
     state = request.app.state
     body = await _json_body(request)
+    if body is TOO_DEEP:
+        return _too_deep()
     name = body.get("lora_name") if isinstance(body, dict) else None
     known = getattr(state, "openai_serving_models", None)
     lora = known.lora_requests.get(name) if known is not None and isinstance(name, str) else None
@@ -190,29 +228,35 @@ async def _load(request, call_next):
     """Refuse what the engine would refuse, with the real message and a 4xx, before vLLM passes it on."""
     import asyncio
 
+    from esftctl.beneath import OutsideRoot
     from esftctl.errors import EsftError
 
     body = await _json_body(request)
+    if body is TOO_DEEP:
+        return _too_deep()
     name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
     config = ServeConfig.from_env()
     root = config.settings.adapter_root if config is not None else None
-    if root is not None and isinstance(path, str) and not _inside(path, str(root)):
-        return _error(f"adapter {name!r}: this server loads adapters only from under {root} "
-                      "(--adapter-root)", 403, "Forbidden")
+    if root is not None and isinstance(path, str) and _outside(config.settings, path):
+        return _error(f"adapter {name!r}: this server loads adapters only from under {root} (--adapter-root)", 403,
+                      "Forbidden")
     if isinstance(path, str) and not _is_file_path(path):
         return _error(f"adapter {name!r}: lora_path is no file path (a NUL byte or a character the file system "
                       "cannot encode)", 400, "BadRequestError")
     status = _engine_status()
-    if not isinstance(body, dict) or status is None:
-        return await call_next(request)
+    if not isinstance(body, dict) or status is None or not isinstance(name, str) or not isinstance(path, str):
+        return await call_next(request)  # vLLM's own answers (missing fields), or an engine not up yet
     known = getattr(request.app.state, "openai_serving_models", None)
-    if not isinstance(name, str) or not isinstance(path, str) or (known and name in known.lora_requests):
-        return await call_next(request)  # vLLM's own answers (missing fields, a name in use)
+    if known is not None and name in known.lora_requests:
+        return _error(f"adapter {name!r} is loaded already: unload it first (esftctl adapters unload {name}); "
+                      "esftctl does not swap an adapter's experts in place", 400, "BadRequestError")
     variants = {str(Path(p).resolve()) for p in status.variant_paths}
     if str(Path(path).resolve()) in variants:
         return await call_next(request)
     try:
         await asyncio.to_thread(_check_load, name, path, status)
+    except OutsideRoot as e:
+        return _error(f"adapter {name!r}: {e.message}", 403, "Forbidden")
     except NoFreeSlot as e:
         return _error(f"adapter {name!r}: {e}", 507, "InsufficientStorage")
     except EsftError as e:
@@ -221,23 +265,31 @@ async def _load(request, call_next):
 
 
 def _check_load(name: str, path: str, status: EngineStatus) -> None:
-    """Refuse what the engine would refuse. A bundle whose unchanged files the engine holds staged (in its host
-    cache, verified against its base when staged) is not read: opening it would only hash its data again, 2.9 of a
-    warm load's 3.0 s for a 2.47 GiB adapter (H100, 2026-11-27). One opened here is recorded as verified, by its
-    file identity taken before reading, so that the engine reading it next does not hash it again."""
+    """Refuse what the engine would refuse. Under an adapter root the bundle is read through its folder opened
+    beneath the root (esftctl.runtime.serve_config.opened_for_load), as the engine reads it. A bundle whose
+    unchanged files the engine holds staged (in its host cache, verified against its base when staged) is not
+    hashed again: that would be 2.9 of a warm load's 3.0 s for a 2.47 GiB adapter (benchmarks/RESULTS.md, adapter
+    load time). One hashed here is recorded as verified, by its file identity taken before reading, so that the
+    engine reading it next does not hash it again."""
+    import contextlib
+
     from esftctl.formats.bundle import identity_json
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
-    from esftctl.runtime.serve_config import bundle_identity, open_servable_bundle, record_verified
+    from esftctl.runtime.serve_config import bundle_identity, open_servable_bundle, opened_for_load, record_verified
 
     check_name(name)
-    identity = bundle_identity(path)
-    if identity is None or identity_json(identity) not in status.staged_bundles:
-        open_servable_bundle(path, MoECheckpoint(status.base, fp8=True))
-        config = ServeConfig.from_env()
-        if identity is not None and config is not None:
+    config = ServeConfig.from_env()
+    pinned = opened_for_load(config.settings, path) if config is not None else None
+    with pinned if pinned is not None else contextlib.nullcontext():
+        identity = bundle_identity(path, pinned)
+        staged = identity is not None and identity_json(identity) in status.staged_bundles
+        bundle = open_servable_bundle(path, MoECheckpoint(status.base, fp8=True), hash_data=not staged,
+                                      pinned=pinned)
+        if not staged and identity is not None and config is not None:
             record_verified(config.status_file, [identity])
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
+    check_budget(status, bundle.num_experts)
 
 
 def _naming_models(scope, receive, send):

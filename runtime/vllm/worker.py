@@ -45,7 +45,13 @@ from esftctl.runtime.engine_status import (
 )
 from esftctl.runtime.host_cache import HostAdapterCache, stage
 from esftctl.runtime.paging.planner import KvNeed
-from esftctl.runtime.serve_config import ServeConfig, open_servable_bundle, rank_status_file, was_verified
+from esftctl.runtime.serve_config import (
+    ServeConfig,
+    open_servable_bundle,
+    opened_for_load,
+    rank_status_file,
+    was_verified,
+)
 from esftctl.runtime.vllm.model import EsftModel
 from esftctl.runtime.vllm.moe import check_engine
 from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
@@ -142,6 +148,9 @@ class EsftWorkerManager:
             return True
         if lora_id in self.variant_loras:
             return False
+        if lora_id in self.names and getattr(lora_request, "load_inplace", False):  # vLLM would answer success
+            raise EsftError(f"adapter {name!r} is loaded already and esftctl does not swap an adapter's experts in "
+                            f"place: unload it first (esftctl adapters unload {name}), then load it again")
         if lora_id in self.names:
             self.retiring.discard(lora_id)  # loaded again under the same id: keep it
             return False
@@ -150,25 +159,28 @@ class EsftWorkerManager:
             check_name(name)
             if not slots.free_slots() and not self.retiring:  # refused at once, before reading anything
                 check_free_slot(slots.num_slots, self.status().taken_by())
-            clock = _Phases()
-            key, staged = self.host_cache.lookup(lora_request.lora_path)
-            bundle, source = None, FROM_CACHE
-            if staged is None:  # its data hashed unless the middleware has just verified these very files
-                verified = was_verified(self.config.status_file, key)
-                bundle = open_servable_bundle(lora_request.lora_path, self.base, hash_data=not verified)
-                source = FROM_VERIFIED_FILE if verified else FROM_HASHED_FILE
-            clock.end("verify")
-            count = staged.num_experts if staged is not None else bundle.num_experts
-            while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
-                self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
-            if not slots.free_slots():
-                check_free_slot(slots.num_slots, self.status().taken_by())
-            clock.skip()  # evictions are the unloads' time, not this load's
-            if staged is None:
-                experts = bundle.read_experts() if bundle.fp8 is not None else bundle.stored_experts()  # in place
-                staged = stage(self.runtime.layers, experts)
-                self.host_cache.put(key, staged)
-            clock.end("stage")
+            pinned = opened_for_load(self.config.settings, lora_request.lora_path)
+            with pinned if pinned is not None else contextlib.nullcontext():
+                clock = _Phases()
+                key, staged = self.host_cache.lookup(lora_request.lora_path, pinned)
+                bundle, source = None, FROM_CACHE
+                if staged is None:  # its data hashed unless the middleware has just verified these very files
+                    verified = was_verified(self.config.status_file, key)
+                    bundle = open_servable_bundle(lora_request.lora_path, self.base, hash_data=not verified,
+                                                  pinned=pinned)
+                    source = FROM_VERIFIED_FILE if verified else FROM_HASHED_FILE
+                clock.end("verify")
+                count = staged.num_experts if staged is not None else bundle.num_experts
+                while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
+                    self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
+                if not slots.free_slots():
+                    check_free_slot(slots.num_slots, self.status().taken_by())
+                clock.skip()  # evictions are the unloads' time, not this load's
+                if staged is None:
+                    experts = bundle.read_experts() if bundle.fp8 is not None else bundle.stored_experts()
+                    staged = stage(self.runtime.layers, experts)  # read in place, through `pinned` where given
+                    self.host_cache.put(key, staged)
+                clock.end("stage")
             slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums())
             if slots.device.type == "cuda":  # loaded means on the device: the pinned rows' copies have run
                 torch.cuda.current_stream(slots.device).synchronize()
@@ -210,6 +222,7 @@ class EsftWorkerManager:
             return False
         if lora_id in self.active:
             self.retiring.add(lora_id)
+            self.write_status()  # the table shows it retiring the moment the unload answers
             return True
         self._evict(lora_id)
         return True
@@ -316,6 +329,7 @@ class EsftWorkerManager:
             base_expert_bytes=base_experts, model_bytes=self.base.total_nbytes,
             adapter_expert_bytes=slots.adapter_bytes(),
             adapter_budget_bytes=slots.budget * slots.expert_bytes if slots.budget is not None else None,
+            adapter_budget_experts=slots.budget,
             reserved_bytes=runtime.reserved_bytes, page_bytes=runtime.page_bytes,
             adapter_physical_bytes=physical_adapter,
             expert_device_bytes=paging.window_bytes + paging.resident_bytes + paging.store_bytes if paging
