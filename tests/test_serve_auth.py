@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -278,7 +279,14 @@ def test_the_status_record_reads_and_writes_the_servers_json():
     console.print(status_table(engine_status(paging=paged.paging, adapter_physical_bytes=None)))  # as paged serving
     assert "2 layers alone in theirs: parked, fetching nothing" in console.file.getvalue()
     console.print(status_table(paged))
-    assert "1.75 s from file, hashed (verify 0.50, stage 1.00, copy 0.25)" in console.file.getvalue()
+    assert "1.75 s file " in console.file.getvalue()  # hashed; the phases are in the JSON above
+    narrow = Console(file=io.StringIO(), width=80)
+    long_name = "an-adapter-whose-name-is-long"
+    narrow.print(status_table(engine_status(adapters=[replace(paged.adapters[0], name=long_name, retiring=True)]
+                                            * 3)))
+    lines = narrow.file.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80 and len(lines) <= 25, "\n".join(lines)  # a row or two per adapter
+    assert long_name in "".join(line.split()[0] if line.strip() else "" for line in lines)  # folded, not cut
     assert "per_rank" not in data and "server_pid" not in data and "paging_store_experts" not in \
         engine_status().to_json()
     assert EngineStatus.from_json(json.loads(json.dumps(data | {"server_pid": 7}))) == \
@@ -491,8 +499,7 @@ def test_a_server_with_a_key_and_an_adapter_root(world, tmp_path, monkeypatch):
         assert raw(url, "/adapters/inside", method="DELETE", key=KEY)[0] == 403
         again = run_cli("adapters", "load", "inside", inside, "--url", url)
         assert again.returncode == 1 and "unload it first (esftctl adapters unload inside)" in again.stderr
-        code, reply = raw(url, "/v1/load_lora_adapter", {**load, "lora_path": str(outside), "load_inplace": True},
-                          key=KEY)
+        code, reply = raw(url, "/v1/load_lora_adapter", {**load, "load_inplace": True}, key=KEY)
         assert code == 400 and "unload it first" in reply["error"]["message"]
         assert [a["name"] for a in raw(url, "/esftctl/status", key=KEY)[1]["adapters"]] == ["inside"]
         run_cli("adapters", "unload", "inside", "--url", url, check=True)
