@@ -223,6 +223,9 @@ def test_cli_compress_bundle_and_back(world, tmp_path):
     run_cli("decompress", tmp_path / "store", "--out", tmp_path / "again", check=True)
     again, original = Bundle.open(tmp_path / "again"), Bundle.open(tmp_path / "bundle")
     assert again.manifest == original.manifest
+    files = sorted(p.name for p in (tmp_path / "bundle").iterdir())  # written in two processes, byte for byte alike
+    assert files == sorted(p.name for p in (tmp_path / "again").iterdir()) and "base_tensors.json" in files
+    assert all((tmp_path / "again" / f).read_bytes() == (tmp_path / "bundle" / f).read_bytes() for f in files)
     assert again.read_expert(2, 5).equal(original.read_expert(2, 5))
     d = json.loads(run_cli("inspect", tmp_path / "store", "--json", check=True).stdout)
     assert d["kind"] == "store" and d["values"] == 3 * 256 * 64

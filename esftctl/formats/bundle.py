@@ -167,7 +167,9 @@ def write_bundle(out: Path, name: str, base: MoECheckpoint, experts: dict[int, d
     for tname, t in sorted((non_expert or {}).items()):
         tensors[NON_EXPERT_PREFIX + tname] = t.contiguous()
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(tensors, tmp / DATA_FILE, metadata={"format": BUNDLE_FORMAT, "name": name})
+        # One metadata key: safetensors writes its metadata map in a random order, and a bundle's store decodes
+        # back to this very file (esftctl decompress) only if the header comes out the same every time.
+        save_file(tensors, tmp / DATA_FILE, metadata={"format": BUNDLE_FORMAT})
         record = base_record_bytes(base_tensor_hashes(base))
         (tmp / BASE_TENSORS).write_bytes(record)
         manifest = {

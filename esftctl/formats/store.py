@@ -647,7 +647,7 @@ def decompress(store_dir: Path, out: Path, *, overwrite: bool = False,
     a model store becomes a folder with experts.safetensors (the experts under their checkpoint names)."""
     from safetensors.torch import save_file
 
-    from esftctl.formats.bundle import BASE_TENSORS, DATA_FILE, MANIFEST, base_record_bytes
+    from esftctl.formats.bundle import BASE_TENSORS, BUNDLE_FORMAT, DATA_FILE, MANIFEST, base_record_bytes
 
     store = ExpertStore(store_dir)
     source = store.header["source"]
@@ -658,7 +658,7 @@ def decompress(store_dir: Path, out: Path, *, overwrite: bool = False,
                 tensors[e["name"]] = store.decode_tensor(e["name"])
                 on_tensor(e["name"])
             manifest = source["manifest"]
-            save_file(tensors, tmp / DATA_FILE, metadata={"format": "esftctl-adapter", "name": manifest["name"]})
+            save_file(tensors, tmp / DATA_FILE, metadata={"format": BUNDLE_FORMAT})  # as write_bundle: same bytes
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             if "base_tensors" in source:
                 (tmp / BASE_TENSORS).write_bytes(base_record_bytes(source["base_tensors"]))
