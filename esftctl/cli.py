@@ -34,6 +34,18 @@ OVERWRITE_HELP = "Replace an existing output (checked, with the rest of the outp
 Overwrite = Annotated[bool, typer.Option("--overwrite", metavar="", help=OVERWRITE_HELP)]
 
 
+def _must_exist(ctx: typer.Context, param, value):
+    """A path argument or option that must exist, checked as the command line is parsed: before any heavy import,
+    so a mistyped path is one line within a second, naming the path and what it was given as."""
+    import os
+
+    for path in value if isinstance(value, (list, tuple)) else [value]:
+        if path is not None and not os.path.lexists(path):
+            what = param.opts[0] if param.param_type_name == "option" else param.name.upper()
+            raise EsftError(f"no such file or folder ({what} of `{ctx.command_path}`)", path)
+    return value
+
+
 def _version(value: bool) -> None:
     if value:
         from esftctl import __version__
@@ -62,7 +74,8 @@ app.add_typer(bench_app, name="bench")
 
 @app.command()
 def inspect(
-    paths: list[Path] = typer.Argument(..., help="A model folder, an adapter bundle, or several bundles of one base."),
+    paths: list[Path] = typer.Argument(..., help="A model folder, an adapter bundle, or several bundles of one base.",
+                                       callback=_must_exist),
     as_json: AsJson = False,
 ) -> None:
     """Describe a MoE model folder or adapter bundles (experts per layer, sparsity, padding's fragmentation)."""
@@ -83,8 +96,9 @@ def inspect(
 
 @app.command()
 def relevance(
-    model: Path = typer.Argument(..., help="The base model folder."),
-    data: Path = typer.Argument(..., help="Task data: JSONL with 'prompt' and 'completion' per line."),
+    model: Path = typer.Argument(..., help="The base model folder.", callback=_must_exist),
+    data: Path = typer.Argument(..., help="Task data: JSONL with 'prompt' and 'completion' per line.",
+                                callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Scores file to write (JSON)."),
     max_examples: int = typer.Option(1000, min=1, help="Score at most this many examples (the file's first)."),
     batch_size: int = typer.Option(16, min=1, help="Examples per forward pass."),
@@ -123,7 +137,7 @@ def relevance(
 
 @app.command()
 def select(
-    scores: Path = typer.Argument(..., help="A scores file from `esftctl relevance`."),
+    scores: Path = typer.Argument(..., help="A scores file from `esftctl relevance`.", callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Expert config to write (DeepSeek ESFT layout)."),
     threshold: float = typer.Option(0.2, "--threshold", "-p", help="Per layer, the fewest best experts whose "
                                                                       "scores sum to at least p (0 < p <= 1)."),
@@ -152,15 +166,16 @@ def select(
 
 @app.command()
 def pack(
-    base: Path = typer.Argument(..., help="The base model folder."),
+    base: Path = typer.Argument(..., help="The base model folder.", callback=_must_exist),
     finetuned: Path = typer.Argument(..., help="The ESFT fine-tuned model folder (a full checkpoint), or a DeepSeek "
                                                "ESFT adapter folder (expert_cfg.json + safetensors of the trained "
-                                               "parameters)."),
+                                               "parameters).", callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Bundle folder to create."),
     name: str = typer.Option(..., "--name", "-n", help="Adapter name (what requests will ask for)."),
     config: Path = typer.Option(None, "--config", "-c", help="Expert config of the fine-tune (DeepSeek ESFT "
                                                               "layout); without it the changed experts are found "
-                                                              "(an adapter folder brings its own)."),
+                                                              "(an adapter folder brings its own).",
+                                callback=_must_exist),
     include_non_expert: bool = typer.Option(False, help="Pack changed router/non-expert weights (and an adapter "
                                                         "folder's changed shared experts) too instead of "
                                                         "refusing the fine-tune.", metavar=""),
@@ -204,8 +219,8 @@ def pack(
 
 @app.command()
 def merge(
-    base: Path = typer.Argument(..., help="The base model folder."),
-    bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base."),
+    base: Path = typer.Argument(..., help="The base model folder.", callback=_must_exist),
+    bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base.", callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Merged model folder to create."),
     overwrite: Overwrite = False,
     as_json: AsJson = False,
@@ -222,14 +237,14 @@ def merge(
 
 @app.command()
 def export(
-    bundle: Path = typer.Argument(..., help="An adapter bundle."),
+    bundle: Path = typer.Argument(..., help="An adapter bundle.", callback=_must_exist),
     fmt: str = typer.Option(..., "--format", "-f", metavar="[esft]",
                             help="Format to write: esft (DeepSeek ESFT's adapter folder: expert_cfg.json + "
                                  "model.safetensors, which its esft.py add_adapter / load_esft_model load)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to create."),
     base: Path = typer.Option(None, help="The bundle's base model folder; needed only for a bundle with non-expert "
                                          "tensors (DeepSeek's loader takes every tensor of the modules an adapter "
-                                         "trains: the unchanged ones come from the base)."),
+                                         "trains: the unchanged ones come from the base).", callback=_must_exist),
     overwrite: Overwrite = False,
     as_json: AsJson = False,
 ) -> None:
@@ -251,7 +266,8 @@ def export(
 
 @app.command()
 def compress(
-    source: Path = typer.Argument(..., help="A model folder (all its routed experts) or an adapter bundle."),
+    source: Path = typer.Argument(..., help="A model folder (all its routed experts) or an adapter bundle.",
+                                  callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Store folder to create."),
     table_scope: str = typer.Option("layer", metavar="[layer|tensor]",
                                     help="One Huffman code per layer (shared by its experts) or per tensor."),
@@ -286,12 +302,12 @@ def compress(
 
 @app.command()
 def decompress(
-    store: Path = typer.Argument(..., help="An expert store from `esftctl compress`."),
+    store: Path = typer.Argument(..., help="An expert store from `esftctl compress`.", callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to create: the bundle again, or experts.safetensors."),
     overwrite: Overwrite = False,
     as_json: AsJson = False,
 ) -> None:
-    """Decode a store back to safetensors, bit for bit (a bundle's store becomes the identical bundle)."""
+    """Decode a store back to safetensors, bit for bit (a bundle's store becomes the same bundle, byte for byte)."""
     from esftctl.formats.store import ExpertStore
     from esftctl.formats.store import decompress as do_decompress
 
@@ -303,7 +319,8 @@ def decompress(
 
 @app.command()
 def consolidate(
-    models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
+    models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture.",
+                                        callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for expert_map.json, ranking.json, distances.png."),
     capacity: int = typer.Option(None, min=0, help="Expert positions to load (across all MoE layers); give this or "
                                                    "--budget, exactly one."),
@@ -321,6 +338,11 @@ def consolidate(
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.units import format_bytes
 
+    if (capacity is None) == (budget is None):
+        raise EsftError("give exactly one of --capacity N (expert positions to load) and --budget SIZE (memory for "
+                        "them, e.g. 12GiB)")
+    if len(models) < 2:
+        raise EsftError("consolidate needs two or more fine-tuned variants")
     budget_bytes = _parse_bytes(budget, "--budget") if budget is not None else None
     check_output(out, overwrite=overwrite, folder=True)
     first = MoECheckpoint(models[0])
@@ -356,7 +378,7 @@ def consolidate(
 
 @app.command()
 def materialize(
-    map_dir: Path = typer.Argument(..., help="A folder written by `esftctl consolidate`."),
+    map_dir: Path = typer.Argument(..., help="A folder written by `esftctl consolidate`.", callback=_must_exist),
     variant: int = typer.Option(..., help="Index of the variant (order given to consolidate)."),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
     overwrite: Overwrite = False,
@@ -377,7 +399,8 @@ def materialize(
 
 @app.command()
 def average(
-    models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture."),
+    models: list[Path] = typer.Argument(..., help="Two or more fine-tuned variants of one MoE architecture.",
+                                        callback=_must_exist),
     out: Path = typer.Option(..., "--out", "-o", help="Model folder to create."),
     overwrite: Overwrite = False,
     as_json: AsJson = False,
@@ -386,6 +409,8 @@ def average(
     from esftctl.consolidate import average as do_average
     from esftctl.formats.checkpoint import MoECheckpoint
 
+    if len(models) < 2:
+        raise EsftError("average needs two or more fine-tuned variants to average")
     check_output(out, overwrite=overwrite, folder=True)
     with _tensor_progress("averaging", 2 * len(MoECheckpoint(models[0]).tensors)) as advance:
         do_average(models, out, overwrite=overwrite, on_tensor=advance)
@@ -396,85 +421,111 @@ def average(
 def serve(
     ctx: typer.Context,
     base: Path = typer.Argument(None, help="The base model folder (a Hugging Face MoE checkpoint); omit it with "
-                                           "--variants."),
+                                           "--variants.", callback=_must_exist),
     adapter: list[str] = typer.Option([], "--adapter", "-a", help="NAME=BUNDLE: serve this adapter under NAME "
-                                                                   "(repeat for more)."),
-    name: str = typer.Option(None, help="The base model's name in requests (default: the folder's name)."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
-    port: int = typer.Option(8000, help="Port to listen on (1-65535)."),
+                                                                   "(repeat for more).",
+                                rich_help_panel="Adapters"),
+    name: str = typer.Option(None, help="The base model's name in requests (default: the folder's name).",
+                                rich_help_panel="Adapters"),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default).",
+                                rich_help_panel="Server and access"),
+    port: int = typer.Option(8000, help="Port to listen on (1-65535).",
+                                rich_help_panel="Server and access"),
     slots: int = typer.Option(None, min=1, help="Adapters resident at once (default: the given ones + 2, at "
-                                                "least 4)."),
+                                                "least 4).",
+                                rich_help_panel="Adapters"),
     experts_per_slot: int = typer.Option(None, min=1, help="Expert rows reserved per slot and layer, pooled: a "
                                                            "layer has slots x this many rows, and an adapter takes "
                                                            "the free rows it needs, at start and when loaded "
                                                            "later (address space only) (default: the most any "
-                                                           "given adapter has in one layer)."),
+                                                           "given adapter has in one layer).",
+                                rich_help_panel="Adapters"),
     adapter_memory: str = typer.Option(None, help="Adapter experts loaded at once, as a size (e.g. 12GiB): their GPU "
                                                   "memory is set aside before vLLM sizes its KV cache, and a load "
                                                   "past it is refused (default: --slots times the largest given "
                                                   "adapter; with none given, two adapters of an eighth of the base's "
-                                                  "experts each)."),
+                                                  "experts each).",
+                                rich_help_panel="Adapters"),
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file, kept (default: a new "
                                               "temporary folder, removed when the server stops, kept after a "
                                               "failure for its log). Created private (0700); an existing one must "
-                                              "be yours and writable by you alone."),
-    ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up."),
+                                              "be yours and writable by you alone.",
+                                rich_help_panel="Server and access"),
+    ready_timeout: float = typer.Option(900, help="Seconds to wait for vLLM to come up.",
+                                rich_help_panel="Server and access"),
     paging_window: int = typer.Option(0, help="Page the experts, base and adapters': the MoE layers share this many "
                                               "layers' worth of GPU memory, and each layer's experts come in from "
                                               "host memory (or --paging-store) just before it runs; CUDA graphs "
-                                              "stay on (0: off)."),
+                                              "stay on (0: off).",
+                                rich_help_panel="Paging (when experts do not fit)"),
     paging_fetch: str = typer.Option("auto", help="With --paging-window: `routed` brings in only the experts a step's "
                                                   "tokens route to, just before the layer; `layer` brings in the next "
                                                   "layer whole while the current one computes; `auto` routes while "
-                                                  "tokens x top-k are at most the experts per layer."),
+                                                  "tokens x top-k are at most the experts per layer.",
+                                rich_help_panel="Paging (when experts do not fit)"),
     paging_store: Path = typer.Option(None, help="With --paging-window: a Huffman store of the base (`esftctl "
                                                  "compress BASE`); its GPU decoder delivers some base experts "
                                                  "of each layer beside the host copies (needs an engine that "
-                                                 "keeps experts in the checkpoint's layout: vLLM on CUDA)."),
+                                                 "keeps experts in the checkpoint's layout: vLLM on CUDA).",
+                                      callback=_must_exist,
+                                rich_help_panel="Paging (when experts do not fit)"),
     paging_codec: str = typer.Option(None, help="With --paging-window: the compressed GPU tier. `huffman` (the "
                                                 "default with --paging-store) decodes the store; `fixed` encodes "
                                                 "every paged layer's base experts at start, from the loaded "
                                                 "weights, in a fixed-rate code (75% of bf16, decoded about 1.4x "
-                                                "faster than the store's 68%) and needs no store."),
+                                                "faster than the store's 68%) and needs no store.",
+                                rich_help_panel="Paging (when experts do not fit)"),
     store_experts: int = typer.Option(None, help="With --paging-store or --paging-codec fixed: base experts per "
                                                  "layer taken from the compressed tier (default: split by the two "
-                                                 "tiers' speeds, measured at start)."),
+                                                 "tiers' speeds, measured at start).",
+                                rich_help_panel="Paging (when experts do not fit)"),
     paging_adaptive: bool = typer.Option(False, help="With --paging-window: keep more layers resident while loads "
                                                      "show (compute / load < 0.9) and fewer while compute hides "
                                                      "them (> 1), within the memory vLLM left free; from the start "
                                                      "those that fit once the KV cache has what it can use "
-                                                     "(--max-num-seqs x --max-model-len tokens).", metavar=""),
+                                                     "(--max-num-seqs x --max-model-len tokens).", metavar="",
+                                rich_help_panel="Paging (when experts do not fit)"),
     host_cache: str = typer.Option("8GiB", help="Adapters kept in (pinned) host memory after loading, as a size: "
                                                 "loading one of them again skips reading, verifying and "
-                                                "converting it and is one copy to the GPU (0 turns it off)."),
+                                                "converting it and is one copy to the GPU (0 turns it off).",
+                                rich_help_panel="Adapters"),
     cpu_kv_cache_gib: float = typer.Option(None, min=0.1, help="KV cache size on vLLM's CPU build, GiB (default: "
                                                                "$VLLM_CPU_KVCACHE_SPACE if set, else 1; GPU builds "
-                                                               "size it with vLLM's --gpu-memory-utilization)."),
+                                                               "size it with vLLM's --gpu-memory-utilization).",
+                                rich_help_panel="Server and access"),
     variants: Path = typer.Option(None, help="Serve the fine-tuned variants of a consolidated map (a folder of "
                                              "`esftctl consolidate`) instead of BASE: each answers to its folder's "
                                              "name, shares the experts the map loaded and keeps its own elsewhere "
-                                             "and its own non-expert weights; each engine step runs one variant."),
+                                             "and its own non-expert weights; each engine step runs one variant.",
+                                  callback=_must_exist,
+                                rich_help_panel="Consolidated variants"),
     variant_names: str = typer.Option(None, help="With --variants: comma-separated names for the variants, in the "
-                                                 "map's order (default: their folders' names)."),
+                                                 "map's order (default: their folders' names).",
+                                rich_help_panel="Consolidated variants"),
     quantum: int = typer.Option(4, help="With --variants: engine steps a variant runs before the next one with "
-                                        "requests takes its turn (each switch copies non-expert weights)."),
+                                        "requests takes its turn (each switch copies non-expert weights).",
+                                rich_help_panel="Consolidated variants"),
     api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
                                 help="Require this key (`Authorization: Bearer KEY`) on every request, esftctl's "
                                      "own endpoints and /health included; handed to vLLM in its environment. "
-                                     "Prefer the environment variable: an option shows in `ps`."),
+                                     "Prefer the environment variable: an option shows in `ps`.",
+                                rich_help_panel="Server and access"),
     adapter_root: Path = typer.Option(None, help="Load adapters at run time (`esftctl adapters load`, "
                                                  "/v1/load_lora_adapter) only from bundles under this folder: each "
                                                  "is read through its folder opened beneath this one, and no "
                                                  "symbolic link may lead out of it; others get HTTP 403 (default: "
                                                  "any path the server can read; bundles given with --adapter are "
-                                                 "not restricted)."),
+                                                 "not restricted).", callback=_must_exist,
+                                rich_help_panel="Server and access"),
     group_adapters: int = typer.Option(0, help="Group requests by adapter: each engine step runs the requests of at "
                                                "most this many adapters (the base counts as one), so it reads "
                                                "fewer expert rows, and the others wait (0: off, the default; "
-                                               "measure it first with `esftctl bench serve --group-adapters`)."),
+                                               "measure it first with `esftctl bench serve --group-adapters`).",
+                                rich_help_panel="Scheduling"),
     group_wait: int = typer.Option(8, help="With --group-adapters: engine steps a request may be held back in a row "
                                            "before its adapter must run (more adapters with work than fit a step "
-                                           "add a few steps: esftctl.runtime.adapter_groups)."),
+                                           "add a few steps: esftctl.runtime.adapter_groups).",
+                                rich_help_panel="Scheduling"),
     admit_by_adapter: float = typer.Option(None, min=0.0, metavar="SECONDS",
                                            help="When requests queue for batch slots, admit those of the adapters "
                                                 "already running first, so that a step reads fewer adapters' "
@@ -482,7 +533,8 @@ def serve(
                                                 "0: vLLM's first-come-first-served order; off with --variants). No "
                                                 "slot is left empty for it; without a queue it changes nothing. "
                                                 "256 requests at once over 5 adapters on an H200: throughput 0.958x "
-                                                "plain vLLM's against 0.912x in vLLM's order."),
+                                                "plain vLLM's against 0.912x in vLLM's order.",
+                                rich_help_panel="Scheduling"),
 ) -> None:
     """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;
     a request picks a model by its `model` field. Arguments after `--` go to vLLM (e.g. `-- --enforce-eager
@@ -555,7 +607,8 @@ def adapters_list(
 @adapters_app.command("load")
 def adapters_load(
     name: str = typer.Argument(..., help="The name requests will use."),
-    bundle: Path = typer.Argument(..., help="The adapter bundle folder (a path the server can read)."),
+    bundle: Path = typer.Argument(..., help="The adapter bundle folder (a path the server can read).",
+                                  callback=_must_exist),
     url: str = typer.Option("http://127.0.0.1:8000", help=URL_HELP),
     api_key: str = _api_key_option(),
     as_json: AsJson = False,
@@ -563,8 +616,6 @@ def adapters_load(
     """Load an adapter bundle into a running server."""
     from esftctl import serve_client
 
-    if not bundle.exists():
-        raise EsftError("no such bundle folder", bundle)
     message = serve_client.load(url, name, bundle, api_key=api_key)
     if as_json:
         print(json.dumps({"loaded": name, "bundle": str(bundle.resolve()), "message": message}))

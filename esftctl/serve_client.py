@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 
@@ -93,37 +94,41 @@ def unload(url: str, name: str, *, api_key: str | None = None) -> str:
 
 
 def status_table(status: EngineStatus | dict, served: list[str] | None = None) -> Group:
-    """Adapters, slots, experts per layer, and the memory they take against padding and merged copies."""
+    """Adapters, slots, experts per layer, and the memory they take against padding and merged copies; readable at
+    80 columns (names fold rather than being cut; a load's phases are in `esftctl adapters list --json`)."""
     s = status if isinstance(status, EngineStatus) else EngineStatus.from_json(status)
     adapters = [a for a in s.adapters if not a.name.startswith("warmup_")]
-    title = (f"{len(adapters)} adapter(s) in {s.slots} slots over {s.base} ({s.device}, {len(s.moe_layers)} MoE "
-             "layers)")
-    table = Table(title=title, title_justify="left")
-    for col in ("adapter", "slot", "experts per layer", "total", "bytes", "applied", "loaded in"):
-        table.add_column(col, justify="left" if col in ("adapter", "experts per layer", "loaded in") else "right")
+    title = f"{len(adapters)} adapter(s) in {s.slots} slots, {len(s.moe_layers)} MoE layers, {s.device}: {s.base}"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("adapter", overflow="fold", min_width=12)
+    for col in ("slot", "experts per layer", "total", "rows checked", "bytes", "loaded in"):
+        table.add_column(col.replace(" ", "\n", 1), justify="left" if col in ("experts per layer", "loaded in")
+                         else "right", no_wrap=True)
     if served:
-        table.add_row(served[0], "base", "-", "-", format_bytes(s.model_bytes))
+        table.add_row(served[0], "base", "-", "-", "-", format_bytes(s.model_bytes), "")
     for a in adapters:
         counts = a.experts_per_layer
-        applied = f"{a.checked_rows} rows checked" if a.checked_rows else "not checked"
-        table.add_row(a.name, str(a.slot), _counts(counts), str(sum(counts)), format_bytes(a.bytes), applied,
-                      _load_time(a))
+        name = f"{a.name} (retiring)" if a.retiring else a.name
+        table.add_row(name, str(a.slot), _counts(counts), str(sum(counts)), str(a.checked_rows or "-"),
+                      format_bytes(a.bytes), _load_time(a))
     if s.variants:
         table.add_section()
         for v in s.variants:
             counts = v.experts_per_layer
             table.add_row(f"{v.name} (variant)", "home" if v.home else str(v.slot), _counts(counts),
-                          str(sum(counts)), format_bytes(v.bytes))
+                          str(sum(counts)), "-", format_bytes(v.bytes), "")
     return Group(table, _memory_table(s), *([_ranks_table(s.per_rank)] if s.per_rank else []))
 
 
+SOURCES = {"host cache": "cache", "file, hashed": "file", "file, verified before": "file*"}  # LOADED_FROM, short
+
+
 def _load_time(a) -> str:
-    """The engine's seconds for an adapter's last load, by phase, and whence it came: "2.1 s from file, hashed
-    (verify 0.9, stage 1.0, copy 0.2)"."""
+    """The engine's seconds for an adapter's last load and whence it came, short: "2.10 s file" (hashed), "file*"
+    (verified before, by the launcher or the load check), "cache" (the host cache); its phases are in the JSON."""
     if not a.load_s:
         return "-"
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in a.load_s.items())
-    return f"{sum(a.load_s.values()):.2f} s from {a.loaded_from} ({phases})"
+    return f"{sum(a.load_s.values()):.2f} s {SOURCES.get(a.loaded_from, a.loaded_from)}"
 
 
 def _memory_table(s: EngineStatus) -> Table:
@@ -182,9 +187,9 @@ def _ranks_table(per_rank: list[dict | None]) -> Table:
 
 
 def _counts(counts: list[int]) -> str:
-    if len(counts) <= 16:
+    if len(counts) <= 4:
         return " ".join(map(str, counts))
-    return f"{min(counts)}..{max(counts)} (mean {sum(counts) / len(counts):.1f})"
+    return f"{min(counts)}-{max(counts)} ({sum(counts) / len(counts):.1f})"  # range (mean)
 
 
 def ask_all(url: str, asks: list[tuple[str, dict]], *, max_tokens: int, api_key: str | None = None) -> list[str]:

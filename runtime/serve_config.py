@@ -71,7 +71,9 @@ class ServeSettings:
         if self.admit_by_adapter is None:
             default = ADMIT_BY_ADAPTER_S if self.esft and self.variants is None else 0.0
             object.__setattr__(self, "admit_by_adapter", default)
-        if (self.base is None) == (self.variants is None):
+        if self.base is None and self.variants is None:
+            raise EsftError("give the base model folder to serve (esftctl serve BASE ...), or --variants MAP_DIR")
+        if self.base is not None and self.variants is not None:
             raise EsftError("give a base model or --variants MAP_DIR, not both")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise EsftError(f"--port {self.port}: choose a port in 1..65535")

@@ -168,11 +168,11 @@ def test_status_table_accounts_adapter_memory(deepseek):
     proc = run_cli("adapters", "list", "--url", deepseek["url"])
     assert proc.returncode == 0, proc.stderr
     assert "task2" in proc.stdout and "saved vs padding" in proc.stdout and "KV cache" in proc.stdout
-    assert f"{6 * layers} rows checked" in proc.stdout
+    assert any(line.split()[:1] == ["task2"] and str(6 * layers) in line.split() for line in proc.stdout.splitlines())
     # every load timed by phase; the adapters given at start were hashed by the launcher, not again by the engine
     assert {a["loaded_from"] for a in adapters.values()} == {"file, verified before"}
     assert all(set(a["load_s"]) == {"verify", "stage", "copy"} for a in adapters.values())
-    assert "s from file, verified before (verify" in table_text(s)
+    assert "s file*" in table_text(s)  # verified before, by the launcher
 
 
 def test_bad_requests_are_refused_and_serving_goes_on(deepseek, tiny_models, tmp_path):
