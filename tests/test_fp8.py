@@ -418,3 +418,24 @@ def test_vllm_glue_extends_fp8_weights_and_scales_alike(fp8_world, tmp_path, mon
         torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=0, msg=f"tokens of {name}")
     assert not torch.equal(run_layers(fp8_engine_model(ckpt, adapter), x),
                            run_layers(fp8_engine_model(ckpt, None), x))
+
+
+def test_a_bundle_with_scales_not_finite_is_refused_at_open(fp8_world, tmp_path, capsys):
+    """The serve pre-check (the launcher's and the load check's Bundle.open) read no FP8 scales: a bundle whose scales
+    were NaN, its checksums recomputed, passed them and was refused only inside the engine. Now opening refuses it."""
+    from safetensors.torch import save_file
+
+    from esftctl.formats.bundle import DATA_FILE, MANIFEST, manifest_sha256, tensors_sha256
+
+    out = tmp_path / "bundle"
+    assert cli(capsys, "pack", fp8_world["base"], fp8_world["tuned"], "--out", out, "--name", "a")[0] == 0
+    tensors = _expert_tensors(out)
+    name = sorted(n for n in tensors if n.endswith("gate_scale"))[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, out / DATA_FILE, metadata={"format": "esftctl-adapter"})
+    m = json.loads((out / MANIFEST).read_text()) | {"tensors_sha256": tensors_sha256(out / DATA_FILE)}
+    (out / MANIFEST).write_text(json.dumps(m | {"manifest_sha256": manifest_sha256(m)}))
+    with pytest.raises(EsftError, match=f"^{out / DATA_FILE}: FP8 weight '{name[:-len('_scale')]}' has scales that "
+                                        "are not finite and positive"):
+        Bundle.open(out)
