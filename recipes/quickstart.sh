@@ -13,12 +13,12 @@ bash "$root/scripts/setup_env.sh"
 venv="${ESFTCTL_VENV:-$root/.venv}"
 world="$("$venv/bin/python" -c 'from esftctl.world.build import default_world_dir; print(default_world_dir())')"
 
-stage "2/5 the tiny MoE world (built once, about 2 minutes on one core; cached in $world)"
+stage "2/5 the tiny MoE world (built once, 2-5 minutes on one core; cached in $world)"
 "$venv/bin/python" "$root/recipes/tiny_world.py"
 stage "3/5 the base, as esftctl inspect sees it"
 "$venv/bin/esftctl" inspect "$world/base"
 # One ESFT adapter per task: relevance -> select -> fine-tune the selected experts -> pack -> inspect -> verdict.
-stage "4/5 one ESFT adapter per task (about 35 s each), then the promise, target by target"
+stage "4/5 one ESFT adapter per task (25-100 s each), then the promise, target by target"
 "$venv/bin/python" "$root/recipes/esft_adapters.py"
 # Serve the base and every adapter in one vLLM server; one request per adapter and to the base, sent together.
 stage "5/5 serving the base and the four adapters from one vLLM server (about a minute)"

@@ -10,7 +10,7 @@ stamp="$venv/.esftctl-installed"
 if [ -f "$stamp" ] && [ ! "$root/pyproject.toml" -nt "$stamp" ]; then
   exit 0
 fi
-echo "setting up $venv (first time: about 4 minutes, mostly vLLM's CPU build)"
+echo "setting up $venv (first time: 2-6 minutes, mostly vLLM's CPU build)"
 step() { echo "  [$(date +%H:%M:%S)] $*"; }
 step "creating the virtual environment"
 python3 -m venv "$venv"
