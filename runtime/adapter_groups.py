@@ -6,7 +6,7 @@ esftctl.runtime.vllm.adapter_groups.
 Why: a step's MoE layers read every expert row some token routes to, and a token of adapter a routed to an
 expert a replaced reads a's row while the base's is still read for the others. So rows grow with the distinct
 adapters in a step: with 64 sequences over 20 Table 1 adapters, 97.7 rows per layer against the base's 63.9
-(benchmarks/scripts/rows_model.py), and the H200's TPOT excess was half that row excess (benchmarks/RESULTS.md,
+(benchmarks/lab/rows_model.py), and the H200's TPOT excess was half that row excess (benchmarks/RESULTS.md,
 2026-11-23). Holding each step to G adapters caps the rows at about what G adapters add. The price: a request
 whose adapter is not among a step's G waits that step out (its TPOT or TTFT grows), and a step runs fewer
 tokens for the weights it reads. Whether that trade wins is for `esftctl bench serve --group-adapters` to say,
@@ -22,12 +22,12 @@ them, so no request is held more than W + floor((k - 1) / G) consecutive steps, 
 meanwhile. vLLM may still leave an eligible request out (token budget, KV cache): that is its own scheduling,
 as without groups.
 
-Modelled with this class (benchmarks/scripts/group_trade.py), holding steps to G adapters loses at every load: vLLM
+Modelled with this class (benchmarks/lab/group_trade.py), holding steps to G adapters loses at every load: vLLM
 keeps a held request in its batch slot, so a step loses tokens faster than rows (at 5 requests/s over 5 adapters,
 TPOT 1.44x the base's with G = 2 against 1.009x). Admitting by adapter leaves no slot empty: it only chooses which
 queued request takes a free one, and it gains where requests queue (bench serve's 256 at once: throughput 0.91x
 the base's against 0.87x over 5 adapters, 0.80x against 0.76x over 20). Measured on an H200 at that load over 5
-adapters (2026-12-06, benchmarks/scripts/side_by_side.py), both held: groups of 2 gave 0.691x plain vLLM's throughput
+adapters (2026-12-06, benchmarks/lab/side_by_side.py), both held: groups of 2 gave 0.691x plain vLLM's throughput
 with TPOT p99 2.05x, admitting by adapter 0.958x against 0.912x in vLLM's order, and `serve` now admits by adapter by
 default (esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S). Over 20 adapters on an H100 (bench serve, three starts
 each, medians), admitting cut the rows a decode step read from +62% over the base's to +48-52%, TPOT from 1.31x to
@@ -130,7 +130,7 @@ def admission_order(waiting: Sequence[tuple[str, Hashable, float]], running: Map
     slots the running ones gather on fewer adapters and a step reads fewer adapter copies. No slot is left empty
     for it (vLLM's --max-loras leaves them empty). A request that has waited `wait` is overdue, and overdue requests
     go first, the longest waiting first, so none is passed over for longer. Modelled at bench serve's all-at-once
-    load (benchmarks/scripts/group_trade.py), it takes throughput from 0.87 to 0.91x the base's over 5 adapters;
+    load (benchmarks/lab/group_trade.py), it takes throughput from 0.87 to 0.91x the base's over 5 adapters;
     measured there on an H200 (2026-12-06), from 0.912 to 0.958x plain vLLM's, so `serve` admits so by default.
     `waiting`: (request id, group, time it has waited) for each request; `running`: running requests per group.
     The groups are ranked once, then the requests sorted by plain tuples: 1,000 queued take 0.65 ms on the dev

@@ -10,7 +10,7 @@ slots are full is here too, once (`check_free_slot`), for the engine and the mid
 The engine writes the file through `StatusFile`, off its serving steps. The worker used to rebuild and write it
 (JSON, fsync, rename) in the first step a second after the last write, which after any pause was the step that
 prefilled the prompt arriving at an idle server: 4.5-6.5 ms more TTFT for such prompts on an H100 (2026-11-27,
-benchmarks/scripts/ttft_alone.py), mostly the record summing the base's 5,291 tensor sizes twice (now cached), and
+benchmarks/lab/ttft_alone.py), mostly the record summing the base's 5,291 tensor sizes twice (now cached), and
 the grid's low-load TTFT excess on the H200 (+6-8 ms on prompts prefilled alone). An fsync adds 1-4 ms on a disk.
 """
 

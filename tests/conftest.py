@@ -177,17 +177,17 @@ def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
 
 
 def load_script(name: str):
-    """benchmarks/scripts/NAME.py as a module, the scripts' folder on the path while it loads (a script may import
+    """benchmarks/lab/NAME.py as a module, the lab's folder on the path while it loads (a script may import
     another beside it, as side_by_side.py imports ttft_alone)."""
     import importlib.util
 
-    scripts = ROOT / "benchmarks" / "scripts"
-    sys.path.insert(0, str(scripts))
+    lab = ROOT / "benchmarks" / "lab"
+    sys.path.insert(0, str(lab))
     try:
-        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, lab / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up by name as they are made
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(scripts))
+        sys.path.remove(str(lab))
     return module

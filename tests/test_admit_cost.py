@@ -1,4 +1,4 @@
-"""benchmarks/scripts/admit_cost.py times the admission order over vLLM's own queue class: the first call moves the
+"""benchmarks/lab/admit_cost.py times the admission order over vLLM's own queue class: the first call moves the
 queue (the stats count one reorder a run), the second finds it in order and leaves it."""
 import pytest
 from conftest import load_script

@@ -176,7 +176,7 @@ def test_the_budget_stops_before_a_slice_that_would_overrun(fake, tmp_path):
 
 def test_the_cards_of_a_host_each_take_their_own_rounds(fake, tmp_path):
     """`--only-rounds`: each card runs the base's round first, then its own round of every server, and pairs with
-    that base; the cards' slices together are the grid (benchmarks/scripts/gpu_cards.sh merges them)."""
+    that base; the cards' slices together are the grid (benchmarks/lab/gpu_cards.sh merges them)."""
     profile, options = grid(repeats=3, micro_runs=0)
     out = tmp_path / "out"
     for card, rounds in (("card1", (1,)), ("card2", (0, 2))):

@@ -1,4 +1,4 @@
-"""benchmarks/scripts/group_trade.py: the grouping trade's model steps requests through the server's own grouping
+"""benchmarks/lab/group_trade.py: the grouping trade's model steps requests through the server's own grouping
 policy and vLLM's --max-loras admission, with a step's time set by the rows it reads."""
 
 from __future__ import annotations

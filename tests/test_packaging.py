@@ -1,6 +1,7 @@
-"""The wheel a non-editable install gets holds every module of the source tree (issue 18, item 18), and the
-native encoder compiled from native/ (issue 19); installed, it imports every module and runs `esftctl --version`
-(issue 30: runtime/ and kernels/ sit at the top level and install as esftctl.runtime and esftctl.kernels).
+"""The wheel a non-editable install gets holds every module of the source tree (issue 18, item 18), nothing of the
+team's lab (benchmarks/lab/), and the native encoder compiled from native/ (issue 19); installed, it imports every
+module and runs `esftctl --version` (issue 30: runtime/ and kernels/ sit at the top level and install as
+esftctl.runtime and esftctl.kernels).
 
 CI installs in editable mode, which reads the source tree and so cannot see a package left out of the wheel:
 a hand-kept package list once left `esftctl.bench` out, and every non-editable install failed at import.
@@ -63,6 +64,9 @@ def test_wheel_holds_and_imports_every_source_module(tmp_path):
         entry_points = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
         z.extractall(tmp_path / "site")
     assert _modules(n for n in names if n.startswith("esftctl/")) == _source_modules()
+    # The team's lab (benchmarks/lab/) stays out of the wheel: no file of it under any name.
+    lab = {p.name for p in (ROOT / "benchmarks" / "lab").rglob("*") if p.is_file() and p.name != "README.md"}
+    assert lab and not [n for n in names if n.startswith("benchmarks/") or n.rpartition("/")[2] in lab]
     assert any(n.startswith("esftctl/_native") and n.endswith(".so") for n in names)  # the native encoder, built
     assert "esftctl = esftctl.cli:main" in entry_points
     plugin = "esftctl.runtime.vllm.plugin:register"

@@ -1,4 +1,4 @@
-"""benchmarks/scripts/rows_trained.py's row count: a step reads (adapter, expert) for replaced experts a token
+"""benchmarks/lab/rows_trained.py's row count: a step reads (adapter, expert) for replaced experts a token
 chose and (base, expert) for the rest; plain vLLM reads each chosen expert once."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/scripts/side_by_side.py's arithmetic: esftctl set against plain vLLM's runs before and after it
+"""benchmarks/lab/side_by_side.py's arithmetic: esftctl set against plain vLLM's runs before and after it
 (pooled), plain vLLM's second run against its first, request by request."""
 
 from __future__ import annotations

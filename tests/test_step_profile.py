@@ -1,4 +1,4 @@
-"""The decode-step split (esftctl.bench.step_profile) on a hand-made trace of two steps, times in microseconds.
+"""The decode-step split (benchmarks/lab/step_profile.py) on a hand-made trace of two steps, times in microseconds.
 
 Each step: the scheduler (CPU 0-100 us), vLLM's LoRA mapping with esftctl's manager inside (100-130, 110-125), the
 model's launch (a graph replay at 150 whose kernels run 200-260 MoE, 260-262 reroute, 262-300 attention), the
@@ -9,8 +9,11 @@ engine steps span 0-1000 and 1000-2000 (a scheduler scope after them must not co
 from __future__ import annotations
 
 import pytest
+from conftest import load_script
 
-from esftctl.bench.step_profile import STEP, kernel_component, kernel_diff, step_components
+step_profile = load_script("step_profile")
+STEP, kernel_component, kernel_diff, step_components = (
+    step_profile.STEP, step_profile.kernel_component, step_profile.kernel_diff, step_profile.step_components)
 
 
 def X(name, cat, ts, dur, tid=1, **args):

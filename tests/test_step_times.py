@@ -1,5 +1,5 @@
 """Step times without a profiler (esftctl.runtime.vllm.profiling.StepTimes, ESFTCTL_STEP_TIMES): what a wrapped
-scheduler and worker record, and when the lines reach the file (benchmarks/scripts/mixed_step.py reads them)."""
+scheduler and worker record, and when the lines reach the file (benchmarks/lab/mixed_step.py reads them)."""
 
 from __future__ import annotations
 

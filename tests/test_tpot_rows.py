@@ -1,4 +1,4 @@
-"""benchmarks/scripts/tpot_rows.py: the expert rows a decode step reads in closed form, averaged over each request's
+"""benchmarks/lab/tpot_rows.py: the expert rows a decode step reads in closed form, averaged over each request's
 decode, set beside its TPOT over plain vLLM's same request."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/scripts/ttft_runs.py's cuts: each run against plain vLLM's base run of its round on its machine,
+"""benchmarks/lab/ttft_runs.py's cuts: each run against plain vLLM's base run of its round on its machine,
 request by request, by sixth of the run and by adapter, each adapter's first request apart, prompts prefilled alone
 apart from those that met others."""
 

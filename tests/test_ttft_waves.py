@@ -1,4 +1,4 @@
-"""benchmarks/scripts/ttft_waves.py: all-at-once runs cut into waves (prefilled before any request finished) and
+"""benchmarks/lab/ttft_waves.py: all-at-once runs cut into waves (prefilled before any request finished) and
 deliveries (one engine step's first tokens), times from the run's first send."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (FCFSRequestQueue) in admission_order, once when it moves requests and once more when the queue is already in that
 order. It runs only in steps with a free batch slot and two or more queued, and on the scheduler's thread, so it
 adds to the step. Runs wherever vLLM imports (the CPU build here, the CUDA build on the device's host).
-Usage: python benchmarks/scripts/admit_cost.py [--queued 128,1000] [--adapters 5,20] [--json]"""
+Usage: python benchmarks/lab/admit_cost.py [--queued 128,1000] [--adapters 5,20] [--json]"""
 import argparse
 import json
 import random

@@ -2,8 +2,8 @@
 # Long work on the device machine, past one call's 10-minute limit: `start` runs a command in its own
 # process session (so it outlives the call), `wait` follows it from the next calls, each sent within the
 # machine's 30 s idle time. Logs in /tmp/bg/NAME.log; `wait` copies the log and the exit status to $OUT.
-# Usage: bash benchmarks/scripts/background.sh start NAME COMMAND...
-#        bash benchmarks/scripts/background.sh wait NAME SECONDS [FILE...]   (returns early when NAME has
+# Usage: bash benchmarks/lab/background.sh start NAME COMMAND...
+#        bash benchmarks/lab/background.sh wait NAME SECONDS [FILE...]   (returns early when NAME has
 #          finished; copies each FILE that exists to $OUT too, so that what a run wrote so far comes back with
 #          every wait: on 2026-11-29 an H200 came back bare between two waits sent back to back, /tmp and all)
 #   COMMAND's words are joined into one shell line ("$*"), so a compound command goes as one quoted argument

@@ -4,7 +4,7 @@ median) and the fraction of its bound (bytes read + written over the copy bandwi
 - the paging tier's row decoder (`decode_rows`, its w13 and w2 rows as the tier keeps them): blocks a program
   (`steps`) x warps, every row and 6 of 64 (batch 1's routed rows; a masked decode's cost is mostly programs that
   end at once).
-Usage: python benchmarks/scripts/fixed_rate_bench.py [--experts 64]"""
+Usage: python benchmarks/lab/fixed_rate_bench.py [--experts 64]"""
 
 import argparse
 

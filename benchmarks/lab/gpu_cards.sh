@@ -8,7 +8,7 @@
 # (CPU, memory, PCIe), and a card's neighbours are busy while it measures; compare a round run here with one run
 # alone before trusting a 3% difference.
 # Usage: ROUNDS="1 2" BUDGET=1500 SERVERS=base,esftctl [BEFORE_1="..."] [AFTER="..."] \
-#          bash benchmarks/scripts/gpu_cards.sh
+#          bash benchmarks/lab/gpu_cards.sh
 #   ROUNDS: one entry per card, each the --only-rounds of that card (e.g. "1 2 0 1"; a comma list gives a card
 #   several rounds). Run it in the background and collect as gpu_pending.sh says (collect.sh packs every card's
 #   slices and logs); the grid's options are grid_args.sh's, as gpu_pending.sh's are.
@@ -22,12 +22,12 @@
 #   of code the bench has not run on a GPU yet, while the other card generates its base: the bench then starts
 #   later and its budget should leave room for it); its output in /tmp/bench/before-k.log.
 #   AFTER: a command the first card to finish its bench runs next, on that card alone, with OUT=/tmp/bench (e.g.
-#   AFTER="bash benchmarks/scripts/gpu_tests.sh kernels tests/test_row_checksum.py": GPU tests in the time the other
+#   AFTER="bash benchmarks/lab/gpu_tests.sh kernels tests/test_row_checksum.py": GPU tests in the time the other
 #   card still measures, a busier neighbour for it: prefer kernel tests to vLLM servers; its output in
 #   /tmp/bench/after.log, which collect.sh packs with the logs).
 # Needs ../shared/gpu/README.md's install.
 set -u
-source benchmarks/scripts/grid_args.sh
+source benchmarks/lab/grid_args.sh
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 read -r -a rounds <<< "${ROUNDS:?ROUNDS: one --only-rounds per card, e.g. ROUNDS=\"1 2\"}"
 cards=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
@@ -64,4 +64,4 @@ for card in "${!rounds[@]}"; do
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
 tail -n 3 /tmp/bench/card-*.log
-bash benchmarks/scripts/collect.sh
+bash benchmarks/lab/collect.sh

@@ -11,27 +11,27 @@
 # It ran whole on an H200 on 2026-12-04 (21 min; benchmarks/RESULTS.md, twenty-sixth session: 8 passed, a decode
 # step 4.126 ms folded, 4.227 unfolded, 4.118 plain vLLM). Each stage packs /tmp/fold into /tmp/fold.tgz when it
 # ends, so a wait brings back what is done:
-#   bash benchmarks/scripts/background.sh start fold "bash benchmarks/scripts/gpu_fold.sh"
-#   bash benchmarks/scripts/background.sh wait fold 540 /tmp/fold.tgz   (again, each within 30 s of the last answer)
+#   bash benchmarks/lab/background.sh start fold "bash benchmarks/lab/gpu_fold.sh"
+#   bash benchmarks/lab/background.sh wait fold 540 /tmp/fold.tgz   (again, each within 30 s of the last answer)
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /tmp/fold
 pack() { tar -czf /tmp/fold.tgz -C /tmp fold 2>/dev/null; echo "[$(date +%T)] $1"; }
 
-OUT=/tmp/fold bash benchmarks/scripts/gpu_tests.sh fold-tests tests/test_vllm_topk.py \
+OUT=/tmp/fold bash benchmarks/lab/gpu_tests.sh fold-tests tests/test_vllm_topk.py \
   "tests/test_serve.py::test_other_architecture_served_exactly[deepseek_v3]" \
   "tests/test_serve.py::test_other_architecture_served_exactly[glm4_moe]"
 tests=$?
 pack "tests: exit $tests"
 
 if [ "$tests" -eq 0 ]; then
-  python3 benchmarks/scripts/mixed_step.py --out /tmp/fold/ms --work /dev/shm/bench \
+  python3 benchmarks/lab/mixed_step.py --out /tmp/fold/ms --work /dev/shm/bench \
     --arms plain,esftctl,esftctl-unfolded --decoders 2 --arrivals 6 --gap 1.5 --capture-sizes 512 \
     > /tmp/fold/mixed_step.log 2>&1
   pack "mixed_step: exit $?"
 fi
 
-python3 benchmarks/scripts/profile_step.py --out /tmp/fold/profile \
+python3 benchmarks/lab/profile_step.py --out /tmp/fold/profile \
   --passes plain-graphs,esft-graphs,unfolded-graphs --batches 1,2 --prefill 256 --budget 420 \
   > /tmp/fold/profile.log 2>&1
 profile=$?

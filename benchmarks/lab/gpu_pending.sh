@@ -20,18 +20,18 @@
 # GPU until it prints "all done" (gpu_tests.sh refuses to).
 # Run it in the background and follow it at once: the machine goes back 30 s after a call returns, background job
 # or not, so each wait packs what is written so far:
-#   bash benchmarks/scripts/background.sh start pending "BUDGET=1600 bash benchmarks/scripts/gpu_pending.sh"
-#   bash benchmarks/scripts/background.sh wait pending 540; bash benchmarks/scripts/collect.sh   (again until done)
+#   bash benchmarks/lab/background.sh start pending "BUDGET=1600 bash benchmarks/lab/gpu_pending.sh"
+#   bash benchmarks/lab/background.sh wait pending 540; bash benchmarks/lab/collect.sh   (again until done)
 # Never set OUT in the calling command: collect.sh copies into the call's own $OUT. Then untar slices-new.tgz
 # into benchmarks/serve-bench/ and commit it (the next machine skips those slices).
 # background.sh joins its arguments into one shell line: pass a compound command as one quoted argument, not
 # through `bash -c '...'` (which then runs an empty bash).
-# Needs ../shared/gpu/README.md's install (its payload re-split by benchmarks/scripts/payload_split.sh).
+# Needs ../shared/gpu/README.md's install (its payload re-split by benchmarks/lab/payload_split.sh).
 # SERVERS: the servers this machine measures, base and esftctl unless set (the low-load target, 5 to 20 adapters
 # within 3% of the base, needs those two on one machine); merged copies and multi-LoRA are the same grid's (the
 # servers are not part of its key) and come after: SERVERS=base,merged,esftctl,lora.
 set -u
-source benchmarks/scripts/grid_args.sh
-bash benchmarks/scripts/serve_bench_gpu.sh --budget "${BUDGET:-1600}" "${GRID_ARGS[@]}" \
+source benchmarks/lab/grid_args.sh
+bash benchmarks/lab/serve_bench_gpu.sh --budget "${BUDGET:-1600}" "${GRID_ARGS[@]}" \
   --servers "${SERVERS:-base,esftctl}"
 echo all done

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU serving tests on the device machine, once ../shared/gpu/README.md's install has put vLLM's CUDA
-# build in /tmp/site (on a new checkout: build_payload.sh, then benchmarks/scripts/payload_split.sh for the
+# build in /tmp/site (on a new checkout: build_payload.sh, then benchmarks/lab/payload_split.sh for the
 # transfers). The tiny world comes carried in .world (built here: ESFTCTL_WORLD=.world python
 # recipes/tiny_world.py --root .world), so the device does not rebuild it.
-# Usage: bash benchmarks/scripts/gpu_tests.sh NAME PYTEST_ARGS...   (log in $OUT/NAME.log, every test's vLLM logs
+# Usage: bash benchmarks/lab/gpu_tests.sh NAME PYTEST_ARGS...   (log in $OUT/NAME.log, every test's vLLM logs
 #   beside in NAME-vllm-logs.tgz, passed or not)
 # It lists the tests it selected first: -k matches substrings, so 'cuda_graphs_served_exactly' also selects
 # test_paging_with_cuda_graphs_served_exactly (2026-11-29: a call meant for one test ran out of time in the second;

@@ -22,7 +22,7 @@ that H200 measured 1.132x (benchmarks/RESULTS.md, 2026-11-23, when bench serve s
 prompts, vLLM's KV-cache bound and its host time are left out: a model to say where to measure, not a measurement.
 
 Another card: --fixed-ms, --all-rows-ms and --prompt-ms (an H100's 3.35 TB/s reads the experts in 8.6 ms).
-Usage: python benchmarks/scripts/group_trade.py [--adapters 5] [--rate 5|inf] [--requests N] [--groups 2,4]
+Usage: python benchmarks/lab/group_trade.py [--adapters 5] [--rate 5|inf] [--requests N] [--groups 2,4]
          [--admit 2,10] [--max-loras 2,4] [--max-seqs 128] [--fixed-ms 3.5 --all-rows-ms 6 --prompt-ms 3] [--json]
 """
 

@@ -23,10 +23,10 @@ on one H200 (2026-11-29, the grid's round 2 at 1 request/s; 1 adapter as much as
   pageable host-to-device copy wait for the stream ("the driver may synchronize with the stream", the runtime
   API's synchronization behaviour): a pageable copy that took about 5 ms here would, and then such a step would lose
   what asynchronous scheduling overlaps.
-On an H200 (2026-11-29, benchmarks/2026-11-29-h200-grid512-r2/launch_cost.log): a reroute node took 1.33 us at 3
-tokens against an add's 0.88 (35 us a decode step), 2.68 us at 262; the pageable copy returned in 19 us by the
-median (pinned: 13), so it does not wait for the stream.
-Usage (device; needs only torch and Triton, no install): python3 benchmarks/scripts/launch_cost.py
+On an H200 (2026-11-29, benchmarks/data/serve/2026-11-29-h200-grid512-r2/launch_cost.log): a reroute node took
+1.33 us at 3 tokens against an add's 0.88 (35 us a decode step), 2.68 us at 262; the pageable copy returned in 19 us
+by the median (pinned: 13), so it does not wait for the stream.
+Usage (device; needs only torch and Triton, no install): python3 benchmarks/lab/launch_cost.py
 """
 
 import argparse

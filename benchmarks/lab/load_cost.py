@@ -7,7 +7,7 @@ over the staged rows in pinned host memory (what a cold load's staging takes: th
 The staging itself is timed once first. Why: `bench serve` on an H100 (2026-11-27) measured a warm `esftctl
 adapters load` of a 2.47 GiB adapter at 2.98 s, 61x its copy floor, where the H200 of 2026-11-23 took 0.083 s
 (1.44x) before loads checked their rows.
-Usage: python3 benchmarks/scripts/load_cost.py [--small] [--repeats 5]   (--small: 4 layers of small experts, CPU)
+Usage: python3 benchmarks/lab/load_cost.py [--small] [--repeats 5]   (--small: 4 layers of small experts, CPU)
 """
 
 import argparse

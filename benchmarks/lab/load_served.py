@@ -4,7 +4,7 @@ what `bench serve`'s microbenchmark slice times): the DeepSeek-V2-Lite-shaped ba
 middleware hashing a bundle the engine held staged (fixed in a9c504b); this shows the fix on the device without
 a whole microbenchmark slice. Prints the result as JSON.
 Usage (device, after ../shared/gpu/README.md's install):
-  PYTHONPATH=/tmp/site python3 benchmarks/scripts/load_served.py [--work /dev/shm/bench] [--scratch /tmp/bench/scratch]
+  PYTHONPATH=/tmp/site python3 benchmarks/lab/load_served.py [--work /dev/shm/bench] [--scratch /tmp/bench/scratch]
 """
 
 import argparse

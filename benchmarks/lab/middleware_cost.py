@@ -3,7 +3,7 @@
 Starlette's function middleware, what `esftctl serve` installed before 2026-11-27's eleventh session; the plain
 ASGI StatusMiddleware it installs now), each timed over 20 requests: the median first chunk and the median gap
 between later chunks, three rounds. Runs on the CPU; no key set (the key check is the same in both forms).
-Usage: python3 benchmarks/scripts/middleware_cost.py
+Usage: python3 benchmarks/lab/middleware_cost.py
 """
 
 import asyncio

@@ -34,7 +34,7 @@ in every arm; that span varied 54-113 ms within one run. On an H200 (2026-11-29)
 stalled the decodes 10-14 ms by the median in both servers, against 61-76 ms eager, so `bench serve`'s profile
 now captures up to 512 (here 0 is still vLLM's default). Writes OUT/mixed_step.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start, 40 s a phase):
-  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/scripts/mixed_step.py --out $OUT/ms
+  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/lab/mixed_step.py --out $OUT/ms
 The decode step at low load (the grid's 1 request/s, where esftctl's decode steps took 0.10-0.13 ms more than plain
 vLLM's on one H200, 2026-11-29): `--decoders 2 --arrivals 6 --gap 1.5 --capture-sizes 512 --rounds 2` (about 2,500
 such steps a phase). There, in the twenty-fourth session, the period was 4.09-4.10 ms in plain vLLM and 4.15 in

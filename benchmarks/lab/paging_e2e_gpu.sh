@@ -10,7 +10,7 @@
 # in /dev/shm too the machinery-store server died at start-up), the adapters (4 DeepSeek-sized, 7 GB) and vLLM's
 # result files. One model per machine at a time: the other's files are removed first. After a run the host's
 # memory and the kernel's last messages (an OOM kill leaves no Python traceback) go to the log.
-# Usage: bash benchmarks/scripts/paging_e2e_gpu.sh MODEL [esftctl bench paging --serve options, e.g. --budget 540]
+# Usage: bash benchmarks/lab/paging_e2e_gpu.sh MODEL [esftctl bench paging --serve options, e.g. --budget 540]
 #   MODEL: deepseek-v2-lite or qwen3-30b-a3b
 # Estimates (H100, DeepSeek-V2-Lite; the Qwen3 shape about 1.3x): generating the base 1.5 min, its store 2-3 min
 # (first slice with a store only); a slice (one server, one round, start with CUDA graphs 2-2.5 min included):

@@ -1,7 +1,7 @@
 """Profile of a decode step on the GPU: the base alone vs 1 adapter vs 20 adapters at batch 1, 4 and 8 (issue 29.2).
 
 At 4 requests/s TPOT was 0.99 / 1.15 / 1.29x the base's for base / 1 / 20 adapters (H200) while the bytes model
-predicts almost no extra rows at such batches; this says where a step's time goes (esftctl.bench.step_profile:
+predicts almost no extra rows at such batches; this says where a step's time goes (step_profile.py:
 MoE kernel, reroute, router, attention, dense products, sampling, copies, scheduler, LoRA mapping, esftctl's
 worker manager, host gaps). The model is DeepSeek-V2-Lite-shaped with `--layers` layers (default 4: 1 dense + 3
 MoE, 4.3 GB; widths, experts, vocabulary as the real one), enough for the fixed per-step costs; per-layer
@@ -24,7 +24,7 @@ would run out):
   of its own (VLLM_CACHE_ROOT), so Inductor draws its autotuned picks afresh: `--passes plain-graphs,plain2-graphs
   --fresh-caches` measures how far two starts of plain vLLM alone differ by them (kernel diff below).
 Beside each table, every esftctl column's kernels that differ most from plain vLLM's, with their launch shapes
-where those differ (esftctl.bench.step_profile.kernel_diff: Inductor's autotuned picks are per process).
+where those differ (step_profile.kernel_diff: Inductor's autotuned picks are per process).
 Each batch: B requests of 32 prompt tokens, greedy, `--warm` steps, `--timed` steps timed without the profiler
 (the step time to believe: the profiler slows the host), then `--steps` profiled. Mixes: base (no adapter; through
 esftctl's runtime in the esft passes), 1 adapter (all B on one), 20 adapters (the B requests on B distinct ones).
@@ -35,7 +35,7 @@ Writes OUT/results.json, OUT/<pass>.log and OUT/<pass>-<mix>-b<B>.json.gz (the d
 A smoke run on vLLM's CPU build (no GPU rows there): `--small --layers 3 --batches 1,4 --warm 1 --timed 3 --steps 2
 --passes esft-eager,plain-eager`, 47 s on 2 cores. Run on the GPU machine (at most `--budget` 330 s):
   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 \
-  python3 benchmarks/scripts/profile_step.py --out /tmp/profile; tar -czf $OUT/profile.tgz -C /tmp profile
+  python3 benchmarks/lab/profile_step.py --out /tmp/profile; tar -czf $OUT/profile.tgz -C /tmp profile
 (one tarball: a device call brings back at most 8 files, and the traces alone are more; 2026-11-27 lost the
 passes' JSON that way).
 """
@@ -140,11 +140,11 @@ def run_pass(args) -> None:
 
             graphs.install = lambda: None
     import torch
+    from step_profile import STEP, step_components
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from esftctl.bench.step_profile import STEP, step_components
     from esftctl.runtime.vllm.profiling import install_scopes
 
     scopes = install_scopes()
@@ -218,10 +218,9 @@ def prefill_runs(engine, requests: list, args, out: Path, esft: bool) -> list[di
     1.14x plain vLLM's at 1 request/s and 2.4x at 2, while TPOT was 1.03x at 1 request/s (most of it was later
     traced to the base's prefix-cache hits: esftctl.bench.serve.NO_PREFIX_CACHE)."""
     import torch
+    from step_profile import STEP, step_components
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams
-
-    from esftctl.bench.step_profile import STEP, step_components
 
     first, long = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=4000, ignore_eos=True,
                                                                                temperature=0)
@@ -358,11 +357,10 @@ def main() -> None:
 
 
 def diff_table(title: str, plain: dict, other: dict, label: str):
-    """The kernels whose time differs most from plain vLLM's (esftctl.bench.step_profile.kernel_diff); `label`
+    """The kernels whose time differs most from plain vLLM's (step_profile.kernel_diff); `label`
     names the other column."""
     from rich.table import Table
-
-    from esftctl.bench.step_profile import kernel_diff
+    from step_profile import kernel_diff
 
     table = Table(title=f"{title} (us per step; the kernels that differ most)")
     for c in ("kernel", "plain", label, "delta", "launch shapes, where they differ"):
@@ -377,8 +375,7 @@ def diff_table(title: str, plain: dict, other: dict, label: str):
 def report(results: dict) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from esftctl.bench.step_profile import ROWS, row_value
+    from step_profile import ROWS, row_value
 
     console = Console(width=200)
     for mode in ("graphs", "eager"):

@@ -3,7 +3,7 @@ bus (zero-copy) against the copy engine, by number of programs; the routed fetch
 inactive layer's launches; and how much a fetch of a whole layer on a side stream slows a matrix product on the
 compute stream, by number of programs (what OVERLAP_PROGRAMS is chosen from).
 
-Usage (device machine): python benchmarks/scripts/row_fetch_bench.py   (JSON to stdout and $OUT/row_fetch.json)
+Usage (device machine): python benchmarks/lab/row_fetch_bench.py   (JSON to stdout and $OUT/row_fetch.json)
 Rows are DeepSeek-V2-Lite's experts (w13 [2816, 2048], w2 [2048, 1408] bf16: 17.3 MB a row), 64 of them.
 """
 

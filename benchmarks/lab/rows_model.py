@@ -16,7 +16,7 @@ this uniform router does (rows_trained.py measures it on the tiny world's ESFT a
 or vLLM's `--max-loras G` among the running requests; which G adapters a step holds drawn by their shares, its
 sequences among those): the rows issue 29's item 3 expects grouping to save, before its queueing costs.
 
-Usage: python benchmarks/scripts/rows_model.py [--groups G] [serve.json]
+Usage: python benchmarks/lab/rows_model.py [--groups G] [serve.json]
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ esftctl over plain; copies: esftctl over moved; then the random router's plain, 
 esftctl's rows with at most G adapters a step over plain's (the step's adapters drawn by share, as rows_model.py's
 `--groups`), trained and random.
 
-Usage: python benchmarks/scripts/rows_trained.py [--world DIR] [--trials 4000] [--groups G] [--json OUT]
+Usage: python benchmarks/lab/rows_trained.py [--world DIR] [--trials 4000] [--groups G] [--json OUT]
 """
 
 from __future__ import annotations

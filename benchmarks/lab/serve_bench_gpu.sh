@@ -18,14 +18,14 @@
 # time) and at most 30 minutes held a machine, less about 3 minutes (the start, the install, the transfers):
 # gpu_pending.sh says more. Run it in the background, always on the same
 # card (slices of another card go to a grid of their own; the protocol grid began on an H200):
-#   bash benchmarks/scripts/background.sh start serve bash benchmarks/scripts/serve_bench_gpu.sh --budget 1200 ...
-#   bash benchmarks/scripts/background.sh wait serve 540; bash benchmarks/scripts/collect.sh
+#   bash benchmarks/lab/background.sh start serve bash benchmarks/lab/serve_bench_gpu.sh --budget 1200 ...
+#   bash benchmarks/lab/background.sh wait serve 540; bash benchmarks/lab/collect.sh
 #     (again within 30 s, until it says finished; collect.sh in the same call every time: the job's own collect at
 #     its end writes into the $OUT of the call that started it, which brings nothing back; 2026-12-06)
 # Slices (H100, deepseek-v2-lite): a server's start with CUDA graphs 2.5-3.5 min (two merged copies 4-5 min and
 # the 31 GB copy written first), then a part's warm-up (about 17 s) and runs (about 61 s each at a finite rate of
 # 60 s); one slice per server and adapter count (--slice-by adapters), the counts of one round on one start.
-# Usage: bash benchmarks/scripts/serve_bench_gpu.sh [esftctl bench serve options]   (slices in /tmp/bench/out)
+# Usage: bash benchmarks/lab/serve_bench_gpu.sh [esftctl bench serve options]   (slices in /tmp/bench/out)
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out=/tmp/bench/out
@@ -38,5 +38,5 @@ echo "base in $work"
 python3 -m esftctl.cli bench serve --model deepseek-v2-lite --work "$work" --scratch /tmp/bench/scratch \
   --out "$out" "$@"
 rc=$?
-bash benchmarks/scripts/collect.sh
+bash benchmarks/lab/collect.sh
 exit $rc

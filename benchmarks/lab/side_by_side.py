@@ -28,9 +28,9 @@ whether such an excess is the engine's step or the server around it.
 Writes OUT/side_by_side.json (every run's requests, machine and server times) and prints the three tables.
 Usage (device, after ../shared/gpu/README.md's install; about 7 min for the base, the adapters and the two
 starts, then 3 x (duration + 3) s a rate and round):
-  bash benchmarks/scripts/background.sh start side "PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3
-    benchmarks/scripts/side_by_side.py --out /tmp/side --rates 1,2,5 --rounds 3 --budget 700"
-  bash benchmarks/scripts/background.sh wait side 240 /tmp/side/side_by_side.json   (again until it ends; short
+  bash benchmarks/lab/background.sh start side "PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3
+    benchmarks/lab/side_by_side.py --out /tmp/side --rates 1,2,5 --rounds 3 --budget 700"
+  bash benchmarks/lab/background.sh wait side 240 /tmp/side/side_by_side.json   (again until it ends; short
     waits, since a machine lost during one brings nothing of it back)
 It needs about 97 GiB with 20 adapters, so an H200 (on an H100, `esftctl bench serve` has the same settings as
 servers that each have the card alone: benchmarks/serve-bench/README.md's third command). An 80 GB H100 holds

@@ -6,7 +6,7 @@ notes say a host-to-device copy from pageable memory "may synchronize with the s
 every step whose slots change (each prefill, each change of the batch) waits there for the previous step's
 forward, several milliseconds. This keeps the stream busy with a sleep kernel of about `--busy-ms` and times
 the copy call on the host: a few microseconds means no wait, about `--busy-ms` means it waited.
-Usage (GPU): python3 benchmarks/scripts/slot_copy.py [--busy-ms 20] [--repeats 20]
+Usage (GPU): python3 benchmarks/lab/slot_copy.py [--busy-ms 20] [--repeats 20]
 """
 
 from __future__ import annotations

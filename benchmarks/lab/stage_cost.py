@@ -8,7 +8,7 @@ them over the bus); and the whole of VirtualMoELayer.stage with a layout that co
 memory, later ones reuse torch's cached pinned blocks (min and max show both). Why: on the H200 of that session a
 cold `esftctl adapters load` of a 2.47 GiB adapter staged for 6.9-7.5 s alone (0.37 GB/s, its disk read 1.43
 GB/s) and for 17-24 s beside three busy cards; esftctl's start-up stages every adapter it serves, one after another.
-Usage: python3 benchmarks/scripts/stage_cost.py [--small] [--repeats 3] [--dir /dev/shm]   (--small: CPU)
+Usage: python3 benchmarks/lab/stage_cost.py [--small] [--repeats 3] [--dir /dev/shm]   (--small: CPU)
 """
 
 import argparse

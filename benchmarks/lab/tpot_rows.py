@@ -13,7 +13,7 @@ layer at random. A step of n_0 base sequences and n_a of each adapter name a rea
 rows a layer, with q = 1 - k/E, r_f = k_f/E, n_f the sequences of the names on file f, and r_a its file's: names on
 one file replace the same experts, so the base's row of one of them is skipped unless some other name's token needs
 it, while each name reads its own copies (the server loads each name into its own slot). The base alone with n
-sequences reads E (1 - q^n). (benchmarks/scripts/rows_model.py draws the same by simulation.) The bundles of `bench
+sequences reads E (1 - q^n). (benchmarks/lab/rows_model.py draws the same by simulation.) The bundles of `bench
 serve --adapter-shape deepseek` have 83 to 153 experts over the 26 layers (esftctl.bench.serve_models.
 esft_sized_totals): k_f is file f's total / 26. The grid's names i and i + 10 share file i mod 10.
 
@@ -32,9 +32,9 @@ more rows or more).
 It reads a grid's slices, or side_by_side.py's JSON, where each esftctl run pairs with both plain vLLM runs of its
 round on the same card. The rows are those of the sequences in flight, as an ungrouped server steps them: a run
 served with `--group-adapters` held some back, so its steps read fewer than this predicts.
-Usage: python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--ttft]
+Usage: python benchmarks/lab/tpot_rows.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--ttft]
          [--server esftctl|admitted-0|max-loras-K] [--json]
-       python benchmarks/scripts/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--ttft] [--json]
+       python benchmarks/lab/tpot_rows.py benchmarks/serve-bench/side-by-side/<file>.json [--ttft] [--json]
 """
 
 from __future__ import annotations

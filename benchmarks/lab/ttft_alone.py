@@ -24,7 +24,7 @@ token's way back to the client). On one H200 (2026-11-29, the grid's round 2) a 
 0.6-1.7 ms later in esftctl than in plain vLLM, of which the reroute explains 0.07 ms; this says where the rest is.
 Writes OUT/ttft_alone.json.
 Usage (device, after ../shared/gpu/README.md's install; about 2.5 min a start and 1.3 s a prompt):
-  PYTHONPATH=/tmp/site python3 benchmarks/scripts/ttft_alone.py --out $OUT
+  PYTHONPATH=/tmp/site python3 benchmarks/lab/ttft_alone.py --out $OUT
 A smoke run on vLLM's CPU build: `--model tiny --lengths 16 --prompts 2 --gap 1.1` (the tiny world's base).
 """
 

@@ -10,7 +10,7 @@ the code its requests ran through. A prompt with no other request in flight from
 both servers' runs, is prefilled alone: it reads the rows the base reads, so an excess that other requests bring
 (the rows a step adds where a prompt meets adapters' decodes, queueing behind them) leaves it out. The machine's
 state over the run (esftctl.bench.conditions), where the slice recorded it, sits at the end of the line.
-Usage: python benchmarks/scripts/ttft_runs.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--base DIR]
+Usage: python benchmarks/lab/ttft_runs.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--base DIR]
 [--json]
 """
 

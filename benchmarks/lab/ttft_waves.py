@@ -14,9 +14,9 @@ them). A delivery is a run of first tokens each within --gap ms of the one befor
 API server handed them out, so its spread is the API server's time, and the gaps between deliveries the engine's
 steps. Times run from the run's first send, not each request's: the client takes 30-80 ms to send 256, which TTFT
 carries.
-Usage: python benchmarks/scripts/ttft_waves.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--gap 8]
+Usage: python benchmarks/lab/ttft_waves.py benchmarks/serve-bench/slices/<model>/<grid>/<device> [--gap 8]
          [--json]    (every server's runs at rate inf)
-       python benchmarks/scripts/ttft_waves.py benchmarks/serve-bench/side-by-side/<file>.json [--gap 8] [--json]
+       python benchmarks/lab/ttft_waves.py benchmarks/serve-bench/side-by-side/<file>.json [--gap 8] [--json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Why a tiny world's adapters miss, measured on its base (issue 33).
 
-    python benchmarks/scripts/world_diagnose.py WORLD [WORLD ...]   # one JSON line per world
+    python benchmarks/lab/world_diagnose.py WORLD [WORLD ...]   # one JSON line per world
 
 Per world: the base's exact match on each part of the held-out general mixture (copying, each task's known share,
 each task's practice table), and per task

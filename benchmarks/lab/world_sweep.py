@@ -1,7 +1,7 @@
 """How far the quick start's results move: tiny worlds of several seeds and thread counts, ESFT adapters of
 several recipes and fine-tuning seeds, every one checked against the quick start's promise (issue 33).
 
-    python benchmarks/scripts/world_sweep.py --out DIR [--seeds 0,1,2,3,4] [--threads 1] [--ft-seeds 0,1,2]
+    python benchmarks/lab/world_sweep.py --out DIR [--seeds 0,1,2,3,4] [--threads 1] [--ft-seeds 0,1,2]
         [--pretrain batch_size=64 ...] [--recipe p=0.25 --recipe p=0.35,lr=0.02 ...] [--jobs N] [--tasks a,b]
         [--worlds-only]
 

@@ -2,7 +2,7 @@
 (issue 33: with one other process on a 2-core machine, OpenMP's waiting threads turned a 1.5-minute build into
 half an hour).
 
-    python benchmarks/scripts/world_threads.py [--steps 60] [--cores 0,1]
+    python benchmarks/lab/world_threads.py [--steps 60] [--cores 0,1]
 
 Each run is a child pinned to `--cores` (taskset) that pre-trains the world's base for `--steps` steps; "busy" runs
 it beside a child that spins on the last of those cores. Prints seconds per step and the build's projected time.

@@ -292,7 +292,7 @@ def serve(
                                     help="Run only these rounds of the grid here (0-based; the microbenchmarks "
                                          "belong to round 0), the base's too: the cards of one host each take "
                                          "their own, and each pairs with the base's run of the same round on "
-                                         "its own card (benchmarks/scripts/gpu_cards.sh). Default: every round."),
+                                         "its own card (benchmarks/lab/gpu_cards.sh). Default: every round."),
     report_only: bool = typer.Option(False, "--report", metavar="",
                                      help="Only merge the slices of this grid found under --out into the report "
                                           "(no GPU needed): the same options as the run that wrote them."),

@@ -3,7 +3,7 @@ sampled every 100 ms), and the host's CPU busy and steal shares (/proc/stat befo
 
 Why: esftctl's TTFT came to 1.02x-1.15x plain vLLM's between runs of one server start (H200, 2026-12-04), and
 within a run the excess was even: over each sixth of the run's minute and over its adapters alike
-(benchmarks/scripts/ttft_runs.py). A shift that holds a whole run and changes between runs of one process is not
+(benchmarks/lab/ttft_runs.py). A shift that holds a whole run and changes between runs of one process is not
 made by the code served (the same kernels and graphs all along), but something the machine does from minute to
 minute can make it: an H200's SM clock read 345 MHz idle and 1,980 MHz under load (the device library's KINDS.md),
 at 1-2 requests/s the card idles between prompts, and the host is a virtual machine whose other tenants take CPU

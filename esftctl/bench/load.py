@@ -266,7 +266,7 @@ def prefill_stalls(result: dict) -> dict:
 def longest_gap(streams: list, start: float, end: float) -> float:
     """The longest gap (s) between two consecutive token times of any stream among the gaps ending in (start,
     end], 0 without one: the stall of a prompt sent at `start` whose first token came STALL_AFTER_S before `end`
-    (prefill_stalls, benchmarks/scripts/mixed_step.py)."""
+    (prefill_stalls, benchmarks/lab/mixed_step.py)."""
     worst = 0.0
     for t in streams:
         t = np.asarray(t, dtype=np.float64)

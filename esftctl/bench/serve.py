@@ -137,7 +137,7 @@ NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 
 # vLLM's CUDA graphs cover steps of up to twice --max-num-seqs tokens (256 at 128); a step that prefills a 256-token
 # prompt beside a few decodes is past that and runs eagerly, host-bound: on an H200 (2026-11-29,
-# benchmarks/scripts/mixed_step.py) it stalled the decodes beside it 61-76 ms in plain vLLM and esftctl alike, and its
+# benchmarks/lab/mixed_step.py) it stalled the decodes beside it 61-76 ms in plain vLLM and esftctl alike, and its
 # host time drifts +-20% between runs, more than the 3% issue 29 asks to resolve. Captured up to 512 tokens, the same
 # step stalled them 10-14 ms in both servers. So the GPU profile captures up to 512 for every server (`bench serve
 # --capture-size`, which is part of the grid's key through the engine arguments; 0 is vLLM's default).

@@ -16,7 +16,7 @@ adapters replace the experts their task's tokens prefer (selection by relevance)
 tokens on their own rows, and that costs more rows, not fewer: with the tiny world's four trained adapters (three
 worlds), a task's decode tokens chose its replaced experts in 26-38% of their slots against 9-17% by chance, and
 the copies added 1.15-1.17x rows over the same fine-tuned models' own routing at 8 sequences a step against 1.05x
-under the random router (benchmarks/scripts/rows_trained.py, RESULTS.md of 2026-12-04). So the random router is
+under the random router (benchmarks/lab/rows_trained.py, RESULTS.md of 2026-12-04). So the random router is
 not the worst case. This bench does not imitate trained routing: making a generated router prefer each adapter's
 experts would need prompts drawn per task (vLLM's random dataset draws every request's token ids from one uniform
 pool) and a router built so that hidden states after attention still carry the task, whose concentration would
@@ -118,7 +118,7 @@ def kv_cache_tokens(url: str) -> int | None:
 # vLLM's per-request histograms (/metrics): where a request's time went inside the server. TTFT = queue (waiting
 # to be scheduled) + prefill (scheduled to first token) + the API server's own share (client TTFT less vLLM's).
 # 2026-11-27's first grid slices (H100) put esftctl's client TTFT at 20 adapters at 2.4x plain vLLM's at 2
-# requests/s, while the engine steps profiled in-process (benchmarks/scripts/profile_step.py) cost the same on
+# requests/s, while the engine steps profiled in-process (benchmarks/lab/profile_step.py) cost the same on
 # the GPU; vLLM's logs then showed the base served half those prompts from its prefix cache (serve.NO_PREFIX_CACHE).
 # These means keep each run's split measured, so that a gap left says at once where it sits.
 SERVER_TIMES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",

@@ -86,11 +86,11 @@ from esftctl.bench.slices import (
 )
 from esftctl.errors import one_line
 
-# Seconds a server takes to start before one was measured. The H200's `bench serve` of 2026-11-23
-# (benchmarks/2026-11-23-h200-serve/*.json, ready_s): plain vLLM 101-158 s, one merged copy 125 s, esftctl with 25
-# adapters 191 s, multi-LoRA 164 s, each capturing CUDA graphs; merged: two copies one after the other (an H100
-# holds two) and the 31 GB copy written first (about a minute). The H100's of 2026-11-27: plain vLLM 159 s, esftctl
-# with 20 adapters 207 s (77 s of it loading them).
+# Seconds a server takes to start before one was measured here, from `bench serve` runs capturing CUDA graphs.
+# An H200 (ready_s in benchmarks/data/serve/2026-11-23-h200-serve/*.json): plain vLLM 101-158 s, one merged copy
+# 125 s, esftctl with 25 adapters 191 s, multi-LoRA 164 s; an H100: plain vLLM 159 s, esftctl with 20 adapters 207 s
+# (77 s of it loading them). Merged: two copies one after the other (an 80 GB card holds two) and the 31 GB copy
+# written first (about a minute).
 START_S = {"base": 180, "merged": 420, "esftctl": 240, "lora": 240}
 PART_WARM_UP_S = 30  # a part's warm-up: a burst over every model name, then up to 10 s of the busiest finite rate
 RUN_TAIL_S = 15  # a finite-rate run past its `duration`: the last requests' decode and vLLM's bench starting

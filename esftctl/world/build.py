@@ -144,7 +144,7 @@ def build_world(root: Path | None = None, log: Callable[[str], None] = lambda ms
     """Build whatever part of the tiny world is missing under `root` and return it. `log` hears each stage,
     `on_step` each pre-training step (step, loss) of PRETRAIN["steps"]. `seed`, `threads` and `pretrain`
     (overrides of PRETRAIN) are for the sweeps that measure how far the world moves
-    (benchmarks/scripts/world_sweep.py); a folder holds one world."""
+    (benchmarks/lab/world_sweep.py); a folder holds one world."""
     pretrain = PRETRAIN | (pretrain or {})
     world = World(Path(root) if root is not None else default_world_dir())
     marker = world.root / "world.json"

@@ -11,7 +11,7 @@ Turning `cudagraph_specialize_lora` off is no cure: the V1 runner then captures 
 dispatches a batch without adapters to a key with `has_lora=False`, finds no graph and runs it eagerly (0.25
 and 0.32 alike); the V2 runner captures both sets either way. So, under `esftctl serve`, both dispatchers are
 told that no batch has LoRA: one case is captured (none active) and every batch replays it.
-`benchmarks/scripts/profile_step.py --capture-ab` measures the capture time and graph memory both ways.
+`benchmarks/lab/profile_step.py --capture-ab` measures the capture time and graph memory both ways.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Named CPU scopes around the parts of a vLLM engine step, for the torch profiler (benchmarks/scripts/profile_step.py);
-and each step's times without a profiler (ESFTCTL_STEP_TIMES, benchmarks/scripts/mixed_step.py).
+"""Named CPU scopes around the parts of a vLLM engine step, for the torch profiler (benchmarks/lab/profile_step.py);
+and each step's times without a profiler (ESFTCTL_STEP_TIMES, benchmarks/lab/mixed_step.py).
 
 A profile of a decode step must say what the scheduler, vLLM's LoRA mapping, esftctl's worker manager and the
 sampler cost. vLLM marks some of these only in some versions and runners (VLLM_CUSTOM_SCOPES_FOR_PROFILING), so
 the profile wraps the methods themselves, each in a `torch.profiler.record_function` named SCOPE + part; kernels
-launched inside a scope are the scope's (esftctl.bench.step_profile). Only a profiling run installs them, in
+launched inside a scope are the scope's (benchmarks/lab/step_profile.py). Only a profiling run installs them, in
 the process that runs the engine (vLLM's in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0); the names differ
 between vLLM 0.25 and 0.32 and between the V1 and V2 model runners, so each is wrapped where it exists and the
 ones found are returned.

@@ -58,7 +58,7 @@ class StatusMiddleware:
     """The middleware vLLM installs (`--middleware` adds a class with `app.add_middleware`), as plain ASGI.
 
     Starlette's function middleware (`BaseHTTPMiddleware`) would wrap every response, each streamed token
-    included, in a task and a memory stream: on the dev CPU (benchmarks/scripts/middleware_cost.py) that added
+    included, in a task and a memory stream: on the dev CPU (benchmarks/lab/middleware_cost.py) that added
     0.18-0.55 ms to a stream's first chunk and 0.02-0.07 ms to each later one, which plain vLLM does not pay.
     Here the key is checked on every HTTP request first; the three paths this module answers or reads (status,
     load, unload) and a request without a valid key go through `status_middleware`; everything else, streams

@@ -115,7 +115,7 @@ def install() -> bool:
 
 def enabled() -> bool:
     """Whether this server folds the reroute where it can: unless FOLD_ENV=0 (the A/B arms of
-    benchmarks/scripts/mixed_step.py and profile_step.py set it to measure what the fold removes)."""
+    benchmarks/lab/mixed_step.py and profile_step.py set it to measure what the fold removes)."""
     return os.environ.get(FOLD_ENV) != "0"
 
 
