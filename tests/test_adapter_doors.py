@@ -10,12 +10,11 @@ import functools
 import json
 import os
 import shutil
-import threading
 from types import SimpleNamespace
 
 import pytest
 from conftest import has_vllm
-from test_serve_auth import KEY, bearer, engine_status
+from test_serve_auth import KEY, bearer, engine_status, flipping_link
 
 from esftctl.beneath import OutsideRoot, PinnedFolder
 from esftctl.errors import EsftError
@@ -257,29 +256,13 @@ def test_a_link_flipped_during_loads_never_gets_the_outside_bundle_read(bundles,
         opened.append(bundle.name)
         return bundle
     monkeypatch.setattr(Bundle, "open", spy)
-    link, spare = root / "flip", root / ".flip-next"
-    link.symlink_to(inside)
-    stop = threading.Event()
-
-    def flip():
-        targets = [outside, inside]
-        while not stop.is_set():
-            targets.reverse()
-            spare.symlink_to(targets[0])
-            os.replace(spare, link)
-    flipper = threading.Thread(target=flip)
-    flipper.start()
     refused = 0
-    try:
+    with flipping_link(root / "flip", (inside, outside)) as link:
         for _ in range(150):
             try:
                 _check_load("x", str(link), engine_status(base=str(base.path)))
             except OutsideRoot:
                 refused += 1
-    finally:
-        stop.set()
-        flipper.join()
-        link.unlink()
     assert "outside" not in opened and opened.count("inside") + refused == 150
 
 

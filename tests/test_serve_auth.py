@@ -8,6 +8,7 @@ build with a key and an adapter root and checks the whole path.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
@@ -423,6 +424,31 @@ def test_adapters_commands_send_the_key(tmp_path, monkeypatch, capsys):
 # ---- the whole path, on vLLM ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def flipping_link(link: Path, targets: tuple[Path, Path], pause: float = 0.0):
+    """`link` made a symbolic link to the first target, then flipped between the two (atomically, by renaming a new
+    link over it) as fast as it goes, or every `pause` seconds, while the block runs; removed after: the race
+    between checking a path and opening it."""
+    link.symlink_to(targets[0])
+    spare, stop = link.with_name(f".{link.name}-next"), threading.Event()
+
+    def flip():
+        order = list(targets)
+        while not stop.is_set():
+            order.reverse()
+            spare.symlink_to(order[0])
+            os.replace(spare, link)
+            time.sleep(pause)
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        yield link
+    finally:
+        stop.set()
+        flipper.join()
+        link.unlink()
+
+
 def raw(url: str, path: str, body: dict | None = None, key: str | None = None,
         method: str | None = None) -> tuple[int, dict | str]:
     """One request, its HTTP status and decoded reply, without the client's error handling."""
@@ -507,20 +533,8 @@ def test_a_server_with_a_key_and_an_adapter_root(world, tmp_path, monkeypatch):
         assert all(a["retiring"] for a in listed["adapters"] if a["name"] == "inside"), listed
         assert [m["id"] for m in raw(url, "/v1/models", key=KEY)[1]["data"]] == ["base"]
 
-        flip, spare, stop = root / "flip", root / ".flip-next", threading.Event()
-        flip.symlink_to(inside)
-
-        def flipping():
-            targets = [outside, inside]
-            while not stop.is_set():
-                targets.reverse()
-                spare.symlink_to(targets[0])
-                os.replace(spare, flip)
-                time.sleep(0.0005)  # the audit's rate, leaving the server a core
-        flipper = threading.Thread(target=flipping)
-        flipper.start()
         answers, served = [], []
-        try:
+        with flipping_link(root / "flip", (inside, outside), pause=0.0005) as flip:  # the audit's rate
             for k in range(30):  # each one loaded is checked and unloaded: slots never run out
                 answers.append(raw(url, "/v1/load_lora_adapter", {"lora_name": f"f{k}", "lora_path": str(flip)},
                                    key=KEY)[0])
@@ -528,9 +542,6 @@ def test_a_server_with_a_key_and_an_adapter_root(world, tmp_path, monkeypatch):
                     status = raw(url, "/esftctl/status", key=KEY)[1]["adapters"]
                     served += [a["experts_per_layer"] for a in status if a["name"] == f"f{k}"]
                     run_cli("adapters", "unload", f"f{k}", "--url", url, check=True)
-        finally:
-            stop.set()
-            flipper.join()
         assert set(answers) <= {200, 403, 500}, answers  # 500: the engine's own refusal of a link out
         assert len(served) == answers.count(200) and all(set(s) == {2} for s in served), (answers, served)
         run_cli("adapters", "load", "inside", inside, "--url", url, check=True)  # no slot left behind
