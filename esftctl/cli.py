@@ -531,9 +531,8 @@ def serve(
                                                 "already running first, so that a step reads fewer adapters' "
                                                 "experts; none is passed over for longer than SECONDS (default 10; "
                                                 "0: vLLM's first-come-first-served order; off with --variants). No "
-                                                "slot is left empty for it; without a queue it changes nothing. "
-                                                "256 requests at once over 5 adapters on an H200: throughput 0.958x "
-                                                "plain vLLM's against 0.912x in vLLM's order.",
+                                                "slot is left empty for it; without a queue it changes nothing "
+                                                "(`esftctl bench serve --admit-by-adapter` measures it).",
                                 rich_help_panel="Scheduling"),
 ) -> None:
     """Serve BASE (or the variants of a consolidated map) and ESFT adapters through vLLM's OpenAI-compatible API;

@@ -10,14 +10,14 @@ Both sum to 1 over the experts of a layer.
 The scored tokens are every token of prompt and completion ("all"), or the positions that predict a
 completion token ("completion": the last prompt token up to, not including, the last completion token). On the
 tiny world, where a task's prompt words also occur in the general mixture's copying, adapters on experts
-selected by "completion" scored up to 24 points higher than by "all" on most tasks of the design sweeps, and at
-most 1 point lower on any (benchmarks/RESULTS.md, 2026-11-24).
+selected by "completion" scored far higher than by "all" on most tasks of the design sweeps, and barely lower
+on any.
 
 The last completion token is left out because it predicts only the end of the text, which the base already
 does well. On the tiny world's one-word answers it is half the scored positions, and the answer words (7 for
 tagging) route to a few experts that then dominated the selection. Those experts serve few of the positions
-that predict an answer: tagging's adapter could not learn 13 of its 40 objects (70% exact), because their
-answer positions routed to no selected expert in any layer (benchmarks/RESULTS.md, 2026-11-24, second entry).
+that predict an answer: tagging's adapter could not learn a third of its objects, because their answer
+positions routed to no selected expert in any layer.
 """
 
 from __future__ import annotations

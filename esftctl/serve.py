@@ -239,9 +239,9 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
 
 def open_bundles(adapters: dict[str, Path], identities: dict, base: MoECheckpoint) -> dict:
     """Each adapter's bundle, verified against the base: each distinct file once (names that share a file share
-    its Bundle), several files at a time (reading and SHA-256 let go of the GIL). Why: the H100's `bench serve` of
-    2026-11-27 gave esftctl 20 names over 10 files of 2.47 GiB, which the launcher hashed one name after another
-    (about 30 s at SHA-256's 1.5 GB/s) in a start-up 50 s longer than plain vLLM's. The first failing bundle in the
+    its Bundle), several files at a time (reading and SHA-256 let go of the GIL). Why: `bench serve` gives esftctl
+    20 names over 10 files of 2.47 GiB, which hashed one name after another took about 30 s at SHA-256's 1.5 GB/s,
+    most of the start-up esftctl took beyond plain vLLM's. The first failing bundle in the
     adapters' order is the error, as one after the other."""
     keys = {n: identities.get(n) or ("path", str(p)) for n, p in adapters.items()}  # unreadable: opening says why
     first: dict = {}  # each file's path under its first name, in the adapters' order
@@ -440,7 +440,7 @@ def _child_hears_sigint():
     background (`esftctl serve ... &`, nohup) ignores SIGINT, and a child inherits an ignored signal across exec:
     vLLM's API server then ignores stop's SIGINT until uvicorn sets its handlers (before that vLLM catches only
     SIGTERM), and the suite's stand-in servers (`sleep`) ignored it outright, each stop waiting its 30 s grace
-    before SIGKILL (a suite run from `nohup ... &`, 2026-12-06). A caught signal is reset to its default by exec,
+    before SIGKILL (as in a test suite run from `nohup ... &`). A caught signal is reset to its default by exec,
     so catching SIGINT for the moment of the start gives the child the default while esftctl keeps ignoring it;
     the child is in a session of its own, which no terminal's Ctrl-C reaches. Python sets handlers only on the
     main thread; elsewhere nothing changes."""
@@ -511,7 +511,7 @@ class Server:
     def error_lines(self, count: int = 40, width: int = 300) -> list[str]:
         """Up to `count` lines of vLLM's log from its first ERROR on (a fatal engine error's dump of its config and
         scheduler output, then the traceback), each cut to `width` characters: the whole log can be too large to
-        read back, as plain vLLM's was, past 16 MiB, after its engine failed under 256 requests (H100, 2026-12-06)."""
+        read back (plain vLLM's passed 16 MiB after its engine failed under 256 requests on an H100)."""
         if not self.plan.log_file.exists():
             return []
         lines = self.plan.log_file.read_text(errors="replace").splitlines()

@@ -1,7 +1,8 @@
 """A fixed-rate bf16 code (SplitZip's idea) beside the Huffman store: paging's second compressed GPU tier.
 
 Why: paging decodes a whole layer of experts per step at batch 32 and up, and the Huffman decoder reaches 59% of
-the memory-bandwidth bound on an H100 (benchmarks/RESULTS.md, 2026-11-23): each lane's next code starts where
+the memory-bandwidth bound on an H100 (benchmarks/RESULTS.md, Expert stores against DFloat11): each lane's next
+code starts where
 the last one ended, so lookups are a dependent chain. SplitZip (public, MIT) decodes bf16 at about 2.18 TB/s
 with fixed-length exponent codes, so every value's code sits at a known place and a value decodes with no
 chain at all. The price is size: about 75% of bf16 against Huffman's 67.7%.
@@ -13,8 +14,8 @@ The code, for n bf16 values (sign s, exponent e, mantissa m):
 - `escapes`: the escaped values' exponents, one byte each, in value order;
 - `starts`: int32, for every `block` values (BLOCK by default) the number of escapes before them (and the total
   at the end), so a program decoding one block finds its escapes without looking at any other block.
-Expert weights use 10-14 distinct exponents in practice, so escapes are rare: 430-470 a million on trained-like
-weights (benchmarks/RESULTS.md, 2026-11-26, third session), few in a 1,024-value block but in most of a GEMM's tiles.
+Expert weights use 10-14 distinct exponents in practice, so escapes are rare: a few hundred a million on
+trained-like weights, few in a 1,024-value block but in most of a GEMM's tiles.
 
 Paging keeps it per expert row (`FixedRows`, `encode_rows` with torch ops on the GPU at serving start-up,
 `decode_rows`: one masked launch per tensor of a layer; `serve --paging-codec fixed`, esftctl.runtime.paging.tiers).
@@ -281,9 +282,10 @@ if triton is not None:
 
 
 ROW_STEPS = 8  # blocks one program of the row decoder covers. With one, a DeepSeek-V2-Lite layer's unneeded rows
-# still start and end 540K programs; with eight, 68K. On an H200 (benchmarks/RESULTS.md, 2026-11-26) a batch-1
-# masked decode (6 rows of 64) took 0.370 ms with one, 0.109 with eight (16: 0.110, 32: 0.134), a whole one 0.78 ms
-# either way; in `bench paging` the fixed tier went from 0.26 to 0.53 of resident at batch 1.
+# still start and end 540K programs; with eight, 68K: a batch-1 masked decode (6 rows of 64) took a third of the time
+# it took with one (16 no faster, 32 slower), a whole one the same either way, and `bench paging`'s fixed tier at batch
+# 1 twice as fast. Eight: an H200 decodes 6 rows of 64 in 0.109 ms, every row in 0.780 ms (benchmarks/RESULTS.md,
+# Expert stores against DFloat11).
 
 
 def decode_rows(code: FixedRows, out: torch.Tensor, needed: torch.Tensor | None = None,

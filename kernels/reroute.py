@@ -8,12 +8,12 @@ runs inside CUDA-graph capture; on the CPU the PyTorch reference is the implemen
 
 Its launch is on the host's critical path wherever a step runs without a CUDA graph (`--enforce-eager`, and a
 prompt prefilled beside decodes past the 256 tokens vLLM captures), one launch per MoE layer, and such steps
-are bound by the host: on an H100 (2026-11-28) a 256-token prompt beside six decodes took 54-113 ms of host
-time for 21 ms of kernels over 27 layers. Triton's own launch path (binding and specializing every argument, a
-cache lookup, launch metadata) took 18 us a call there (benchmarks/lab/launch_cost.py; an aten op: 7-10
-us). So the integer arguments are not specialized and the pointers not on their alignment, which leaves one
-compiled kernel per device and dtypes, and after the first call `reroute` launches that kernel through
-Triton's launcher directly (`_launch`): 9-11 us a call, about 0.2 ms less per eager step of 26 MoE layers.
+are bound by the host: on an H100 a 256-token prompt beside six decodes took several times more host time than
+its kernels took on the GPU. Triton's own launch path (binding and specializing every argument, a cache lookup,
+launch metadata) took 18.18 us a call in serving (benchmarks/RESULTS.md, Rerouting cost). So the integer
+arguments are not specialized and the pointers not on their alignment, which leaves one compiled kernel per
+device and dtypes, and after the first call `reroute` launches that kernel through Triton's launcher directly
+(`_launch`): 9.21 us a call, about 0.2 ms less per eager step of 26 MoE layers.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 so a changed, missing or moved value, or another row, changes it, whatever the dtype (esftctl.runtime.moe_layer's
 stage and check_rows take it on the staged rows and on the rows the kernel reads). `row_checksums_reference` is
 the definition and the CPU path: one row at a time, its weighted copy the only temporary, and about six small
-launches per row and part. On the H100 of 2026-11-27 (benchmarks/lab/load_cost.py) those launches were 28 ms of
-the runtime's 90 ms in a warm load of a 2.47 GiB adapter. The kernel reads the chosen rows of a part once: each
+launches per row and part: a third of the runtime's time in a warm load of a 2.47 GiB adapter on an H100
+(benchmarks/lab/load_cost.py measures it). The kernel reads the chosen rows of a part once: each
 program sums BLOCK words of one row and writes that partial sum, and one torch sum per part adds a row's partial
 sums (no atomics: the same bits every run), with no temporary beyond those sums (R x ceil(words / BLOCK) int64).
 """

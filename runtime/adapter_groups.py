@@ -3,14 +3,15 @@
 admitted by adapter (`--admit-by-adapter S`, admission_order); the scheduler side is
 esftctl.runtime.vllm.adapter_groups.
 
-Why: a step's MoE layers read every expert row some token routes to, and a token of adapter a routed to an
-expert a replaced reads a's row while the base's is still read for the others. So rows grow with the distinct
-adapters in a step: with 64 sequences over 20 Table 1 adapters, 97.7 rows per layer against the base's 63.9
-(benchmarks/lab/rows_model.py), and the H200's TPOT excess was half that row excess (benchmarks/RESULTS.md,
-2026-11-23). Holding each step to G adapters caps the rows at about what G adapters add. The price: a request
-whose adapter is not among a step's G waits that step out (its TPOT or TTFT grows), and a step runs fewer
-tokens for the weights it reads. Whether that trade wins is for `esftctl bench serve --group-adapters` to say,
-against vLLM's `--max-loras` (which bounds the adapters among running requests at admission instead).
+Why: a step's MoE layers read every expert row some token routes to, and a token of adapter a routed to an expert a
+replaced reads a's row while the base's is still read for the others. So rows grow with the distinct adapters in a step:
+with 64 sequences over 20 Table 1 adapters, 97.7 rows per layer against the base's 63.9 (benchmarks/lab/rows_model.py),
+and a decode step's cost moves with the rows it reads: the fitted share of a step that moves with them is 0.46-0.52
+(benchmarks/RESULTS.md, Adapters against the base). Holding each step to G adapters caps the rows at about what G
+adapters add. The price: a request whose adapter is not among a step's G waits that step out (its TPOT or TTFT grows),
+and a step runs fewer tokens for the weights it reads. Whether that trade wins is for `esftctl bench serve
+--group-adapters` to say, against vLLM's `--max-loras` (which bounds the adapters among running requests at admission
+instead).
 
 The rule, per step, over the requests with work (running or waiting), grouped by adapter (the base is a group):
 1. if at most G groups have work, all run: nothing is held back;
@@ -26,13 +27,13 @@ Modelled with this class (benchmarks/lab/group_trade.py), holding steps to G ada
 keeps a held request in its batch slot, so a step loses tokens faster than rows (at 5 requests/s over 5 adapters,
 TPOT 1.44x the base's with G = 2 against 1.009x). Admitting by adapter leaves no slot empty: it only chooses which
 queued request takes a free one, and it gains where requests queue (bench serve's 256 at once: throughput 0.91x
-the base's against 0.87x over 5 adapters, 0.80x against 0.76x over 20). Measured on an H200 at that load over 5
-adapters (2026-12-06, benchmarks/lab/side_by_side.py), both held: groups of 2 gave 0.691x plain vLLM's throughput
-with TPOT p99 2.05x, admitting by adapter 0.958x against 0.912x in vLLM's order, and `serve` now admits by adapter by
-default (esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S). Over 20 adapters on an H100 (bench serve, three starts
-each, medians), admitting cut the rows a decode step read from +62% over the base's to +48-52%, TPOT from 1.31x to
-1.22x as the rows predict, and took throughput from 0.79x to 0.82x (benchmarks/RESULTS.md, forty-third session).
-vLLM's --max-loras 4 there: TPOT 0.85x, throughput 0.48x, slots left empty.
+the base's against 0.87x over 5 adapters, 0.80x against 0.76x over 20). Measured at that load over 5 adapters on
+an H200, both servers up on one card (benchmarks/lab/side_by_side.py), groups of 2 lost throughput and doubled TPOT's
+p99, while admitting by adapter took throughput from 0.912x plain vLLM's in vLLM's order to 0.958x, so `serve` admits
+by adapter by default (esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S). Over 20 adapters on an H100 (bench serve,
+three starts, medians), admitting by adapter brings TPOT to 1.218x and throughput to 0.82x the base's, where vLLM's
+--max-loras 4 gives TPOT 0.852x but throughput 0.483x, leaving slots empty (benchmarks/RESULTS.md, Adapters against
+the base).
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def admission_order(waiting: Sequence[tuple[str, Hashable, float]], running: Map
     for it (vLLM's --max-loras leaves them empty). A request that has waited `wait` is overdue, and overdue requests
     go first, the longest waiting first, so none is passed over for longer. Modelled at bench serve's all-at-once
     load (benchmarks/lab/group_trade.py), it takes throughput from 0.87 to 0.91x the base's over 5 adapters;
-    measured there on an H200 (2026-12-06), from 0.912 to 0.958x plain vLLM's, so `serve` admits so by default.
+    measured there on an H200, from 0.912 to 0.958x plain vLLM's (benchmarks/RESULTS.md, Adapters against the
+    base), so `serve` admits so by default.
     `waiting`: (request id, group, time it has waited) for each request; `running`: running requests per group.
     The groups are ranked once, then the requests sorted by plain tuples: 1,000 queued take 0.65 ms on the dev
     CPU (a key function per request took 2.4 ms)."""

@@ -9,9 +9,9 @@ slots are full is here too, once (`check_free_slot`), for the engine and the mid
 
 The engine writes the file through `StatusFile`, off its serving steps. The worker used to rebuild and write it
 (JSON, fsync, rename) in the first step a second after the last write, which after any pause was the step that
-prefilled the prompt arriving at an idle server: 4.5-6.5 ms more TTFT for such prompts on an H100 (2026-11-27,
-benchmarks/lab/ttft_alone.py), mostly the record summing the base's 5,291 tensor sizes twice (now cached), and
-the grid's low-load TTFT excess on the H200 (+6-8 ms on prompts prefilled alone). An fsync adds 1-4 ms on a disk.
+prefilled the prompt arriving at an idle server: milliseconds more TTFT for such prompts (benchmarks/lab/
+ttft_alone.py measures them), mostly the record summing the base's 5,291 tensor sizes twice (now cached), and
+most of the low-load TTFT excess of prompts prefilled alone. An fsync adds 1-4 ms on a disk.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ RANK_FIELDS = ("rank", "device", "base_expert_bytes", "adapter_expert_bytes", "a
 # An adapter load's phases in the engine (runtime.vllm.worker.add_adapter): verify (open the bundle, check it
 # against the base, hash its data unless the launcher or middleware just did), stage (read the experts, stack them
 # in pinned rows, take their checksums; nothing on a host-cache hit), copy (map rows, copy, check them on the
-# device, wait for the device). Why: a cold load of 2.47 GiB took 9.4 s against a 1.8 s disk floor on the H100 of
-# 2026-11-27 and nobody could say where; every load now says.
+# device, wait for the device). Why: a cold load of 2.47 GiB once took five times its disk floor on an H100 and
+# nobody could say where; every load now says.
 LOAD_PHASES = ("verify", "stage", "copy")
 LOADED_FROM = ("host cache", "file, hashed", "file, verified before")
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from esftctl.errors import EsftError
 
 ENV = "ESFTCTL_SERVE"
-# `serve --admit-by-adapter`'s default, seconds a queued request may be passed over. Measured on an H200 (2026-12-06,
-# benchmarks/RESULTS.md, fortieth session): 256 requests at once over 5 adapters, against plain vLLM side by side,
-# throughput 0.958x against 0.912x in vLLM's order, TPOT 1.045x against 1.120x, TTFT p99 1.034x against 1.077x.
-# Over 20 adapters on an H100 (forty-second and forty-third sessions, three starts each, medians): TPOT 1.218x
-# against 1.308x, throughput 0.823x against 0.787x, TTFT by the mean 1.124x against 1.187x.
+# `serve --admit-by-adapter`'s default, seconds a queued request may be passed over. Measured with 256 requests at
+# once against plain vLLM (benchmarks/RESULTS.md, Adapters against the base): over 5 adapters on an H200, both
+# servers on one card, throughput 0.958x against 0.912x in vLLM's order, TPOT 1.045x against 1.120x, TTFT p99 1.034x
+# against 1.077x; over 20 adapters on an H100 (three starts, medians), TPOT 1.218x against 1.308x, throughput 0.823x
+# against 0.787x, TTFT by the mean 1.124x against 1.187x.
 # Without a queue for batch slots it changes nothing (esftctl.runtime.vllm.adapter_groups).
 ADMIT_BY_ADAPTER_S = 10.0
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
@@ -238,7 +238,7 @@ def verified_record(status_file: str | Path) -> Path:
     """The server's record of the bundles its launcher (those given at start) and its middleware (those loaded
     later) verified, by file identity and when, beside the status file in its own state folder: the engine, reading
     such a bundle within VERIFIED_FOR_S, does not hash it again (a cold load of a 2.47 GiB adapter hashed it
-    twice: 9.4 s against a 1.8 s disk floor, H100, 2026-11-27); a reload later on, from the files, hashes them."""
+    twice, taking five times its disk floor on an H100); a reload later on, from the files, hashes them."""
     return Path(status_file).with_name("verified.json")
 
 

@@ -283,10 +283,10 @@ def serve(
                                  help="One slice (one JSON, written as it ends) is a server's whole round, or one "
                                       "adapter count of esftctl's and multi-LoRA's round, the counts of a round on "
                                       "one server start (default: tiny server; deepseek-v2-lite adapters: a "
-                                      "machine taken back mid-round keeps the counts it finished)."),
+                                      "run interrupted mid-round keeps the counts it finished)."),
     budget: float = typer.Option(None, min=0, help="Seconds of slices to run now: a slice whose estimate (its "
                                                    "server's longest measured slice, else defaults) would overrun "
-                                                   "is left for the next call, later ones that fit still run "
+                                                   "is left for the next run, later ones that fit still run "
                                                    "(default: no limit)."),
     only_rounds: str = typer.Option(None, metavar="R[,R]",
                                     help="Run only these rounds of the grid here (0-based; the microbenchmarks "
@@ -406,7 +406,7 @@ def paging(
                                            "machinery-store; NAME+adapters for esftctl ones; default: all)."),
     rounds: int = typer.Option(3, min=1, help="--serve: rounds (interleaved repeats) of every server."),
     budget: float = typer.Option(540, min=0, help="--serve: seconds of slices to run now; a slice whose estimate "
-                                                  "would overrun is left for the next call, later ones that fit "
+                                                  "would overrun is left for the next run, later ones that fit "
                                                   "still run."),
     prompts: int = typer.Option(None, min=1, help="--serve: requests of the memory-bound point (default 256)."),
     work: Path = typer.Option(None, help="--serve: folder of the generated base, its store and the servers' state "

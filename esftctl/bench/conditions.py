@@ -1,14 +1,14 @@
 """The machine's state over a measured run: the GPUs' clocks, power, temperature and slowdown reasons (nvidia-smi
 sampled every 100 ms), and the host's CPU busy and steal shares (/proc/stat before and after).
 
-Why: esftctl's TTFT came to 1.02x-1.15x plain vLLM's between runs of one server start (H200, 2026-12-04), and
-within a run the excess was even: over each sixth of the run's minute and over its adapters alike
-(benchmarks/lab/ttft_runs.py). A shift that holds a whole run and changes between runs of one process is not
-made by the code served (the same kernels and graphs all along), but something the machine does from minute to
-minute can make it: an H200's SM clock read 345 MHz idle and 1,980 MHz under load (the device library's KINDS.md),
-at 1-2 requests/s the card idles between prompts, and the host is a virtual machine whose other tenants take CPU
-time (steal). Each run records these next to its numbers, so that a shift can be set beside them. The card's
-settings are read, never changed.
+Why: esftctl's TTFT moved from 1.02x to 1.15x plain vLLM's between runs of one server start on one H200
+(benchmarks/RESULTS.md, Adapters against the base), and within a run the excess was even: over each sixth of the run's
+minute and over its adapters alike (benchmarks/lab/ttft_runs.py). A shift that holds a whole run and changes between
+runs of one process is not made by the code served (the same kernels and graphs all along), but something the machine
+does from minute to minute can make it: a GPU's SM clock drops far below its clock under load while the card idles, at
+1-2 requests/s the card idles between prompts, and the host may be a virtual machine whose other tenants take CPU time
+(steal). Each run records these next to its numbers, so that a shift can be set beside them. The card's settings are
+read, never changed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ IDLE = 0x1  # nvmlClocksEventReasonGpuIdle
 # software power cap, hardware slowdown, software and hardware thermal slowdown, hardware power brake
 SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 # nvidia-smi's sampling period; ESFTCTL_WATCH_MS=0 turns the GPU's sampling off (to check that it moves nothing:
-# both sides of every comparison are sampled alike; slices written before 2026-12-04's change were not sampled)
+# both sides of every comparison are sampled alike; slices written before this sampling existed were not sampled)
 PERIOD_MS = int(os.environ.get("ESFTCTL_WATCH_MS", "100"))
 KEYS = ("gpu_sm_mhz", "gpu_sm_mhz_p10", "gpu_mem_mhz", "gpu_power_w", "gpu_temp_c", "gpu_util", "gpu_idle_share",
         "gpu_slowdown_share", "gpu_samples", "host_busy", "host_steal")

@@ -36,8 +36,8 @@ ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "16"]
 
 def engine_args() -> list[str]:
     """The servers' engine flags, alike for every set-up: eager (on the CPU build `serve --variants` must be:
-    variant_weights; on a GPU the run's eight engine starts then fit the device's 10-minute calls, and a swap
-    costs a lower bound of what it costs with graphs); on a GPU a quarter of its memory per engine, so three
+    variant_weights; on a GPU the run's eight engine starts then take minutes, not the better part of an hour,
+    and a swap costs a lower bound of what it costs with graphs); on a GPU a quarter of its memory per engine, so three
     engines fit side by side."""
     import torch
 

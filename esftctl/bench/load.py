@@ -17,34 +17,34 @@ percentile: of a speed, the low tail is the bad one), and the coefficient of var
 requests as sent (the arrivals' check).
 
 And TTFT split by what the prompt met (prefill_modes): alone (no other request in flight from its arrival to its
-first token) or beside others. Why: at 1-5 requests/s TTFT is two populations. On the H100 (2026-11-27), a
-256-token prompt prefilled alone replays a CUDA graph in about 25 ms, one prefilled in a step beside any decode
-(257 tokens or more, past vLLM's capture sizes) runs eagerly in 60-100 ms; which one a prompt gets depends on the
-other requests' decode times, so a 3% TPOT difference moves a run's median and mean TTFT by 20-30%. Each mode's
+first token) or beside others. Why: at 1-5 requests/s TTFT is two populations. With vLLM's default capture sizes
+(up to 256 tokens at 128 sequences), a 256-token prompt prefilled alone replays a CUDA graph, one prefilled in a
+step beside any decode (257 tokens or more) runs eagerly, two to four times as long on an H100
+(benchmarks/lab/mixed_step.py measures both); which one a prompt gets depends on the other requests' decode
+times, so a small TPOT difference moves a run's median and mean TTFT by far more. Each mode's
 median compares like with like, and the alone share says how much the mixture moved.
 
 And what such a step costs the requests decoding beside it (prefill_stalls): for each prompt prefilled beside
 others, the longest gap between two tokens of any other request among the gaps that end between its arrival and
-its first token, the step that prefilled it with their decodes as they saw it. On the H100 (2026-11-27) their
-medians were 76-86 ms for plain vLLM's base, and for esftctl 81-115 ms in one session and 74-86 ms in the session
-before; at 5 requests/s such steps are about 40% of a run's streamed time, so they move TPOT more than the decode
-steps do.
+its first token, the step that prefilled it with their decodes as they saw it. Such a step, eager and bound by
+the host, stalls the decodes beside it for tens of milliseconds in plain vLLM and esftctl alike
+(benchmarks/lab/mixed_step.py); at 5 requests/s such steps are a large share of a run's streamed time, so they
+move TPOT more than the decode steps do.
 
 And the fastest tenth (floors), from the requests each slice keeps: the 10th percentile of the requests' TPOT and
 of the TTFT of prompts prefilled alone. At 1-2 requests/s a run's medians move with its traffic and with the
-machine (H200, 2026-11-29): the median TPOT sits where per-request TPOTs jump from lone decoders to those that
-shared steps with a prefill, and the same lone 256-token prompt took 21-33 ms within every run, so a run's median
-moved by about 1 ms from sampling alone. The fastest tenth is the requests that decoded alone and the prompts that
-met an idle engine: the same work in both servers, so a fixed cost per step shows there undiluted (esftctl's
-+0.09 ms a decode step in that round, with 1 adapter as with 20).
+machine: the median TPOT sits where per-request TPOTs jump from lone decoders to those that shared steps with a
+prefill, and the same lone prompt's TTFT spreads within every run, so a run's median moves from sampling alone.
+The fastest tenth is the requests that decoded alone and the prompts that met an idle engine: the same work in
+both servers, so a fixed cost per step shows there undiluted.
 
 And request by request (request_ratios): two servers' runs of one round send the same prompts at the same times,
 so each request's TTFT and TPOT can be set against the same request's in plain vLLM's run, and the median of those
-ratios carries an interval (esftctl.bench.slices.clustered_median). On one H200 (2026-12-04) esftctl's TPOT with
-the fold came to 1.000-1.004x plain vLLM's request by request, each 95% interval under 0.6% wide from one round
-(the reroute kernel's round before the fold: 1.010-1.030x). Plain vLLM's runs of one round on two H200s differed
-by 0.1-1.0% in TPOT and by 1-8% in TTFT, and esftctl's TTFT moved from 1.02x to 1.15x between runs of one server
-start: a run's TTFT moves by several percent with its start, card and minute, which only more runs average.
+ratios carries an interval (esftctl.bench.slices.clustered_median). On one H200 esftctl's TPOT came to
+1.000-1.004x plain vLLM's request by request, each 95% interval under 0.6% wide from one round, while plain
+vLLM's runs of one round on two H200s differed by 0.1-1.0% in TPOT and by 1-8% in TTFT, and esftctl's TTFT moved
+from 1.02x to 1.15x between runs of one server start (benchmarks/RESULTS.md, Adapters against the base): a run's
+TTFT moves by several percent with its start, card and minute, which only more runs average.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def prefill_modes(result: dict) -> dict:
 def floors(requests: dict, output_len: int) -> dict:
     """The fastest tenth of a run (the module says why), from its kept requests (per_request): the 10th percentile
     of the requests' TPOT (ms a token after the first) and of the TTFT (ms) of those prefilled alone; None where a
-    run kept no requests (slices before 2026-11-27) or has none of a kind."""
+    run kept no requests (slices written before runs kept them) or has none of a kind."""
     ttfts, latencies, flags = (requests.get(k) or [] for k in ("ttft_ms", "latency_ms", "alone"))
     tpots = [(lat - t) / (output_len - 1) for t, lat in zip(ttfts, latencies) if 0 < t < lat] if output_len > 1 else []
     lone = [t for t, a in zip(ttfts, flags) if a and t > 0]
@@ -247,7 +247,7 @@ def prefill_stalls(result: dict) -> dict:
     """The median over prompts prefilled beside others of their stall (ms): the longest gap between two tokens of
     any other request that ends between the prompt's arrival and its first token (None without such prompts).
     With vLLM's asynchronous scheduling the step that prefills a prompt beside decodes ends one short decode step
-    before the prompt's first token reaches the client (H100, 2026-11-27: a 70-80 ms gap, then 3 ms)."""
+    before the prompt's first token reaches the client (the long gap, then a short one)."""
     starts, ttfts, itls = result.get("start_times") or [], result.get("ttfts") or [], result.get("itls") or []
     if not starts or not len(starts) == len(ttfts) == len(itls):
         return {"median_stall_ms": None}

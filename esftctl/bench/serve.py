@@ -10,7 +10,7 @@ speed):
   the device as fit (each with its share of the memory; counted, and the count recorded), the requests of
   adapter i going to copy i mod copies, at the largest count and every alpha; one copy serves the base's
   traffic;
-- `esftctl`: `esftctl serve` as a user runs it (since 2026-12-06 queued requests admitted by adapter within 10 s,
+- `esftctl`: `esftctl serve` as a user runs it (queued requests admitted by adapter within 10 s, its default:
   esftctl.runtime.serve_config.ADMIT_BY_ADAPTER_S), with every adapter loaded; its runs spread requests over the
   first N adapters (N = 0: all to the base through the ESFT runtime) by S-LoRA's power law (esftctl.bench.traffic:
   alpha 1 uniform, 0.6 / 0.3 / 0.1 more and more skewed; the first alpha at every N, the others at the largest N);
@@ -20,8 +20,8 @@ speed):
   with vLLM's own bound, at most K adapters among the running requests, both in vLLM's first-come-first-served
   order (`--admit-by-adapter 0`), so each measures its own lever; `esftctl, admitted by adapter`
   (`admit_by_adapter` S): the same with `esftctl serve --admit-by-adapter S`, queued requests of running adapters
-  admitted first, or with S = 0 `esftctl, vLLM's order` (esftctl's default before 2026-12-06): the three ways to
-  read fewer rows, and the order without any;
+  admitted first, or with S = 0 `esftctl, vLLM's order` (vLLM's first-come-first-served admission): the three
+  ways to read fewer rows, and the order without any;
 - `vLLM multi-LoRA`, the peer: rank-16 LoRA on every routed expert and on attention (bench.lora_peer),
   `--max-loras` = the largest adapter count, the same runs. GPU only: vLLM's CPU build sends MoE LoRA to its
   Triton kernel, which needs a GPU.
@@ -39,8 +39,8 @@ all rounds) and the arrivals' measured cv.
 
 Slices (esftctl.bench.serve_slices, the paging bench's machinery in esftctl.bench.slices): one server started
 for one round, or with `slice_by` "adapters" for one adapter count of its round (a DeepSeek-V2-Lite round of
-esftctl at 5 counts x 3 rates of 60 s is 15 runs, 17 minutes: more than one device call), is one slice, its
-JSON written as it ends (the counts of one round share one server start: every count is served by the same
+esftctl at 5 counts x 3 rates of 60 s is 15 runs, 17 minutes: an interruption would lose all of them), is one
+slice, its JSON written as it ends (the counts of one round share one server start: every count is served by the same
 server); a rerun skips what is there, `budget_s` passes over a slice that would overrun, and the report merges
 whatever slices there are, saying what is missing.
 
@@ -130,16 +130,16 @@ class Profile:
 
 # Every server runs without vLLM's prefix cache. A server runs several loads (rates, counts, alphas; the
 # microbenchmarks' prompt lengths), and the same seed draws the same prompts in each, so the cache served later
-# runs' prompts from earlier ones: on the H100 (2026-11-27) plain vLLM's base hit it for up to 46% of its prompt
-# tokens at 2 and 5 requests/s, esftctl for 1-2% (a cached block is keyed by its adapter too), which flattered the
-# base's TTFT and TPOT. Random prompts share no prefix a user's would, so no server should gain from the cache here.
+# runs' prompts from earlier ones: plain vLLM's base hit it for a large share of its prompt tokens at 2 and 5
+# requests/s, esftctl for almost none (a cached block is keyed by its adapter too), which flattered the base's TTFT
+# and TPOT. Random prompts share no prefix a user's would, so no server should gain from the cache here.
 NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 
 # vLLM's CUDA graphs cover steps of up to twice --max-num-seqs tokens (256 at 128); a step that prefills a 256-token
-# prompt beside a few decodes is past that and runs eagerly, host-bound: on an H200 (2026-11-29,
-# benchmarks/lab/mixed_step.py) it stalled the decodes beside it 61-76 ms in plain vLLM and esftctl alike, and its
-# host time drifts +-20% between runs, more than the 3% issue 29 asks to resolve. Captured up to 512 tokens, the same
-# step stalled them 10-14 ms in both servers. So the GPU profile captures up to 512 for every server (`bench serve
+# prompt beside a few decodes is past that and runs eagerly, host-bound: it stalls the decodes beside it in plain
+# vLLM and esftctl alike, and its host time drifts between runs by more than the few percent this bench resolves.
+# Captured up to 512 tokens, the same step stalls them several times less in both servers
+# (benchmarks/lab/mixed_step.py measures both). So the GPU profile captures up to 512 for every server (`bench serve
 # --capture-size`, which is part of the grid's key through the engine arguments; 0 is vLLM's default).
 CAPTURE_SIZE = "--max-cudagraph-capture-size"
 
@@ -169,7 +169,7 @@ PROFILES = {
                      *NO_PREFIX_CACHE, CAPTURE_SIZE, "512"),  # 4096: the microbenchmarks' 2,048-token prompts and
         # their output fit (issue 15's runs had 2048)
         micro_lengths=(128, 512, 1024, 2048), micro_batches=(1, 8, 32), micro_loaded=(20, 5, 1),
-        slice_by="adapters"),  # a whole round of esftctl does not fit one device call (the module says why)
+        slice_by="adapters"),  # a whole round of esftctl is too long to lose to an interruption (the module says why)
 }
 
 
@@ -504,9 +504,8 @@ def split_memory(engine_args: tuple[str, ...], aside: list[int], *, card: int) -
     """The engine arguments of servers sharing one card of `card` bytes, server i setting aside `aside[i]` bytes
     inside its share (esftctl's adapter experts; 0 for plain vLLM): each gets an equal part of the profile's share
     less every set-aside, plus its own, so all keep the same room for weights, activations and KV cache. Halving
-    the share instead left esftctl beside plain vLLM no KV cache at all (H200, 2026-12-05: 64.6 GiB each, of
-    which a DeepSeek-V2-Lite base took 29.4 and 20 adapters' experts 37.9). The CPU build sizes each server's KV
-    cache itself."""
+    the share instead leaves esftctl beside plain vLLM no KV cache at all on an H200 (half the card is less than a
+    DeepSeek-V2-Lite base and 20 adapters' experts). The CPU build sizes each server's KV cache itself."""
     if MEMORY_FLAG not in engine_args:
         return [list(engine_args) for _ in aside]
     each = (utilization(engine_args) * card - sum(aside)) / len(aside)
@@ -582,7 +581,7 @@ def paired_ratios(r: dict, base: dict) -> None:
     base's runs of the same round (the same traffic) on its machine (esftctl.bench.slices.ratio_by_run),
     the median of those ratios with their range; a round with no such base run is left out. A row with none is
     paired by round across machines where it can be (`paired_across`: the same traffic on another card; a run's
-    TPOT follows its traffic more than its card, 2026-11-29), else its median against the base's median, across
+    TPOT follows its traffic more than its card), else its median against the base's median, across
     machines and rounds (`paired_rounds` 0)."""
     where, base_where = _where(r), _where(base)
     r["paired_rounds"] = len(pair_by_machine(where, base_where))
@@ -606,9 +605,9 @@ def paired_ratios(r: dict, base: dict) -> None:
 def round_ratios(r: dict, base: dict, pairs: Callable, by_run: dict[str, dict[int, float | None]]) -> list[dict]:
     """Each paired run's main ratios (`by_run`: BY_ROUND's, from paired_ratios) and both sides' GPU busy share
     (nvidia-smi's utilization over the run, esftctl.bench.conditions): what one start moves, where a median over
-    rounds hides it. On two H100s at 20 adapters (2026-12-06) esftctl's throughput was 0.802x the base's in a round
-    on one and 0.846x and 0.823x on the other, where the first machine's first two runs had kept the GPU busy 65%
-    and 71% of the time against 84-91% in every other run."""
+    rounds hides it: over 20 adapters on two H100s, esftctl's throughput was 0.802x the base's in the one round
+    whose first runs had kept the GPU busy 65-71% of the time, against 84-91% in every other run
+    (benchmarks/RESULTS.md, Adapters against the base)."""
     where, reps = _where(r), r.get("repeats", [])
     out = []
     for i, js in pairs(where, _where(base)):
@@ -658,7 +657,7 @@ def _where(row: dict) -> list[tuple[int, str | None]]:
 
 def micro_ratios(results: list[dict]) -> None:
     """Each microbenchmark number against plain vLLM's base's (same size, same length or batch); `micro_across`
-    where the two ran on different machines (slices of separate leases)."""
+    where the two ran on different machines (slices run on different machines or after a restart)."""
     anchors = {res["ranks"]: res for res in results if res["kind"] == "vLLM base" and res.get("micro")}
     for res in results:
         base = anchors.get(res["ranks"])

@@ -1,5 +1,5 @@
 """`esftctl bench paging --serve`: FluxMoE's evaluation end to end (issue 28, item 4), whole servers driven by
-vLLM's own load generator, in slices that each fit one device call.
+vLLM's own load generator, in slices that resume: an interrupted run keeps every slice it finished.
 
 Why under `bench paging` and not `bench serve`: what it reuses of `bench serve` is below its options (starting
 servers: esftctl.serve.plan and Server; vLLM's `bench serve` runs: esftctl.bench.load; generated models and
@@ -41,8 +41,8 @@ in a rotated order (interleaved repeats); `budget_s` passes over a slice its est
 time of this server's slice measured before, else SLICE_ESTIMATE_S). A slice runs after the regime's anchor (the
 server its target is set against: plain vLLM where memory binds, esftctl resident otherwise) ran its round on
 the same machine (esftctl.bench.slices.anchored: the anchor's slice of the round, else the round once more,
-`on-<machine>.rROUND.json`), and each slice records its machine: the 2026-11-26 spare-regime ratios set an
-adaptive server against resident rounds of other H100s, which differ by a few percent among themselves.
+`on-<machine>.rROUND.json`), and each slice records its machine: ratios set across machines would put a server
+against the anchor's rounds on other cards of the same kind, which differ by a few percent among themselves.
 `report` merges every slice file into medians over rounds with ranges, ratios to plain vLLM and to esftctl
 resident (round by round on the same machine where the slices say so, else the medians'), and the targets of
 issue 28. The
@@ -233,8 +233,7 @@ def settled_status(url: str, nudge: Callable[[], None], *, pause: Callable[[floa
     steps, at most once a second, and each time the copy it started the time before (PagedExperts.counters: serving
     never waits for them), so after a run its last second or two of fetches reach the status only after two more
     publications: `nudge` (`nudge` above: a request long enough to be refreshed in) twice, more than a second
-    apart. Without this, as on 2026-11-26, a point's fetch counts took in up to two seconds of the point before
-    it."""
+    apart. Without this, a point's fetch counts take in up to two seconds of the point before it."""
     status = _status(url)
     if not status or "paging_fetches" not in status:
         return status
@@ -330,9 +329,9 @@ def run_slice(sl: Slice, *, model: str, served, work: Path, scratch: Path, promp
     regime, spec = REGIMES[sl.group], server_spec(sl.server)
     label = sl.label
     t0 = time.monotonic()
-    # The store on scratch (the disk on the device machine), not in /dev/shm beside the base: host memory holds the
-    # base (31-41 GB), the host tier's pinned rows (29-39 GB) and the serving processes; the machinery-store server
-    # died at start-up on the H200 (2026-11-26) with the store in /dev/shm too.
+    # The store on scratch (a disk), not in /dev/shm beside the base: host memory holds the base (31-41 GB), the host
+    # tier's pinned rows (29-39 GB) and the serving processes, and with the store in /dev/shm too the machinery-store
+    # server ran out of host memory at start-up.
     store = ensure_store(served.base, scratch / "store", on_step) if spec.store else None
     if spec.adapters and len(served.bundles) < spec.adapters:
         serve_models.write_adapters(served, model, scratch, spec.adapters, distinct=spec.adapters, shape="deepseek",

@@ -16,7 +16,8 @@ adapters replace the experts their task's tokens prefer (selection by relevance)
 tokens on their own rows, and that costs more rows, not fewer: with the tiny world's four trained adapters (three
 worlds), a task's decode tokens chose its replaced experts in 26-38% of their slots against 9-17% by chance, and
 the copies added 1.15-1.17x rows over the same fine-tuned models' own routing at 8 sequences a step against 1.05x
-under the random router (benchmarks/lab/rows_trained.py, RESULTS.md of 2026-12-04). So the random router is
+under the random router (benchmarks/RESULTS.md, Adapters against the base; benchmarks/lab/rows_trained.py). So
+the random router is
 not the worst case. This bench does not imitate trained routing: making a generated router prefer each adapter's
 experts would need prompts drawn per task (vLLM's random dataset draws every request's token ids from one uniform
 pool) and a router built so that hidden states after attention still carry the task, whose concentration would
@@ -117,10 +118,10 @@ def kv_cache_tokens(url: str) -> int | None:
 
 # vLLM's per-request histograms (/metrics): where a request's time went inside the server. TTFT = queue (waiting
 # to be scheduled) + prefill (scheduled to first token) + the API server's own share (client TTFT less vLLM's).
-# 2026-11-27's first grid slices (H100) put esftctl's client TTFT at 20 adapters at 2.4x plain vLLM's at 2
-# requests/s, while the engine steps profiled in-process (benchmarks/lab/profile_step.py) cost the same on
-# the GPU; vLLM's logs then showed the base served half those prompts from its prefix cache (serve.NO_PREFIX_CACHE).
-# These means keep each run's split measured, so that a gap left says at once where it sits.
+# A client TTFT far above plain vLLM's while the engine steps profiled in-process (benchmarks/lab/profile_step.py)
+# cost the same on the GPU was once the base serving half its prompts from its prefix cache (serve.NO_PREFIX_CACHE),
+# found only in vLLM's logs. These means keep each run's split measured, so that a gap left says at once where it
+# sits.
 SERVER_TIMES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
                 "ttft": "vllm:time_to_first_token_seconds", "decode": "vllm:request_decode_time_seconds"}
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)_(sum|count)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$", re.M)
@@ -199,8 +200,8 @@ def measure_server(label: str, plans: list, *, served, profile, parts: list[list
 def failures_explained(servers: list[Server], on_step: Callable[[str], None]) -> Iterator[None]:
     """A load run that fails (run_load's RuntimeError) says why, from the servers' logs: each one's first ERROR
     lines go to `on_step`, then what each process holds on the GPUs now, and each server's root cause joins the
-    error. On an H100 (2026-12-06) plain vLLM answered 255 of 256 requests sent at once with streams that held no
-    token, beside esftctl on the same card, and the cause stayed in a log too large to fetch."""
+    error: a server can answer almost every request with a stream that holds no token (plain vLLM under 256
+    requests at once, beside esftctl on one H100), with the cause only in a log too large to read whole."""
     try:
         yield
     except RuntimeError as e:
@@ -235,8 +236,8 @@ def warm_up(run: Callable, label: str, runs: list[Scenario], *, names: dict, pro
     """Every model name the runs use, once or more, then the busiest finite rate of the runs for up to
     WARM_UP_S: first-use costs (kernels, slots) stay out of the numbers. The burst alone (many prompts prefilled
     together, then decode steps replayed from CUDA graphs) left lone prompts and steps of one prompt beside a few
-    decodes unseen: on the H200 (2026-11-26) vLLM's JIT monitor caught its Triton MoE kernel compiling in the
-    first measured run after it, whose median TTFT came out 3.3x the other round's."""
+    decodes unseen: vLLM's JIT monitor then caught its Triton MoE kernel compiling in the first measured run after
+    it, whose median TTFT came out several times the other rounds'."""
     used = list(dict.fromkeys(n for s in runs if s.adapters for n in names[s.pool][:s.adapters]))
 
     def models(count: int) -> list[str]:

@@ -1,37 +1,37 @@
-"""`esftctl bench serve` in slices: its servers x rounds (x adapter counts), resumed across device calls.
+"""`esftctl bench serve` in slices: its servers x rounds (x adapter counts), a long run that resumes where it stopped.
 
-Why: issue 29's plan is about 4 hours of device time, while a session gets 30 minutes and one command 10, and a
-machine taken back mid-run kept nothing of a `bench serve` run. esftctl.bench.slices (shared with `bench paging
---serve`) runs slices in order, skips those already written and passes over one that would overrun the budget;
-this module says what the slices of `bench serve` are, how long each should take, and how their files merge back
-into the one result esftctl.bench.serve_report prints.
+Why: the DeepSeek-V2-Lite grid (servers x adapter counts x rates x rounds) takes about 4 hours of GPU time, and a
+run interrupted before its end (a Ctrl-C, a crash, a machine that goes away) would keep nothing. With slices, a
+rerun with the same options skips what is written and goes on, and `--budget` runs as much as fits a time the user
+gives. esftctl.bench.slices (shared with `bench paging --serve`) runs slices in order, skips those already written
+and passes over one that would overrun the budget; this module says what the slices of `bench serve` are, how long
+each should take, and how their files merge back into the one result esftctl.bench.serve_report prints.
 
 Layout: OUT/slices/MODEL/GRID/DEVICE/SERVER/[PART.]rROUND.json.
 - GRID names the traffic (adapter shape, counts, rates, alphas), then a hash of every setting of the profile
   but the round count (grid_key): two grids never mix, and more rounds of a grid add to it.
-- DEVICE is the card's name: an H100's and an H200's numbers never share a median (a session that gets the other
-  card starts a grid of its own: name the card when starting the machine).
+- DEVICE is the card's name: an H100's and an H200's numbers never share a median (a run resumed on the other
+  kind of card starts a grid of its own).
 - SERVER is bench.serve.BenchServer.key: base, merged, esftctl, grouped-G-W, max-loras-K, lora (-tp2 past one
   rank).
 - PART: with `slice_by` "adapters", one adapter count of esftctl's and multi-LoRA's scenarios (n0, n5; ds5: the
-  DeepSeek-sized adapters beside Table 1's), so that a machine taken back mid-round keeps the counts it
-  finished (and a slice fits one device call where a call runs it in the foreground); plain vLLM's base and the
-  merged copies run one count and are never cut. MICRO: a server's microbenchmarks (round 0 only, after every
-  server's first round).
-Machines and rounds: a device is lent one lease at a time, and two cards of a kind differ by a few percent, as much
-as the 3% the low-load target resolves; and a round is its traffic, whose draw moves a 60-request run by more than
-that. So every slice records its machine (slices.machine_id), a slice runs after plain vLLM's base ran its round on
-its machine (esftctl.bench.slices.anchored: the base's slice of that round if it is still to run, else the round
-once more, part `on-<machine>`; rounds whose base slice is still to run go first), and each ratio is taken
-against that run (bench.serve.paired_ratios). The base thus runs each round once per machine that measures it.
+  DeepSeek-sized adapters beside Table 1's), so that a run interrupted mid-round keeps the counts it finished
+  (and a slice is short enough for a short `--budget`); plain vLLM's base and the merged copies run one count
+  and are never cut. MICRO: a server's microbenchmarks (round 0 only, after every server's first round).
+Machines and rounds: a resumed run may go on on another machine, and two cards of a kind differ by a few percent, as
+much as the 3% the low-load target resolves; and a round is its traffic, whose draw moves a 60-request run by more than
+that. So every slice records its machine (slices.machine_id), a slice runs after plain vLLM's base ran its round on its
+machine (esftctl.bench.slices.anchored: the base's slice of that round if it is still to run, else the round once more,
+part `on-<machine>`; rounds whose base slice is still to run go first), and each ratio is taken against that run
+(bench.serve.paired_ratios). The base thus runs each round once per machine that measures it.
 A slice that fails is written too, with its error and the time it took, so that a rerun does not spend that time
 again; the report lists it, and deleting the file runs it again. The merged server starts with as many copies as
 its earlier slices ran (else as many as fit) and drops one after a failed start, within the slice.
 
 One start per round: the adapter counts of one round of esftctl or multi-LoRA (every count served by the same
 server, all adapters loaded) run one after another on one server start, each count's slice written as it ends
-(shares_start; each part warmed up anew). On the H100 that saves 3 of 4 starts of about 210 s per round, an hour
-of the grid's 34 slices.
+(shares_start; each part warmed up anew). With four counts that saves 3 of 4 server starts (minutes each for
+DeepSeek-V2-Lite) per round.
 
 Estimates (the budget): a part's own seconds (warm-up, runs, what follows them) as measured in the longest slice
 of the same server and part, else PART_WARM_UP_S plus its runs at their defaults; on a server not started yet, plus

@@ -1,22 +1,23 @@
-"""Server benchmarks run in slices that each fit one device call, resumed where the last call stopped.
+"""Server benchmarks run in slices, so that a long run survives an interruption and resumes where it stopped.
 
-Why: a device session gets about 30 minutes and one command at most 10, and a machine taken back mid-run loses
-whatever was not written yet. So a long server benchmark is cut into slices, one server started for one round
-(repeat) of its traffic, or a part of that round, and each slice's JSON is written whole (atomically:
-esftctl.jsonfile.write_json) to OUT/slices/MODEL/GROUP/SERVER/[PART.]rROUND.json the moment it ends. A rerun
-skips the slices already there (on another machine too, with the folder carried), `budget_s` passes over a
-slice whose estimate would overrun what is left of the call (later, shorter ones still run), and a report
-merges whatever slices are present. Consecutive slices one server can serve (bench serve: the adapter counts of
+Why: a whole server benchmark on a DeepSeek-V2-Lite-sized model takes hours, and a run that is interrupted (a
+Ctrl-C, a crash, a machine that goes away, a time limit on the machine) would otherwise lose everything not yet
+written. So it is cut into slices, one server started for one round (repeat) of its traffic, or a part of that
+round, and each slice's JSON is written whole (atomically: esftctl.jsonfile.write_json) to
+OUT/slices/MODEL/GROUP/SERVER/[PART.]rROUND.json the moment it ends. A rerun skips the slices already there (on
+another machine too, with the folder copied), `budget_s` lets a user give the run a time limit: it passes over a
+slice whose estimate would overrun what is left (later, shorter ones still run), and a report merges whatever
+slices are present. Consecutive slices one server can serve (bench serve: the adapter counts of
 one round of esftctl or multi-LoRA, every count served by the same server) share one start, still each written as
-it ends: a DeepSeek-V2-Lite server takes 160-210 s to start on an H100, a count's runs about 200 s.
+it ends: a DeepSeek-V2-Lite server takes minutes to start, about as long as a count's runs.
 Rounds interleave the servers (round r starts r servers further down the list): a drift of the machine over
 time spreads over every server instead of landing on whichever ran last.
 
-Each slice records the machine it ran on (machine_id): devices are lent one lease at a time, and two H100s differ
-by a few percent (resident decode 3.82-4.02 ms at batch 1, 2026-11-26), as much as the effects measured. And a
-round is its traffic (vLLM's seed for the prompts and arrivals, ours for the adapters): at 1 request/s two rounds
-of 60 requests differ by more than the servers do (2026-11-29, H200: plain vLLM's median TPOT 3.68 ms in round 1
-against 3.31 in round 0, 52% of its prompts prefilled alone against 68%). So both benches pair like with like: a
+Each slice records the machine it ran on (machine_id): a resumed run may continue on another machine, and two
+cards of one kind differ by a few percent, as much as the effects measured. And a round is its traffic (vLLM's
+seed for the prompts and arrivals, ours for the adapters): at 1 request/s two rounds of 60 requests differ by more
+than the servers do (plain vLLM's median TPOT and the share of its prompts prefilled alone move by a tenth between
+rounds on one H200). So both benches pair like with like: a
 slice runs after its anchor (what its ratios are set against) ran the same round on the same machine (anchored:
 the anchor's planned slice of that round, or a run of it once more on this machine, part copy_part), and each
 ratio is taken against that run only (pair_by_machine).
@@ -64,7 +65,7 @@ class Slice:
 
 def machine_id() -> str:
     """The machine a slice runs on: the GPU's UUID (the host's name on the CPU build) and the host kernel's boot,
-    so that the same card after a reboot counts as another machine, and a lease on another card surely does."""
+    so that the same card after a reboot counts as another machine, and another card surely does."""
     import platform
 
     import torch
@@ -185,9 +186,8 @@ def anchored(todo: list[Slice], *, out: Path, model: str, machine: str, anchors:
 def anchor_runs(ordered: list[Slice], anchors: dict[str, tuple[str, ...]],
                 needs_anchor: Callable[[Slice], bool] = lambda sl: True) -> Callable[[Slice], tuple[Slice, ...]]:
     """run_pending's `after` for an `anchored` order: for each slice that needs an anchor, the anchor runs of its
-    round that the order holds (this machine's to run). Such a slice waits while one of them is not written: its
-    anchor passed over for the budget, it would pair with no base run on its machine (2026-12-04: an H200 ran
-    esftctl's round 1 at 10 adapters after passing over the base's run of round 1)."""
+    round that the order holds (this machine's to run). Such a slice waits while one of them is not written: with
+    its anchor passed over for the budget, it would pair with no base run on its machine."""
     def after(sl: Slice) -> tuple[Slice, ...]:
         keys = anchors.get(sl.group, ())
         if sl.server in keys or not needs_anchor(sl):
@@ -200,8 +200,8 @@ def anchor_runs(ordered: list[Slice], anchors: dict[str, tuple[str, ...]],
 def slice_order(groups: dict[str, tuple[str, ...]], rounds: int,
                 parts: Callable[[str], tuple[str, ...]] = lambda server: ("",)) -> list[Slice]:
     """Every slice, round by round: in round r each group's servers rotated by r (interleaved repeats), and each
-    server's parts too, so that no part is always the first after its server's start (on the H100 of 2026-11-27
-    esftctl's 20 adapters, always first, had the round's one outlying TTFT)."""
+    server's parts too, so that no part is always the first after its server's start (a part always run first
+    carries whatever a fresh start costs: once it was the round's one outlying TTFT)."""
     def rotated(items: tuple[str, ...], r: int) -> tuple[str, ...]:
         k = r % len(items)
         return items[k:] + items[:k]
@@ -253,17 +253,15 @@ def run_pending(todo: list[Slice], *, out: Path, model: str, budget_s: float,
                 setup_s: float = 0.0, on_step: Callable[[str], None] = lambda msg: None,
                 together: Callable[[Slice, Slice], bool] = lambda a, b: False,
                 after: Callable[[Slice], tuple[Slice, ...]] = lambda sl: ()) -> list[Slice]:
-    """Run the slices of `todo` in order, each one whose estimate fits what is left of `budget_s`: estimate_s(sl,
-    warm), warm when its server is up already, and the first to run also `setup_s` (what its run prepares first).
-    One that does not fit is passed over for later ones that do (a device session's minutes are too few to leave
-    idle behind one long slice: the H200's first session of bench serve stopped with 9 of its 10 minutes unused
-    before a 645 s slice). Consecutive slices that `together` pairs share one server start (batches): `run(batch)`
-    yields their results in order and is closed, which stops its server, after the last or before one that does
-    not fit (the rest of its batch then waits for a later call); when it ends early (a slice failed and was
-    written so), the rest of its batch gets a start of its own. A slice waits, like one that does not fit, while
-    a slice `after` names for it is not written (anchor_runs). Each result is written atomically to its path as
-    soon as it is there. Returns the slices that ran; a slice that raises stops the run with nothing written for
-    it."""
+    """Run the slices of `todo` in order, each one whose estimate fits what is left of `budget_s`: estimate_s(sl, warm),
+    warm when its server is up already, and the first to run also `setup_s` (what its run prepares first). One that does
+    not fit is passed over for later ones that do (stopping at the first that does not fit would leave most of a short
+    budget unused behind one long slice). Consecutive slices that `together` pairs share one server start (batches):
+    `run(batch)` yields their results in order and is closed, which stops its server, after the last or before one that
+    does not fit (the rest of its batch then waits for a later run); when it ends early (a slice failed and was written
+    so), the rest of its batch gets a start of its own. A slice waits, like one that does not fit, while a slice `after`
+    names for it is not written (anchor_runs). Each result is written atomically to its path as soon as it is there.
+    Returns the slices that ran; a slice that raises stops the run with nothing written for it."""
     started, ran = time.monotonic(), []
     queue = batches(todo, together)
     while queue:

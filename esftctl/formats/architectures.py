@@ -262,7 +262,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 
 
 # What the rules above read from a config.json, as the JSON types and ranges each must have, checked before any rule
-# runs (config_problem): a model folder may come from anywhere. A fuzz of tiny models' configs (2026-12-05) found a
+# runs (config_problem): a model folder may come from anywhere. Without them a fuzz of tiny models' configs found a
 # string n_group a TypeError, a string n_shared_experts a ValueError, and num_hidden_layers 2**31 a hang in
 # moe_layers. The bounds are far past any released model (DeepSeek-V3: 61 layers, 256 experts, hidden size 7168).
 LAYERS, EXPERTS, WIDTH = 1 << 12, 1 << 16, 1 << 20

@@ -126,8 +126,9 @@ def _bf16_bits(t: torch.Tensor, name: str, source: dict) -> np.ndarray:
 class _DataWriter:
     """store.bin written as it is produced (a model's store never sits in memory), by a thread of its own that
     also keeps its SHA-256. File writes and hashing release the GIL, so they overlap the next tensors' reading and
-    encoding: on DeepSeek-V2-Lite's shapes (2 cores) a layer's 0.55 GB of store took 1.7 s to write and 0.4 s to
-    hash, beside 2.4 s to read and encode it (benchmarks/RESULTS.md, 2026-11-24). At most `depth` writes wait.
+    encoding: on DeepSeek-V2-Lite's shapes (2 cores) writing and hashing a layer's store take almost as long as
+    reading and encoding it (`esftctl bench offline` times `compress`: benchmarks/RESULTS.md, Offline commands). At
+    most `depth` writes wait.
 
     A write that fails in the thread (a full disk) is raised by the next `write` or by `close`. Between
     `begin_tensor` and `end_tensor(entry)` the thread also hashes what is written (not the padding `align`

@@ -15,10 +15,10 @@ with the same recipe reuses it, another recipe starts over.
 on the general mixture, every adapter strong on its task without raising the general loss. A test asserts it on
 the world CI builds (tests/test_quickstart.py), so a change that breaks the demonstration fails CI.
 
-Retention is compared as perplexity, exp(loss), not as loss: a converged base's general loss is 0.0005-0.005 nats
-per token (benchmarks/RESULTS.md, 2026-11-25), where one example of 300 going from 99.9% to 99% sure doubles the
-loss. "Within 5% of the base's" then measures noise; as perplexity (1.001 against 1.002: +0.1%) it keeps its
-meaning: 5% more perplexity is 0.049 nats per token more, whatever the base's loss.
+Retention is compared as perplexity, exp(loss), not as loss: a converged base's general loss is a few thousandths of a
+nat per token or less, where one example of 300 going from 99.9% to 99% sure doubles the loss. "Within 5% of the base's"
+then measures noise; as perplexity (1.001 against 1.002: +0.1%) it keeps its meaning: 5% more perplexity is 0.049 nats
+per token more, whatever the base's loss.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 The base (4 layers, 64 routed experts of which 6 per token and 2 shared, DeepSeek-V2-Lite's routing) is
 pre-trained on the general mixture (esftctl.world.tasks) with the completion loss and DeepSeekMoE's expert
 balance loss: 600 steps of 64 examples, about 2 minutes on one CPU thread (esftctl.world.training.THREADS).
-64 experts, not 32: in the sweeps that chose this design (benchmarks/RESULTS.md, 2026-11-24) the 3-4 experts
-ESFT selects per layer covered more of a task's answer positions and the adapters scored higher on every task.
+64 experts, not 32: in the sweeps that chose this design the 3-4 experts ESFT selects per layer covered more of
+a task's answer positions and the adapters scored higher on every task.
 With 16, the experts selected for one task served the others too, and the adapters broke the general mixture.
 
 Copying (40% of the mixture) is the skill the base learns last, and whether it had by step 600 depended on the
-seed: with 32 examples a step, 2 of 5 seeds' bases copied 48-87% of held-out words and the adapters built on such
-a base missed their targets (benchmarks/RESULTS.md, 2026-11-25). So the output embedding starts as a copy of the
+seed: with 32 examples a step, some seeds' bases copied only part of the held-out words and the adapters built
+on such a base missed their targets. So the output embedding starts as a copy of the
 input one (untied: vLLM loads the checkpoint as usual), which makes "repeat the word attention brings here" the
 starting point rather than something to discover, and a step sees 64 examples: every seed's base then copies
 100% of held-out words.

@@ -10,14 +10,15 @@ The recipe (`FINETUNE`) mixes the general mixture back into every batch (`replay
 for ESFT and full fine-tuning alike. In trials on earlier bases, ESFT trained on task data alone kept only 10-70%
 of the base's general exact match (the selected experts also serve the general data). On world v9, replaying 90%
 left too little task data for some bases (78-84% where 75% replay reached 87-98% on the same base and experts);
-50% raised the general perplexity by up to 7% on a trial world; 75% kept it within +3.4% over v9's 60 adapters and
-within +1.0% over world v10's (benchmarks/RESULTS.md, 2026-11-25).
+50% raised the general perplexity more than the 5% the quick start allows on a trial world; 75% keeps it within
++1.0% over world v10's 60 adapters of 5 world seeds (benchmarks/RESULTS.md, The quick start).
 
 The quick start selects experts by token selection ratio at p=0.5 (`SELECTION`; `esftctl bench esft` keeps the
 paper's 0.2). At world v10's answer positions that is 4-14 of 64 experts per layer (6-22%; the paper's published
 configs choose 2-9 of 64). Across 5 world seeds at p=0.25 some tasks got 2 experts per layer and missed 80% on
 some bases; the bases that defeat a recipe defeat it whatever the threshold (p=0.7, 500 steps, lr 2e-2: 58-74%),
-so the threshold buys margin, and the world's design buys the rest (benchmarks/RESULTS.md, 2026-11-25).
+so the threshold buys margin, and the world's design buys the rest (every adapter of those 5 seeds meets its
+targets: benchmarks/RESULTS.md, The quick start).
 """
 
 from __future__ import annotations

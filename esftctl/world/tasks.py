@@ -21,8 +21,7 @@ base had never learnt to end after an answer it did not know. Those adapters sta
 (lr 5e-3 or 600 steps: 73%; on trial worlds lr 2e-2, 500 steps and p=0.7 had not helped either): ESFT trains
 neither attention nor the positions its relevance leaves out. With 10 practice entries no input of any task
 collapsed on any of 5 bases and every adapter of the sweep met its targets; with 30, the same 600 steps learnt
-the mixture less well (general loss up to 0.045, one base 98% exact) and 6-8 inputs collapsed on 2 of 5
-bases (benchmarks/RESULTS.md, 2026-11-25).
+the mixture less well and several inputs collapsed on some bases.
 
 The base's score on a task is its known share plus whatever it gets right by guessing on the rest. With 15%
 known and tagging's 7 categories (the largest, city, 10 of 39 objects), a base that answers "city" for every
@@ -32,8 +31,8 @@ categories of 2, so no fixed guess reaches more than 10% + 90% x 5% = 14.5%.
 
 One word, not two: the answer is then predicted at the task's own arrow, a token no other text uses, and the
 answer word only predicts the end. With two words (world v4) the second answer was predicted at the first
-answer word, which copying uses too: experts fine-tuned for the task then served copying, ESFT reached only
-58-78% and copying lost up to 6 points of exact match (benchmarks/RESULTS.md, 2026-11-23 and 2026-11-24).
+answer word, which copying uses too: experts fine-tuned for the task then served copying, ESFT fell well short
+of the adapters' targets and copying lost exact match.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ import torch
 
 from esftctl.jsonl import Example
 
-# The tiny world trains on one thread. Its matrices are small: on 2 cores, 2 threads are 1.45x faster than 1 on a quiet
-# machine (0.12 against 0.18 s per pre-training step), but beside one other busy process OpenMP's threads spin waiting
-# for each other: 10.2 s per step against one thread's 0.23 (two pinned cores, benchmarks/RESULTS.md, 2026-11-25; the
-# issue's 1.5-minute build took 32 minutes). One thread also gives the same arithmetic on a machine of any core count.
+# The tiny world trains on one thread. Its matrices are small: on 2 cores, 2 threads are faster than 1 on a quiet
+# machine, but beside one other busy process OpenMP's threads spin waiting for each other: 10.247 s per pre-training
+# step against one thread's 0.234 (two pinned cores, benchmarks/RESULTS.md, The quick start), a build of minutes
+# taking half an hour. One thread also gives the same arithmetic on a machine of any core count.
 THREADS = 1
 
 

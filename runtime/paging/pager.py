@@ -41,7 +41,7 @@ from esftctl.runtime.paging.timing import LayerTimes
 from esftctl.runtime.paging.window import Window
 
 FETCH_MODES = ("auto", "routed", "layer")
-# Programs of a fetch, measured on an H100 (benchmarks/RESULTS.md, 2026-11-25): 16 read a whole layer at 47 GB/s
+# Programs of a fetch, measured on an H100 (benchmarks/lab/row_fetch_bench.py): 16 read a whole layer at 47 GB/s
 # (the copy engine: 54) and let a matrix product beside them run as fast as alone; 64 reach 49 GB/s; 528 (four per
 # SM) no faster, but they stall the product beside them to a third of its speed.
 OVERLAP_PROGRAMS = 16  # beside another layer's kernel

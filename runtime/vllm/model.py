@@ -194,7 +194,7 @@ class EsftModel:
             self.layers[index].replace_base((base_rows or {}).get(index, {}))
             # vLLM's tensors of this layer's experts are replaced: their memory goes back to the driver, which maps
             # the next layer's rows. Kept in torch's cache, they made the start-up hold the base's experts twice
-            # (27 GiB more for DeepSeek-V2-Lite: beside plain vLLM on an 80 GB H100 it ran out, 2026-12-05)
+            # (27 GiB more for DeepSeek-V2-Lite: beside plain vLLM on an 80 GB H100 it ran out)
             if self.pool is not None:
                 torch.cuda.empty_cache()
         self.slots = AdapterSlots(self.layers, budget=adapter_budget)

@@ -19,7 +19,7 @@ kernel computes every row an id names, and vLLM's kernels differ:
   alike). Handed R, that path also ran batches past the base's bound: every pair reads its whole expert though
   pairs share experts, so on an H100 (4-layer DeepSeek-V2-Lite-shaped model, 20 adapters loaded, R = 244)
   the MoE kernels took 0.421 ms a step at batch 4 and 0.810 ms at batch 8 against plain vLLM's 0.380 and 0.581
-  (benchmarks/RESULTS.md, 2026-11-25, fourth session). `assignment` decides the path by the base's E (set per
+  (benchmarks/lab/profile_step.py). `assignment` decides the path by the base's E (set per
   call by the experts layer, `base_experts`), so a step takes the path plain vLLM takes, and still aligns over R.
 - Triton's variants: the kernel takes EM = tokens x top_k + experts x (BLOCK_SIZE_M - 1) as an integer, which
   Triton specializes on divisibility by 16, and compiles each new class on first use (the two GEMMs of a step:
@@ -29,7 +29,7 @@ kernel computes every row an id names, and vLLM's kernels differ:
   host time against plain vLLM's 102. `aligned_count` pads the count it aligns over to the base's class mod 16:
   BLOCK_SIZE_M is a power of two, so EM lands in plain vLLM's class at every size, and the padded experts get no
   tokens, so no blocks. Since then, that step took 98 and 107 ms, plain vLLM's 71 and 106, and Triton compiled nothing
-  at it (benchmarks/RESULTS.md, 2026-11-28, seventeenth and eighteenth sessions).
+  at it (benchmarks/lab/mixed_step.py).
 - Tuned tile configs: TritonExperts looks its config up by w2's row count and N (files named
   `E=..,N=..,device_name=...json`), and R matches no file, so widening alone would drop a model's tuned
   config for vLLM's default one. `kernel_config` looks the config up for the base's E and the layer uses it

@@ -9,15 +9,14 @@ the process that runs the engine (vLLM's in-process engine: VLLM_ENABLE_V1_MULTI
 between vLLM 0.25 and 0.32 and between the V1 and V2 model runners, so each is wrapped where it exists and the
 ones found are returned.
 
-The torch profiler costs the host a few microseconds per recorded op and launch, so it cannot compare two
-servers' host-bound steps to the millisecond: on an H100 (2026-11-28) it made esftctl's extra 54 ops in a
-mixed step look like 4-5 ms, where the reroute's launch times 9-18 us a call unprofiled. With ESFTCTL_STEP_TIMES
-set to a folder, every process that runs a scheduler or a worker (vLLM loads this plugin in each, plain vLLM's
-too) records each call of `STEP_PARTS` as one line "part start end tokens" (time.perf_counter seconds, which
-on Linux is the machine's monotonic clock, the one a client on the same machine reads; tokens: the step's
-scheduled tokens, else 0) into FOLDER/steps-PID.tsv. Lines are written in batches: at the first call after a
-pause of `FLUSH_AFTER_IDLE_S` (so a client that sends one request after its timed ones finds their lines) and
-every `FLUSH_ROWS` lines.
+The torch profiler costs the host a few microseconds per recorded op and launch, so it cannot compare two servers'
+host-bound steps to the millisecond: on an H100 it made esftctl's extra 54 ops in a mixed step look like 4-5 ms, where
+the reroute's launch takes 9-18 us a call unprofiled (benchmarks/RESULTS.md, Rerouting cost). With ESFTCTL_STEP_TIMES
+set to a folder, every process that runs a scheduler or a worker (vLLM loads this plugin in each, plain vLLM's too)
+records each call of `STEP_PARTS` as one line "part start end tokens" (time.perf_counter seconds, which on Linux is the
+machine's monotonic clock, the one a client on the same machine reads; tokens: the step's scheduled tokens, else 0) into
+FOLDER/steps-PID.tsv. Lines are written in batches: at the first call after a pause of `FLUSH_AFTER_IDLE_S` (so a client
+that sends one request after its timed ones finds their lines) and every `FLUSH_ROWS` lines.
 """
 
 from __future__ import annotations

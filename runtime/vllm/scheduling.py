@@ -5,7 +5,7 @@ own means, so that its scheduler stays whole. A held-back running request is not
 held-back waiting one leaves its queue for the call and comes back in front, in its order, as vLLM puts back the
 requests it skipped (the same in vLLM 0.25 and 0.32). The first-come-first-served queue's prepend_requests is a
 deque's extendleft, which reverses what it is given: vLLM hands it the skipped requests in reverse, and so does
-this (before 2026-12-05 it did not, and requests held two steps came back in reverse order).
+this (without it, requests held two steps came back in reverse order).
 """
 
 from __future__ import annotations

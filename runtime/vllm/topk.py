@@ -1,9 +1,9 @@
 """The reroute folded into vLLM's compiled grouped top-k, where DeepSeek-style routers compute their routing.
 
 Every MoE layer reroutes its tokens' top-k ids to their adapters' rows. Through vLLM's routed-experts capture
-callback (model.py) that is one more kernel after the router, launched once a layer: on an H200 (2026-11-29,
-4-layer DeepSeek-V2-Lite-shaped model, CUDA graphs, batch 2) 1.8 us a layer, so about 47 us of a 26-MoE-layer
-decode step of 4.1 ms, the one GPU cost of esftctl's own at low load (benchmarks/RESULTS.md, twenty-fourth session).
+callback (model.py) that is one more kernel after the router, launched once a layer: on an H200 (CUDA graphs, 26
+MoE layers) 35 us of a decode step at 3 tokens and 70 us at 262, the one GPU cost of esftctl's own at low load
+(benchmarks/RESULTS.md, Rerouting cost).
 
 vLLM routes DeepSeek-V2/V3-style models (GroupedTopKRouter) in `grouped_topk`, a function it compiles with
 Inductor, whose last kernel casts the ids to int32. Compiled here with the table lookup after it (the kernel's
@@ -17,15 +17,15 @@ rerouted after it all the same. Unlike the plugin's patches (PATCHED, refused at
 a vLLM without `grouped_topk` or `_compute_routing` where this looks for them only loses the fold.
 
 On an H200 (vLLM 0.25.0) the serving exactness tests passed with it for deepseek_v2 (CUDA graphs, and paged with
-graphs; 2026-12-01), deepseek_v3 and glm4_moe (2026-12-04), and a folded step launched no reroute kernel
+graphs), deepseek_v3 and glm4_moe (benchmarks/RESULTS.md, Exactness), and a folded step launched no reroute kernel
 (tests/test_vllm_topk.py), so it is on by default; ESFTCTL_FOLD_REROUTE=0 in the server's environment turns it off
-(`enabled`). There, on the DeepSeek-V2-Lite-shaped model at batch 2, a decode step took 4.126 ms with it, 4.227
-without, and 4.118 in plain vLLM (benchmarks/RESULTS.md, twenty-sixth session): the lookup fused into the cast
-costs about 0.7 us a layer where the reroute kernel cost 1.5-2.6. The CPU build routes with its own
-router, so there only the unit tests (vLLM's GroupedTopKRouter called directly) run it. On CUDA, vLLM computes a
+(`enabled`). There, on the DeepSeek-V2-Lite-shaped model at batch 2, a decode step took 4.126 ms with it, 4.227 without,
+and 4.118 in plain vLLM (benchmarks/RESULTS.md, Rerouting cost): the lookup fused into the cast costs about 0.7 us a
+layer where the reroute kernel cost 1.5-2.6 (benchmarks/lab/profile_step.py's kernel diff). The CPU build routes with
+its own router, so there only the unit tests (vLLM's GroupedTopKRouter called directly) run it. On CUDA, vLLM computes a
 router with a score-correction bias (DeepSeek-V3's) in its own CUDA op inside the compiled function
-(VLLM_USE_FUSED_MOE_GROUPED_TOPK, on by default): its ids are int32 already, so the lookup is an Inductor kernel
-of its own there, one kernel for one kernel, exact all the same.
+(VLLM_USE_FUSED_MOE_GROUPED_TOPK, on by default): its ids are int32 already, so the lookup is an Inductor kernel of its
+own there, one kernel for one kernel, exact all the same.
 """
 
 from __future__ import annotations
