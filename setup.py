@@ -3,7 +3,7 @@
 - Layout: the top level keeps one layer per folder (the design card): `esftctl/` the CLI, launcher and offline
   pipeline, `runtime/` what runs inside the engine, `kernels/` the Triton kernels. `runtime/` and `kernels/`
   install as `esftctl.runtime` and `esftctl.kernels`; every package is found, not listed (a hand-kept list once
-  left esftctl.bench out of the wheel; tests/test_packaging.py builds the wheel and compares it with the tree).
+  left esftctl.bench out of the wheel; tests/test_project_packaging.py builds the wheel and compares it with the tree).
 - Native: the multithreaded Huffman encoder and decoder of expert stores and consolidation's expert distances
   in native/, a plain C extension (no dependencies beyond a C compiler and pthreads).
 """

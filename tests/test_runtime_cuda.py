@@ -1,4 +1,5 @@
-"""Runtime core on CUDA: the driver's virtual memory API, eviction under queued work, the reroute kernel.
+"""Runtime core on CUDA: the driver's virtual memory API, eviction under queued work, staging in pinned memory
+(the reroute and router kernels: tests/test_kernel_reroute.py, tests/test_kernel_router.py).
 
 Skipped without a GPU; run on the device machine (see the issue notes for what they printed there).
 """
@@ -178,91 +179,6 @@ def test_evict_waits_for_queued_work(pool):
     assert slots.collect() == 1 and not layer.w13.is_mapped(row)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-2)
     layer.close()
-
-
-@pytest.mark.parametrize("tokens", [1, 3, 64, 255, 1024, 16384])
-@pytest.mark.parametrize("top_k,experts,slots", [(1, 8, 1), (6, 64, 20), (8, 160, 5)])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_reroute_kernel_matches_reference(tokens, top_k, experts, slots, dtype):
-    from esftctl.kernels.reroute import reroute, reroute_reference
-
-    table = torch.randint(0, 1 << 20, (slots + 1, experts), dtype=torch.int32, device="cuda")
-    ids = torch.randint(0, experts, (tokens, top_k), dtype=dtype, device="cuda")
-    adapter_ids = torch.randint(-1, slots, (tokens,), dtype=torch.int32, device="cuda")
-    want = reroute_reference(ids, adapter_ids, table)
-    out = torch.full_like(ids, -7)  # poisoned: every element must be written
-    assert torch.equal(reroute(ids, adapter_ids, table, out=out), want)
-    in_place = ids.clone()
-    reroute(in_place, adapter_ids, table, out=in_place)
-    assert torch.equal(in_place, want)
-
-
-def test_reroute_launches_its_kernel_directly_after_the_first_call():
-    """After one call per device and dtypes, `reroute` calls Triton's launcher itself (kernels/reroute.py says
-    why): every later call, at any token count and with an adapter buffer longer than the tokens, still writes
-    exactly the reference's ids."""
-    from esftctl.kernels import reroute as module
-
-    table = torch.randint(0, 1 << 20, (21, 217), dtype=torch.int32, device="cuda")
-    buffer = torch.randint(-1, 20, (20000,), dtype=torch.int32, device="cuda")
-    for tokens in (5, 262, 1, 16384, 17, 262):
-        ids = torch.randint(0, 217, (tokens, 6), dtype=torch.int32, device="cuda")
-        out = torch.full_like(ids, -7)
-        assert torch.equal(module.reroute(ids, buffer, table, out=out),
-                           module.reroute_reference(ids, buffer[:tokens], table))
-    key = (ids.get_device(), torch.int32, torch.int32, torch.int32, torch.int32)
-    assert module._launchers[key] is not None  # the direct launch is what ran after the first call
-    with pytest.raises(AssertionError, match="fewer adapter ids"):
-        module.reroute(ids, buffer[:10], table)
-
-
-def test_reroute_in_cuda_graph():
-    from esftctl.kernels.reroute import reroute, reroute_reference
-
-    tokens, top_k, experts, slots = 256, 6, 64, 10
-    ids = torch.zeros(tokens, top_k, dtype=torch.int32, device="cuda")
-    adapter_ids = torch.zeros(tokens, dtype=torch.int32, device="cuda")
-    table = torch.zeros(slots + 1, experts, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(ids)
-    reroute(ids, adapter_ids, table, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        reroute(ids, adapter_ids, table, out=out)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        ids.copy_(torch.randint(0, experts, ids.shape, device="cuda"))
-        adapter_ids.copy_(torch.randint(-1, slots, adapter_ids.shape, device="cuda"))
-        table.copy_(torch.randint(0, 1000, table.shape, device="cuda"))
-        graph.replay()
-        assert torch.equal(out, reroute_reference(ids, adapter_ids, table))
-
-
-@pytest.mark.parametrize("tokens", [1, 5, 16, 333, 4096])
-@pytest.mark.parametrize("experts,top_k", [(64, 6), (16, 4), (160, 8), (8, 2)])
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_router_kernel_matches_reference(tokens, experts, top_k, renormalize):
-    from esftctl.kernels.router import topk_softmax_reroute, topk_softmax_reroute_reference
-
-    logits = torch.randn(tokens, experts, device="cuda") * 3  # float32: ties have probability zero
-    slots = 7
-    table = torch.randint(0, 1 << 16, (slots + 1, experts), dtype=torch.int32, device="cuda")
-    adapter_ids = torch.randint(-1, slots, (tokens,), dtype=torch.int32, device="cuda")
-    for args in ((), (adapter_ids, table)):
-        want_w, want_ids = topk_softmax_reroute_reference(logits, top_k, *args, renormalize=renormalize)
-        out = (torch.full_like(want_w, float("nan")), torch.full_like(want_ids, -7))  # poisoned
-        got_w, got_ids = topk_softmax_reroute(logits, top_k, *args, renormalize=renormalize, out=out)
-        assert torch.equal(got_ids, want_ids)
-        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
-
-
-def test_router_kernel_breaks_ties_by_lower_id():
-    from esftctl.kernels.router import topk_softmax_reroute
-
-    logits = torch.zeros(3, 16, dtype=torch.bfloat16, device="cuda")
-    logits[1, 9] = 1.0
-    weights, ids = topk_softmax_reroute(logits, 4)
-    assert ids.tolist() == [[0, 1, 2, 3], [9, 0, 1, 2], [0, 1, 2, 3]]
-    torch.testing.assert_close(weights[0], torch.full((4,), 1 / 16, device="cuda"))
 
 
 def test_staged_rows_stay_in_pinned_host_memory(pool):

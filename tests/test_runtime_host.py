@@ -1,4 +1,5 @@
-"""Runtime core on the host backend: page sharing, virtual MoE layers, adapter slots, rerouting."""
+"""Runtime core on the host backend: page sharing, virtual MoE layers, adapter slots, rerouted layers (the reroute
+and router kernels themselves: tests/test_kernel_reroute.py, tests/test_kernel_router.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import load_staged, refused_when_written_wrong
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights
-from esftctl.kernels.reroute import reroute, reroute_reference
+from esftctl.kernels.reroute import reroute
 from esftctl.runtime.adapters import AdapterSlots
 from esftctl.runtime.address_space import HostAddressSpace
 from esftctl.runtime.moe_layer import VirtualMoELayer
@@ -272,27 +273,6 @@ def test_rerouted_virtual_layer_equals_merged_models():
     layer.close()
 
 
-# ---- rerouting on the CPU ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("tokens,top_k,experts,slots", [(1, 1, 4, 1), (7, 6, 64, 3), (300, 4, 16, 20)])
-def test_reroute_reference_semantics(tokens, top_k, experts, slots):
-    g = torch.Generator().manual_seed(tokens)
-    table = torch.randint(0, 10_000, (slots + 1, experts), generator=g, dtype=torch.int32)
-    ids = torch.randint(0, experts, (tokens, top_k), generator=g, dtype=torch.int32)
-    adapter_ids = torch.randint(-1, slots, (tokens,), generator=g, dtype=torch.int32)
-    out = reroute_reference(ids, adapter_ids, table)
-    for t in range(tokens):
-        row = slots if adapter_ids[t] < 0 else int(adapter_ids[t])
-        assert out[t].tolist() == [int(table[row, int(e)]) for e in ids[t]]
-    assert out.dtype == ids.dtype
-    in_place = ids.clone()
-    reroute(in_place, adapter_ids, table, out=in_place)
-    assert torch.equal(in_place, out)
-    # the engine passes its whole per-token buffer, planned for the largest step: the first `tokens` entries count
-    buffer = torch.cat([adapter_ids, torch.full((50,), slots - 1, dtype=torch.int32)])
-    assert torch.equal(reroute(ids, buffer, table), out)
-
-
 def test_failed_load_rolls_back_every_layer():
     first, second = _layer(), _layer()
     slots = AdapterSlots({1: first, 2: second})
@@ -355,20 +335,6 @@ def test_an_adapter_that_does_not_reach_the_kernel_is_refused_and_undone(paged, 
     assert set(slots.adapters) == {"good"} and first.table[1].tolist() == list(range(E))
     first.close()
     second.close()
-
-
-def test_router_reference_on_cpu():
-    from esftctl.kernels.router import topk_softmax_reroute
-
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(10, 8, generator=g)
-    table = torch.arange(8, dtype=torch.int32).repeat(3, 1)
-    table[1, 3] = 42
-    adapter_ids = torch.tensor([1] * 10, dtype=torch.int32)
-    weights, ids = topk_softmax_reroute(logits, 2, adapter_ids, table, renormalize=True)
-    top = torch.softmax(logits, -1).topk(2)
-    assert torch.equal(ids, torch.where(top.indices == 3, 42, top.indices).to(torch.int32))
-    torch.testing.assert_close(weights, top.values / top.values.sum(-1, keepdim=True))
 
 
 def test_page_runs():

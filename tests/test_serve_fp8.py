@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import engine_settings, server_args
-from test_fp8 import quantize_model
-from test_serve import ADAPTER_SCALE, prompts_of, random_base, reference, serve_concurrently
+from test_formats_fp8 import quantize_model
+from test_serve_adapters import ADAPTER_SCALE, prompts_of, random_base, reference, serve_concurrently
 
 from esftctl.formats.bundle import Bundle
 from esftctl.merge import merge

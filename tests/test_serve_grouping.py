@@ -13,7 +13,7 @@ import json
 
 import pytest
 from conftest import engine_settings
-from test_serve import prompts_of, serve_exactly
+from test_serve_adapters import prompts_of, serve_exactly
 
 from esftctl.runtime.adapter_groups import STATS_FILE, AdapterGroups
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import engine_settings, has_gpu
 from rich.console import Console
-from test_serve import prompts_of, serve_exactly
+from test_serve_adapters import prompts_of, serve_exactly
 
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.serve_client import status_table

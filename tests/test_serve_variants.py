@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import engine_settings, plain_vllm, run_cli, server_args
-from test_serve import ENGINE_ARGS, LOGPROBS, MAX_TOKENS, prompts_of, serve_concurrently
+from test_serve_adapters import ENGINE_ARGS, LOGPROBS, MAX_TOKENS, prompts_of, serve_concurrently
 
 from esftctl.consolidate import consolidate, materialize
 from esftctl.errors import EsftError

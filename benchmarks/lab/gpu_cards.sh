@@ -22,7 +22,7 @@
 #   of code the bench has not run on a GPU yet, while the other card generates its base: the bench then starts
 #   later and its budget should leave room for it); its output in /tmp/bench/before-k.log.
 #   AFTER: a command the first card to finish its bench runs next, on that card alone, with OUT=/tmp/bench (e.g.
-#   AFTER="bash benchmarks/lab/gpu_tests.sh kernels tests/test_row_checksum.py": GPU tests in the time the other
+#   AFTER="bash benchmarks/lab/gpu_tests.sh kernels tests/test_kernel_row_checksum.py": GPU tests in the time the other
 #   card still measures, a busier neighbour for it: prefer kernel tests to vLLM servers; its output in
 #   /tmp/bench/after.log, which collect.sh packs with the logs).
 # Needs ../shared/gpu/README.md's install.

@@ -18,9 +18,9 @@ export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_
 mkdir -p /tmp/fold
 pack() { tar -czf /tmp/fold.tgz -C /tmp fold 2>/dev/null; echo "[$(date +%T)] $1"; }
 
-OUT=/tmp/fold bash benchmarks/lab/gpu_tests.sh fold-tests tests/test_vllm_topk.py \
-  "tests/test_serve.py::test_other_architecture_served_exactly[deepseek_v3]" \
-  "tests/test_serve.py::test_other_architecture_served_exactly[glm4_moe]"
+OUT=/tmp/fold bash benchmarks/lab/gpu_tests.sh fold-tests tests/test_runtime_vllm_topk.py \
+  "tests/test_serve_adapters.py::test_other_architecture_served_exactly[deepseek_v3]" \
+  "tests/test_serve_adapters.py::test_other_architecture_served_exactly[glm4_moe]"
 tests=$?
 pack "tests: exit $tests"
 

@@ -13,7 +13,7 @@ with the same recipe reuses it, another recipe starts over.
 
 `PROMISE` is what the quick start promises, and `verdict` checks it: the base weak on every task and competent
 on the general mixture, every adapter strong on its task without raising the general loss. A test asserts it on
-the world CI builds (tests/test_quickstart.py), so a change that breaks the demonstration fails CI.
+the world CI builds (tests/test_pipeline_quickstart.py), so a change that breaks the demonstration fails CI.
 
 Retention is compared as perplexity, exp(loss), not as loss: a converged base's general loss is a few thousandths of a
 nat per token or less, where one example of 300 going from 99.9% to 99% sure doubles the loss. "Within 5% of the base's"

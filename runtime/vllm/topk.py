@@ -18,12 +18,12 @@ a vLLM without `grouped_topk` or `_compute_routing` where this looks for them on
 
 On an H200 (vLLM 0.25.0) the serving exactness tests passed with it for deepseek_v2 (CUDA graphs, and paged with
 graphs), deepseek_v3 and glm4_moe (benchmarks/RESULTS.md, Exactness), and a folded step launched no reroute kernel
-(tests/test_vllm_topk.py), so it is on by default; ESFTCTL_FOLD_REROUTE=0 in the server's environment turns it off
-(`enabled`). There, on the DeepSeek-V2-Lite-shaped model at batch 2, a decode step took 4.126 ms with it, 4.227 without,
-and 4.118 in plain vLLM (benchmarks/RESULTS.md, Rerouting cost): the lookup fused into the cast costs about 0.7 us a
-layer where the reroute kernel cost 1.5-2.6 (benchmarks/lab/profile_step.py's kernel diff). The CPU build routes with
-its own router, so there only the unit tests (vLLM's GroupedTopKRouter called directly) run it. On CUDA, vLLM computes a
-router with a score-correction bias (DeepSeek-V3's) in its own CUDA op inside the compiled function
+(tests/test_runtime_vllm_topk.py), so it is on by default; ESFTCTL_FOLD_REROUTE=0 in the server's environment turns it
+off (`enabled`). There, on the DeepSeek-V2-Lite-shaped model at batch 2, a decode step took 4.126 ms with it, 4.227
+without, and 4.118 in plain vLLM (benchmarks/RESULTS.md, Rerouting cost): the lookup fused into the cast costs about 0.7
+us a layer where the reroute kernel cost 1.5-2.6 (benchmarks/lab/profile_step.py's kernel diff). The CPU build routes
+with its own router, so there only the unit tests (vLLM's GroupedTopKRouter called directly) run it. On CUDA, vLLM
+computes a router with a score-correction bias (DeepSeek-V3's) in its own CUDA op inside the compiled function
 (VLLM_USE_FUSED_MOE_GROUPED_TOPK, on by default): its ids are int32 already, so the lookup is an Inductor kernel of its
 own there, one kernel for one kernel, exact all the same.
 """

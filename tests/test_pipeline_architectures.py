@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_cli
 from safetensors.torch import load_file
-from test_esft_adapter import assert_nothing_written, cli, manifest, write_adapter
+from test_formats_esft_adapter import assert_nothing_written, cli, manifest, write_adapter
 
 from esftctl.consolidate import ExpertMap
 from esftctl.formats.bundle import Bundle
@@ -94,7 +94,7 @@ def test_offline_pipeline(arch, world, tmp_path, capsys):
 def test_gpt_oss_experts_and_routing_are_read_as_transformers_has_them(tiny_models):
     """Expert e of a layer: gate and up the even and odd columns of gate_up_proj[e] (x @ W), transposed, their
     biases alike, down transposed; a token's experts the top-k of router logits W h + b; written back in place."""
-    from test_routing import _relevance_of_ids
+    from test_pipeline_routing import _relevance_of_ids
     from transformers import AutoModelForCausalLM
 
     from esftctl.relevance import scoring_device
@@ -191,7 +191,7 @@ def test_unknown_expert_layouts_and_mxfp4_are_refused(tiny_models, tmp_path, cap
     code, err = cli(capsys, "pack", quantized, tiny_models["gpt_oss"], "--out", tmp_path / "b", "--name", "x")
     assert code == 1 and err.count("\n") == 1 and "experts quantized with mxfp4 (expert tensors BF16, U8)" in err
 
-    # served with adapters (tests/test_serve.py), but not paged: the pager moves weight rows, not bias rows
+    # served with adapters (tests/test_serve_adapters.py), but not paged: the pager moves weight rows, not bias rows
     code, err = cli(capsys, "serve", tiny_models["gpt_oss"], "--paging-window", "1")
     assert code == 1 and err.count("\n") == 1 and "--paging-window with gpt_oss is not supported yet" in err
 

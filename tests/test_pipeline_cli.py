@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import run_cli
-from test_checkpoint import EXPECTED
+from test_formats_checkpoint import EXPECTED
 
 
 def test_help_lists_commands():

@@ -393,8 +393,8 @@ def test_paging_with_cuda_graphs_served_exactly(architecture, world, tmp_path):
     (and the adapters') read from host memory, the routed rows fetched in decode steps and whole layers ahead in
     prefills (--paging-fetch auto); the second layer, alone in its block, parked there. Qwen2-MoE (4): the same with
     the adaptive planner, which on these tiny models keeps every layer outside the window resident from the start
-    and parks the window's two, one a block (its start: test_vllm_model.py; residency changes under captured
-    graphs: test_paging.py's replays)."""
+    and parks the window's two, one a block (its start: test_runtime_vllm_model.py; residency changes under captured
+    graphs: test_runtime_paging.py's replays)."""
     base = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
     store = tmp_path / "store"
     run_cli("compress", base, "--out", store, check=True)

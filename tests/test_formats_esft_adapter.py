@@ -16,7 +16,7 @@ import torch
 from conftest import run_cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_untrusted_bundles import deadline, mutate_data, mutate_manifest
+from test_formats_untrusted_bundles import deadline, mutate_data, mutate_manifest
 
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle
@@ -353,7 +353,7 @@ def test_export_refusals(base, tmp_path, capsys):
 def test_imported_adapter_served_equals_its_merged_model(world, tmp_path):
     """An adapter folder in the spelling of DeepSeek's released adapters, imported, served by `esftctl serve`
     beside the base: the greedy tokens of its merged model served alone by plain vLLM."""
-    from test_serve import ADAPTER_SCALE, ENGINE_ARGS, complete, prompts_of, reference, serve_concurrently
+    from test_serve_adapters import ADAPTER_SCALE, ENGINE_ARGS, complete, prompts_of, reference, serve_concurrently
 
     from esftctl.merge import merge
     from esftctl.serve import Server, free_port, plan

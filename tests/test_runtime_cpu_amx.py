@@ -1,7 +1,7 @@
 """esftctl's vLLM plugin asks Linux for the AMX tile registers before vLLM's own CPU kernels use them.
 
 Without it, `esftctl serve` on an AMX CPU lost its engine worker to SIGILL (exit code -4) at the first adapter
-request (Qwen2-MoE, OLMoE and GPT-OSS, 2026-11-25 to -27; GPT-OSS in CI); test_serve's other-architecture cases
+request (Qwen2-MoE, OLMoE and GPT-OSS, 2026-11-25 to -27; GPT-OSS in CI); test_serve_adapters's other-architecture cases
 cover the serving side.
 """
 

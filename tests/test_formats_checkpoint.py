@@ -237,7 +237,7 @@ def test_index_names_only_files_of_the_folder(tiny_models, tmp_path, monkeypatch
 def opened_or_refused(case: Path, *, fp8: bool = False, every_expert: bool = False) -> str:
     """A fuzz case of a model folder: 'accepted' if it opens, is described and its first expert (or every one) is
     read; 'refused' if that stops with one line naming the folder; never another exception or a hang."""
-    from test_untrusted_bundles import deadline
+    from test_formats_untrusted_bundles import deadline
 
     from esftctl.describe import describe_path
 
@@ -256,13 +256,13 @@ def opened_or_refused(case: Path, *, fp8: bool = False, every_expert: bool = Fal
 
 
 def test_fuzz_checkpoint_configs(tiny_models, tmp_path):
-    """Random changes of tiny models' config.json values (the bundle fuzz's, tests/test_untrusted_bundles.py), fixed
-    seed, about 10 s over four architectures: refused in one line naming the folder's config, or opened, described
+    """Random changes of tiny models' config.json values (the bundle fuzz's, tests/test_formats_untrusted_bundles.py),
+    fixed seed, about 10 s over four architectures: refused in one line naming the folder's config, or opened, described
     and read; never another exception or a hang."""
     import random
     import time
 
-    from test_untrusted_bundles import mutate_manifest
+    from test_formats_untrusted_bundles import mutate_manifest
 
     rng = random.Random(5)
     outcomes = {"refused": 0, "accepted": 0}
@@ -332,7 +332,7 @@ def test_safetensors_header_is_validated(tmp_path, header, data, match):
 
 
 def test_fifo_shard_is_refused_at_once(tiny_models, tmp_path):
-    from test_untrusted_bundles import unblocked
+    from test_formats_untrusted_bundles import unblocked
 
     m = _copy(tiny_models["qwen3_moe"], tmp_path / "m")
     (m / "model.safetensors").unlink()

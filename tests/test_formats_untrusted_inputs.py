@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8 import fp8_world  # noqa: F401 (a fixture)
+from test_formats_fp8 import fp8_world  # noqa: F401 (a fixture)
 
 from esftctl.consolidate import MAP_FILE, ExpertMap, average, consolidate, materialize
 from esftctl.errors import EsftError

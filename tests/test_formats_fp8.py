@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import load_staged, refused_when_written_wrong
 from safetensors.torch import load_file, save_file
-from test_esft_adapter import cli
+from test_formats_esft_adapter import cli
 
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle
@@ -156,7 +156,7 @@ def test_bad_fp8_tensors_are_refused_naming_the_file(fp8_world, tmp_path):
 def _mutate_fp8(tensors: dict[str, torch.Tensor], config: dict, rng) -> None:
     """One random change of an FP8 checkpoint: an expert weight's or scale's shape, dtype or a scale's value, or a
     field of quantization_config."""
-    from test_untrusted_bundles import mutate_manifest
+    from test_formats_untrusted_bundles import mutate_manifest
 
     if rng.random() < 0.3:
         config["quantization_config"] = mutate_manifest(config["quantization_config"], rng)
@@ -185,7 +185,7 @@ def test_fuzz_fp8_checkpoints(fp8_world, tmp_path):
     import random
     import time
 
-    from test_checkpoint import opened_or_refused
+    from test_formats_checkpoint import opened_or_refused
 
     rng, base = random.Random(3), fp8_world["base"]
     tensors, config = load_file(base / "model.safetensors"), json.loads((base / "config.json").read_text())
@@ -356,7 +356,7 @@ class Fp8Experts(torch.nn.Module):
 
 
 def fp8_engine_model(ckpt: MoECheckpoint, experts: dict | None) -> torch.nn.Module:
-    from test_vllm_model import MoE, Router
+    from test_runtime_vllm_model import MoE, Router
 
     from esftctl.runtime.moe_layer import stack_experts
 
@@ -387,7 +387,7 @@ def test_vllm_glue_extends_fp8_weights_and_scales_alike(fp8_world, tmp_path, mon
     tensors with the same rows, the kernel's quant config is handed the scales' (it is where vLLM's Triton
     kernel reads them), and each token gets exactly its adapter's merged FP8 model."""
     import numpy as np
-    from test_vllm_model import run_layers
+    from test_runtime_vllm_model import run_layers
 
     from esftctl.runtime.vllm import model as vllm_model
     from esftctl.runtime.vllm.model import EsftModel

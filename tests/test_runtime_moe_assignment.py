@@ -3,7 +3,7 @@ takes its low-latency path when tokens x top_k x 4 <= the experts it is handed, 
 (base + adapter rows), so without this a batch of up to a quarter of the rows ran the slower path for its size
 (H100: 0.810 against 0.581 ms a step at batch 8). It aligns over every row, padded so that the kernel's EM falls
 in the base's classes mod 16 (`aligned_count`: Triton compiles a variant per class, on first use). The GPU tests of
-the kernel itself are in tests/test_vllm_triton_moe.py."""
+the kernel itself are in tests/test_runtime_vllm_triton_moe.py."""
 
 from __future__ import annotations
 

@@ -383,7 +383,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from esftctl.kernels.huffman_decode import DecodePlan
 from esftctl.formats.store import ExpertStore
-from test_untrusted_stores import TENSORS, _segment
+from test_formats_untrusted_stores import TENSORS, _segment
 store = ExpertStore(Path({store!r}))
 data, tables = store.to_device(torch.device("cpu"))
 guard = 64

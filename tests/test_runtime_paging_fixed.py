@@ -9,7 +9,16 @@ import random
 
 import pytest
 import torch
-from test_paging import DEVICES, LAYERS, E, Stack, make_weights, replays_follow_changes, resident_forward, tokens
+from test_runtime_paging import (
+    DEVICES,
+    LAYERS,
+    E,
+    Stack,
+    make_weights,
+    replays_follow_changes,
+    resident_forward,
+    tokens,
+)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, run_interpreted
+from conftest import run_cli
 
 from esftctl.errors import EsftError
 from esftctl.formats.huffman import (
@@ -229,38 +228,6 @@ def test_cli_compress_bundle_and_back(world, tmp_path):
     assert again.read_expert(2, 5).equal(original.read_expert(2, 5))
     d = json.loads(run_cli("inspect", tmp_path / "store", "--json", check=True).stdout)
     assert d["kind"] == "store" and d["values"] == 3 * 256 * 64
-
-
-INTERPRETED_DECODE = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from pathlib import Path
-from test_store import _store_of, _special_values, _heavy_tailed
-tensors = {{"specials": _special_values(3001, 1), "normal": (torch.randn(70, 50) * 0.02).to(torch.bfloat16),
-           "heavy": _heavy_tailed(999, 2), "one": torch.tensor([1.5], dtype=torch.bfloat16),
-           "constant": torch.full((333,), 0.25, dtype=torch.bfloat16)}}
-for chunk, scope in ((16, "layer"), (64, "tensor"), (48, "layer")):  # "tensor": a one-symbol code
-    store = _store_of(tensors, Path({tmp!r}) / f"s{{chunk}}", chunk=chunk, table_scope=scope)
-    outs = [(n, torch.full(t.shape, float("nan"), dtype=torch.bfloat16)) for n, t in tensors.items()]
-    store.plan(outs).run()
-    for n, out in outs:
-        assert torch.equal(out.view(torch.int16), tensors[n].view(torch.int16)), (chunk, n)
-    # Paging's masked run: tensor k is row k; only rows needed and below the first host row are decoded.
-    outs = [(n, torch.full(t.shape, float("nan"), dtype=torch.bfloat16)) for n, t in tensors.items()]
-    needed, first_host = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
-    store.plan(outs, rows=list(range(len(outs)))).run(needed, first_host)
-    for k, (n, out) in enumerate(outs):
-        decoded = k in (0, 2)
-        assert torch.equal(out.view(torch.int16), tensors[n].view(torch.int16)) if decoded else out.isnan().all()
-print("ok")
-"""
-
-
-def test_triton_decoder_in_the_interpreter(tmp_path):
-    """The GPU kernel's logic, run by Triton's CPU interpreter, so machines without a GPU check it too."""
-    pytest.importorskip("triton")
-    code = INTERPRETED_DECODE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
-    run_interpreted(code)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from test_store import _store_of
+from test_formats_store import _store_of
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import ExpertWeights

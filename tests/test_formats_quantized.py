@@ -1,6 +1,6 @@
 """Quantized checkpoints: `esftctl inspect` names the method it found (from the config and from the expert tensors'
 dtypes), and every command that reads expert weights refuses them in one line naming it, writing nothing; pack and
-merge take FP8 bases with block scales (tests/test_fp8.py) and refuse FP8 experts whose config was lost."""
+merge take FP8 bases with block scales (tests/test_formats_fp8.py) and refuse FP8 experts whose config was lost."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_cli
 from safetensors.torch import save_file
-from test_esft_adapter import cli
+from test_formats_esft_adapter import cli
 
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.world.synthetic import write_synthetic_adapter

@@ -145,7 +145,7 @@ def test_a_captured_fetch_follows_its_settings_and_sources():
 
 @pytest.mark.gpu
 def test_masked_decode_writes_only_needed_rows_below_the_host_tier(tmp_path):
-    from test_store import _store_of
+    from test_formats_store import _store_of
 
     experts, inter, hidden = 6, 32, 64
     g = torch.Generator().manual_seed(5)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 from conftest import run_cli
-from test_esft_adapter import assert_nothing_written, cli, expert_tensors, manifest, write_adapter
+from test_formats_esft_adapter import assert_nothing_written, cli, expert_tensors, manifest, write_adapter
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
@@ -69,7 +69,7 @@ def test_ambiguous_refused_explicit_honoured_and_checked(tmp_path):
     ({"experts": {}, "non_expert_modules": 0}, "non_expert_modules must be true or false, not 0"),
 ])
 def test_expert_config_types_are_json_types(tmp_path, config, match):
-    """What the ESFT adapter fuzz (tests/test_esft_adapter.py) found: ids and flags must be JSON's own types."""
+    """What the ESFT adapter fuzz (tests/test_formats_esft_adapter.py) found: ids and flags must be JSON's own types."""
     where = tmp_path / "expert_cfg.json"
     where.write_text(json.dumps(config))
     with pytest.raises(EsftError, match=rf"^\S*expert_cfg.json: {match}"):
