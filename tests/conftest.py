@@ -28,6 +28,51 @@ def has_vllm() -> bool:
         return False
 
 
+# The quick subset (`bash tests/run.sh -m quick`, under 3 minutes on 2 cores): every test that needs neither vLLM's
+# engine (`vllm`), a GPU (`gpu`), nor the tiny world (the `world` fixture, directly or through another fixture), less
+# the files and tests below, each measured at more than 2 s on a 2-core machine (`--durations`). The whole suite,
+# `bash tests/run.sh`, still runs every test.
+NOT_QUICK_FILES = {
+    "test_bench_offline.py",  # every offline command in a child process: 20 s
+    "test_project_packaging.py",  # builds the wheel: 13 s
+    "test_formats_quantized.py",  # inspect in a child per quantization method: 8 s
+}
+NOT_QUICK_TESTS = {  # file: test functions (every parametrization), each one's seconds as measured
+    "test_bench_esft.py": {"test_cli_refuses_bad_options_in_one_line"},  # 9.5
+    "test_bench_serve_slices.py": {"test_report_only_from_the_command_line",  # 4.6
+                                   "test_the_cards_of_a_host_each_take_their_own_rounds"},  # 2.8
+    "test_bench_traffic.py": {"test_gamma_arrivals_through_vllms_generator_have_the_asked_cv"},  # 3.2
+    "test_formats_checkpoint.py": {"test_fuzz_checkpoint_configs",  # 10
+                                   "test_ctrl_c_while_reading_is_an_interrupt"},  # 3
+    "test_formats_esft_adapter.py": {"test_fuzz_esft_adapters"},  # 5.7
+    "test_formats_fp8.py": {"test_fuzz_fp8_checkpoints",  # 8
+                            "test_vllm_glue_extends_fp8_weights_and_scales_alike"},  # 2.7
+    "test_formats_untrusted_bundles.py": {"test_cli_refuses_crafted_bundles_with_one_line",  # 4.9
+                                          "test_fuzz_bundles"},  # 2.4
+    "test_formats_untrusted_stores.py": {"test_cli_refuses_crafted_stores_in_one_line",  # 14.6
+                                         "test_fuzz_stores",  # 2.5
+                                         "test_triton_decoder_stays_inside_its_buffers_in_the_interpreter",  # 2.2
+                                         "test_version_2_stores_are_read_only_when_asked_for_and_say_they_are_"
+                                         "unprotected"},  # 3.4
+    "test_kernel_huffman_decode.py": {"test_triton_decoder_in_the_interpreter"},  # 6.1
+    "test_pipeline_cli.py": {"test_inspect_json",  # 3.2
+                             "test_help_shows_choices_and_no_bool_placeholders"},  # 2.2
+    "test_pipeline_config_layer_base.py": {"test_pack_reads_a_configs_numbering_and_refuses_to_guess"},  # 2.2
+    "test_pipeline_consolidate.py": {"test_cli"},  # 7.2
+    "test_pipeline_offline.py": {"test_cli_pack_merge_inspect"},  # 8.6
+    "test_runtime_launcher.py": {"test_a_killed_launcher_takes_its_server_with_it"},  # 3.3
+    "test_runtime_vllm_topk.py": {"test_folded_routing_gives_vllms_weights_and_the_rerouted_ids"},  # 7.6
+}
+
+
+def quick(item) -> bool:
+    """Whether `item` belongs to the quick subset (the rule above NOT_QUICK_FILES)."""
+    if "gpu" in item.keywords or "vllm" in item.keywords or "world" in getattr(item, "fixturenames", ()):
+        return False
+    name = getattr(item, "originalname", item.name)
+    return item.path.name not in NOT_QUICK_FILES and name not in NOT_QUICK_TESTS.get(item.path.name, ())
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_vllm = pytest.mark.skip(reason="needs vLLM (install the [cpu] or [cuda] extra)")
@@ -36,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords and not has_vllm():
             item.add_marker(skip_vllm)
+        if quick(item):
+            item.add_marker(pytest.mark.quick)
 
 
 FREE_AT_START = pytest.StashKey[float]()

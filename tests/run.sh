@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests need (once), lint (ruff, configured in pyproject.toml), then run the tests.
-# Extra arguments go to pytest.
+# Extra arguments go to pytest: `bash tests/run.sh -m quick` runs the quick subset (tests/conftest.py marks it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
