@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from rich import box
 from rich.table import Table
 
 from esftctl.errors import EsftError
@@ -82,11 +83,11 @@ def bundle_set_table(s: dict) -> Table:
     ads = s["adapters"]
     title = (f"{len(ads)} adapter(s): E_max {s['e_max']}, padding would hold {s['padded_experts']} experts for "
              f"{s['total_experts']} (fragmentation factor {s['fragmentation_factor']:.2f})")
-    table = Table(title=title, header_style="bold")
-    table.add_column("adapter")
-    table.add_column("experts per MoE layer")
-    for col in ("total", "max", "mean", "sparsity", "expert bytes", "bundle file"):
-        table.add_column(col, justify="right")
+    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("adapter", overflow="fold", min_width=10)  # folded, never cut: names are what requests use
+    table.add_column("experts per MoE layer", overflow="fold", min_width=10)  # every layer's count, folded
+    for col in ("total", "max", "mean", "sparsity", "expert\nbytes", "bundle\nfile"):
+        table.add_column(col, justify="right", no_wrap=True)
     for d in ads:
         table.add_row(d["name"], " ".join(map(str, d["experts_per_layer"])), str(d["total_experts"]),
                       str(d["max_experts_per_layer"]), f"{d['mean_experts_per_layer']:.2f}",
