@@ -27,7 +27,7 @@ as vLLM reads them), this middleware checks it first, on every path, in constant
   its last running request finishes (EsftWorkerManager.remove_adapter).
 - Any other route that reaches vLLM's adapter load or unload handlers (SageMaker's /adapters, found by reading the
   app's routes at start-up: esftctl.runtime.vllm.routes) is 403: it would skip these checks.
-- A body nested too deeply for the JSON parser is 400, as any other body that is not JSON.
+- A load or unload body nested too deeply for the JSON parser is 400 (one that is no JSON goes on to vLLM's answer).
 Every other request goes to vLLM untouched.
 """
 
