@@ -54,7 +54,12 @@ def _walk_nofollow(dir_fd: int, relative: str, flags: int) -> int:
         for part in Path(relative).parts:
             if part in ("..", "/"):
                 raise OSError(errno.EXDEV, "leaves the root")
-            nxt = os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                nxt = os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
+            except NotADirectoryError:  # O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR, not ELOOP
+                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise OSError(errno.ELOOP, "a symbolic link") from None
+                raise
             os.close(fd)
             fd = nxt
         return fd

@@ -221,6 +221,30 @@ def test_a_folder_is_opened_beneath_the_root_or_refused(bundles, tmp_path):
         (root / link).unlink()
 
 
+def test_without_openat2_a_link_met_on_the_way_is_refused(bundles, monkeypatch):
+    """Where the kernel (or a seccomp filter) has no openat2, the folder is opened a component at a time without
+    following links, along the path as resolved just before: a link that appears on that path in between (here: the
+    resolution made to miss it) is refused as one, whether it points out of the root or not."""
+    import errno
+
+    from esftctl import beneath
+
+    def no_openat2(*args):
+        raise OSError(errno.ENOSYS, "openat2")
+    monkeypatch.setattr(beneath, "_openat2", no_openat2)
+    root, base, inside, outside = bundles
+    with PinnedFolder.beneath(root, inside) as pinned:
+        assert Bundle.open(inside, pinned=pinned).name == "inside"
+    monkeypatch.setattr(beneath.os.path, "realpath", lambda path: str(path))  # the link came after the resolution
+    for target in (outside, inside):
+        (root / "link").symlink_to(target)
+        try:
+            with pytest.raises(OutsideRoot, match="through a symbolic link"):
+                PinnedFolder.beneath(root, root / "link")
+        finally:
+            (root / "link").unlink()
+
+
 def test_a_pinned_bundle_reads_the_folder_it_opened(bundles, tmp_path):
     """Once opened, the folder's files are read through their descriptors: renaming the folder away and putting a
     link to another bundle in its place changes nothing of what is read."""
