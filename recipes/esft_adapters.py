@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -26,10 +27,12 @@ from esftctl.world.models import quiet_transformers
 
 def scores_table(adapters: list[Adapter], general_examples: int) -> Table:
     table = Table(title=f"held-out task exact match, and retention on the held-out general mixture "
-                        f"({general_examples} examples)", header_style="bold")
-    for col in ("adapter", "experts per layer", "task exact: base", "ESFT", "general exact",
-                "general loss (nats/token)", "perplexity vs base"):
-        table.add_column(col, justify="right")
+                        f"({general_examples} examples; loss in nats a token)", header_style="bold",
+                  box=box.SIMPLE_HEAD, pad_edge=False)  # fits 80 columns
+    table.add_column("adapter", overflow="fold", min_width=11)
+    for col in ("experts\nper layer", "task exact\nbase", "\nESFT", "general\nexact", "general\nloss",
+                "perplexity\nvs base"):
+        table.add_column(col, justify="right", no_wrap=True)
     base = adapters[0].base
     table.add_row("base", "", "", "", f"{base.general_exact:.0%}", f"{base.general_loss:.4f}", "")
     for a in adapters:
