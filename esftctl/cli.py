@@ -182,8 +182,9 @@ def pack(
     layer_base: int = typer.Option(None, "--layer-base", metavar="[0|1]",
                                    help="How the expert config (--config, or an adapter folder's expert_cfg.json) "
                                         "numbers layers: 0 (DeepSeek's ESFT code) or 1 (some other tools). Default: "
-                                        "the one numbering under which its keys are MoE layers of the base; a config "
-                                        "that fits both is refused."),
+                                        "the one numbering under which its keys are MoE layers of the base; where "
+                                        "both fit, a full fine-tune decides (the numbering under which exactly the "
+                                        "listed experts changed), and an adapter folder's config is refused."),
     overwrite: Overwrite = False,
     as_json: AsJson = False,
 ) -> None:
@@ -203,10 +204,15 @@ def pack(
                          layer_base=layer_base, on_layer=lambda layer: progress.advance(task))
     description = Bundle.open(out).describe()
     if as_json:
-        print(json.dumps({**description, "config_layer_base": report.layer_base}, indent=2))
+        print(json.dumps({**description, "config_layer_base": report.layer_base,
+                          "config_layer_base_decided_by_finetune": report.layer_base_decided}, indent=2))
         return
     console.print(render(description))
-    if layer_base is None and report.layer_base == 1:
+    if report.layer_base_decided:
+        console.print(f"[yellow]note:[/] the expert config's layer keys fit the base both 0- and 1-based; read "
+                      f"{report.layer_base}-based, the numbering under which the fine-tune changed exactly the listed "
+                      "experts (--layer-base overrides)")
+    elif layer_base is None and report.layer_base == 1:
         console.print("[yellow]note:[/] the expert config's layer keys were read 1-based (only that way are they "
                       "MoE layers of the base)")
     if report.unchanged_listed:

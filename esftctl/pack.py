@@ -5,6 +5,8 @@ outside the routed experts unless told to include such changes. Without an exper
 exactly the experts that changed; with one, every changed expert must be listed in it. A DeepSeek ESFT adapter
 folder (expert_cfg.json beside the trained parameters only) is imported instead: esftctl/formats/esft_adapter.py.
 An FP8 base (block-quantized experts) takes fine-tunes in its own FP8 form or in bf16: esftctl/pack_fp8.py.
+An expert config whose layer keys fit the base both 0- and 1-based is read the way under which exactly the listed
+experts changed (esftctl.selection.decide_reading), and the report says so.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from esftctl.formats.checkpoint import MoECheckpoint, finite_expert
 from esftctl.formats.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter
 from esftctl.names import check_name
 from esftctl.pack_fp8 import plain_over_fp8
-from esftctl.selection import LAYER_BASES, ExpertConfig
+from esftctl.selection import LAYER_BASES, ExpertConfig, decide_reading
 
 
 class StoredBytes:
@@ -130,14 +132,18 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
     if plain is None:
         _check_same_model(base, tuned)
     config = used_base = None
-    if config_file is not None:
-        config, used_base = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts,
-                                                  layer_base=layer_base)
+    readings = {}
+    if config_file is not None:  # read before the long comparison; of two numberings, the fine-tune decides
+        readings = ExpertConfig.load(config_file).readings(base.moe_layers, base.num_experts, layer_base=layer_base,
+                                                           path=config_file)
     if out.exists() and not overwrite:
         raise EsftError("output already exists (choose another path or pass --overwrite)", out)
 
     changed = changed_experts(base, tuned, on_layer) if plain is None else plain.changed_experts(on_layer)
     check_comes_from(base, tuned, changed)
+    decided = False
+    if readings:
+        config, used_base, decided = decide_reading(readings, changed, base.moe_layers, config_file)
     non_expert = changed_non_expert(base, tuned) if plain is None else plain.changed_non_expert()
     if non_expert and not include_non_expert:
         routers = {base.arch.router_tensor(l) for l in base.moe_layers}
@@ -150,7 +156,8 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
                     + (f"; {len(changed_routers)} of them routers)" if changed_routers else ")"))
         raise EsftError(f"the fine-tune changed {what}; ESFT adapters change routed experts only: pass "
                         "--include-non-expert to pack them anyway", tuned.path)
-    report = PackReport(name, out, {}, non_expert_changed=non_expert, layer_base=used_base)
+    report = PackReport(name, out, {}, non_expert_changed=non_expert, layer_base=used_base,
+                        layer_base_decided=decided)
     if config is None:
         report.experts = {l: ids for l, ids in changed.items() if ids}
     else:

@@ -12,8 +12,9 @@ Other tools number them from 1: a public AWS sample trains ESFT on Qwen3-MoE, wh
 1-based keys (for a 48-layer Qwen3-MoE, 1-48). Read 0-based, such a config names every expert one layer off. So a
 config read from a file is checked against the model (`ExpertConfig.numbered_from_zero`): keys that fit its MoE
 layers only one way (key 48 of 48 layers; key 0, or a dense layer's key under the other numbering) are read that
-way, and a config that fits both ways (keys 1-47 of an all-MoE model) is refused until `--layer-base 0|1` says
-which. Whatever esftctl writes is 0-based.
+way. A config that fits both ways (keys 1-47 of an all-MoE model) is read, when a full fine-tune is packed, the
+way under which exactly the listed experts changed (decide_reading); where the fine-tune does not decide, and for
+an adapter folder, it is refused until `--layer-base 0|1` says which. Whatever esftctl writes is 0-based.
 """
 
 from __future__ import annotations
@@ -136,6 +137,21 @@ class ExpertConfig:
         experts = {layer - chosen: ids for layer, ids in self.experts.items()}
         return ExpertConfig(experts, self.shared_experts, self.non_expert_modules, dict(self.extra)), chosen
 
+    def readings(self, moe_layers: Sequence[int], num_experts: int, *, layer_base: int | None = None,
+                 path: Path | None = None) -> dict[int, "ExpertConfig"]:
+        """{base: this config read with that base, 0-based and checked} for every base its keys fit (only
+        `layer_base` if given): where both fit, the caller that has a full fine-tune lets it decide
+        (decide_reading); refused where none does."""
+        if layer_base is not None or len([b for b in LAYER_BASES if _misfit(self.experts, b, moe_layers) is None]) < 2:
+            config, used = self.numbered_from_zero(moe_layers, layer_base=layer_base, path=path)
+            found = {used: config}
+        else:
+            found = {b: ExpertConfig({layer - b: ids for layer, ids in self.experts.items()}, self.shared_experts,
+                                     self.non_expert_modules, dict(self.extra)) for b in LAYER_BASES}
+        for config in found.values():
+            config.validate(moe_layers, num_experts, path)
+        return found
+
     def validate(self, moe_layers: Sequence[int], num_experts: int, path: Path | None = None) -> None:
         for layer, ids in self.experts.items():
             if layer not in moe_layers:
@@ -153,3 +169,31 @@ def _misfit(experts: Mapping[int, Sequence[int]], base: int, moe_layers: Sequenc
             named = f"layer {layer} is" if base == 0 else f"key {key} would be layer {layer},"
             return f"{named} not a MoE layer"
     return None
+
+
+def decide_reading(readings: dict[int, ExpertConfig], changed: Mapping[int, Sequence[int]], moe_layers: Sequence[int],
+                   path: Path | None = None) -> tuple[ExpertConfig, int, bool]:
+    """(the config, its base, whether the fine-tune decided) among `readings` (ExpertConfig.readings) for a full
+    fine-tune whose changed experts are `changed` {layer: ids}: one reading is taken as it is; of two, the one under
+    which exactly the listed experts changed, else the only one that lists every changed expert; refused where both
+    or neither fit, asking for --layer-base."""
+    if len(readings) == 1:
+        (base, config), = readings.items()
+        return config, base, False
+    moved = {(layer, e) for layer, ids in changed.items() for e in ids}
+
+    def listed(config: ExpertConfig) -> set[tuple[int, int]]:
+        return {(layer, e) for layer, ids in config.experts.items() for e in ids}
+    covering = [b for b, c in readings.items() if moved <= listed(c)]
+    exact = [b for b in covering if moved == listed(readings[b])]
+    chosen = exact if len(exact) == 1 else covering
+    where = f"MoE layers counted from 0: {format_ranges(moe_layers)}"
+    if len(chosen) == 1:
+        return readings[chosen[0]], chosen[0], True
+    if not chosen:
+        raise EsftError(f"the expert config's layer keys fit the model both 0-based and 1-based ({where}), but under "
+                        "neither are all the experts the fine-tune changed listed: check the config, or pass "
+                        "--layer-base 0 or --layer-base 1", path)
+    raise EsftError(f"the expert config's layer keys fit the model both 0-based and 1-based ({where}), and the "
+                    "fine-tune does not decide between them (every changed expert is listed under both): pass "
+                    "--layer-base 0 or --layer-base 1", path)

@@ -1,9 +1,11 @@
 """Expert configs of other tools: layer keys read 0- or 1-based, checked against the model (esftctl/selection.py).
 
-A config whose keys fit the model's MoE layers only one way is read that way; one that fits both is refused until
-`--layer-base` says which; an explicit base is honoured, and refused where the keys do not fit it. Through `pack
---config` with a full fine-tune and through an ESFT adapter folder's expert_cfg.json: exit 1, one line, nothing
-written. The tiny Qwen3-MoE has 4 layers, all MoE (as the AWS sample's Qwen3 models: its 1-based keys run 1-4).
+A config whose keys fit the model's MoE layers only one way is read that way; one that fits both is read, for a full
+fine-tune, the way under which exactly the listed experts changed, and refused where the fine-tune does not decide
+(or for an adapter folder) until `--layer-base` says which; an explicit base is honoured, and refused where the keys
+do not fit it. Through `pack --config` with a full fine-tune and through an ESFT adapter folder's expert_cfg.json:
+exit 1, one line, nothing written. The tiny Qwen3-MoE has 4 layers, all MoE (as the AWS sample's Qwen3 models: its
+1-based keys run 1-4).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from conftest import run_cli
 from test_formats_esft_adapter import assert_nothing_written, cli, expert_tensors, manifest, write_adapter
 
 from esftctl.errors import EsftError
-from esftctl.formats.checkpoint import MoECheckpoint, expert_replacements, write_checkpoint
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, expert_replacements, write_checkpoint
 from esftctl.selection import ExpertConfig
 from esftctl.world.synthetic import synthetic_experts
 
@@ -108,11 +110,17 @@ def test_pack_reads_a_configs_numbering_and_refuses_to_guess(qwen3, tmp_path, ca
     assert manifest(tmp_path / "one") == want
     proc = run_cli("pack", base.path, tuned, "--out", tmp_path / "one-json", "--name", "t", "--config", one, "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["config_layer_base"] == 1
-    # keys 1-3 (the empty layer left out) fit both ways: refused, then read as told
+    # keys 1-3 (the empty layer left out) fit both ways: the fine-tune decides (only 1-based lists what changed)
     short = _config(tmp_path / "short.json", {l: ids for l, ids in listed.items() if ids}, 1)
-    refusals = [(["--config", short], "short.json: the expert config's layer keys 1-3 fit the model both 0-based "
-                                      "and 1-based (MoE layers counted from 0: 0-3): pass --layer-base 0 or "
-                                      "--layer-base 1"),
+    proc = run_cli("pack", base.path, tuned, "--out", tmp_path / "short", "--name", "t", "--config", short, "--json")
+    assert proc.returncode == 0 and manifest(tmp_path / "short") == want, proc.stderr
+    assert json.loads(proc.stdout)["config_layer_base"] == 1
+    assert json.loads(proc.stdout)["config_layer_base_decided_by_finetune"] is True
+    code, _ = cli(capsys, "pack", base.path, tuned, "--out", tmp_path / "short0", "--name", "t", "--config", short,
+                  "--layer-base", "0")
+    assert code == 1  # told 0-based: layer 0's changed experts are not listed
+    refusals = [(["--config", short, "--layer-base", "0"], "short.json: experts changed that the expert config does "
+                                                          "not list"),
                 (["--config", one, "--layer-base", "0"], "one.json: with --layer-base 0 the expert config does not "
                                                          "fit the model: layer 4 is not a MoE layer"),
                 (["--config", _config(tmp_path / "z.json", listed, 0), "--layer-base", "1"],
@@ -124,6 +132,15 @@ def test_pack_reads_a_configs_numbering_and_refuses_to_guess(qwen3, tmp_path, ca
         code, err = cli(capsys, "pack", base.path, tuned, "--out", tmp_path / "refused", "--name", "t", *options)
         assert code == 1 and err.count("\n") == 1 and message in err, (options, err)
         assert_nothing_written(tmp_path, tmp_path / "refused")
+    # both readings list every changed expert and neither exactly: the fine-tune cannot decide, refused
+    f = sorted(experts[1])[0]
+    doubled = {(layer, f): ExpertWeights(*(t * 2 for _, t in base.read_expert(layer, f).items())) for layer in (1, 2)}
+    tuned_both = write_checkpoint(base, tmp_path / "tuned-both", expert_replacements(base, doubled))
+    both = _config(tmp_path / "both.json", {0: [f], 1: [f], 2: [f]}, 1)  # keys 1-3 list expert f
+    code, err = cli(capsys, "pack", base.path, tuned_both, "--out", tmp_path / "refused", "--name", "t", "--config",
+                    both)
+    assert code == 1 and err.count("\n") == 1 and "the fine-tune does not decide between them" in err, err
+    assert_nothing_written(tmp_path, tmp_path / "refused")
     assert cli(capsys, "pack", base.path, tuned, "--out", tmp_path / "told", "--name", "t", "--config", short,
                "--layer-base", "1")[0] == 0
     assert manifest(tmp_path / "told") == want

@@ -399,6 +399,7 @@ class PackReport:
     unchanged_listed: list[tuple[int, int]] = field(default_factory=list)  # in the config, identical to base
     non_expert_changed: list[str] = field(default_factory=list)
     layer_base: int | None = None  # how the expert config numbered layers (0 or 1); None without one
+    layer_base_decided: bool = False  # the config's keys fit both numberings; the fine-tune's changes chose one
 
 
 @dataclass
