@@ -30,8 +30,12 @@ def merge(base_dir: Path, bundle_dir: Path, out: Path, *, overwrite: bool = Fals
 
     def verify(name: str, t: torch.Tensor) -> None:
         info = base.tensors[name]
+        if name not in hashes:
+            raise EsftError(f"the bundle {bundle.name!r} was packed against a base without a tensor {name!r} (its "
+                            f"{BASE_TENSORS} has none): the same model stored in another layout, or another model; "
+                            "pack it against this base to merge into it", info.file)
         got = tensor_sha256(info.dtype, info.shape, [t.contiguous().reshape(-1).view(torch.uint8).numpy()])
-        if got != hashes.get(name):
+        if got != hashes[name]:
             raise EsftError(f"tensor {name!r} is not the one the bundle {bundle.name!r} was packed against (its "
                             f"{BASE_TENSORS} records another): this base's weights changed since; merge refuses "
                             "to write a model from them", info.file)

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
 from esftctl.errors import EsftError
+from esftctl.formats.architectures import MODULE_RENAMES, memory_name
 from esftctl.formats.bundle import PackReport, base_identity, write_bundle
 from esftctl.formats.checkpoint import MoECheckpoint, finite_expert
 from esftctl.formats.esft_adapter import CONFIG_FILE, import_adapter, is_esft_adapter
@@ -61,10 +63,39 @@ class StoredBytes:
         return True
 
 
+def same_layout(a: MoECheckpoint, b: MoECheckpoint) -> bool:
+    """Whether two checkpoints of one model store their experts alike (one tensor per expert, or fused the same
+    way): then they have the same tensors, and experts compare as stored bytes; else expert by expert."""
+    return a.arch.fused == b.arch.fused
+
+
+def counterpart(name: str, other: MoECheckpoint) -> str:
+    """A non-expert tensor's name as `other` holds it: the same, or under transformers' module names where one of
+    the two is a state dict saved as transformers holds it (Mixtral's router)."""
+    if name in other.tensors:
+        return name
+    spelled = (memory_name(name), *(name.replace(memory, hub) for hub, memory in MODULE_RENAMES))
+    return next((n for n in spelled if n in other.tensors), name)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal takes -0.0 for 0.0 and a NaN for a change)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def changed_experts(base: MoECheckpoint, tuned: MoECheckpoint,
                     on_layer: Callable[[int], None] = lambda l: None) -> dict[int, list[int]]:
     """{layer: expert ids whose stored weights differ from the base's}, every MoE layer present (the two have
-    the same tensors, shapes and dtypes: _check_same_model)."""
+    the same tensors, shapes and dtypes, or the same experts in another layout: _check_same_model)."""
+    if not same_layout(base, tuned):  # expert by expert, each read out of its layout
+        changed = {}
+        for layer in base.moe_layers:
+            changed[layer] = [e for e in range(base.num_experts) if not all(
+                _bits_equal(x, y) for (_, x), (_, y) in zip(base.read_expert(layer, e).items(),
+                                                            tuned.read_expert(layer, e).items()))]
+            on_layer(layer)
+        return changed
     changed = {}
     layers = base.moe_layers
     for ckpt in (base, tuned):
@@ -80,6 +111,10 @@ def changed_experts(base: MoECheckpoint, tuned: MoECheckpoint,
 
 
 def changed_non_expert(base: MoECheckpoint, tuned: MoECheckpoint) -> list[str]:
+    """The base's names of the tensors outside the routed experts that the fine-tune changed."""
+    if not same_layout(base, tuned):
+        return [n for n in base.tensors if not base.is_routed_expert_tensor(n)
+                and not _bits_equal(base.read_tensor(n), tuned.read_tensor(counterpart(n, tuned)))]
     with StoredBytes(base, tuned) as compare:
         return [n for n in base.tensors if not base.is_routed_expert_tensor(n) and not compare.same(n)]
 
@@ -104,13 +139,21 @@ def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
     mismatch = [k for k in b if k != "fingerprint" and b[k] != t[k]]
     if mismatch:
         raise EsftError(f"fine-tuned model does not match the base ({', '.join(mismatch)} differ)", tuned.path)
-    if set(base.tensors) != set(tuned.tensors):
+    names = {n: n for n in base.tensors}
+    if not same_layout(base, tuned):  # the experts in another layout (each checkpoint checked its own): the rest
+        names = {n: counterpart(n, tuned) for n in base.tensors if not base.is_routed_expert_tensor(n)}
+        if set(names.values()) != {n for n in tuned.tensors if not tuned.is_routed_expert_tensor(n)}:
+            extra = sorted(set(names.values()) ^ {n for n in tuned.tensors if not tuned.is_routed_expert_tensor(n)})
+            raise EsftError(f"fine-tuned model has other tensors than the base outside the experts (e.g. "
+                            f"{extra[:3]})", tuned.path)
+    elif set(base.tensors) != set(tuned.tensors):
         extra = sorted(set(base.tensors) ^ set(tuned.tensors))[:3]
         raise EsftError(f"fine-tuned model has other tensors than the base (e.g. {extra})", tuned.path)
-    for name, info in base.tensors.items():
-        if tuned.tensors[name].shape != info.shape or tuned.tensors[name].dtype != info.dtype:
-            raise EsftError(f"tensor {name!r} is {tuned.tensors[name].dtype} {list(tuned.tensors[name].shape)} "
-                            f"here, {info.dtype} {list(info.shape)} in the base", tuned.tensors[name].file)
+    for name, other in names.items():
+        info, theirs = base.tensors[name], tuned.tensors[other]
+        if theirs.shape != info.shape or theirs.dtype != info.dtype:
+            raise EsftError(f"tensor {other!r} is {theirs.dtype} {list(theirs.shape)} here, {info.dtype} "
+                            f"{list(info.shape)} in the base", theirs.file)
 
 
 def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Path | None = None, *,
@@ -176,5 +219,6 @@ def pack(base_dir: Path, tuned_dir: Path, out: Path, name: str, config_file: Pat
     else:
         experts = {l: {e: plain.adapter_expert(l, e, e in changed[l]) for e in ids}
                    for l, ids in report.experts.items()}
-    write_bundle(out, name, base, experts, {n: tuned.read_tensor(n) for n in non_expert}, overwrite=overwrite)
+    write_bundle(out, name, base, experts, {n: tuned.read_tensor(counterpart(n, tuned)) for n in non_expert},
+                 overwrite=overwrite)
     return report

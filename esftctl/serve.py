@@ -212,6 +212,10 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
             raise EsftError("--adapter-root: not a folder", settings.adapter_root)
     vset = VariantSet.open(settings.variants, settings.variant_names) if settings.variants is not None else None
     base = vset.home if vset is not None else MoECheckpoint(settings.base, fp8=True)
+    if base.arch.fused is not None and base.arch.fused.kind == "stacked":
+        raise EsftError("this model's experts are stacked as transformers holds them in memory (mlp.experts."
+                        "gate_up_proj), and vLLM loads the hub layout, one tensor per expert: save the model with "
+                        "transformers' save_pretrained and serve that folder", base.path)
     adapters = parse_adapters(settings.adapters)
     name = vset.names[0] if vset is not None else check_name(settings.name or base.path.resolve().name,
                                                              "served model")

@@ -134,8 +134,9 @@ def test_gpt_oss_experts_and_routing_are_read_as_transformers_has_them(tiny_mode
 
 
 def test_unknown_expert_layouts_and_mxfp4_are_refused(tiny_models, tmp_path, capsys):
-    """Qwen3-MoE experts saved fused (as transformers holds them in memory) and GPT-OSS experts saved one tensor
-    per expert: one line naming a tensor of the layout, exit 1, nothing written. GPT-OSS in MXFP4 (its published
+    """Qwen3-MoE experts half stacked (down as transformers holds it in memory, gate and up per expert) and GPT-OSS
+    experts saved one tensor per expert: one line naming a tensor of the layout, exit 1, nothing written (wholly
+    stacked experts are read: tests/test_formats_stacked.py). GPT-OSS in MXFP4 (its published
     checkpoints): inspect names the method, pack refuses it. Serving GPT-OSS adapters is refused before vLLM."""
     from safetensors.torch import save_file
 
@@ -147,11 +148,9 @@ def test_unknown_expert_layouts_and_mxfp4_are_refused(tiny_models, tmp_path, cap
         (out / "config.json").write_text((ckpt.path / "config.json").read_text())
         return out
 
-    def fuse_qwen3(t):
+    def half_fused_qwen3(t):  # down stacked as transformers holds it, gate and up still one tensor per expert
         for layer in range(4):
             p = f"model.layers.{layer}.mlp.experts."
-            t[p + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}{e}.gate_proj.weight"),
-                                                            t.pop(f"{p}{e}.up_proj.weight")]) for e in range(16)])
             t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(16)])
         return t
 
@@ -172,7 +171,7 @@ def test_unknown_expert_layouts_and_mxfp4_are_refused(tiny_models, tmp_path, cap
                 t[p + name + "_scales"] = torch.zeros(w.shape[0], w.shape[2], w.shape[1] // 32, dtype=torch.uint8)
         return t
 
-    cases = [("qwen3_moe", variant("qwen3_moe", tmp_path / "q", fuse_qwen3), "experts of layer 0 are stored as "
+    cases = [("qwen3_moe", variant("qwen3_moe", tmp_path / "q", half_fused_qwen3), "experts of layer 0 are stored as "
               "'model.layers.0.mlp.experts.down_proj' [16, 256, 128], a layout esftctl does not read for qwen3_moe"),
              ("gpt_oss", variant("gpt_oss", tmp_path / "g", split_gpt_oss), "experts of layer 0 are stored as "
               "'model.layers.0.mlp.experts.0.down_proj.weight' [256, 192], a layout esftctl does not read for gpt_oss")]

@@ -15,15 +15,19 @@ says sigmoid) and always route group-limited over `n_group` / `topk_group` group
 A group's score is its best expert's, or with the bias its two best experts' sum. GPT-OSS's router has a bias
 of its own (logits W h + b), and vLLM takes the top-k of their softmax.
 
-Experts are stored one tensor per expert and projection, except GPT-OSS's (FusedExperts): one tensor per MoE
-layer and projection, expert first, gate and up interleaved by column, with biases. esftctl reads an expert out
+Experts are stored one tensor per expert and projection, except GPT-OSS's (FusedExperts, "gpt_oss"): one tensor per
+MoE layer and projection, expert first, gate and up interleaved by column, with biases. esftctl reads an expert out
 of them as three weights in the usual orientation plus three biases (EXPERT_BIASES), and writes it back in place.
+transformers 5 holds every other architecture's experts stacked in memory (`mlp.experts.gate_up_proj` [E, 2I, H],
+gate's rows then up's, and `mlp.experts.down_proj` [E, H, I]), and tools that save a state dict as it is write that
+layout: Architecture.in_memory describes it (FusedExperts "stacked"), and a checkpoint holding it is read as such
+(esftctl.formats.checkpoint.MoECheckpoint).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 # The three weights of one routed expert, in the order every bundle and store uses: gate [I, H], up [I, H],
@@ -69,19 +73,47 @@ class Routing:
 SOFTMAX = Routing()
 
 
+MODULE_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # hub name part -> transformers 5's module name (Mixtral)
+
+
+def memory_name(name: str) -> str:
+    """A tensor name of the hub layout as transformers 5 names it in memory (the same for most tensors)."""
+    for hub, memory in MODULE_RENAMES:
+        name = name.replace(hub, memory)
+    return name
+
+
 @dataclass(frozen=True)
 class FusedExperts:
-    """A MoE layer's routed experts as GPT-OSS stores them ({layer} filled in): gate_up [E, H, 2I], which
-    multiplies from the right (x @ gate_up[e]) and interleaves gate and up by column (gate the even columns, up
-    the odd ones), its bias [E, 2I] interleaved alike, down [E, I, H] (x @ down[e]) and its bias [E, H]."""
+    """A MoE layer's routed experts in one tensor per projection ({layer} filled in), in one of two layouts:
+
+    - "gpt_oss" (GPT-OSS's checkpoints): gate_up [E, H, 2I], which multiplies from the right (x @ gate_up[e]) and
+      interleaves gate and up by column (gate the even columns, up the odd ones), its bias [E, 2I] interleaved
+      alike, down [E, I, H] (x @ down[e]) and its bias [E, H];
+    - "stacked" (transformers 5's in memory, every other architecture): gate_up [E, 2I, H], gate's rows then up's,
+      and down [E, H, I], each expert in the usual (out, in) orientation; no biases.
+    """
 
     gate_up: str
-    gate_up_bias: str
+    gate_up_bias: str | None
     down: str
-    down_bias: str
+    down_bias: str | None
+    kind: str = "gpt_oss"
 
-    def tensors(self, layer: int) -> tuple[str, str, str, str]:
-        return tuple(t.format(layer=layer) for t in (self.gate_up, self.gate_up_bias, self.down, self.down_bias))
+    def tensors(self, layer: int) -> tuple[str, ...]:
+        names = (self.gate_up, self.gate_up_bias, self.down, self.down_bias)
+        return tuple(t.format(layer=layer) for t in names if t is not None)
+
+    @property
+    def has_biases(self) -> bool:
+        return self.gate_up_bias is not None
+
+    def shapes(self, experts: int, hidden: int, intermediate: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes of a layer's tensors, in `tensors`' order."""
+        e, h, i = experts, hidden, intermediate
+        if self.kind == "stacked":
+            return (e, 2 * i, h), (e, h, i)
+        return (e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h)
 
 
 def _deepseek_routing(config: dict) -> Routing:
@@ -118,13 +150,28 @@ class Architecture:
     router_module: str = "mlp.gate"
     # The router's own bias ({layer} filled in), added to its logits (GPT-OSS).
     router_bias: str | None = None
-    # Experts stored fused per layer (GPT-OSS), instead of one tensor per expert and weight.
+    # Experts stored fused per layer (GPT-OSS; any architecture in_memory), not one tensor per expert and weight.
     fused: FusedExperts | None = None
 
     @property
     def expert_weights(self) -> tuple[str, ...]:
         """What one routed expert consists of: EXPERT_WEIGHTS, and EXPERT_BIASES where it has biases."""
-        return EXPERT_WEIGHTS + (EXPERT_BIASES if self.fused else ())
+        return EXPERT_WEIGHTS + (EXPERT_BIASES if self.fused is not None and self.fused.has_biases else ())
+
+    def in_memory(self) -> "Architecture":
+        """This architecture as transformers 5 holds it in memory, and as a state dict saved as it is holds it: each
+        MoE layer's experts stacked (FusedExperts "stacked"), under transformers' module names (Mixtral's
+        `block_sparse_moe` is `mlp` there, its router too). GPT-OSS is held as it is stored."""
+        if self.fused is not None:
+            return self
+
+        def named(template: str | None) -> str | None:
+            return memory_name(template) if template else template
+        prefix = named(self.expert_prefix).split("{expert}")[0]
+        return replace(self, expert_prefix=named(self.expert_prefix), router=named(self.router),
+                       shared_prefixes=tuple(map(named, self.shared_prefixes)),
+                       correction_bias=named(self.correction_bias),
+                       fused=FusedExperts(prefix + "gate_up_proj", None, prefix + "down_proj", None, kind="stacked"))
 
     def expert_tensor(self, layer: int, expert: int, weight: str) -> str:
         if self.fused is not None:

@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -28,6 +28,7 @@ from esftctl.formats.architectures import (
     EXPERT_SCALES,
     EXPERT_WEIGHTS,
     Architecture,
+    FusedExperts,
     Routing,
     architecture_for,
     config_problem,
@@ -261,6 +262,9 @@ class MoECheckpoint:
         if problem:
             raise EsftError(problem, self.path / "config.json")
         self.tensors: dict[str, TensorInfo] = self._read_tensor_infos()
+        memory = arch.in_memory()  # a state dict saved as transformers holds it: experts stacked per layer
+        if memory is not arch and self.moe_layers and memory.fused.tensors(self.moe_layers[0])[0] in self.tensors:
+            self.arch = memory
         self.quantization: dict | None = find_quantization(self.config, self._routed_dtypes())
         self.fp8: Fp8Block | None = None
         if fp8 and self.quantization is not None and not quantized:
@@ -343,8 +347,7 @@ class MoECheckpoint:
 
     def fused_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes of a fused layer's tensors, in FusedExperts.tensors' order."""
-        e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
-        return (e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h)
+        return self.arch.fused.shapes(self.num_experts, self.hidden_size, self.moe_intermediate_size)
 
     @cached_property
     def expert_dtype(self) -> str:
@@ -445,7 +448,7 @@ class MoECheckpoint:
             read_stored_bytes(self.tensors[name], memoryview(t.reshape(-1).view(torch.uint8).numpy()), start,
                               name=name)
             parts.append(t)
-        return unfuse(*parts)
+        return unfuse(self.arch.fused, parts)
 
     def read_router(self, layer: int) -> torch.Tensor:
         return self.read_tensor(self.arch.router_tensor(layer))
@@ -588,10 +591,15 @@ class MoECheckpoint:
                             info.file)
 
 
-def unfuse(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor
-           ) -> ExpertWeights:
-    """One expert's slices of GPT-OSS's fused tensors (FusedExperts: gate_up [H, 2I] interleaved, its bias [2I],
-    down [I, H], its bias [H]) as ExpertWeights in the usual orientation."""
+def unfuse(layout: FusedExperts, parts: Sequence[torch.Tensor]) -> ExpertWeights:
+    """One expert's slices of a layer's fused tensors (in FusedExperts.tensors' order, the expert axis taken) as
+    ExpertWeights in the usual orientation: GPT-OSS's gate_up [H, 2I] interleaved, its bias [2I], down [I, H], its
+    bias [H]; or a stacked gate_up [2I, H], gate's rows first, and down [H, I]."""
+    if layout.kind == "stacked":
+        gate_up, down = parts
+        gate, up = gate_up.chunk(2, dim=0)
+        return ExpertWeights(gate.contiguous(), up.contiguous(), down.contiguous())
+    gate_up, gate_up_bias, down, down_bias = parts
     return ExpertWeights(gate_up[:, 0::2].T.contiguous(), gate_up[:, 1::2].T.contiguous(), down.T.contiguous(),
                          gate_up_bias[0::2].contiguous(), gate_up_bias[1::2].contiguous(), down_bias.contiguous())
 
@@ -643,17 +651,25 @@ def expert_writer(ckpt: MoECheckpoint, experts: Mapping[tuple[int, int], ExpertW
             return t
         layer, k = role[name]
         out = t.clone()
-        parts = tuple(out if j == k else None for j in range(4))
+        parts = tuple(out if j == k else None for j in range(len(ckpt.arch.fused.tensors(layer))))
         for expert, weights in by_layer[layer].items():
-            fuse_into(parts, expert, weights)
+            fuse_into(ckpt.arch.fused, parts, expert, weights)
         return out
 
     return write
 
 
-def fuse_into(parts: tuple[torch.Tensor | None, ...], expert: int, weights: ExpertWeights) -> None:
+def fuse_into(layout: FusedExperts, parts: tuple[torch.Tensor | None, ...], expert: int,
+              weights: ExpertWeights) -> None:
     """Write `weights` as expert `expert` of a layer's fused tensors (unfuse's inverse) in place; those given as
     None are skipped."""
+    if layout.kind == "stacked":
+        gate_up, down = parts
+        if gate_up is not None:
+            gate_up[expert] = torch.cat([weights.gate, weights.up])
+        if down is not None:
+            down[expert] = weights.down
+        return
     gate_up, gate_up_bias, down, down_bias = parts
     if gate_up is not None:
         gate_up[expert, :, 0::2], gate_up[expert, :, 1::2] = weights.gate.T, weights.up.T

@@ -182,7 +182,7 @@ def _fused_experts(base: MoECheckpoint, entries: Entries, listed: set[tuple[int,
             if unlisted:
                 raise EsftError(f"changes experts that {CONFIG_FILE} does not list (layer, expert): {unlisted[:5]}",
                                 entries[held[0]][1].file)
-            experts[layer] = {e: unfuse(*(t[e] for t in tensors)) for e in ids}
+            experts[layer] = {e: unfuse(base.arch.fused, [t[e] for t in tensors]) for e in ids}
         on_layer(layer)
     return experts
 
