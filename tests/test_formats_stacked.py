@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from esftctl.consolidate import MAP_FILE, ExpertMap, consolidate, materialize
 from esftctl.describe import describe_path
 from esftctl.errors import EsftError
 from esftctl.formats.bundle import Bundle
@@ -105,7 +106,8 @@ def test_pack_across_layouts_gives_the_same_bundle(layouts, arch, tmp_path):
 @pytest.mark.parametrize("arch", ["deepseek_v2", "mixtral"])
 def test_merge_and_stores_keep_the_stacked_layout(layouts, arch, tmp_path):
     """merge writes the base's layout with the bundle's experts in their stacked rows and every other byte the
-    base's; a store of a stacked model decodes back to its stacked tensors."""
+    base's; stacked variants consolidate and materialize; a store of a stacked model decodes back to its stacked
+    tensors."""
     hub_base, stacked_base, hub_tuned, stacked_tuned = layouts[arch]
     pack(hub_base, hub_tuned, tmp_path / "hub-bundle", "t")
     with pytest.raises(EsftError, match="packed against a base without a tensor .* another layout"):
@@ -115,6 +117,15 @@ def test_merge_and_stores_keep_the_stacked_layout(layouts, arch, tmp_path):
     assert load_file(merged / "model.safetensors").keys() == load_file(stacked_tuned / "model.safetensors").keys()
     a, b = load_file(merged / "model.safetensors"), load_file(stacked_tuned / "model.safetensors")
     assert all(torch.equal(bits(a[n]), bits(b[n])) for n in a)
+    consolidate([stacked_base, stacked_tuned], tmp_path / "map", capacity=4)  # two stacked variants, one map
+    owner = ExpertMap.load(tmp_path / "map" / MAP_FILE).owner
+    variant = MoECheckpoint(materialize(tmp_path / "map", 1, tmp_path / "variant"))
+    models = [MoECheckpoint(stacked_base), MoECheckpoint(stacked_tuned)]
+    assert variant.arch.fused.kind == "stacked" and (owner >= 0).sum() == 4
+    for li, layer in enumerate(variant.moe_layers):  # each position from its owner where loaded, else its own
+        for e in range(variant.num_experts):
+            source = models[owner[li, e] if owner[li, e] >= 0 else 1]
+            assert same_expert(variant.read_expert(layer, e), source.read_expert(layer, e))
     compress(stacked_base, tmp_path / "store")
     decompress(tmp_path / "store", tmp_path / "back")
     back, base = load_file(tmp_path / "back" / "experts.safetensors"), load_file(stacked_base / "model.safetensors")
