@@ -371,7 +371,8 @@ def test_adapter_memory_budget_is_reserved_and_enforced(deepseek, world):
     assert (s["reserved_bytes"] >= s["adapter_budget_bytes"]) if has_gpu() else s["reserved_bytes"] == 0
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3", "qwen3_next", "gpt_oss"])
+@pytest.mark.parametrize("architecture", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
+                                          "qwen3_next", "gpt_oss"])
 def test_other_architecture_served_exactly(architecture, world, tmp_path):
     serve_exactly(random_base(architecture, world, tmp_path), prompts_of(world)[:4], tmp_path, engine_settings(),
                   seed=20)
