@@ -142,8 +142,9 @@ def _check_same_model(base: MoECheckpoint, tuned: MoECheckpoint) -> None:
     names = {n: n for n in base.tensors}
     if not same_layout(base, tuned):  # the experts in another layout (each checkpoint checked its own): the rest
         names = {n: counterpart(n, tuned) for n in base.tensors if not base.is_routed_expert_tensor(n)}
-        if set(names.values()) != {n for n in tuned.tensors if not tuned.is_routed_expert_tensor(n)}:
-            extra = sorted(set(names.values()) ^ {n for n in tuned.tensors if not tuned.is_routed_expert_tensor(n)})
+        theirs = {n for n in tuned.tensors if not tuned.is_routed_expert_tensor(n)}
+        if set(names.values()) != theirs:
+            extra = sorted(set(names.values()) ^ theirs)
             raise EsftError(f"fine-tuned model has other tensors than the base outside the experts (e.g. "
                             f"{extra[:3]})", tuned.path)
     elif set(base.tensors) != set(tuned.tensors):

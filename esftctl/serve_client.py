@@ -20,7 +20,7 @@ from rich.console import Group
 from rich.table import Table
 
 from esftctl.errors import EsftError
-from esftctl.runtime.engine_status import EngineStatus
+from esftctl.runtime.engine_status import LOADED_FROM, EngineStatus
 from esftctl.runtime.serve_config import API_KEY_ENV
 from esftctl.units import format_bytes
 
@@ -120,7 +120,7 @@ def status_table(status: EngineStatus | dict, served: list[str] | None = None) -
     return Group(table, _memory_table(s), *([_ranks_table(s.per_rank)] if s.per_rank else []))
 
 
-SOURCES = {"host cache": "cache", "file, hashed": "file", "file, verified before": "file*"}  # LOADED_FROM, short
+SOURCES = dict(zip(LOADED_FROM, ("cache", "file", "file*")))  # whence a load took its rows, short
 
 
 def _load_time(a) -> str:

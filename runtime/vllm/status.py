@@ -267,13 +267,14 @@ async def _load(request, call_next):
 def _check_load(name: str, path: str, status: EngineStatus) -> None:
     """Refuse what the engine would refuse. Under an adapter root the bundle is read through its folder opened
     beneath the root (esftctl.runtime.serve_config.opened_for_load), as the engine reads it. A bundle whose
-    unchanged files the engine holds staged (in its host cache, verified against its base when staged) is not
-    hashed again: that would be 2.9 of a warm load's 3.0 s for a 2.47 GiB adapter (benchmarks/RESULTS.md, adapter
-    load time). One hashed here is recorded as verified, by its file identity taken before reading, so that the
-    engine reading it next does not hash it again."""
+    unchanged files the engine holds staged (in its host cache, verified against its base when staged) is neither
+    hashed nor checked against the base again, only its manifest read for the budget: hashing would be 2.9 of a
+    warm load's 3.0 s for a 2.47 GiB adapter (benchmarks/RESULTS.md, Adapter load time). One hashed here is recorded
+    as verified, by its file identity taken before reading, so that the engine reading it next does not hash it
+    again."""
     import contextlib
 
-    from esftctl.formats.bundle import identity_json
+    from esftctl.formats.bundle import Bundle, identity_json
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
     from esftctl.runtime.serve_config import bundle_identity, open_servable_bundle, opened_for_load, record_verified
@@ -283,11 +284,12 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
     pinned = opened_for_load(config.settings, path) if config is not None else None
     with pinned if pinned is not None else contextlib.nullcontext():
         identity = bundle_identity(path, pinned)
-        staged = identity is not None and identity_json(identity) in status.staged_bundles
-        bundle = open_servable_bundle(path, MoECheckpoint(status.base, fp8=True), hash_data=not staged,
-                                      pinned=pinned)
-        if not staged and identity is not None and config is not None:
-            record_verified(config.status_file, [identity])
+        if identity is not None and identity_json(identity) in status.staged_bundles:
+            bundle = Bundle.open(path, hash_data=False, pinned=pinned)  # verified against the base when staged
+        else:
+            bundle = open_servable_bundle(path, MoECheckpoint(status.base, fp8=True), pinned=pinned)
+            if identity is not None and config is not None:
+                record_verified(config.status_file, [identity])
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
     check_budget(status, bundle.num_experts)
 
