@@ -452,6 +452,13 @@ def serve(
                                                   "adapter; with none given, two adapters of an eighth of the base's "
                                                   "experts each).",
                                 rich_help_panel="Adapters"),
+    shared_expert_copies: int = typer.Option(None, min=0, max=64,
+                                             help="Copies of every MoE layer's shared experts kept for adapters that "
+                                                  "replace them (ESFT's shared_experts: true, packed with "
+                                                  "--include-non-expert): each such adapter loaded holds one, and "
+                                                  "each copy costs its memory and one more shared-expert product "
+                                                  "per layer and step (default: one per such adapter given).",
+                                rich_help_panel="Adapters"),
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file, kept (default: a new "
                                               "temporary folder, removed when the server stops, kept after a "
                                               "failure for its log). Created private (0700); an existing one must "
@@ -557,7 +564,7 @@ def serve(
         variants=variants,
         variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
         api_key=api_key or None, adapter_root=adapter_root, group_adapters=group_adapters, group_wait=group_wait,
-        admit_by_adapter=admit_by_adapter)
+        admit_by_adapter=admit_by_adapter, shared_expert_copies=shared_expert_copies)
     serve_plan = plan_serving(settings)
     server, key = Server(serve_plan), serve_plan.request_key
     server.start()

@@ -75,6 +75,7 @@ class ServePlan:
     variant_names: list[str] = field(default_factory=list)  # every variant's served name, the home one first
     variant_paths: list[Path] = field(default_factory=list)
     verified: list = field(default_factory=list)  # file identities of the bundles the plan verified (hashed)
+    shared_copies: int = 0  # copies of every MoE layer's shared experts for adapters that replace them
 
     state_dir: Path | None = field(default=None, init=False)  # made on first use when the settings give none
     temporary_state: bool = field(default=False, init=False)
@@ -120,7 +121,7 @@ class ServePlan:
     def config(self) -> ServeConfig:
         return ServeConfig(settings=self.settings, slots=self.slots, experts_per_slot=self.experts_per_slot,
                            status_file=str(self.state / "status.json"), adapter_budget=self.adapter_budget,
-                           variant_names=tuple(self.variant_names))
+                           variant_names=tuple(self.variant_names), shared_copies=self.shared_copies)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -233,12 +234,25 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
     budget = _adapter_budget(settings.adapter_memory, base, bundles, misses, slots=slots,
                              experts_per_slot=experts_per_slot)
     settings = _check_paging(settings, base)
+    shared = _shared_copies(settings, base, bundles)
     check_port_free(settings.host, settings.port)
     if vset is not None:
         settings = replace(settings, variants=vset.map_dir.resolve(), variant_names=tuple(vset.names))
     return ServePlan(settings, base.path.resolve(), name, adapters, slots, experts_per_slot, budget,
                      variant_names=list(vset.names) if vset else [], variant_paths=list(vset.paths) if vset else [],
-                     verified=verified)
+                     verified=verified, shared_copies=shared)
+
+
+def _shared_copies(settings: ServeSettings, base: MoECheckpoint, bundles: dict) -> int:
+    """Copies of the shared experts to keep: given, or one per adapter given that replaces them."""
+    need = sum(1 for b in bundles.values() if b.non_expert_tensors)  # each name takes a copy, as it takes a slot
+    copies = settings.shared_expert_copies if settings.shared_expert_copies is not None else need
+    if copies < need:
+        raise EsftError(f"--shared-expert-copies {copies} cannot hold the {need} adapters given that replace shared "
+                        "experts")
+    if copies and not base.num_shared_experts:
+        raise EsftError("--shared-expert-copies: this base has no shared experts", base.path)
+    return copies
 
 
 def open_bundles(adapters: dict[str, Path], identities: dict, base: MoECheckpoint) -> dict:

@@ -109,6 +109,7 @@ def status_table(status: EngineStatus | dict, served: list[str] | None = None) -
     for a in adapters:
         counts = a.experts_per_layer
         name = f"{a.name} (retiring)" if a.retiring else a.name
+        name += f" +shared ({a.shared_layers} layers)" if a.shared_layers else ""
         table.add_row(name, str(a.slot), _counts(counts), str(sum(counts)), str(a.checked_rows or "-"),
                       format_bytes(a.bytes), _load_time(a))
     if s.variants:
@@ -163,6 +164,9 @@ def _memory_table(s: EngineStatus) -> Table:
         per_fetch = p.fetched_rows / p.fetches if p.fetches else 0.0
         memory.add_row("experts fetched per layer and step", f"{per_fetch:.1f} of {p.held_rows} ({p.fetches:,} "
                                                              "fetches so far)")
+    if s.shared_copies:
+        held = sum(1 for a in s.adapters if a.shared_layers)
+        memory.add_row(f"shared-expert copies ({held} of {s.shared_copies} held)", format_bytes(s.shared_copy_bytes))
     if s.variants:
         memory.add_row("variants' non-expert weights, kept for switching", format_bytes(s.variant_switch_bytes))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")

@@ -53,6 +53,7 @@ class AdapterStatus:
     checked_rows: int = 0  # rows checked after loading to hold its weights where the kernel reads them
     load_s: dict[str, float] = field(default_factory=dict)  # its last load's engine seconds by LOAD_PHASES
     loaded_from: str = ""  # LOADED_FROM: whence that load took its rows
+    shared_layers: int = 0  # MoE layers whose shared experts it replaces (in a copy of its own)
 
 
 @dataclass(kw_only=True)
@@ -118,6 +119,8 @@ class EngineStatus:
     staged_bundles: list[list[list[int]]] = field(default_factory=list)  # file identities (bundle.file_identity)
     # of the bundles the host cache holds, verified when staged: the middleware does not read them again
     paging_window: int
+    shared_copies: int = 0  # copies of every MoE layer's shared experts kept for adapters that replace them
+    shared_copy_bytes: int = 0  # their device memory (all copies and layers; this rank's part)
     paging: PagingStatus | None = None
     per_rank: list[dict | None] | None = None  # the API server's, under tensor parallelism (RANK_FIELDS)
     server_pid: int | None = None  # the API server's process, so the launcher knows the server is its own
@@ -216,6 +219,15 @@ def check_free_slot(slots: int, taken_by: list[str]) -> None:
     if len(taken_by) >= slots:
         raise NoFreeSlot(f"no free adapter slot: all {slots} are taken ({', '.join(sorted(taken_by))}); unload one, "
                          "or serve with more --slots")
+
+
+def check_shared_copy(status: EngineStatus) -> None:
+    """A load of an adapter that replaces shared experts when every copy of them is held (retiring adapters make
+    room), by the engine's last status."""
+    held = sum(1 for a in status.adapters if a.shared_layers and not a.retiring)
+    if held >= status.shared_copies:
+        raise NoFreeSlot(f"no free shared-expert copy: {held} of the {status.shared_copies} are held; unload an "
+                         "adapter that replaces shared experts, or serve with more --shared-expert-copies")
 
 
 def check_budget(status: EngineStatus, experts: int) -> None:

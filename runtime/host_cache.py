@@ -16,7 +16,7 @@ can exceed the capacity.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -32,9 +32,11 @@ from esftctl.runtime.serve_config import bundle_identity
 @dataclass
 class StagedAdapter:
     """A bundle's experts as rows of the engine's layout, with their row checksums: {layer: (sorted ids, rows
-    (w13, w2, and for FP8 experts their scales), checksums)}."""
+    (w13, w2, and for FP8 experts their scales), checksums)}; `shared`, its shared-expert tensors as the bundle holds
+    them ({checkpoint name: tensor}: esftctl.runtime.vllm.shared_experts converts them at load)."""
 
     layers: dict[int, tuple[list[int], tuple[torch.Tensor, ...], torch.Tensor]]
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_experts(self) -> int:
@@ -42,7 +44,8 @@ class StagedAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for _, rows, _ in self.layers.values() for t in rows)
+        return (sum(t.nbytes for _, rows, _ in self.layers.values() for t in rows)
+                + sum(t.nbytes for t in self.shared.values()))
 
     def experts(self) -> dict[int, dict[int, None]]:
         """The {layer: {id: None}} that AdapterSlots.load takes beside `rows()` and `checksums()`."""
@@ -56,7 +59,8 @@ class StagedAdapter:
 
 
 def stage(layers: Mapping[int, VirtualMoELayer],
-          experts: Mapping[int, Mapping[int, ExpertWeights | StoredExpert]]) -> StagedAdapter:
+          experts: Mapping[int, Mapping[int, ExpertWeights | StoredExpert]],
+          shared: Mapping[str, torch.Tensor] | None = None) -> StagedAdapter:
     unknown = sorted(set(experts) - set(layers))
     if unknown:
         raise EsftError(f"the bundle has experts for layers {unknown}, which are not MoE layers of this base")
@@ -66,7 +70,7 @@ def stage(layers: Mapping[int, VirtualMoELayer],
         if ids:
             *rows, sums = layers[layer].stage([per[e] for e in ids])
             out[layer] = (ids, tuple(rows), sums)
-    return StagedAdapter(out)
+    return StagedAdapter(out, dict(shared or {}))
 
 
 class HostAdapterCache:

@@ -26,6 +26,7 @@ ENV = "ESFTCTL_SERVE"
 # against 0.787x, TTFT by the mean 1.124x against 1.187x.
 # Without a queue for batch slots it changes nothing (esftctl.runtime.vllm.adapter_groups).
 ADMIT_BY_ADAPTER_S = 10.0
+MAX_SHARED_COPIES = 64  # each copy is one more shared-expert product per MoE layer and step
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
 API_KEY_ENV = "ESFTCTL_API_KEY"  # esftctl's: `serve --api-key` and the client read it (it keeps the key out of `ps`)
 
@@ -61,6 +62,8 @@ class ServeSettings:
     quantum: int = 4  # engine steps per variant turn (esftctl.runtime.vllm.variant_turns)
     api_key: str | None = field(default=None, repr=False)  # handed to vLLM in its environment, never in ENV
     adapter_root: Path | None = None  # adapters load at run time only from under this folder
+    shared_expert_copies: int | None = None  # copies of every MoE layer's shared experts kept for adapters that
+    # replace them (esftctl.runtime.vllm.shared_experts); None: as many as the adapters given at start need
     group_adapters: int = 0  # > 0: at most this many adapters per engine step (esftctl.runtime.adapter_groups)
     group_wait: int = 8  # with group_adapters: engine steps a request may be held back before it must run
     admit_by_adapter: float | None = None  # > 0: queued requests of running adapters admitted first, none passed
@@ -85,6 +88,11 @@ class ServeSettings:
             raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
         if self.quantum < 1:
             raise EsftError(f"--quantum {self.quantum}: give at least one engine step per turn")
+        if self.shared_expert_copies is not None and not 0 <= self.shared_expert_copies <= MAX_SHARED_COPIES:
+            raise EsftError(f"--shared-expert-copies {self.shared_expert_copies}: give 0 to {MAX_SHARED_COPIES}")
+        if self.shared_expert_copies and self.variants is not None:
+            raise EsftError("--shared-expert-copies cannot be combined with --variants (a variant's shared experts "
+                            "come with its other weights)")
         self._check_groups()
         if self.variants is not None and self.compressed_tier is not None:
             what = "--paging-store decodes" if self.paging_store is not None else "--paging-codec fixed keeps"
@@ -192,6 +200,7 @@ class ServeConfig:
     status_file: str  # where the engine writes its adapter and memory table
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once, reserved before the KV cache
     variant_names: tuple[str, ...] = ()  # served names of the variants, the home one (vLLM's --model) first
+    shared_copies: int = 0  # copies of every MoE layer's shared experts for adapters that replace them
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self) | {"settings": self.settings.to_json()})}
@@ -287,13 +296,24 @@ def _verified(status_file: str | Path) -> list:
 
 
 def open_servable_bundle(path: str | Path, base, *, hash_data: bool = True, pinned=None):
-    """A verified bundle of `base` (a MoECheckpoint) that changes routed experts only (what the runtime serves);
-    `hash_data` False for bytes verified already, `pinned` the folder opened beneath the adapter root (Bundle.open)."""
+    """A verified bundle of `base` (a MoECheckpoint) that changes routed experts, and maybe shared experts, only
+    (what the runtime serves); `hash_data` False for bytes verified already, `pinned` the folder opened beneath the
+    adapter root (Bundle.open)."""
     from esftctl.formats.bundle import Bundle  # here: the CLI reads this module's names and stays quick to start
 
     bundle = Bundle.open(path, hash_data=hash_data, pinned=pinned)
     bundle.check_base(base)
-    if bundle.non_expert_tensors:
-        raise EsftError(f"bundle {bundle.name!r} also changes {len(bundle.non_expert_tensors)} non-expert tensors; "
-                        "serving swaps routed experts only (merge it into a full model instead)", bundle.path)
+    shared_expert_tensors(bundle, base)
     return bundle
+
+
+def shared_expert_tensors(bundle, base) -> list[str]:
+    """The bundle's non-expert tensors, each one of a MoE layer's shared experts; refuses any other (attention,
+    norms, routers, embeddings: not served per request yet)."""
+    names = bundle.non_expert_tensors
+    other = [n for n in names if not any(base.arch.is_shared_expert_tensor(n, layer) for layer in base.moe_layers)]
+    if other:
+        raise EsftError(f"bundle {bundle.name!r} also changes {len(other)} non-expert tensors other than shared "
+                        f"experts (e.g. {other[0]!r}); serving swaps routed and shared experts only (merge it into a "
+                        "full model instead)", bundle.path)
+    return names

@@ -67,6 +67,7 @@ from esftctl.runtime.vllm.moe import (
     set_scales,
     widen_to_rows,
 )
+from esftctl.runtime.vllm.shared_experts import SharedExperts
 from esftctl.runtime.vllm.topk import enabled as fold_enabled
 from esftctl.runtime.vllm.topk import fold_reroute
 from esftctl.units import format_bytes
@@ -168,7 +169,7 @@ class EsftModel:
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
                  paging_store: ExpertStore | None = None, fixed_tier: bool = False, store_experts: int | None = None,
                  adaptive: bool = False, kv_need: KvNeed | None = None, paging_fetch: str = "auto",
-                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None):
+                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None, shared_copies: int = 0):
         """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
         reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
         layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
@@ -197,7 +198,8 @@ class EsftModel:
             # (27 GiB more for DeepSeek-V2-Lite: beside plain vLLM on an 80 GB H100 it ran out)
             if self.pool is not None:
                 torch.cuda.empty_cache()
-        self.slots = AdapterSlots(self.layers, budget=adapter_budget)
+        self.shared = self._shared_experts(engine_layers, base, shared_copies, num_slots) if shared_copies else None
+        self.slots = AdapterSlots(self.layers, budget=adapter_budget, shared=self.shared)
         self.pager, self.residency = None, None
         if paging_window:
             tier = self._store_tier(base, paging_store, paging_window) if paging_store is not None else \
@@ -211,6 +213,19 @@ class EsftModel:
                     free, total = torch.cuda.mem_get_info(self.device)
                     self.residency.start(kv_need, free=free, total=total)
         self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
+
+    def _shared_experts(self, engine_layers: dict[int, EngineMoELayer], base: MoECheckpoint, copies: int,
+                        slots: int) -> SharedExperts:
+        lacking = [i for i, e in engine_layers.items() if e.shared is None]
+        if lacking:
+            raise EsftError(f"layer {lacking[0]}: this model computes no shared experts beside its MoE layer (or not "
+                            "through vLLM's shared-expert runner); serve without --shared-expert-copies")
+        first = next(iter(engine_layers.values()))
+        parallel = first.experts.moe_config.moe_parallel_config
+        dtype = next(first.shared.parameters()).dtype
+        return SharedExperts(base, {i: e.shared for i, e in engine_layers.items()}, copies=copies, slots=slots,
+                             token_adapters=self.token_adapters, rank=(parallel.tp_rank, parallel.tp_size),
+                             dtype=dtype)
 
     @property
     def page_bytes(self) -> int:

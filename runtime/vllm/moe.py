@@ -111,6 +111,7 @@ class EngineMoELayer:
     index: int
     experts: torch.nn.Module  # RoutedExperts: w13_weight, w2_weight, quant_method, global_num_experts
     router: object  # BaseRouter: set_capture_fn
+    shared: torch.nn.Module | None = None  # the model's shared-expert module the layer calls, if it has one
 
     @property
     def kernel(self):
@@ -127,7 +128,8 @@ def find_moe_layers(model: torch.nn.Module) -> dict[int, EngineMoELayer]:
         match = _LAYER_INDEX.search(name + ".")
         if match is None:
             raise EsftError(f"cannot tell the layer index of MoE module {name!r}")
-        layers[int(match.group(1))] = EngineMoELayer(int(match.group(1)), experts, router)
+        shared = getattr(getattr(module, "_shared_experts", None), "_layer", None)  # vLLM's SharedExperts wrapper
+        layers[int(match.group(1))] = EngineMoELayer(int(match.group(1)), experts, router, shared)
     return dict(sorted(layers.items()))
 
 

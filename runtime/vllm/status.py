@@ -41,7 +41,7 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse
 
-from esftctl.runtime.engine_status import EngineStatus, NoFreeSlot, check_budget, check_free_slot
+from esftctl.runtime.engine_status import EngineStatus, NoFreeSlot, check_budget, check_free_slot, check_shared_copy
 from esftctl.runtime.serve_config import VLLM_API_KEY_ENV, ServeConfig, rank_status_file
 from esftctl.runtime.vllm.routes import adapter_routes
 
@@ -292,6 +292,8 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
                 record_verified(config.status_file, [identity])
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
     check_budget(status, bundle.num_experts)
+    if bundle.non_expert_tensors:
+        check_shared_copy(status)
 
 
 def _naming_models(scope, receive, send):

@@ -76,7 +76,7 @@ class VariantWeights:
                    if isinstance(v, torch.Tensor))
 
 
-def _state(module: torch.nn.Module, skip: set[int]) -> dict[str, tuple[object, str, str]]:
+def module_state(module: torch.nn.Module, skip: set[int]) -> dict[str, tuple[object, str, str]]:
     """{key: (owner, attribute, kind)} for the state of `module` and its submodules the forward may read."""
     out = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
@@ -172,7 +172,7 @@ def load_shadow(vllm_config, path: Path) -> torch.nn.Module:
 def collect(model: torch.nn.Module, vllm_config, variants: dict[int, Path]) -> VariantWeights:
     """The switchable state of the live `model` (holding variant HOME) and of every other variant in
     `variants` ({index: checkpoint folder}), each loaded once through `load_shadow`."""
-    live = _state(model, _excluded(model))
+    live = module_state(model, _excluded(model))
     home = {k: (getattr(o, n).detach().clone() if kind == "tensor" else getattr(o, n)) for k, (o, n, kind) in
             live.items()}
     others: dict[int, dict] = {}
@@ -180,7 +180,7 @@ def collect(model: torch.nn.Module, vllm_config, variants: dict[int, Path]) -> V
         if index == HOME:
             continue
         shadow = load_shadow(vllm_config, path)
-        state = _state(shadow, _excluded(shadow))
+        state = module_state(shadow, _excluded(shadow))
         missing = sorted(set(live) ^ set(state))
         if missing:
             raise EsftError(f"vLLM builds this variant's model differently from the served one ({missing[0]!r})",

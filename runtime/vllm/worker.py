@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from esftctl.errors import EsftError
+from esftctl.formats.bundle import NON_EXPERT_PREFIX
 from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.formats.store import ExpertStore
 from esftctl.names import check_name
@@ -113,7 +114,8 @@ class EsftWorkerManager:
                                  fixed_tier=settings.compressed_tier == "fixed",
                                  store_experts=settings.store_experts, adaptive=settings.paging_adaptive,
                                  kv_need=kv_need(self.vllm_config), paging_fetch=settings.paging_fetch,
-                                 base_rows=self.variants.base_rows() if self.variants else None)
+                                 base_rows=self.variants.base_rows() if self.variants else None,
+                                 shared_copies=config.shared_copies)
         if self.variants:
             for v in range(1, len(self.variants.names)):
                 staged = stage(self.runtime.layers, self.variants.own_experts(v))
@@ -171,17 +173,19 @@ class EsftWorkerManager:
                     source = FROM_VERIFIED_FILE if verified else FROM_HASHED_FILE
                 clock.end("verify")
                 count = staged.num_experts if staged is not None else bundle.num_experts
-                while self.retiring and not self._fits(count):  # unloaded ones make room first; a running one
+                shared = bool(staged.shared if staged is not None else bundle.non_expert_tensors)
+                while self.retiring and not self._fits(count, shared):  # unloaded ones make room first; a running one
                     self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
                 if not slots.free_slots():
                     check_free_slot(slots.num_slots, self.status().taken_by())
                 clock.skip()  # evictions are the unloads' time, not this load's
                 if staged is None:
                     experts = bundle.read_experts() if bundle.fp8 is not None else bundle.stored_experts()
-                    staged = stage(self.runtime.layers, experts)  # read in place, through `pinned` where given
+                    shared = {n: bundle.read_tensor(NON_EXPERT_PREFIX + n) for n in bundle.non_expert_tensors}
+                    staged = stage(self.runtime.layers, experts, shared)  # read in place, through `pinned` if given
                     self.host_cache.put(key, staged)
                 clock.end("stage")
-            slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums())
+            slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums(), shared=staged.shared)
             if slots.device.type == "cuda":  # loaded means on the device: the pinned rows' copies have run
                 torch.cuda.current_stream(slots.device).synchronize()
             clock.end("copy")
@@ -193,9 +197,12 @@ class EsftWorkerManager:
         self.write_status()
         return True
 
-    def _fits(self, experts: int) -> bool:
+    def _fits(self, experts: int, shared: bool) -> bool:
+        """Whether a load of `experts` experts (and with `shared`, a copy of the shared experts) fits now."""
         slots = self.runtime.slots
-        return bool(slots.free_slots()) and (slots.budget is None or slots.loaded_experts() + experts <= slots.budget)
+        copy_free = not shared or slots.shared is None or bool(slots.shared.free_copies())
+        return (bool(slots.free_slots()) and copy_free
+                and (slots.budget is None or slots.loaded_experts() + experts <= slots.budget))
 
     def add_dummy_lora(self, lora_request, rank: int) -> bool:
         """Warm-up adapters (vLLM adds --max-loras of them for profiling and CUDA graph capture): no slot, their
@@ -339,6 +346,8 @@ class EsftWorkerManager:
             host_cache_used_bytes=self.host_cache.nbytes, host_cache_hits=self.host_cache.hits,
             host_cache_misses=self.host_cache.misses, staged_bundles=self.host_cache.identities(),
             paging_window=settings.paging_window,
+            shared_copies=runtime.shared.num_copies if runtime.shared else 0,
+            shared_copy_bytes=runtime.shared.nbytes() if runtime.shared else 0,
             paging=paging)
 
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
@@ -347,7 +356,7 @@ class EsftWorkerManager:
         return AdapterStatus(name=name, lora_id=lora_id, slot=info.slot, bytes=info.nbytes,
                              retiring=lora_id in self.retiring, checked_rows=info.checked_rows,
                              experts_per_layer=[info.experts_per_layer.get(l, 0) for l in self.runtime.layers],
-                             load_s=load_s, loaded_from=source)
+                             load_s=load_s, loaded_from=source, shared_layers=info.shared_layers)
 
     def _variant_statuses(self) -> list[VariantStatus]:
         if self.variants is None:
