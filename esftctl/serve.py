@@ -144,13 +144,14 @@ class ServePlan:
     @property
     def eager(self) -> bool:
         """vLLM's CPU build compiles the model with the MoE layer inside (no custom op walls it off there), so
-        paging's host-side fetch would be traced, and variants swap the closures its linear layers compute
-        with, which compiled code would have captured: no compilation on the CPU build for either. On CUDA the
-        MoE layer is an opaque op of the compiled graph and paging captures as CUDA graphs."""
+        paging's host-side fetch would be traced, and variants and shared-expert copies swap the closures its
+        linear layers compute with, which compiled code would have captured: no compilation on the CPU build for
+        any of them. On CUDA the MoE layer is an opaque op of the compiled graph and paging captures as CUDA graphs."""
         import torch
 
         settings = self.settings
-        return not torch.cuda.is_available() and (bool(settings.paging_window) or settings.variants is not None)
+        return not torch.cuda.is_available() and (bool(settings.paging_window) or settings.variants is not None
+                                                  or bool(self.shared_copies))
 
     def env(self) -> dict[str, str]:
         # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization);

@@ -108,6 +108,9 @@ class EsftWorkerManager:
             if closures and not self.vllm_config.model_config.enforce_eager:
                 raise EsftError(f"this engine keeps weights in closures ({', '.join(closures[:3])}), which compiled "
                                 "code captures: serve variants with --enforce-eager")
+        if config.shared_copies and not torch.cuda.is_available() and not self.vllm_config.model_config.enforce_eager:
+            raise EsftError("shared-expert copies on vLLM's CPU build swap the closures its linear layers compute "
+                            "with, which compiled code captures: serve with --enforce-eager")
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=settings.paging_window, paging_store=store,
