@@ -459,6 +459,13 @@ def serve(
                                                   "each copy costs its memory and one more shared-expert product "
                                                   "per layer and step (default: one per such adapter given).",
                                 rich_help_panel="Adapters"),
+    module_copies: int = typer.Option(None, min=0, max=64,
+                                      help="Copies of the non-expert modules (attention projections, norms, routers) "
+                                           "that the adapters given with --adapter change (ESFT's "
+                                           "non_expert_modules: true): each adapter that changes such modules holds "
+                                           "one while loaded, and each copy costs those modules' memory and one more "
+                                           "product of each per step (default: one per such adapter given).",
+                                rich_help_panel="Adapters"),
     state_dir: Path = typer.Option(None, help="Folder for the vLLM log and the status file, kept (default: a new "
                                               "temporary folder, removed when the server stops, kept after a "
                                               "failure for its log). Created private (0700); an existing one must "
@@ -564,7 +571,7 @@ def serve(
         variants=variants,
         variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
         api_key=api_key or None, adapter_root=adapter_root, group_adapters=group_adapters, group_wait=group_wait,
-        admit_by_adapter=admit_by_adapter, shared_expert_copies=shared_expert_copies)
+        admit_by_adapter=admit_by_adapter, shared_expert_copies=shared_expert_copies, module_copies=module_copies)
     serve_plan = plan_serving(settings)
     server, key = Server(serve_plan), serve_plan.request_key
     server.start()

@@ -48,6 +48,7 @@ from esftctl.runtime.serve_config import (
     ServeConfig,
     ServeSettings,
     bundle_identity,
+    non_expert_kinds,
     open_servable_bundle,
     record_verified,
     vllm_api_keys,
@@ -76,6 +77,8 @@ class ServePlan:
     variant_paths: list[Path] = field(default_factory=list)
     verified: list = field(default_factory=list)  # file identities of the bundles the plan verified (hashed)
     shared_copies: int = 0  # copies of every MoE layer's shared experts for adapters that replace them
+    module_copies: int = 0  # copies of the modules reading `copied_tensors`
+    copied_tensors: tuple[str, ...] = ()  # other non-expert tensors the adapters given change
 
     state_dir: Path | None = field(default=None, init=False)  # made on first use when the settings give none
     temporary_state: bool = field(default=False, init=False)
@@ -121,7 +124,8 @@ class ServePlan:
     def config(self) -> ServeConfig:
         return ServeConfig(settings=self.settings, slots=self.slots, experts_per_slot=self.experts_per_slot,
                            status_file=str(self.state / "status.json"), adapter_budget=self.adapter_budget,
-                           variant_names=tuple(self.variant_names), shared_copies=self.shared_copies)
+                           variant_names=tuple(self.variant_names), shared_copies=self.shared_copies,
+                           module_copies=self.module_copies, copied_tensors=self.copied_tensors)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -151,7 +155,7 @@ class ServePlan:
 
         settings = self.settings
         return not torch.cuda.is_available() and (bool(settings.paging_window) or settings.variants is not None
-                                                  or bool(self.shared_copies))
+                                                  or bool(self.shared_copies or self.module_copies))
 
     def env(self) -> dict[str, str]:
         # vLLM's CPU build sizes its KV cache from this (GPU builds ignore it and use --gpu-memory-utilization);
@@ -235,25 +239,36 @@ def plan_serving(settings: ServeSettings) -> ServePlan:
     budget = _adapter_budget(settings.adapter_memory, base, bundles, misses, slots=slots,
                              experts_per_slot=experts_per_slot)
     settings = _check_paging(settings, base)
-    shared = _shared_copies(settings, base, bundles)
+    shared, modules, copied = _copies(settings, base, bundles)
     check_port_free(settings.host, settings.port)
     if vset is not None:
         settings = replace(settings, variants=vset.map_dir.resolve(), variant_names=tuple(vset.names))
     return ServePlan(settings, base.path.resolve(), name, adapters, slots, experts_per_slot, budget,
                      variant_names=list(vset.names) if vset else [], variant_paths=list(vset.paths) if vset else [],
-                     verified=verified, shared_copies=shared)
+                     verified=verified, shared_copies=shared, module_copies=modules, copied_tensors=copied)
 
 
-def _shared_copies(settings: ServeSettings, base: MoECheckpoint, bundles: dict) -> int:
-    """Copies of the shared experts to keep: given, or one per adapter given that replaces them."""
-    need = sum(1 for b in bundles.values() if b.non_expert_tensors)  # each name takes a copy, as it takes a slot
-    copies = settings.shared_expert_copies if settings.shared_expert_copies is not None else need
-    if copies < need:
-        raise EsftError(f"--shared-expert-copies {copies} cannot hold the {need} adapters given that replace shared "
-                        "experts")
-    if copies and not base.num_shared_experts:
+def _copies(settings: ServeSettings, base: MoECheckpoint, bundles: dict) -> tuple[int, int, tuple[str, ...]]:
+    """(copies of the shared experts, copies of the other modules the adapters given change, those modules' tensors):
+    each count given, or one per adapter given that needs it (each name takes a copy, as it takes a slot)."""
+    kinds = {n: non_expert_kinds(b, base) for n, b in bundles.items()}
+    need_shared = sum(1 for shared, _ in kinds.values() if shared)
+    need_modules = sum(1 for _, other in kinds.values() if other)
+    copied = tuple(sorted({t for _, other in kinds.values() for t in other}))
+    shared = settings.shared_expert_copies if settings.shared_expert_copies is not None else need_shared
+    modules = settings.module_copies if settings.module_copies is not None else need_modules
+    if shared < need_shared:
+        raise EsftError(f"--shared-expert-copies {shared} cannot hold the {need_shared} adapters given that replace "
+                        "shared experts")
+    if modules < need_modules:
+        raise EsftError(f"--module-copies {modules} cannot hold the {need_modules} adapters given that replace "
+                        "non-expert modules")
+    if shared and not base.num_shared_experts:
         raise EsftError("--shared-expert-copies: this base has no shared experts", base.path)
-    return copies
+    if modules and not copied:
+        raise EsftError("--module-copies: the modules copied are those the adapters given at start change, and none "
+                        "changes one; give such an adapter with --adapter")
+    return shared, modules, copied
 
 
 def open_bundles(adapters: dict[str, Path], identities: dict, base: MoECheckpoint) -> dict:

@@ -6,8 +6,8 @@ rows stay mapped until those events have completed, and only `collect` (run by e
 unmaps them and returns their rows. A kernel that was queued before the eviction therefore never reads
 unmapped memory, and a newly loaded adapter never overwrites rows such a kernel still reads.
 
-An adapter that also replaces the shared experts (esftctl.runtime.vllm.shared_experts) holds one of their copies
-beside its slot, released the same way.
+An adapter that also replaces shared experts or other non-expert modules holds a copy of them beside its slot
+(esftctl.runtime.vllm.shared_experts, esftctl.runtime.vllm.module_copies: the copy pools), released the same way.
 
 `budget` caps the adapter experts loaded at once (counted in experts of all layers): a load past it is
 refused before anything is mapped. The engine reserves the budget's memory before vLLM sizes its KV cache
@@ -34,7 +34,7 @@ AdapterExperts = Mapping[int, Mapping[int, ExpertWeights | None]]
 class _PendingRelease:
     events: list
     rows: dict[int, list[int]]  # layer -> rows
-    shared_copy: int | None = None  # the shared experts' copy the adapter held
+    copies: dict[str, int] = field(default_factory=dict)  # pool -> the copy the adapter held there
 
     def done(self) -> bool:
         return all(e.query() for e in self.events)
@@ -51,16 +51,18 @@ class AdapterInfo:
     experts_per_layer: dict[int, int] = field(default_factory=dict)
     nbytes: int = 0
     checked_rows: int = 0  # rows found, after loading, to hold the adapter's weights where the kernel reads them
-    shared_layers: int = 0  # MoE layers whose shared experts it replaces (with a copy of its own)
+    replaced: dict[str, int] = field(default_factory=dict)  # pool -> layers or modules it replaces in its copy
 
 
 class AdapterSlots:
-    def __init__(self, layers: Mapping[int, VirtualMoELayer], budget: int | None = None, shared=None):
-        """`budget`: the most adapter experts (summed over layers) loaded at once; None: no limit. `shared`: the
-        copies of the shared experts adapters may replace (esftctl.runtime.vllm.shared_experts.SharedExperts)."""
+    def __init__(self, layers: Mapping[int, VirtualMoELayer], budget: int | None = None,
+                 pools: Mapping[str, object] | None = None):
+        """`budget`: the most adapter experts (summed over layers) loaded at once; None: no limit. `pools`: {name:
+        copies of the non-expert modules adapters may replace} (SharedExperts as "shared", ModuleCopies as
+        "modules"), each with accepts, load, detach, release, free_copies, num_copies and replaced."""
         self.layers = dict(layers)
         self.budget = budget
-        self.shared = shared
+        self.pools = dict(pools or {})
         first = next(iter(self.layers.values()))
         self.num_slots = first.num_slots
         self.device = first.device
@@ -88,12 +90,13 @@ class AdapterSlots:
     def load(self, name: str, experts: AdapterExperts,
              staged: Mapping[int, tuple[torch.Tensor, ...]] | None = None,
              checksums: Mapping[int, torch.Tensor] | None = None,
-             shared: Mapping[str, torch.Tensor] | None = None) -> int:
+             non_expert: Mapping[str, torch.Tensor] | None = None) -> int:
         """Load `experts` ({layer: {id: weights}}) into a free slot; `staged` ({layer: rows from the layer's
         `stage`}) gives their contents already in the layout, with None as every weight in `experts`; with
         `checksums` (the staged rows', from `stage`), every row is checked to hold them where the kernel reads
         it (VirtualMoELayer.check_rows) once the copies have run, and a load that fails the check is undone.
-        `shared`: the adapter's shared-expert tensors ({checkpoint name: tensor}), put in a copy of its own."""
+        `non_expert`: the adapter's other tensors ({checkpoint name: tensor}), each put in a copy of its own in the
+        pool that accepts it."""
         if name in self.adapters:
             raise EsftError(f"an adapter named {name!r} is already loaded")
         unknown = sorted(set(experts) - set(self.layers))
@@ -103,8 +106,9 @@ class AdapterSlots:
         free = self.free_slots()
         if not free:
             raise EsftError(f"no free adapter slot for {name!r} (all {self.num_slots} are taken)")
-        if shared:
-            self._make_shared_room()
+        by_pool = self._by_pool(non_expert or {})
+        for pool in by_pool:
+            self._make_pool_room(pool)
         count = sum(len(e) for e in experts.values())
         if self.budget is not None and self.loaded_experts() + count > self.budget:
             size = self.expert_bytes
@@ -117,9 +121,9 @@ class AdapterSlots:
         info = AdapterInfo(name, slot)
         loaded: list[int] = []
         try:
-            if shared:
-                self.shared.load(slot, shared)
-                info.shared_layers = self.shared.replaced[slot]
+            for pool, tensors in by_pool.items():
+                self.pools[pool].load(slot, tensors)
+                info.replaced[pool] = self.pools[pool].replaced[slot]
             for layer, layer_experts in experts.items():
                 if layer_experts:
                     self.layers[layer].load(slot, layer_experts, staged[layer] if staged is not None else None)
@@ -138,8 +142,9 @@ class AdapterSlots:
         except BaseException:
             for layer in loaded:  # nothing has run with this slot yet: release at once
                 self.layers[layer].release_rows(self.layers[layer].detach(slot))
-            if self.shared is not None and (c := self.shared.detach(slot)) is not None:
-                self.shared.release(c)
+            for pool in self.pools.values():
+                if (c := pool.detach(slot)) is not None:
+                    pool.release(c)
             raise
         self.adapters[name] = info
         return slot
@@ -153,20 +158,34 @@ class AdapterSlots:
             self._pending[0].wait()
             self.collect()
 
-    def _make_shared_room(self) -> None:
-        """Wait for pending releases until a shared-expert copy is free; refuse where none is meant for adapters."""
-        if self.shared is None or not self.shared.num_copies:
-            raise EsftError("it changes shared experts; serve with --shared-expert-copies (at least 1) to load such "
-                            "adapters at run time")
-        while not self.shared.free_copies() and any(p.shared_copy is not None for p in self._pending):
-            next(p for p in self._pending if p.shared_copy is not None).wait()
+    def copies_free(self, names) -> bool:
+        """Whether every pool that takes one of these non-expert tensors has a copy free now."""
+        return all(self.pools[p].free_copies() for p in self._by_pool(dict.fromkeys(names)))
+
+    def _by_pool(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The adapter's non-expert tensors by the pool that takes them; refuses one that none takes."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            pool = next((p for p, copies in self.pools.items() if copies.num_copies and copies.accepts(name)), None)
+            if pool is None:
+                raise EsftError(f"it changes {name!r}, and this server keeps no copy of its module (serve with "
+                                "--shared-expert-copies for shared experts; other modules need an adapter given at "
+                                "start that changes them)")
+            out.setdefault(pool, {})[name] = tensor
+        return out
+
+    def _make_pool_room(self, pool: str) -> None:
+        """Wait for pending releases until a copy of `pool` is free."""
+        copies = self.pools[pool]
+        while not copies.free_copies() and any(pool in p.copies for p in self._pending):
+            next(p for p in self._pending if pool in p.copies).wait()
             self.collect()
 
     def evict(self, name: str, streams: Sequence | None = None) -> None:
         self.slot_of(name)  # refuses unknown names
         info = self.adapters.pop(name)
         rows = {layer: l.detach(info.slot) for layer, l in self.layers.items() if info.slot in l.slot_rows}
-        shared_copy = self.shared.detach(info.slot) if self.shared is not None else None
+        copies = {name: c for name, pool in self.pools.items() if (c := pool.detach(info.slot)) is not None}
         if self.device.type == "cuda":
             streams = list(streams) if streams is not None else [torch.cuda.current_stream(self.device)]
             events = []
@@ -174,9 +193,9 @@ class AdapterSlots:
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
-            self._pending.append(_PendingRelease(events, rows, shared_copy))
+            self._pending.append(_PendingRelease(events, rows, copies))
         else:  # the host backend runs synchronously: nothing can still be reading
-            self._release(rows, shared_copy)
+            self._release(rows, copies)
 
     def collect(self) -> int:
         """Unmap the rows of evictions whose in-flight work has finished; return how many were released."""
@@ -185,14 +204,14 @@ class AdapterSlots:
             (done if p.done() else waiting).append(p)
         self._pending = waiting
         for p in done:
-            self._release(p.rows, p.shared_copy)
+            self._release(p.rows, p.copies)
         return len(done)
 
-    def _release(self, rows: dict[int, list[int]], shared_copy: int | None = None) -> None:
+    def _release(self, rows: dict[int, list[int]], copies: Mapping[str, int] | None = None) -> None:
         for layer, layer_rows in rows.items():
             self.layers[layer].release_rows(layer_rows)
-        if shared_copy is not None:
-            self.shared.release(shared_copy)
+        for pool, c in (copies or {}).items():
+            self.pools[pool].release(c)
 
     # ---- memory ----------------------------------------------------------------------------------
     def adapter_bytes(self) -> int:

@@ -54,6 +54,7 @@ class AdapterStatus:
     load_s: dict[str, float] = field(default_factory=dict)  # its last load's engine seconds by LOAD_PHASES
     loaded_from: str = ""  # LOADED_FROM: whence that load took its rows
     shared_layers: int = 0  # MoE layers whose shared experts it replaces (in a copy of its own)
+    modules: int = 0  # other non-expert modules it replaces (attention projections, norms, routers)
 
 
 @dataclass(kw_only=True)
@@ -121,6 +122,8 @@ class EngineStatus:
     paging_window: int
     shared_copies: int = 0  # copies of every MoE layer's shared experts kept for adapters that replace them
     shared_copy_bytes: int = 0  # their device memory (all copies and layers; this rank's part)
+    module_copies: int = 0  # copies of the other non-expert modules the adapters given at start change
+    module_copy_bytes: int = 0
     paging: PagingStatus | None = None
     per_rank: list[dict | None] | None = None  # the API server's, under tensor parallelism (RANK_FIELDS)
     server_pid: int | None = None  # the API server's process, so the launcher knows the server is its own
@@ -228,6 +231,14 @@ def check_shared_copy(status: EngineStatus) -> None:
     if held >= status.shared_copies:
         raise NoFreeSlot(f"no free shared-expert copy: {held} of the {status.shared_copies} are held; unload an "
                          "adapter that replaces shared experts, or serve with more --shared-expert-copies")
+
+
+def check_module_copy(status: EngineStatus) -> None:
+    """A load of an adapter that replaces other non-expert modules when every copy of them is held."""
+    held = sum(1 for a in status.adapters if a.modules and not a.retiring)
+    if held >= status.module_copies:
+        raise NoFreeSlot(f"no free module copy: {held} of the {status.module_copies} are held; unload an adapter "
+                         "that replaces non-expert modules, or serve with more --module-copies")
 
 
 def check_budget(status: EngineStatus, experts: int) -> None:

@@ -32,11 +32,11 @@ from esftctl.runtime.serve_config import bundle_identity
 @dataclass
 class StagedAdapter:
     """A bundle's experts as rows of the engine's layout, with their row checksums: {layer: (sorted ids, rows
-    (w13, w2, and for FP8 experts their scales), checksums)}; `shared`, its shared-expert tensors as the bundle holds
-    them ({checkpoint name: tensor}: esftctl.runtime.vllm.shared_experts converts them at load)."""
+    (w13, w2, and for FP8 experts their scales), checksums)}; `non_expert`, its other tensors (shared experts, other
+    modules) as the bundle holds them ({checkpoint name: tensor}: their copy pools convert them at load)."""
 
     layers: dict[int, tuple[list[int], tuple[torch.Tensor, ...], torch.Tensor]]
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    non_expert: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_experts(self) -> int:
@@ -45,7 +45,7 @@ class StagedAdapter:
     @property
     def nbytes(self) -> int:
         return (sum(t.nbytes for _, rows, _ in self.layers.values() for t in rows)
-                + sum(t.nbytes for t in self.shared.values()))
+                + sum(t.nbytes for t in self.non_expert.values()))
 
     def experts(self) -> dict[int, dict[int, None]]:
         """The {layer: {id: None}} that AdapterSlots.load takes beside `rows()` and `checksums()`."""
@@ -60,7 +60,7 @@ class StagedAdapter:
 
 def stage(layers: Mapping[int, VirtualMoELayer],
           experts: Mapping[int, Mapping[int, ExpertWeights | StoredExpert]],
-          shared: Mapping[str, torch.Tensor] | None = None) -> StagedAdapter:
+          non_expert: Mapping[str, torch.Tensor] | None = None) -> StagedAdapter:
     unknown = sorted(set(experts) - set(layers))
     if unknown:
         raise EsftError(f"the bundle has experts for layers {unknown}, which are not MoE layers of this base")
@@ -70,7 +70,7 @@ def stage(layers: Mapping[int, VirtualMoELayer],
         if ids:
             *rows, sums = layers[layer].stage([per[e] for e in ids])
             out[layer] = (ids, tuple(rows), sums)
-    return StagedAdapter(out, dict(shared or {}))
+    return StagedAdapter(out, dict(non_expert or {}))
 
 
 class HostAdapterCache:

@@ -26,7 +26,7 @@ ENV = "ESFTCTL_SERVE"
 # against 0.787x, TTFT by the mean 1.124x against 1.187x.
 # Without a queue for batch slots it changes nothing (esftctl.runtime.vllm.adapter_groups).
 ADMIT_BY_ADAPTER_S = 10.0
-MAX_SHARED_COPIES = 64  # each copy is one more shared-expert product per MoE layer and step
+MAX_SHARED_COPIES = 64  # each copy is one more product of its modules per step
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its API key: `esftctl serve --api-key` hands it on there
 API_KEY_ENV = "ESFTCTL_API_KEY"  # esftctl's: `serve --api-key` and the client read it (it keeps the key out of `ps`)
 
@@ -64,6 +64,8 @@ class ServeSettings:
     adapter_root: Path | None = None  # adapters load at run time only from under this folder
     shared_expert_copies: int | None = None  # copies of every MoE layer's shared experts kept for adapters that
     # replace them (esftctl.runtime.vllm.shared_experts); None: as many as the adapters given at start need
+    module_copies: int | None = None  # copies of the other non-expert modules that the adapters given at start change
+    # (esftctl.runtime.vllm.module_copies); None: one per such adapter
     group_adapters: int = 0  # > 0: at most this many adapters per engine step (esftctl.runtime.adapter_groups)
     group_wait: int = 8  # with group_adapters: engine steps a request may be held back before it must run
     admit_by_adapter: float | None = None  # > 0: queued requests of running adapters admitted first, none passed
@@ -90,9 +92,11 @@ class ServeSettings:
             raise EsftError(f"--quantum {self.quantum}: give at least one engine step per turn")
         if self.shared_expert_copies is not None and not 0 <= self.shared_expert_copies <= MAX_SHARED_COPIES:
             raise EsftError(f"--shared-expert-copies {self.shared_expert_copies}: give 0 to {MAX_SHARED_COPIES}")
-        if self.shared_expert_copies and self.variants is not None:
-            raise EsftError("--shared-expert-copies cannot be combined with --variants (a variant's shared experts "
-                            "come with its other weights)")
+        if self.module_copies is not None and not 0 <= self.module_copies <= MAX_SHARED_COPIES:
+            raise EsftError(f"--module-copies {self.module_copies}: give 0 to {MAX_SHARED_COPIES}")
+        if (self.shared_expert_copies or self.module_copies) and self.variants is not None:
+            raise EsftError("--shared-expert-copies and --module-copies cannot be combined with --variants (a "
+                            "variant's non-expert weights come with it)")
         self._check_groups()
         if self.variants is not None and self.compressed_tier is not None:
             what = "--paging-store decodes" if self.paging_store is not None else "--paging-codec fixed keeps"
@@ -201,6 +205,8 @@ class ServeConfig:
     adapter_budget: int | None = None  # adapter experts (all layers) loaded at once, reserved before the KV cache
     variant_names: tuple[str, ...] = ()  # served names of the variants, the home one (vLLM's --model) first
     shared_copies: int = 0  # copies of every MoE layer's shared experts for adapters that replace them
+    module_copies: int = 0  # copies of the modules reading `copied_tensors`, for adapters that replace them
+    copied_tensors: tuple[str, ...] = ()  # the non-expert tensors (not shared experts) the start-up adapters change
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self) | {"settings": self.settings.to_json()})}
@@ -212,7 +218,8 @@ class ServeConfig:
             return None
         fields = json.loads(raw)
         return cls(**fields | {"settings": ServeSettings.from_json(fields["settings"]),
-                               "variant_names": tuple(fields.get("variant_names", ()))})
+                               "variant_names": tuple(fields.get("variant_names", ())),
+                               "copied_tensors": tuple(fields.get("copied_tensors", ()))})
 
 
 def opened_for_load(settings: ServeSettings, path: str):
@@ -303,17 +310,27 @@ def open_servable_bundle(path: str | Path, base, *, hash_data: bool = True, pinn
 
     bundle = Bundle.open(path, hash_data=hash_data, pinned=pinned)
     bundle.check_base(base)
-    shared_expert_tensors(bundle, base)
+    non_expert_kinds(bundle, base)
     return bundle
 
 
-def shared_expert_tensors(bundle, base) -> list[str]:
-    """The bundle's non-expert tensors, each one of a MoE layer's shared experts; refuses any other (attention,
-    norms, routers, embeddings: not served per request yet)."""
+# Checkpoint tensors a request's adapter cannot change per token: the vocabulary's rows.
+VOCABULARY = ("embed_tokens", "lm_head", "wte", "embed_out")
+
+
+def vocabulary_tensors(names) -> list[str]:
+    """The names of embedding or output-head tensors among `names`."""
+    return [n for n in names if any(f"{v}." in n or n.endswith(v) for v in VOCABULARY)]
+
+
+def non_expert_kinds(bundle, base) -> tuple[list[str], list[str]]:
+    """The bundle's non-expert tensors: (shared experts', other modules'); refuses the vocabulary's (an embedding or
+    output head: its rows are tokens, not a step's tokens' own)."""
     names = bundle.non_expert_tensors
-    other = [n for n in names if not any(base.arch.is_shared_expert_tensor(n, layer) for layer in base.moe_layers)]
-    if other:
-        raise EsftError(f"bundle {bundle.name!r} also changes {len(other)} non-expert tensors other than shared "
-                        f"experts (e.g. {other[0]!r}); serving swaps routed and shared experts only (merge it into a "
-                        "full model instead)", bundle.path)
-    return names
+    shared = [n for n in names if any(base.arch.is_shared_expert_tensor(n, layer) for layer in base.moe_layers)]
+    other = [n for n in names if n not in set(shared)]
+    vocabulary = vocabulary_tensors(other)
+    if vocabulary:
+        raise EsftError(f"bundle {bundle.name!r} changes {vocabulary[0]!r}, the vocabulary's rows, which cannot be "
+                        "served per request; merge it into a full model instead", bundle.path)
+    return shared, other

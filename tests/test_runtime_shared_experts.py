@@ -104,19 +104,19 @@ def test_adapter_slots_hold_and_release_a_copy(base):
     class Layer:  # an MoE layer's rows: AdapterSlots asks only for these here
         num_slots, device, slot_rows, expert_bytes = 3, torch.device("cpu"), {}, 1
 
-    slots = AdapterSlots({layer: Layer() for layer in base.moe_layers}, shared=shared)
+    slots = AdapterSlots({layer: Layer() for layer in base.moe_layers}, pools={"shared": shared})
     layer = base.moe_layers[0]
-    slots.load("a", {}, shared=moved(base, layer, seed=2))
-    assert slots.adapters["a"].shared_layers == 1
+    slots.load("a", {}, non_expert=moved(base, layer, seed=2))
+    assert slots.adapters["a"].replaced == {"shared": 1}
     with pytest.raises(EsftError, match="all 1 shared-expert copies are taken"):
-        slots.load("b", {}, shared=moved(base, layer, seed=3))
+        slots.load("b", {}, non_expert=moved(base, layer, seed=3))
     assert "b" not in slots.adapters and shared.owner == {0: 0}
     slots.evict("a")  # on the host: released at once
-    slots.load("b", {}, shared=moved(base, layer, seed=3))
+    slots.load("b", {}, non_expert=moved(base, layer, seed=3))
     assert shared.owner == {0: slots.adapters["b"].slot}
     slots.evict("b")
-    with pytest.raises(EsftError, match="is not a shared-expert tensor"):
-        slots.load("c", {}, shared={"model.layers.1.self_attn.o_proj.weight": torch.zeros(1)})
+    with pytest.raises(EsftError, match="keeps no copy of its module"):
+        slots.load("c", {}, non_expert={"model.layers.1.self_attn.o_proj.weight": torch.zeros(1)})
     assert not slots.adapters and shared.free_copies() == [0]
 
 

@@ -50,6 +50,7 @@ from esftctl.runtime.moe_layer import ExpertLayout, VirtualMoELayer, stack_exper
 from esftctl.runtime.paging.pager import PagedExperts
 from esftctl.runtime.paging.planner import AdaptiveResidency, KvNeed
 from esftctl.runtime.paging.tiers import FixedTier, StoreTier, base_copies_needed, tier_split
+from esftctl.runtime.vllm.module_copies import ModuleCopies
 from esftctl.runtime.vllm.moe import (
     BIASES,
     EngineMoELayer,
@@ -169,7 +170,8 @@ class EsftModel:
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
                  paging_store: ExpertStore | None = None, fixed_tier: bool = False, store_experts: int | None = None,
                  adaptive: bool = False, kv_need: KvNeed | None = None, paging_fetch: str = "auto",
-                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None, shared_copies: int = 0):
+                 base_rows: dict[int, dict[int, ExpertWeights]] | None = None, shared_copies: int = 0,
+                 module_copies: int = 0, copied_tensors: tuple[str, ...] = ()):
         """`adapter_budget`: the most adapter experts (summed over layers) loaded at once, their device memory
         reserved now (None: no limit, nothing reserved); `paging_window` > 0 pages the experts through that many
         layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
@@ -179,7 +181,10 @@ class EsftModel:
         lets the residency planner keep layers resident while loads show, from the start those that fit beside
         `kv_need` (the KV cache vLLM can use at most; None: none); `paging_fetch` how paged layers fetch
         (esftctl.runtime.paging.pager: auto, routed, layer); `base_rows` ({layer: {expert:
-        weights}}) replaces base experts (consolidated variants: esftctl.variants) before anything is paged."""
+        weights}}) replaces base experts (consolidated variants: esftctl.variants) before anything is paged;
+        `shared_copies` copies of every MoE layer's shared experts are kept for adapters that replace them
+        (esftctl.runtime.vllm.shared_experts), and `module_copies` of every module that reads one of
+        `copied_tensors` (checkpoint names) for adapters that replace those (esftctl.runtime.vllm.module_copies)."""
         engine_layers = find_moe_layers(model)
         if sorted(engine_layers) != base.moe_layers:
             raise EsftError(f"{base.path}: the model's MoE layers {sorted(engine_layers)} are not the checkpoint's "
@@ -199,7 +204,12 @@ class EsftModel:
             if self.pool is not None:
                 torch.cuda.empty_cache()
         self.shared = self._shared_experts(engine_layers, base, shared_copies, num_slots) if shared_copies else None
-        self.slots = AdapterSlots(self.layers, budget=adapter_budget, shared=self.shared)
+        self.module_copies = ModuleCopies(model, base, list(copied_tensors), copies=module_copies, slots=num_slots,
+                                          token_adapters=self.token_adapters, device=self.device) \
+            if module_copies else None
+        pools = {"shared": self.shared, "modules": self.module_copies}
+        self.slots = AdapterSlots(self.layers, budget=adapter_budget,
+                                  pools={k: v for k, v in pools.items() if v is not None})
         self.pager, self.residency = None, None
         if paging_window:
             tier = self._store_tier(base, paging_store, paging_window) if paging_store is not None else \

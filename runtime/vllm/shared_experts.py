@@ -166,6 +166,10 @@ class SharedExperts:
     def base_tensors(self, layer: int) -> dict[str, torch.Tensor]:
         return {param: self.base.read_tensor(name) for name, param in shared_tensor_names(self.base, layer).items()}
 
+    def accepts(self, name: str) -> bool:
+        """Whether `name` is a shared-expert tensor of one of the layers."""
+        return any(self.base.arch.is_shared_expert_tensor(name, layer) for layer in self.layers)
+
     def free_copies(self) -> list[int]:
         return [c for c in range(self.num_copies) if c not in self.owner and c not in self.pending]
 

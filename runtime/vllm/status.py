@@ -41,7 +41,14 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse
 
-from esftctl.runtime.engine_status import EngineStatus, NoFreeSlot, check_budget, check_free_slot, check_shared_copy
+from esftctl.runtime.engine_status import (
+    EngineStatus,
+    NoFreeSlot,
+    check_budget,
+    check_free_slot,
+    check_module_copy,
+    check_shared_copy,
+)
 from esftctl.runtime.serve_config import VLLM_API_KEY_ENV, ServeConfig, rank_status_file
 from esftctl.runtime.vllm.routes import adapter_routes
 
@@ -277,7 +284,13 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
     from esftctl.formats.bundle import Bundle, identity_json
     from esftctl.formats.checkpoint import MoECheckpoint
     from esftctl.names import check_name
-    from esftctl.runtime.serve_config import bundle_identity, open_servable_bundle, opened_for_load, record_verified
+    from esftctl.runtime.serve_config import (
+        bundle_identity,
+        non_expert_kinds,
+        open_servable_bundle,
+        opened_for_load,
+        record_verified,
+    )
 
     check_name(name)
     config = ServeConfig.from_env()
@@ -292,8 +305,12 @@ def _check_load(name: str, path: str, status: EngineStatus) -> None:
                 record_verified(config.status_file, [identity])
     check_free_slot(status.slots, status.taken_by())  # by the engine's last status: unloaded adapters make room
     check_budget(status, bundle.num_experts)
-    if bundle.non_expert_tensors:
-        check_shared_copy(status)
+    if bundle.non_expert_tensors:  # which copies it needs: the base's architecture tells shared experts apart
+        shared, other = non_expert_kinds(bundle, MoECheckpoint(status.base, fp8=True))
+        if shared:
+            check_shared_copy(status)
+        if other:
+            check_module_copy(status)
 
 
 def _naming_models(scope, receive, send):

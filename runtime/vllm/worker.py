@@ -108,9 +108,10 @@ class EsftWorkerManager:
             if closures and not self.vllm_config.model_config.enforce_eager:
                 raise EsftError(f"this engine keeps weights in closures ({', '.join(closures[:3])}), which compiled "
                                 "code captures: serve variants with --enforce-eager")
-        if config.shared_copies and not torch.cuda.is_available() and not self.vllm_config.model_config.enforce_eager:
-            raise EsftError("shared-expert copies on vLLM's CPU build swap the closures its linear layers compute "
-                            "with, which compiled code captures: serve with --enforce-eager")
+        copies = config.shared_copies or config.module_copies
+        if copies and not torch.cuda.is_available() and not self.vllm_config.model_config.enforce_eager:
+            raise EsftError("copies of shared experts or other modules on vLLM's CPU build swap the closures its "
+                            "linear layers compute with, which compiled code captures: serve with --enforce-eager")
         self.runtime = EsftModel(model, self.base, num_slots=config.slots, experts_per_slot=config.experts_per_slot,
                                  max_tokens=max_tokens, adapter_budget=config.adapter_budget,
                                  paging_window=settings.paging_window, paging_store=store,
@@ -118,7 +119,8 @@ class EsftWorkerManager:
                                  store_experts=settings.store_experts, adaptive=settings.paging_adaptive,
                                  kv_need=kv_need(self.vllm_config), paging_fetch=settings.paging_fetch,
                                  base_rows=self.variants.base_rows() if self.variants else None,
-                                 shared_copies=config.shared_copies)
+                                 shared_copies=config.shared_copies, module_copies=config.module_copies,
+                                 copied_tensors=config.copied_tensors)
         if self.variants:
             for v in range(1, len(self.variants.names)):
                 staged = stage(self.runtime.layers, self.variants.own_experts(v))
@@ -176,19 +178,20 @@ class EsftWorkerManager:
                     source = FROM_VERIFIED_FILE if verified else FROM_HASHED_FILE
                 clock.end("verify")
                 count = staged.num_experts if staged is not None else bundle.num_experts
-                shared = bool(staged.shared if staged is not None else bundle.non_expert_tensors)
-                while self.retiring and not self._fits(count, shared):  # unloaded ones make room first; a running one
-                    self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))  # reloads on demand
+                non_expert = list(staged.non_expert if staged is not None else bundle.non_expert_tensors)
+                # unloaded ones make room first; a running one reloads on demand
+                while self.retiring and not self._fits(count, non_expert):
+                    self._evict(min(self.retiring, key=lambda i: self.last_used.get(i, 0.0)))
                 if not slots.free_slots():
                     check_free_slot(slots.num_slots, self.status().taken_by())
                 clock.skip()  # evictions are the unloads' time, not this load's
                 if staged is None:
                     experts = bundle.read_experts() if bundle.fp8 is not None else bundle.stored_experts()
-                    shared = {n: bundle.read_tensor(NON_EXPERT_PREFIX + n) for n in bundle.non_expert_tensors}
-                    staged = stage(self.runtime.layers, experts, shared)  # read in place, through `pinned` if given
+                    others = {n: bundle.read_tensor(NON_EXPERT_PREFIX + n) for n in bundle.non_expert_tensors}
+                    staged = stage(self.runtime.layers, experts, others)  # read in place, through `pinned` if given
                     self.host_cache.put(key, staged)
                 clock.end("stage")
-            slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums(), shared=staged.shared)
+            slots.load(_key(lora_id), staged.experts(), staged.rows(), staged.checksums(), non_expert=staged.non_expert)
             if slots.device.type == "cuda":  # loaded means on the device: the pinned rows' copies have run
                 torch.cuda.current_stream(slots.device).synchronize()
             clock.end("copy")
@@ -200,11 +203,10 @@ class EsftWorkerManager:
         self.write_status()
         return True
 
-    def _fits(self, experts: int, shared: bool) -> bool:
-        """Whether a load of `experts` experts (and with `shared`, a copy of the shared experts) fits now."""
+    def _fits(self, experts: int, non_expert: list[str]) -> bool:
+        """Whether a load of `experts` experts and the copies its `non_expert` tensors need fits now."""
         slots = self.runtime.slots
-        copy_free = not shared or slots.shared is None or bool(slots.shared.free_copies())
-        return (bool(slots.free_slots()) and copy_free
+        return (bool(slots.free_slots()) and slots.copies_free(non_expert)
                 and (slots.budget is None or slots.loaded_experts() + experts <= slots.budget))
 
     def add_dummy_lora(self, lora_request, rank: int) -> bool:
@@ -351,6 +353,8 @@ class EsftWorkerManager:
             paging_window=settings.paging_window,
             shared_copies=runtime.shared.num_copies if runtime.shared else 0,
             shared_copy_bytes=runtime.shared.nbytes() if runtime.shared else 0,
+            module_copies=runtime.module_copies.num_copies if runtime.module_copies else 0,
+            module_copy_bytes=runtime.module_copies.nbytes() if runtime.module_copies else 0,
             paging=paging)
 
     def _adapter_status(self, lora_id: int, name: str) -> AdapterStatus:
@@ -359,7 +363,8 @@ class EsftWorkerManager:
         return AdapterStatus(name=name, lora_id=lora_id, slot=info.slot, bytes=info.nbytes,
                              retiring=lora_id in self.retiring, checked_rows=info.checked_rows,
                              experts_per_layer=[info.experts_per_layer.get(l, 0) for l in self.runtime.layers],
-                             load_s=load_s, loaded_from=source, shared_layers=info.shared_layers)
+                             load_s=load_s, loaded_from=source, shared_layers=info.replaced.get("shared", 0),
+                             modules=info.replaced.get("modules", 0))
 
     def _variant_statuses(self) -> list[VariantStatus]:
         if self.variants is None:

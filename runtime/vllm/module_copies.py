@@ -1,0 +1,328 @@
+"""Adapters that train non-expert modules (ESFT's `non_expert_modules: true`: attention projections, norms, routers),
+each adapter's weights applied to its own tokens, in one engine step.
+
+The modules such an adapter changes compute each token's row from that token alone (a linear layer, a norm, a
+router), so per module this keeps `copies` more instances of vLLM's own module (`copy.deepcopy`, made at start-up
+before vLLM sizes its KV cache) and replaces the live module's `forward` on the instance by one that computes the
+base's output and every copy's and keeps, for each token, its adapter's (as esftctl.runtime.vllm.shared_experts does
+for shared experts, whose module runs inside vLLM's MoE op). Each token's row is the product its merged model computes
+(the same module, the same batch); what the attention op itself reads from the step's other tokens (keys and values)
+each token wrote with its own adapter's projections. Each copy costs its module's memory and one more product per
+step; vLLM's prefix cache keeps adapters apart (its block hashes include the LoRA request).
+
+Which vLLM parameter a checkpoint tensor loads into (q_proj into qkv_proj's "q" shard, ...) is each model's own
+`load_weights`: it is run once at start-up with every parameter's loader replaced by one that records where a tensor
+would go (on meta tensors, nothing copied). A load then converts an adapter's tensors as vLLM's loader does: a scratch
+instance of the module gets fresh parameters, the base's tensors and the adapter's through the recorded loaders, and
+its own `process_weights_after_loading` (vLLM's CPU build packs linear weights there), whose state is copied into the
+adapter's copy (tensors in place, so CUDA graphs keep their pointers; the CPU build's closures set, which needs an eager
+engine there). Checked once per module at start-up: the base's tensors, converted so, must give the live module's
+output bit for bit.
+
+Refused in one line naming the tensor: tensors of modules that are not per-token (an embedding's or the output head's
+rows are the vocabulary's), and MLA's `kv_b_proj`, which vLLM folds into its attention kernel's own weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.runtime.serve_config import vocabulary_tensors
+from esftctl.runtime.vllm.variant_weights import module_state
+
+# vLLM module classes whose forward computes each token's row from that token alone (names in the class's MRO).
+PER_TOKEN = ("LinearBase", "RMSNorm", "LayerNorm", "GemmaRMSNorm")
+# Module names whose weights vLLM processes into another module's state, so that a copy of them is never read.
+FOLDED = {"kv_b_proj": "MLA folds it into its attention kernel's weights (W_UK, W_UV)"}
+@dataclass
+class Route:
+    """Where vLLM's loader puts one checkpoint tensor: a parameter of a module, through that parameter's loader."""
+
+    module: str  # the module's qualified name in the model
+    param: str  # the parameter's name in the module
+    args: tuple  # the loader's further arguments (a shard id)
+    kwargs: dict
+    loader: object
+
+
+def record_routes(model: torch.nn.Module, base: MoECheckpoint, names: list[str]) -> dict[str, list[Route]]:
+    """{checkpoint tensor: its routes} for `names`, by running the model's `load_weights` once per tensor (a meta
+    tensor of its shape) with every parameter's loader replaced by a recorder."""
+    owners = {id(p): (m, n) for m, module in model.named_modules() for n, p in module.named_parameters(recurse=False)}
+    holders = {id(p): module for module in model.modules() for p in module.parameters(recurse=False)}
+    current: list[str] = []
+    found: dict[str, list[Route]] = {}
+    saved = {}
+
+    def recorder(loader):
+        def record(param, loaded, *args, **kwargs):
+            if id(param) in owners:
+                found.setdefault(current[0], []).append(Route(*owners[id(param)], args, kwargs, loader))
+        return record
+
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    params = list({id(p): p for _, p in model.named_parameters(remove_duplicate=False)}.values())  # each once
+    for p in params:
+        saved[id(p)] = _get_loader(p)
+        _set_loader(p, recorder(saved[id(p)] or _fallback_loader(holders.get(id(p)), default_weight_loader)))
+    try:
+        for name in names:
+            current[:] = [name]
+            info = base.tensors[name]
+            model.load_weights([(name, torch.empty(info.shape, dtype=_dtype(info.dtype), device="meta"))])
+    finally:
+        for p in params:
+            _set_loader(p, saved[id(p)])
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise EsftError(f"vLLM's loader puts the tensor {missing[0]!r} nowhere esftctl can follow", base.path)
+    return found
+
+
+def _fallback_loader(module, default):
+    """The loader of a parameter that has none: its linear layer's own (vLLM's CPU build replaces a packed linear
+    weight by an empty parameter without one), else vLLM's default (what the model's code takes then)."""
+    if module is not None and "LinearBase" in _class_names(module) and callable(getattr(module, "weight_loader", None)):
+        return module.weight_loader
+    return default
+
+
+def _get_loader(p):
+    return p.__dict__.get("_weight_loader", p.__dict__.get("weight_loader"))
+
+
+def _set_loader(p, loader) -> None:
+    """Set a parameter's loader; None removes one that the parameter did not have."""
+    if "_weight_loader" in p.__dict__:  # vLLM's BasevLLMParameter keeps it there (a property reads it)
+        p._weight_loader = loader
+    elif loader is not None:
+        p.weight_loader = loader
+    else:
+        p.__dict__.pop("weight_loader", None)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from esftctl.formats.checkpoint import TORCH_DTYPES
+
+    return TORCH_DTYPES[name]
+
+
+def select(mask: torch.Tensor, mine, out):
+    """`mine` where `mask` (per token) is set, else `out`: tensors, or tuples of them (a norm's output and residual,
+    a linear layer's output and bias) whose first dimension is the tokens'."""
+    if isinstance(out, tuple):
+        return tuple(select(mask, m, o) for m, o in zip(mine, out))
+    if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != mask.shape[0]:
+        return out
+    return torch.where(mask.view(-1, *([1] * (out.dim() - 1))), mine, out)
+
+
+def write_state(target: dict, source_module: torch.nn.Module, where: str) -> None:
+    """Copy `source_module`'s state into the copy whose `module_state` is `target`: tensors in place (pointers that
+    CUDA graphs captured stay), the CPU build's weight closures set."""
+    source = module_state(source_module, set())
+    with torch.no_grad():
+        for key, (owner, name, kind) in target.items():
+            value = getattr(source[key][0], source[key][1])
+            if kind == "tensor":
+                held = getattr(owner, name)
+                if held.shape != value.shape or held.dtype != value.dtype:
+                    raise EsftError(f"{where}: {key} converts to {value.dtype} {list(value.shape)}, the served module "
+                                    f"holds {held.dtype} {list(held.shape)}")
+                held.copy_(value, non_blocking=True)
+            else:
+                setattr(owner, name, value)
+
+
+def deep_copies(module: torch.nn.Module, n: int, where: str) -> list[torch.nn.Module]:
+    try:
+        return [copy.deepcopy(module) for _ in range(n)]
+    except Exception as e:  # a module holding what cannot be copied (a handle, a lock)
+        raise EsftError(f"{where}: vLLM's module ({type(module).__name__}) cannot be copied ({type(e).__name__}: "
+                        f"{e}); adapters that change it cannot be served by this engine") from None
+
+
+def _class_names(module: torch.nn.Module) -> set[str]:
+    return {c.__name__ for c in type(module).__mro__}
+
+
+@dataclass
+class CopiedModule:
+    """One module: the live one (the base's), `copies` for adapters, and which copy each slot's tokens take
+    (`table[slot + 1]`, -1: the base's)."""
+
+    name: str
+    module: torch.nn.Module
+    copies: list[torch.nn.Module]
+    table: torch.Tensor  # int32 [slots + 1], on the device
+    token_adapters: torch.Tensor
+    base_forward: object = None
+    states: list[dict] = field(default_factory=list)
+
+    def forward(self, *args, **kwargs):
+        out = self.base_forward(*args, **kwargs)
+        which = self.table[self.token_adapters[:args[0].shape[0]].long() + 1]
+        for c, module in enumerate(self.copies):
+            out = select(which == c, module(*args, **kwargs), out)
+        return out
+
+
+class ModuleCopies:
+    """Copies of every module that the adapters given at start change beside experts (and shared experts), and which
+    copy each loaded adapter holds."""
+
+    def __init__(self, model: torch.nn.Module, base: MoECheckpoint, names: list[str], *, copies: int, slots: int,
+                 token_adapters: torch.Tensor, device: torch.device):
+        self.base, self.num_copies, self.device = base, copies, device
+        vocabulary = vocabulary_tensors(names)
+        if vocabulary:
+            raise EsftError(f"the tensor {vocabulary[0]!r} holds the vocabulary's rows, which a request's adapter "
+                            "cannot change per token; merge such a fine-tune into a full model instead", base.path)
+        modules = dict(model.named_modules())
+        self.routes = record_routes(model, base, names)
+        self.modules: dict[str, CopiedModule] = {}
+        for name in sorted({r.module for routes in self.routes.values() for r in routes}):
+            module, leaf = modules[name], name.rpartition(".")[2]
+            tensor = next(t for t, rs in self.routes.items() if any(r.module == name for r in rs))
+            if leaf in FOLDED:
+                raise EsftError(f"the tensor {tensor!r} goes to {name}, which {FOLDED[leaf]}; an adapter that changes "
+                                "it cannot be served per request (merge it into a full model instead)", base.path)
+            if not _class_names(module) & set(PER_TOKEN):
+                raise EsftError(f"the tensor {tensor!r} goes to {name} ({type(module).__name__}), which esftctl does "
+                                "not know to compute each token alone; an adapter that changes it cannot be served "
+                                "per request", base.path)
+            made = deep_copies(module, copies, name)
+            table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+            self.modules[name] = CopiedModule(name, module, made, table, token_adapters,
+                                              states=[module_state(m, set()) for m in made])
+        # the base's tensors of each module, by the routes that fill it (every tensor of it, not only the changed)
+        self.base_routes = self._module_routes(model)
+        self.owner: dict[int, int] = {}  # copy -> slot
+        self.replaced: dict[int, int] = {}  # slot -> modules its adapter replaces
+        self.pending: set[int] = set()
+        for m in self.modules.values():
+            self._check(m)
+        for m in self.modules.values():  # after the copies and checks: they keep the class's forward
+            m.base_forward, m.module.forward = m.module.forward, m.forward
+
+    def _module_routes(self, model: torch.nn.Module) -> dict[str, dict[str, list[Route]]]:
+        """{module: {checkpoint tensor: routes}} of every base tensor whose loader fills a copied module's
+        parameters (a module's scratch gets all of them, then an adapter's)."""
+        prefixes = {name.rpartition(".")[0] for name in self.modules}
+        candidates = [n for n in self.base.tensors if not self.base.is_routed_expert_tensor(n)
+                      and any(n.startswith(p + ".") for p in prefixes if p)]
+        routes = record_routes(model, self.base, candidates) if candidates else {}
+        out: dict[str, dict[str, list[Route]]] = {name: {} for name in self.modules}
+        for tensor, rs in routes.items():
+            for r in rs:
+                if r.module in out:
+                    out[r.module].setdefault(tensor, []).append(r)
+        return out
+
+    def convert(self, m: CopiedModule, replaced: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A scratch instance of `m`'s module holding the base's tensors with `replaced` ({checkpoint name:
+        tensor}) over them, as vLLM's loader and weight processing leave them."""
+        wrapped = m.module.__dict__.pop("forward", None)  # the live instance's wrapper: not part of the copy
+        try:
+            scratch = deep_copies(m.module, 1, m.name)[0]
+        finally:
+            if wrapped is not None:
+                m.module.forward = wrapped
+        for param_name, param in scratch.named_parameters(recurse=False):
+            live = getattr(m.module, param_name)
+            for attr, value in live.__dict__.items():  # Parameter's deepcopy drops them: output_dim, the loader, ...
+                param.__dict__.setdefault(attr, value)
+            if param.numel() == 0:  # the CPU build drops a packed linear weight: its loaded shape comes back
+                linear = m.module
+                rows = sum(getattr(linear, "output_partition_sizes", None) or [linear.output_size])
+                columns = getattr(linear, "input_size_per_partition", None) or linear.input_size
+                param.data = torch.empty(rows, columns, dtype=live.dtype, device=live.device)
+                for attr, dim in (("input_dim", 1), ("output_dim", 0)):  # as UnquantizedLinearMethod made it
+                    if getattr(param, attr, None) is None:
+                        setattr(param, attr, dim)
+        for tensor, routes in self.base_routes[m.name].items():
+            value = replaced.get(tensor)
+            value = self.base.read_tensor(tensor) if value is None else value
+            for r in routes:
+                param = getattr(scratch, r.param)
+                with torch.no_grad():
+                    r.loader(param, value.to(param.device), *r.args, **r.kwargs)
+        method = getattr(scratch, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(scratch)
+        return scratch
+
+    def _check(self, m: CopiedModule) -> None:
+        scratch = self.convert(m, {})
+        width = getattr(m.module, "input_size", None) or next(iter(m.module.parameters())).shape[-1]
+        dtype = next(p for p in m.module.parameters()).dtype
+        x = torch.randn(5, width, generator=torch.Generator().manual_seed(0)).to(self.device, dtype)
+        with torch.no_grad():
+            want, got = m.module(x), scratch(x)
+        if not _same(want, got):
+            raise EsftError(f"{m.name}: vLLM's module ({type(m.module).__name__}) could not be reproduced from the "
+                            "checkpoint; adapters that change it cannot be served by this engine")
+
+    def accepts(self, name: str) -> bool:
+        """Whether `name` is a tensor of a module this server keeps copies of."""
+        return name in self.routes
+
+    def free_copies(self) -> list[int]:
+        return [c for c in range(self.num_copies) if c not in self.owner and c not in self.pending]
+
+    def by_module(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            targets = {r.module for r in self.routes.get(name, ())}
+            if not targets:
+                raise EsftError(f"it changes {name!r}, which no module this server keeps copies of reads; start the "
+                                "server with an adapter that changes it (or merge it into a full model)")
+            for module in targets:
+                out.setdefault(module, {})[name] = tensor
+        return out
+
+    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> int:
+        changed, free = self.by_module(tensors), self.free_copies()
+        if not free:
+            raise EsftError(f"it changes non-expert modules and all {self.num_copies} module copies are taken; unload "
+                            "an adapter that changes them, or serve with more --module-copies")
+        c = free[0]
+        for name, replaced in changed.items():
+            m = self.modules[name]
+            write_state(m.states[c], self.convert(m, replaced), name)
+            m.table[slot + 1] = c
+        self.owner[c], self.replaced[slot] = slot, len(changed)
+        return c
+
+    def detach(self, slot: int) -> int | None:
+        c = next((c for c, s in self.owner.items() if s == slot), None)
+        if c is None:
+            return None
+        for m in self.modules.values():
+            m.table[slot + 1] = -1
+        del self.owner[c]
+        self.replaced.pop(slot, None)
+        self.pending.add(c)
+        return c
+
+    def release(self, c: int) -> None:
+        self.pending.discard(c)
+
+    def nbytes(self) -> int:
+        """The copies' device memory: every copy of every module, as the checkpoint holds the tensors."""
+        per_copy = sum(self.base.tensors[t].nbytes for routes in self.base_routes.values() for t in routes)
+        return self.num_copies * per_copy
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a is None and b is None
