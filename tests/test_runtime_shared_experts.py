@@ -127,3 +127,22 @@ def test_a_module_the_conversion_cannot_reproduce_is_refused(base):
     with pytest.raises(EsftError, match="could not be reproduced from the checkpoint"):
         SharedExperts(base, modules, copies=1, slots=2, token_adapters=torch.full((4,), -1, dtype=torch.int32),
                       rank=(0, 1), dtype=torch.float32)
+
+
+def test_vllm_parameters_are_copied_with_their_class_and_attributes():
+    """vLLM's CUDA build holds linear weights as BasevLLMParameter subclasses, which torch's Parameter deepcopy cannot
+    make (their constructor takes other arguments) and whose attributes the loaders read."""
+    from vllm.model_executor.parameter import ModelWeightParameter
+
+    from esftctl.runtime.vllm.module_copies import clone_module
+
+    loader = lambda param, loaded: param.data.copy_(loaded)  # noqa: E731
+    linear = torch.nn.Module()
+    # as vLLM's __init__ leaves it, made without the tensor-parallel group that __init__ asks for
+    weight = torch.Tensor._make_subclass(ModelWeightParameter, torch.randn(4, 3), False)
+    weight.__dict__.update(_input_dim=1, _output_dim=0, _weight_loader=loader)
+    linear.weight = weight
+    copied = clone_module(linear)
+    assert type(copied.weight) is ModelWeightParameter and copied.weight is not linear.weight
+    assert torch.equal(copied.weight, linear.weight) and copied.weight.data_ptr() != linear.weight.data_ptr()
+    assert copied.weight.output_dim == 0 and copied.weight.weight_loader is loader

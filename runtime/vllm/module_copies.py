@@ -140,9 +140,23 @@ def write_state(target: dict, source_module: torch.nn.Module, where: str) -> Non
                 setattr(owner, name, value)
 
 
+def clone_parameter(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A copy of `p` of its own class with its attributes (a loader, output_dim, ...): torch's Parameter deepcopy
+    drops the attributes, and calls the class with arguments vLLM's BasevLLMParameter does not take."""
+    new = torch.Tensor._make_subclass(type(p), p.data.clone(), p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    return new
+
+
+def clone_module(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` whose parameters are `clone_parameter`s (whatever else held one holds the copy's)."""
+    memo = {id(p): clone_parameter(p) for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
 def deep_copies(module: torch.nn.Module, n: int, where: str) -> list[torch.nn.Module]:
     try:
-        return [copy.deepcopy(module) for _ in range(n)]
+        return [clone_module(module) for _ in range(n)]
     except Exception as e:  # a module holding what cannot be copied (a handle, a lock)
         raise EsftError(f"{where}: vLLM's module ({type(module).__name__}) cannot be copied ({type(e).__name__}: "
                         f"{e}); adapters that change it cannot be served by this engine") from None

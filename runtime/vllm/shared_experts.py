@@ -23,13 +23,13 @@ once at start-up: the base's own tensors, converted, must give the live module's
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.runtime.vllm.module_copies import deep_copies
 from esftctl.runtime.vllm.variant_weights import module_state
 
 # vLLM's shared-expert module (DeepseekV2MLP, Qwen2MoeMLP): its linear layers, each from the checkpoint tensors under
@@ -227,9 +227,4 @@ class SharedExperts:
 
 
 def _copies(module: torch.nn.Module, n: int, index: int) -> list[torch.nn.Module]:
-    try:
-        return [copy.deepcopy(module) for _ in range(n)]
-    except Exception as e:  # a module holding what cannot be copied (a handle, a lock)
-        raise EsftError(f"layer {index}: vLLM's shared-expert module ({type(module).__name__}) cannot be copied "
-                        f"({type(e).__name__}: {e}); adapters that change shared experts cannot be served by this "
-                        "engine") from None
+    return deep_copies(module, n, f"layer {index}'s shared experts")
