@@ -110,6 +110,7 @@ def status_table(status: EngineStatus | dict, served: list[str] | None = None) -
         counts = a.experts_per_layer
         name = f"{a.name} (retiring)" if a.retiring else a.name
         name += f" +shared ({a.shared_layers} layers)" if a.shared_layers else ""
+        name += f" +{a.modules} modules" if a.modules else ""
         table.add_row(name, str(a.slot), _counts(counts), str(sum(counts)), str(a.checked_rows or "-"),
                       format_bytes(a.bytes), _load_time(a))
     if s.variants:
@@ -167,6 +168,9 @@ def _memory_table(s: EngineStatus) -> Table:
     if s.shared_copies:
         held = sum(1 for a in s.adapters if a.shared_layers)
         memory.add_row(f"shared-expert copies ({held} of {s.shared_copies} held)", format_bytes(s.shared_copy_bytes))
+    if s.module_copies:
+        held = sum(1 for a in s.adapters if a.modules)
+        memory.add_row(f"module copies ({held} of {s.module_copies} held)", format_bytes(s.module_copy_bytes))
     if s.variants:
         memory.add_row("variants' non-expert weights, kept for switching", format_bytes(s.variant_switch_bytes))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")

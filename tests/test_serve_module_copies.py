@@ -8,12 +8,14 @@ per token is refused at start in one line: the vocabulary's rows, MLA's folded k
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import engine_settings, server_args
+from rich.console import Console
 from test_formats_esft_adapter import write_adapter
 from test_serve_adapters import make_adapters, prompts_of, random_base, reference, serve_concurrently
 from test_serve_shared_experts import differ
@@ -24,7 +26,7 @@ from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.merge import merge
 from esftctl.pack import pack
 from esftctl.serve import Server, free_port, plan
-from esftctl.serve_client import load, request, status, unload
+from esftctl.serve_client import load, request, status, status_table, unload
 
 pytestmark = pytest.mark.vllm
 
@@ -84,6 +86,10 @@ def served_exactly(architecture: str, world, tmp_path: Path, settings: dict, **o
         modules = {a["name"]: a["modules"] for a in s["adapters"]}
         assert modules["task0"] == modules["task1"] == 0 and modules["tuned"] > 0
         assert s["module_copies"] == 1 and s["module_copy_bytes"] > 0
+        table = io.StringIO()
+        Console(file=table, width=200).print(status_table(s))
+        assert f"tuned +{modules['tuned']} modules" in table.getvalue()
+        assert "module copies (1 of 1 held)" in table.getvalue()
         with pytest.raises(EsftError, match="no free module copy"):
             load(url, "spare", str(spare))
         unload(url, "tuned")

@@ -8,11 +8,13 @@ refused while the only copy is held."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import engine_settings, server_args
+from rich.console import Console
 from test_formats_esft_adapter import write_adapter
 from test_serve_adapters import (
     make_adapters,
@@ -28,7 +30,7 @@ from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.merge import merge
 from esftctl.pack import pack
 from esftctl.serve import Server, free_port, plan
-from esftctl.serve_client import load, request, status, unload
+from esftctl.serve_client import load, request, status, status_table, unload
 
 pytestmark = pytest.mark.vllm
 
@@ -87,6 +89,10 @@ def served_exactly(architecture: str, world, tmp_path: Path, settings: dict, **o
         layers = {a["name"]: a["shared_layers"] for a in s["adapters"]}
         assert layers == {"task0": 0, "task1": 0, "shared": len(s["moe_layers"])}
         assert s["shared_copies"] == 1 and s["shared_copy_bytes"] > 0
+        table = io.StringIO()
+        Console(file=table, width=200).print(status_table(s))
+        assert f"shared +shared ({len(s['moe_layers'])} layers)" in table.getvalue()
+        assert "shared-expert copies (1 of 1 held)" in table.getvalue()
         with pytest.raises(EsftError, match="no free shared-expert copy"):
             load(url, "spare", str(spare))
         unload(url, "shared")
