@@ -224,6 +224,77 @@ def pack(
 
 
 @app.command()
+def train(
+    base: Path = typer.Argument(..., help="The base model folder (a Hugging Face MoE checkpoint).",
+                                callback=_must_exist),
+    data: Path = typer.Argument(..., help="Task data: JSONL of {\"prompt\", \"completion\"} lines, or of "
+                                          "{\"messages\": [{\"role\", \"content\"}, ...]} lines ending with the "
+                                          "assistant's turn (rendered with the base's chat template; the loss is on "
+                                          "that turn).", callback=_must_exist),
+    out: Path = typer.Option(..., "--out", "-o", help="Bundle folder to create."),
+    name: str = typer.Option(..., "--name", "-n", help="Adapter name (what requests will ask for)."),
+    config: Path = typer.Option(None, "--config", "-c", help="Expert config to train (DeepSeek ESFT layout, 0- or "
+                                                              "1-based); without it, experts are selected by "
+                                                              "relevance on the training data.",
+                                callback=_must_exist),
+    metric: str = typer.Option("token", help="Without --config: token (ESFT-Token: share of the completion tokens "
+                                             "routed to an expert) or gate (ESFT-Gate: mean gate score)."),
+    threshold: float = typer.Option(0.2, "-p", "--threshold", help="Without --config: per layer, the fewest experts "
+                                                                   "whose scores sum to at least p."),
+    layer_base: int = typer.Option(None, "--layer-base", metavar="[0|1]",
+                                   help="How --config numbers layers, where its keys fit the base both ways."),
+    steps: int = typer.Option(300, min=1, help="Optimizer steps."),
+    batch_size: int = typer.Option(16, min=1, help="Examples per step (drawn with replacement, seeded by step)."),
+    lr: float = typer.Option(1e-4, help="Peak learning rate (AdamW, linear warm-up over a tenth of the steps, then "
+                                        "cosine decay)."),
+    seed: int = typer.Option(0, help="Seeds the held-out split and the batches: the same seed, the same run."),
+    eval_share: float = typer.Option(0.05, help="Share of the examples held out for evaluation (loss and exact "
+                                                "match), at least one where there are two or more; 0: none."),
+    save_every: int = typer.Option(50, min=0, help="Steps between checkpoints (in OUT.ckpt, removed once the bundle "
+                                                   "is written); the same command run again resumes from the last "
+                                                   "one; 0: none."),
+    overwrite: Overwrite = False,
+    as_json: AsJson = False,
+) -> None:
+    """Fine-tune the experts a task uses (ESFT) and write them as an adapter bundle: expert relevance and selection
+    on the data (or --config), training of the selected routed experts only (everything else frozen), the bundle
+    verified as `pack` writes it. No whole model is written."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from esftctl.train import TrainSettings, train_adapter
+    from esftctl.world.models import quiet_transformers
+
+    check_output(out, overwrite=overwrite, folder=True)
+    settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, seed=seed, eval_share=eval_share,
+                             save_every=save_every)
+    quiet_transformers()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("preparing", total=steps, info="")
+        report = train_adapter(base, data, out, name, settings, config_file=config, metric=metric, threshold=threshold,
+                               layer_base=layer_base, overwrite=overwrite,
+                               log=lambda msg: progress.update(task, description=msg),
+                               on_step=lambda step, loss, tps: progress.update(
+                                   task, completed=step + 1, description="training",
+                                   info=f"loss {loss:.3f}, {tps:,.0f} tokens/s"))
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+        return
+    layers = " ".join(str(n) for n in report.experts_per_layer.values())
+    resumed = f", resumed at step {report.resumed_from}" if report.resumed_from else ""
+    console.print(f"trained {report.trained_parameters:,} of {report.model_parameters:,} parameters "
+                  f"({report.trained_parameters / report.model_parameters:.1%}: experts per MoE layer {layers}) for "
+                  f"{report.steps} steps in {report.seconds:.0f} s{resumed}, {report.tokens_per_second:,.0f} tokens/s")
+    if report.losses:
+        console.print(f"training loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}")
+    if report.eval_loss is not None:
+        console.print(f"held out ({report.eval_examples} examples): loss {report.eval_loss:.3f}, exact match "
+                      f"{report.eval_exact:.0%}")
+    console.print(f"wrote {out}")
+
+
+@app.command()
 def merge(
     base: Path = typer.Argument(..., help="The base model folder.", callback=_must_exist),
     bundle: Path = typer.Argument(..., help="An adapter bundle packed for this base.", callback=_must_exist),

@@ -25,6 +25,15 @@ def read_jsonl(path: Path) -> Iterator[Example]:
     """Yield the examples of `path` a line at a time (a large file is never held whole, and `itertools.islice`
     reads only the lines it takes), refusing a line that is not UTF-8, not an object with string prompt and
     completion, or longer than MAX_LINE."""
+    for number, record in read_records(path):
+        if not isinstance(record.get("prompt"), str) or not isinstance(record.get("completion"), str):
+            raise EsftError(f"line {number} needs string fields 'prompt' and 'completion'", path)
+        yield record
+
+
+def read_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line of `path`, a line at a time, refusing a line that is not
+    UTF-8, not a JSON object, or longer than MAX_LINE."""
     fd = open_regular(path)  # a FIFO would block, /dev/zero never end
     with os.fdopen(fd, "rb") as f:
         # JSON Lines: lines end at b"\n" only (not at U+2028, as str.splitlines would), and no UTF-8 character
@@ -42,7 +51,6 @@ def read_jsonl(path: Path) -> Iterator[Example]:
                 record = json.loads(line)
             except (ValueError, RecursionError):  # JSONDecodeError, a number past Python's digit limit, deep nesting
                 raise EsftError(f"line {number} is not valid JSON", path) from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
-                    or not isinstance(record.get("completion"), str):
+            if not isinstance(record, dict):
                 raise EsftError(f"line {number} needs string fields 'prompt' and 'completion'", path)
-            yield record
+            yield number, record

@@ -1,0 +1,372 @@
+"""`esftctl train`: ESFT fine-tuning from task data to an adapter bundle, without writing a whole model.
+
+1. Data: JSONL of {"prompt", "completion"} lines, or of {"messages": [{"role", "content"}, ...]} lines rendered with
+   the base's chat template (the last turn, the assistant's, is the completion: the loss is on it alone; earlier
+   turns are context). A seeded share is held out for evaluation.
+2. Experts: an expert config (`--config`, DeepSeek's or esftctl's, 0- or 1-based as `pack` reads it), or relevance on
+   the training data's completions and selection at threshold p (`esftctl relevance` + `esftctl select`).
+3. Fine-tuning of the selected routed experts only. transformers holds a layer's experts as one tensor per projection
+   ([E, 2I, H] and [E, H, I]); the selected rows become float32 master parameters of their own (AdamW's state is kept
+   for them alone, never for a frozen row), and before each forward of the layer a pre-hook writes them, in the
+   model's dtype, into a copy of the frozen tensor (`index_copy`, through which the gradient reaches the masters).
+   Everything else (attention, norms, the router, shared experts, every other expert) is frozen and stays in the
+   base's dtype. AdamW with linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator)
+   seeded by (seed, step): a run is reproducible, and one resumed from a checkpoint takes the same batches.
+4. Checkpoints every `save_every` steps (the masters and AdamW's moments, safetensors; the step and the run's
+   identity, JSON), written atomically beside the output; the same command run again resumes from the last one.
+5. The bundle: the trained rows in the checkpoint's orientation and dtype, written and verified as `pack` writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from esftctl.errors import EsftError
+from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, unfuse
+from esftctl.jsonl import Example, read_records
+from esftctl.selection import ExpertConfig
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How a run trains; with the data and the experts, what a checkpoint must match to be resumed."""
+
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-4
+    seed: int = 0
+    eval_share: float = 0.05  # of the examples, held out (at least one, where there are two or more)
+    save_every: int = 50  # steps between checkpoints (0: none)
+    warmup: float = 0.1  # share of the steps the learning rate ramps up over
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or self.save_every < 0:
+            raise EsftError("--steps and --batch-size must be at least 1, --lr above 0, --save-every at least 0")
+        if not 0 <= self.eval_share < 1 or not 0 <= self.warmup < 1:
+            raise EsftError(f"--eval-share {self.eval_share}: give a share in [0, 1)")
+
+    def lr_at(self, step: int) -> float:
+        warm = max(1, round(self.steps * self.warmup))
+        return self.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, self.steps) /
+                                                                             self.steps))
+
+
+@dataclass
+class TrainReport:
+    name: str
+    out: Path
+    experts_per_layer: dict[int, int]
+    trained_parameters: int
+    model_parameters: int
+    steps: int
+    resumed_from: int
+    train_examples: int
+    eval_examples: int
+    losses: list[float] = field(default_factory=list)
+    eval_loss: float | None = None
+    eval_exact: float | None = None
+    seconds: float = 0.0
+    tokens: int = 0  # trained on (padding excluded), this run's steps
+    tokens_per_second: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"out": str(self.out), "experts_per_layer": {str(k): v for k, v in
+                                                                          self.experts_per_layer.items()}}
+
+
+def read_examples(path: Path, tokenizer) -> list[Example]:
+    """Prompt/completion examples of a JSONL file of prompt/completion or chat `messages` lines (one shape or the
+    other per line); refuses a line of neither shape, naming the file and line."""
+    out = []
+    for number, record in read_records(path):
+        if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+            out.append({"prompt": record["prompt"], "completion": record["completion"]})
+        elif "messages" in record:
+            out.append(_chat_example(record["messages"], tokenizer, path, number))
+        else:
+            raise EsftError(f"line {number} needs string fields 'prompt' and 'completion', or 'messages'", path)
+    if not out:
+        raise EsftError("no examples", path)
+    return out
+
+
+def _chat_example(messages: object, tokenizer, path: Path, number: int) -> Example:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok or messages[-1]["role"] != "assistant":
+        raise EsftError(f"line {number}: 'messages' must be a list of {{role, content}} strings ending with the "
+                        "assistant's turn", path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise EsftError(f"line {number} holds chat messages, but the base's tokenizer has no chat template: give "
+                        "prompt/completion lines", path)
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    return {"prompt": prompt, "completion": messages[-1]["content"]}
+
+
+def held_out(examples: Sequence[Example], share: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples: a seeded shuffle's last `share` (at least one, where there are two or more)."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n = min(len(examples) - 1, max(1, round(share * len(examples)))) if share > 0 and len(examples) > 1 else 0
+    keep, held = sorted(order[:len(order) - n]), sorted(order[len(order) - n:])
+    return [examples[i] for i in keep], [examples[i] for i in held]
+
+
+class TrainedRows:
+    """The selected experts of every MoE layer as float32 master rows, written into the layer's fused tensors (a
+    copy of the frozen ones) before each of its forwards."""
+
+    def __init__(self, model, base: MoECheckpoint, experts: dict[int, list[int]]):
+        self.layout = base.arch.in_memory().fused
+        self.masters: dict[int, list[torch.nn.Parameter]] = {}
+        self.ids: dict[int, torch.Tensor] = {}
+        self.handles = []
+        for layer, chosen in sorted(experts.items()):
+            if not chosen:
+                continue
+            names = self.layout.tensors(layer)
+            module = model.get_submodule(names[0].rpartition(".")[0])
+            attrs = [n.rpartition(".")[2] for n in names]
+            ids = torch.tensor(sorted(chosen), dtype=torch.long)
+            frozen = [getattr(module, a).detach() for a in attrs]
+            for a in attrs:  # the fused tensors become plain attributes, rebuilt before every forward
+                delattr(module, a)
+            masters = [torch.nn.Parameter(f[ids].float()) for f in frozen]
+            self.ids[layer], self.masters[layer] = ids, masters
+            self.handles.append(module.register_forward_pre_hook(self._writer(attrs, frozen, ids, masters)))
+
+    @staticmethod
+    def _writer(attrs, frozen, ids, masters) -> Callable:
+        def write(module, args):
+            for a, f, m in zip(attrs, frozen, masters):
+                setattr(module, a, f.index_copy(0, ids.to(f.device), m.to(f.dtype)))
+        return write
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [m for layer in sorted(self.masters) for m in self.masters[layer]]
+
+    def experts(self, dtype: torch.dtype) -> dict[int, dict[int, ExpertWeights]]:
+        """{layer: {expert: weights}} of the trained rows, in the checkpoint's orientation and `dtype`."""
+        out = {}
+        for layer, ids in self.ids.items():
+            rows = [m.detach().to(dtype) for m in self.masters[layer]]
+            out[layer] = {int(e): unfuse(self.layout, [r[k] for r in rows]) for k, e in enumerate(ids.tolist())}
+        return out
+
+
+def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: TrainSettings = TrainSettings(), *,
+                  config_file: Path | None = None, metric: str = "token", threshold: float = 0.2,
+                  layer_base: int | None = None, overwrite: bool = False, checkpoints: Path | None = None,
+                  on_step: Callable[[int, float, float], None] = lambda step, loss, tps: None,
+                  log: Callable[[str], None] = lambda msg: None) -> TrainReport:
+    """Train an ESFT adapter of `base_dir` on `data` and write it as bundle `out` named `name`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esftctl.atomic import check_output
+    from esftctl.formats.bundle import Bundle, write_bundle
+    from esftctl.names import check_name
+
+    check_name(name)
+    check_output(out, overwrite=overwrite)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (`deterministic`)
+    base = MoECheckpoint(base_dir)
+    if base.fp8 is not None:
+        raise EsftError("training on an FP8 base is not supported yet: train on its bf16 checkpoint", base.path)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    examples = read_examples(data, tokenizer)
+    train, evaluation = held_out(examples, settings.eval_share, settings.seed)
+    experts = _experts(base, train, config_file, metric, threshold, layer_base, log)
+    if not any(experts.values()):
+        raise EsftError("the expert config selects no expert: nothing to train", config_file)
+    checkpoints = checkpoints or out.with_name(out.name + ".ckpt")
+    identity = _identity(base, data, experts, settings)
+    log(f"loading {base.path.name}")
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_train_dtype(base))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rows = TrainedRows(model, base, experts)
+    params = rows.parameters()
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    start = _resume(checkpoints, identity, params, opt, log)
+    report = TrainReport(name, out, {l: len(e) for l, e in experts.items() if e}, sum(p.numel() for p in params),
+                         sum(p.numel() for p in model.parameters()), settings.steps, start, len(train),
+                         len(evaluation))
+    began = time.perf_counter()
+    model.train()
+    with deterministic():
+        _steps(model, tokenizer, train, settings, start, params, opt, device, report, checkpoints, identity, on_step)
+    report.seconds = round(time.perf_counter() - began, 3)
+    report.tokens_per_second = round(report.tokens / max(report.seconds, 1e-9), 1)
+    model.eval()
+    if evaluation:
+        report.eval_loss, report.eval_exact = _evaluate(model, tokenizer, evaluation, device)
+    write_bundle(out, name, base, rows.experts(_dtype(base)), overwrite=overwrite)
+    Bundle.open(out).check_base(base)
+    _remove_checkpoints(checkpoints)
+    return report
+
+
+def _steps(model, tokenizer, train: list[Example], settings: TrainSettings, start: int, params: list, opt, device,
+           report: TrainReport, checkpoints: Path, identity: dict, on_step) -> None:
+    began = time.perf_counter()
+    for step in range(start, settings.steps):
+        batch = random.Random(settings.seed * 1_000_003 + step).choices(train, k=settings.batch_size)
+        torch.manual_seed(settings.seed * 1_000_003 + step)  # dropout or router noise, where a model has them
+        enc = {k: v.to(device) for k, v in _encode(tokenizer, batch).items()}
+        loss = model(**enc).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = settings.lr_at(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        report.tokens += int(enc["attention_mask"].sum())
+        report.losses.append(round(loss.item(), 6))
+        on_step(step, report.losses[-1], report.tokens / max(time.perf_counter() - began, 1e-9))
+        if settings.save_every and (step + 1) % settings.save_every == 0 and step + 1 < settings.steps:
+            _save(checkpoints, identity, step + 1, params, opt)
+
+
+@contextmanager
+def deterministic() -> Iterator[None]:
+    """Deterministic kernels while training: without them, a resumed run of a tiny model on the CPU parted from an
+    uninterrupted one in the last bits. On CUDA, ops without a deterministic kernel warn instead of failing (and
+    cuBLAS needs CUBLAS_WORKSPACE_CONFIG, set before its first use: `train_adapter`)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _experts(base: MoECheckpoint, train: list[Example], config_file: Path | None, metric: str, threshold: float,
+             layer_base: int | None, log) -> dict[int, list[int]]:
+    from esftctl.relevance import compute_relevance
+    from esftctl.selection import select_experts
+
+    if config_file is not None:
+        config, _ = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts, layer_base=layer_base)
+        if config.shared_experts or config.non_expert_modules:
+            raise EsftError("training shared experts or non-expert modules is not supported yet: set shared_experts "
+                            "and non_expert_modules to false", config_file)
+        return {l: sorted(ids) for l, ids in config.experts.items()}
+    if metric not in ("token", "gate"):
+        raise EsftError(f"--metric {metric}: choose token or gate")
+    log(f"expert relevance on {len(train)} examples")
+    scores = compute_relevance(base.path, train, scored="completion").scores[metric]
+    return select_experts(scores, threshold)
+
+
+def _train_dtype(base: MoECheckpoint) -> torch.dtype:
+    """The frozen weights' dtype: the base's on a GPU; float32 on the CPU (its bf16 matmuls are slow)."""
+    return _dtype(base) if torch.cuda.is_available() else torch.float32
+
+
+def _dtype(base: MoECheckpoint) -> torch.dtype:
+    from esftctl.formats.checkpoint import TORCH_DTYPES
+
+    return TORCH_DTYPES[base.expert_dtype]
+
+
+def _encode(tokenizer, batch: Sequence[Example]) -> dict[str, torch.Tensor]:
+    from esftctl.world.training import encode_batch
+
+    return encode_batch(tokenizer, batch, completion_only=True)
+
+
+@torch.no_grad()
+def _evaluate(model, tokenizer, examples: Sequence[Example], device, batch_size: int = 32) -> tuple[float, float]:
+    """(mean loss per completion token, exact match): a greedy completion equals the reference exactly when the
+    model's argmax is the reference's next token at every completion position (teacher forced, one pass)."""
+    hits, nll, count = 0, 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        enc = {k: v.to(device) for k, v in _encode(tokenizer, examples[start:start + batch_size]).items()}
+        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[:, :-1].float()
+        target = enc["labels"][:, 1:]
+        scored = target != -100
+        hits += int(((logits.argmax(dim=-1) == target) | ~scored).all(dim=1).sum())
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        nll -= float((logp * scored).sum())
+        count += int(scored.sum())
+    return round(nll / max(count, 1), 6), round(hits / len(examples), 6)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+STATE, META = "state.safetensors", "state.json"
+
+
+def _identity(base: MoECheckpoint, data: Path, experts: dict[int, list[int]], settings: TrainSettings) -> dict:
+    """What a checkpoint belongs to: the base (its identity), the data (its bytes' hash), the experts, the settings."""
+    from esftctl.formats.bundle import base_identity
+
+    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()
+    return {"base": base_identity(base), "data_sha256": digest, "experts": {str(l): e for l, e in experts.items()},
+            "settings": asdict(settings) | {"save_every": None}}
+
+
+def _save(folder: Path, identity: dict, step: int, params: list, opt) -> None:
+    from safetensors.torch import save_file
+
+    from esftctl.atomic import atomic_dir
+
+    tensors = {f"master.{i}": p.detach().cpu().contiguous() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        state = opt.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                tensors[f"adam.{i}.{key}"] = state[key].detach().cpu().contiguous()
+    adam_steps = [float(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else 0.0 for p in params]
+    with atomic_dir(folder, overwrite=True) as tmp:
+        save_file(tensors, tmp / STATE)
+        (tmp / META).write_text(json.dumps({"identity": identity, "step": step, "adam_steps": adam_steps}))
+
+
+def _resume(folder: Path, identity: dict, params: list, opt, log) -> int:
+    """The step a checkpoint in `folder` of this very run resumes from (its masters and AdamW's moments restored),
+    or 0; refuses a checkpoint of another run."""
+    from safetensors.torch import load_file
+
+    if not (folder / META).is_file():
+        return 0
+    try:
+        meta = json.loads((folder / META).read_text())
+        tensors = load_file(folder / STATE)
+    except (OSError, ValueError) as e:
+        raise EsftError(f"the checkpoint cannot be read ({e}); remove it to start over", folder) from None
+    if meta.get("identity") != identity:
+        raise EsftError("the checkpoint is of another run (base, data, experts or settings differ); remove it to "
+                        "start over", folder)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(tensors[f"master.{i}"])
+            if f"adam.{i}.exp_avg" in tensors:
+                opt.state[p] = {"step": torch.tensor(meta["adam_steps"][i]),
+                                "exp_avg": tensors[f"adam.{i}.exp_avg"].to(p.device),
+                                "exp_avg_sq": tensors[f"adam.{i}.exp_avg_sq"].to(p.device)}
+    log(f"resuming from step {meta['step']}")
+    return int(meta["step"])
+
+
+def _remove_checkpoints(folder: Path) -> None:
+    import shutil
+
+    if (folder / META).is_file():
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,143 @@
+"""`esftctl train`: task data to a bundle of the selected experts, trained alone; the rest of the model untouched.
+
+On tiny models of several architectures (DeepSeek-V2's per-expert checkpoint, and transformers' fused layouts in
+memory: Qwen3-MoE and Mixtral stacked, GPT-OSS with biases): the bundle holds exactly the configured experts, each
+changed; a merged model differs from the base in those experts only. A run killed after a checkpoint and run again
+resumes and writes the same bytes as an uninterrupted one. Data lines of neither shape are refused naming the line;
+chat lines are rendered with the base's chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+
+from esftctl.errors import EsftError
+from esftctl.formats.bundle import Bundle
+from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.jsonl import read_jsonl, write_jsonl
+from esftctl.merge import merge
+from esftctl.train import TrainSettings, read_examples, train_adapter
+
+QUICK = TrainSettings(steps=3, batch_size=4, lr=1e-2, save_every=0, eval_share=0.2)
+
+
+@pytest.fixture
+def data(world, tmp_path) -> Path:
+    examples = list(read_jsonl(world.data_file(world.task_names[0], "train")))[:24]
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, examples)
+    return path
+
+
+def config(tmp_path: Path, experts: dict[int, list[int]]) -> Path:
+    path = tmp_path / "experts.json"
+    path.write_text(json.dumps({"experts": {str(l): e for l, e in experts.items()}, "shared_experts": False,
+                                "non_expert_modules": False}))
+    return path
+
+
+def chosen(base: MoECheckpoint, data: Path) -> dict[int, list[int]]:
+    """The two experts the data uses most in the first MoE layer, the one in the last, none elsewhere (used ones: an
+    expert no token reaches gets no gradient and stays the base's)."""
+    from esftctl.world.synthetic import experts_used_by
+
+    used = experts_used_by(base.path, [e["prompt"] + e["completion"] for e in read_jsonl(data)])
+    layers = base.moe_layers
+    out = {l: [] for l in layers}
+    out[layers[0]], out[layers[-1]] = sorted(used[layers[0]][:2]), used[layers[-1]][:1]
+    return out
+
+
+def random_base(architecture: str, world, root: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from esftctl.world.models import make_random_model
+
+    return make_random_model(architecture, root / architecture, seed=3,
+                             tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
+
+
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_only_the_selected_experts_are_trained(architecture, world, data, tmp_path):
+    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    base = MoECheckpoint(base_dir)
+    experts = chosen(base, data)
+    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=config(tmp_path, experts))
+    bundle = Bundle.open(tmp_path / "bundle")
+    assert bundle.experts == {l: e for l, e in experts.items() if e}
+    assert report.trained_parameters == sum(map(len, experts.values())) * sum(
+        t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+    assert len(report.losses) == 3 and report.eval_examples == 5 and report.eval_loss is not None
+    for layer, ids in bundle.experts.items():
+        for e in ids:  # each trained expert moved from the base's
+            got, was = bundle.read_expert(layer, e), base.read_expert(layer, e)
+            assert any(not torch.equal(g, w) for (_, g), (_, w) in zip(got.items(), was.items())), (layer, e)
+    merged = MoECheckpoint(merge(base_dir, tmp_path / "bundle", tmp_path / "merged"))
+    for layer in base.moe_layers:  # the merged model is the base everywhere else
+        for e in set(range(base.num_experts)) - set(experts[layer]):
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(merged.read_expert(layer, e).items(),
+                                                                  base.read_expert(layer, e).items()))
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(world, data, tmp_path):
+    settings = TrainSettings(steps=4, batch_size=4, lr=1e-2, save_every=2, eval_share=0.2)
+    cfg = config(tmp_path, chosen(MoECheckpoint(world.base_dir), data))
+    train_adapter(world.base_dir, data, tmp_path / "whole", "task", settings, config_file=cfg)
+
+    def killed(step, loss, tps):
+        if step == 2:  # after the checkpoint at step 2
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_adapter(world.base_dir, data, tmp_path / "resumed", "task", settings, config_file=cfg, on_step=killed)
+    assert not (tmp_path / "resumed").exists() and (tmp_path / "resumed.ckpt" / "state.json").is_file()
+    report = train_adapter(world.base_dir, data, tmp_path / "resumed", "task", settings, config_file=cfg)
+    assert report.resumed_from == 2 and len(report.losses) == 2
+    assert not (tmp_path / "resumed.ckpt").exists()  # removed once the bundle is written
+    assert (tmp_path / "resumed" / "experts.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "experts.safetensors").read_bytes()
+    # a checkpoint of another run is refused, not resumed
+    (tmp_path / "other.ckpt").mkdir()
+    (tmp_path / "other.ckpt" / "state.json").write_text(json.dumps({"identity": {}, "step": 1}))
+    (tmp_path / "other.ckpt" / "state.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}" + b" " * 6)
+    with pytest.raises(EsftError, match="the checkpoint is of another run"):
+        train_adapter(world.base_dir, data, tmp_path / "other", "task", settings, config_file=cfg)
+
+
+def test_the_command_selects_by_relevance_and_reports(world, data, tmp_path):
+    out = run_cli("train", world.base_dir, data, "--out", tmp_path / "b", "--name", "task", "--steps", "2",
+                  "--batch-size", "4", "-p", "0.3", "--save-every", "0", "--json", check=True)
+    report = json.loads(out.stdout)
+    assert report["steps"] == 2 and report["experts_per_layer"] and report["trained_parameters"] > 0
+    assert Bundle.open(tmp_path / "b").experts == {int(l): Bundle.open(tmp_path / "b").experts[int(l)]
+                                                   for l in report["experts_per_layer"]}
+
+
+class ChatTokenizer:
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt
+                                                                            else "")
+
+
+def test_data_lines_read_or_refused(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    assert read_examples(path, ChatTokenizer()) == [{"prompt": "a", "completion": "b"},
+                                                     {"prompt": "<user>hi<assistant>", "completion": "yo"}]
+    no_template = type("T", (), {"chat_template": None})()
+    with pytest.raises(EsftError, match="line 2 holds chat messages, but the base's tokenizer has no chat template"):
+        read_examples(path, no_template)
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(EsftError, match="line 2 needs string fields 'prompt' and 'completion', or 'messages'"):
+        read_examples(path, ChatTokenizer())
+    path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}, {"role": "user",
+                                                                                     "content": "y"}]}) + "\n")
+    with pytest.raises(EsftError, match="line 1: 'messages' must be .* ending with the assistant's turn"):
+        read_examples(path, ChatTokenizer())
