@@ -250,6 +250,9 @@ def train(
     seed: int = typer.Option(0, help="Seeds the held-out split and the batches: the same seed, the same run."),
     eval_share: float = typer.Option(0.05, help="Share of the examples held out for evaluation (loss and exact "
                                                 "match), at least one where there are two or more; 0: none."),
+    shared_experts: bool = typer.Option(False, "--shared-experts", help="Also train every MoE layer's shared experts "
+                                        "(ESFT's shared_experts: true; a --config with that switch set does too): "
+                                        "the bundle carries them, and `esftctl serve` applies them per request."),
     save_every: int = typer.Option(50, min=0, help="Steps between checkpoints (in OUT.ckpt, removed once the bundle "
                                                    "is written); the same command run again resumes from the last "
                                                    "one; 0: none."),
@@ -273,7 +276,7 @@ def train(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("preparing", total=steps, info="")
         report = train_adapter(base, data, out, name, settings, config_file=config, metric=metric, threshold=threshold,
-                               layer_base=layer_base, overwrite=overwrite,
+                               layer_base=layer_base, shared_experts=shared_experts, overwrite=overwrite,
                                log=lambda msg: progress.update(task, description=msg),
                                on_step=lambda step, loss, tps: progress.update(
                                    task, completed=step + 1, description="training",

@@ -9,8 +9,8 @@
    ([E, 2I, H] and [E, H, I]); the selected rows become float32 master parameters of their own (AdamW's state is kept
    for them alone, never for a frozen row), and before each forward of the layer a pre-hook writes them, in the
    model's dtype, into a copy of the frozen tensor (`index_copy`, through which the gradient reaches the masters).
-   Everything else (attention, norms, the router, shared experts, every other expert) is frozen and stays in the
-   base's dtype. AdamW with linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator)
+   Everything else (attention, norms, the router, every other expert, and the shared experts unless ESFT's
+   `shared_experts` switch says to train them: TrainedTensors) is frozen and stays in the base's dtype. AdamW with linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator)
    seeded by (seed, step): a run is reproducible, and one resumed from a checkpoint takes the same batches.
 4. Checkpoints every `save_every` steps (the masters and AdamW's moments, safetensors; the step and the run's
    identity, JSON), written atomically beside the output; the same command run again resumes from the last one.
@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from esftctl.errors import EsftError
-from esftctl.formats.checkpoint import ExpertWeights, MoECheckpoint, unfuse
+from esftctl.formats.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint, unfuse
 from esftctl.jsonl import Example, read_records
 from esftctl.selection import ExpertConfig
 
@@ -165,12 +165,43 @@ class TrainedRows:
         return out
 
 
+class TrainedTensors:
+    """Whole tensors trained (shared experts): float32 masters, written in the model's dtype into their module before
+    each of its forwards, as TrainedRows writes rows."""
+
+    def __init__(self, model, names: list[str]):
+        self.masters: dict[str, torch.nn.Parameter] = {}
+        self.handles = []
+        for name in names:
+            owner_name, _, attr = name.rpartition(".")
+            try:
+                owner = model.get_submodule(owner_name)
+                frozen = getattr(owner, attr).detach()
+            except AttributeError:
+                raise EsftError(f"transformers holds no tensor {name!r} in this model: esftctl cannot train it") \
+                    from None
+            delattr(owner, attr)
+            self.masters[name] = master = torch.nn.Parameter(frozen.float())
+            self.handles.append(owner.register_forward_pre_hook(
+                lambda module, args, attr=attr, master=master, dtype=frozen.dtype: setattr(module, attr,
+                                                                                           master.to(dtype))))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.masters[n] for n in sorted(self.masters)]
+
+    def tensors(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        return {n: m.detach().to(dtypes[n]).cpu() for n, m in self.masters.items()}
+
+
 def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: TrainSettings = TrainSettings(), *,
                   config_file: Path | None = None, metric: str = "token", threshold: float = 0.2,
-                  layer_base: int | None = None, overwrite: bool = False, checkpoints: Path | None = None,
+                  layer_base: int | None = None, shared_experts: bool = False, overwrite: bool = False,
+                  checkpoints: Path | None = None,
                   on_step: Callable[[int, float, float], None] = lambda step, loss, tps: None,
                   log: Callable[[str], None] = lambda msg: None) -> TrainReport:
-    """Train an ESFT adapter of `base_dir` on `data` and write it as bundle `out` named `name`."""
+    """Train an ESFT adapter of `base_dir` on `data` and write it as bundle `out` named `name`; `shared_experts` (or
+    the config's switch) trains every MoE layer's shared experts too, which the bundle carries as non-expert tensors
+    (served per request: esftctl.runtime.vllm.shared_experts)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from esftctl.atomic import check_output
@@ -189,19 +220,21 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     tokenizer.padding_side = "right"
     examples = read_examples(data, tokenizer)
     train, evaluation = held_out(examples, settings.eval_share, settings.seed)
-    experts = _experts(base, train, config_file, metric, threshold, layer_base, log)
-    if not any(experts.values()):
+    experts, shared = _experts(base, train, config_file, metric, threshold, layer_base, log)
+    shared = shared or shared_experts
+    if not any(experts.values()) and not shared:
         raise EsftError("the expert config selects no expert: nothing to train", config_file)
+    shared_names = _shared_names(base) if shared else []
     checkpoints = checkpoints or out.with_name(out.name + ".ckpt")
-    identity = _identity(base, data, experts, settings)
+    identity = _identity(base, data, experts, settings) | {"shared_experts": shared}
     log(f"loading {base.path.name}")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_train_dtype(base))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)
-    rows = TrainedRows(model, base, experts)
-    params = rows.parameters()
+    rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, shared_names)
+    params = rows.parameters() + whole.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     start = _resume(checkpoints, identity, params, opt, log)
     report = TrainReport(name, out, {l: len(e) for l, e in experts.items() if e}, sum(p.numel() for p in params),
@@ -216,7 +249,8 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     model.eval()
     if evaluation:
         report.eval_loss, report.eval_exact = _evaluate(model, tokenizer, evaluation, device)
-    write_bundle(out, name, base, rows.experts(_dtype(base)), overwrite=overwrite)
+    write_bundle(out, name, base, {l: e for l, e in rows.experts(_dtype(base)).items() if e},
+                 whole.tensors({n: TORCH_DTYPES[base.tensors[n].dtype] for n in shared_names}), overwrite=overwrite)
     Bundle.open(out).check_base(base)
     _remove_checkpoints(checkpoints)
     return report
@@ -257,21 +291,30 @@ def deterministic() -> Iterator[None]:
 
 
 def _experts(base: MoECheckpoint, train: list[Example], config_file: Path | None, metric: str, threshold: float,
-             layer_base: int | None, log) -> dict[int, list[int]]:
+             layer_base: int | None, log) -> tuple[dict[int, list[int]], bool]:
+    """(the experts to train, {layer: ids}; whether the config asks for the shared experts too)."""
     from esftctl.relevance import compute_relevance
     from esftctl.selection import select_experts
 
     if config_file is not None:
         config, _ = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts, layer_base=layer_base)
-        if config.shared_experts or config.non_expert_modules:
-            raise EsftError("training shared experts or non-expert modules is not supported yet: set shared_experts "
-                            "and non_expert_modules to false", config_file)
-        return {l: sorted(ids) for l, ids in config.experts.items()}
+        if config.non_expert_modules:
+            raise EsftError("training non-expert modules (attention, norms, embeddings) is not supported yet: set "
+                            "non_expert_modules to false", config_file)
+        return {l: sorted(ids) for l, ids in config.experts.items()}, config.shared_experts
     if metric not in ("token", "gate"):
         raise EsftError(f"--metric {metric}: choose token or gate")
     log(f"expert relevance on {len(train)} examples")
     scores = compute_relevance(base.path, train, scored="completion").scores[metric]
-    return select_experts(scores, threshold)
+    return select_experts(scores, threshold), False
+
+
+def _shared_names(base: MoECheckpoint) -> list[str]:
+    """The shared-expert tensors of every MoE layer (ESFT's `shared_experts: true`); refuses a base without them."""
+    names = sorted(n for n in base.tensors if any(base.arch.is_shared_expert_tensor(n, l) for l in base.moe_layers))
+    if not names:
+        raise EsftError("this base has no shared experts to train", base.path)
+    return names
 
 
 def _train_dtype(base: MoECheckpoint) -> torch.dtype:

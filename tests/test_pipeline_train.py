@@ -9,6 +9,7 @@ chat lines are rendered with the base's chat template."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,26 @@ def test_data_lines_read_or_refused(tmp_path):
                                                                                      "content": "y"}]}) + "\n")
     with pytest.raises(EsftError, match="line 1: 'messages' must be .* ending with the assistant's turn"):
         read_examples(path, ChatTokenizer())
+
+
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen2_moe"])
+def test_shared_experts_trained_into_a_servable_bundle(architecture, world, data, tmp_path):
+    """ESFT's shared_experts: true: every MoE layer's shared experts (Qwen2-MoE's gate too) train beside the selected
+    experts and travel as the bundle's non-expert tensors, which `esftctl serve` plans a shared-expert copy for."""
+    from esftctl.serve import free_port, plan
+
+    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    base = MoECheckpoint(base_dir)
+    experts = chosen(base, data)
+    path = config(tmp_path, experts)
+    path.write_text(path.read_text().replace('"shared_experts": false', '"shared_experts": true'))
+    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=path)
+    bundle = Bundle.open(tmp_path / "bundle")
+    shared = sorted(n for n in base.tensors if any(base.arch.is_shared_expert_tensor(n, l) for l in base.moe_layers))
+    assert bundle.non_expert_tensors == shared and bundle.experts == {l: e for l, e in experts.items() if e}
+    assert report.trained_parameters == sum(math.prod(base.tensors[n].shape) for n in shared) + sum(
+        map(len, experts.values())) * sum(t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+    moved = [n for n in shared if not torch.equal(bundle.read_tensor("non_expert." + n), base.read_tensor(n))]
+    assert moved, "no shared-expert tensor moved"
+    serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
+    assert serve_plan.shared_copies == 1 and serve_plan.module_copies == 0
