@@ -253,6 +253,9 @@ def train(
     shared_experts: bool = typer.Option(False, "--shared-experts", help="Also train every MoE layer's shared experts "
                                         "(ESFT's shared_experts: true; a --config with that switch set does too): "
                                         "the bundle carries them, and `esftctl serve` applies them per request."),
+    replay: Path = typer.Option(None, help="General data (the same JSONL shapes) mixed back into every batch, so that "
+                                           "the selected experts keep serving general text.", callback=_must_exist),
+    replay_share: float = typer.Option(0.5, help="With --replay: the share of every batch drawn from it."),
     save_every: int = typer.Option(50, min=0, help="Steps between checkpoints (in OUT.ckpt, removed once the bundle "
                                                    "is written); the same command run again resumes from the last "
                                                    "one; 0: none."),
@@ -269,14 +272,15 @@ def train(
 
     check_output(out, overwrite=overwrite, folder=True)
     settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, seed=seed, eval_share=eval_share,
-                             save_every=save_every)
+                             save_every=save_every, replay_share=replay_share if replay is not None else 0.0)
     quiet_transformers()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("preparing", total=steps, info="")
         report = train_adapter(base, data, out, name, settings, config_file=config, metric=metric, threshold=threshold,
-                               layer_base=layer_base, shared_experts=shared_experts, overwrite=overwrite,
+                               layer_base=layer_base, shared_experts=shared_experts, replay=replay,
+                               overwrite=overwrite,
                                log=lambda msg: progress.update(task, description=msg),
                                on_step=lambda step, loss, tps: progress.update(
                                    task, completed=step + 1, description="training",

@@ -2,7 +2,8 @@
 
 1. Data: JSONL of {"prompt", "completion"} lines, or of {"messages": [{"role", "content"}, ...]} lines rendered with
    the base's chat template (the last turn, the assistant's, is the completion: the loss is on it alone; earlier
-   turns are context). A seeded share is held out for evaluation.
+   turns are context). A seeded share is held out for evaluation. With `replay`, a share of every batch comes from
+   general data instead (retention: the selected experts serve general text too).
 2. Experts: an expert config (`--config`, DeepSeek's or esftctl's, 0- or 1-based as `pack` reads it), or relevance on
    the training data's completions and selection at threshold p (`esftctl relevance` + `esftctl select`).
 3. Fine-tuning of the selected routed experts only. transformers holds a layer's experts as one tensor per projection
@@ -10,8 +11,9 @@
    for them alone, never for a frozen row), and before each forward of the layer a pre-hook writes them, in the
    model's dtype, into a copy of the frozen tensor (`index_copy`, through which the gradient reaches the masters).
    Everything else (attention, norms, the router, every other expert, and the shared experts unless ESFT's
-   `shared_experts` switch says to train them: TrainedTensors) is frozen and stays in the base's dtype. AdamW with linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator)
-   seeded by (seed, step): a run is reproducible, and one resumed from a checkpoint takes the same batches.
+   `shared_experts` switch says to train them: TrainedTensors) is frozen and stays in the base's dtype. AdamW with
+   linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator) seeded by (seed, step):
+   a run is reproducible, and one resumed from a checkpoint takes the same batches.
 4. Checkpoints every `save_every` steps (the masters and AdamW's moments, safetensors; the step and the run's
    identity, JSON), written atomically beside the output; the same command run again resumes from the last one.
 5. The bundle: the trained rows in the checkpoint's orientation and dtype, written and verified as `pack` writes them.
@@ -49,12 +51,14 @@ class TrainSettings:
     eval_share: float = 0.05  # of the examples, held out (at least one, where there are two or more)
     save_every: int = 50  # steps between checkpoints (0: none)
     warmup: float = 0.1  # share of the steps the learning rate ramps up over
+    replay_share: float = 0.0  # of every batch, drawn from general data mixed back in (`replay`), for retention
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or self.save_every < 0:
             raise EsftError("--steps and --batch-size must be at least 1, --lr above 0, --save-every at least 0")
-        if not 0 <= self.eval_share < 1 or not 0 <= self.warmup < 1:
-            raise EsftError(f"--eval-share {self.eval_share}: give a share in [0, 1)")
+        if not 0 <= self.eval_share < 1 or not 0 <= self.warmup < 1 or not 0 <= self.replay_share < 1:
+            raise EsftError(f"--eval-share {self.eval_share} / --replay-share {self.replay_share}: give shares in "
+                            "[0, 1)")
 
     def lr_at(self, step: int) -> float:
         warm = max(1, round(self.steps * self.warmup))
@@ -195,7 +199,8 @@ class TrainedTensors:
 
 def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: TrainSettings = TrainSettings(), *,
                   config_file: Path | None = None, metric: str = "token", threshold: float = 0.2,
-                  layer_base: int | None = None, shared_experts: bool = False, overwrite: bool = False,
+                  layer_base: int | None = None, shared_experts: bool = False, replay: Path | None = None,
+                  overwrite: bool = False,
                   checkpoints: Path | None = None,
                   on_step: Callable[[int, float, float], None] = lambda step, loss, tps: None,
                   log: Callable[[str], None] = lambda msg: None) -> TrainReport:
@@ -220,13 +225,14 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     tokenizer.padding_side = "right"
     examples = read_examples(data, tokenizer)
     train, evaluation = held_out(examples, settings.eval_share, settings.seed)
+    general = read_examples(replay, tokenizer) if replay is not None and settings.replay_share else []
     experts, shared = _experts(base, train, config_file, metric, threshold, layer_base, log)
     shared = shared or shared_experts
     if not any(experts.values()) and not shared:
         raise EsftError("the expert config selects no expert: nothing to train", config_file)
     shared_names = _shared_names(base) if shared else []
     checkpoints = checkpoints or out.with_name(out.name + ".ckpt")
-    identity = _identity(base, data, experts, settings) | {"shared_experts": shared}
+    identity = _identity(base, data, experts, settings) | {"shared_experts": shared, "replay_sha256": _sha256(replay)}
     log(f"loading {base.path.name}")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_train_dtype(base))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -243,7 +249,8 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     began = time.perf_counter()
     model.train()
     with deterministic():
-        _steps(model, tokenizer, train, settings, start, params, opt, device, report, checkpoints, identity, on_step)
+        _steps(model, tokenizer, (train, general), settings, start, params, opt, device, report, checkpoints, identity,
+               on_step)
     report.seconds = round(time.perf_counter() - began, 3)
     report.tokens_per_second = round(report.tokens / max(report.seconds, 1e-9), 1)
     model.eval()
@@ -256,11 +263,17 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     return report
 
 
-def _steps(model, tokenizer, train: list[Example], settings: TrainSettings, start: int, params: list, opt, device,
-           report: TrainReport, checkpoints: Path, identity: dict, on_step) -> None:
+def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], settings: TrainSettings, start: int,
+           params: list, opt, device, report: TrainReport, checkpoints: Path, identity: dict, on_step) -> None:
+    """The optimizer steps from `start`: each batch the task's examples and `replay_share` of it from the general
+    ones (pools: task, general), drawn with replacement by a generator seeded with (seed, step)."""
+    train, general = pools
+    replayed = round(settings.batch_size * settings.replay_share) if general else 0
     began = time.perf_counter()
     for step in range(start, settings.steps):
-        batch = random.Random(settings.seed * 1_000_003 + step).choices(train, k=settings.batch_size)
+        rng = random.Random(settings.seed * 1_000_003 + step)
+        batch = rng.choices(train, k=settings.batch_size - replayed) + (rng.choices(general, k=replayed)
+                                                                         if replayed else [])
         torch.manual_seed(settings.seed * 1_000_003 + step)  # dropout or router noise, where a model has them
         enc = {k: v.to(device) for k, v in _encode(tokenizer, batch).items()}
         loss = model(**enc).loss
@@ -360,9 +373,12 @@ def _identity(base: MoECheckpoint, data: Path, experts: dict[int, list[int]], se
     """What a checkpoint belongs to: the base (its identity), the data (its bytes' hash), the experts, the settings."""
     from esftctl.formats.bundle import base_identity
 
-    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()
-    return {"base": base_identity(base), "data_sha256": digest, "experts": {str(l): e for l, e in experts.items()},
-            "settings": asdict(settings) | {"save_every": None}}
+    return {"base": base_identity(base), "data_sha256": _sha256(data),
+            "experts": {str(l): e for l, e in experts.items()}, "settings": asdict(settings) | {"save_every": None}}
+
+
+def _sha256(path: Path | None) -> str | None:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path is not None else None
 
 
 def _save(folder: Path, identity: dict, step: int, params: list, opt) -> None:

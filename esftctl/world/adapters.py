@@ -4,8 +4,9 @@ Per task, what the CLI's offline commands do (here in one process, saving a Pyth
 
     esftctl relevance BASE TASK/train.jsonl --out scores.json --scored-tokens completion  # which experts answer
     esftctl select scores.json --out experts.json -p P --metric token
-    (ESFT fine-tuning of the selected experts only: everything else frozen, the router included)
-    esftctl pack BASE finetuned --out bundle --name TASK --config experts.json
+    esftctl train BASE TASK/train.jsonl --out bundle --name TASK --config experts.json
+        --replay general/train.jsonl --replay-share 0.75   # the selected experts only, the router frozen too
+    esftctl merge BASE bundle --out finetuned   # the model the held-out scores are taken on
 
 then exact match on held-out task data and, for retention, exact match and loss on the held-out general mixture.
 Each step's output is cached in the task's folder with the recipe that made it (`recipe.json`): a second run
@@ -33,7 +34,7 @@ from typing import Callable
 
 from esftctl.jsonl import read_jsonl
 from esftctl.world.build import World
-from esftctl.world.esft import FINETUNE, RELEVANCE, SELECTION, esft_finetune, evaluate
+from esftctl.world.esft import FINETUNE, RELEVANCE, SELECTION, evaluate
 from esftctl.world.training import THREADS
 
 
@@ -47,6 +48,7 @@ class Recipe:
     lr: float = FINETUNE["lr"]
     replay: float = FINETUNE["replay"]
     seed: int = 0
+    trainer: str = "esftctl train"  # what trains (esftctl.train): a recipe of another trainer's cache starts over
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,10 @@ def prepare_adapter(world: World, task: str, recipe: Recipe = Recipe(), *, folde
                     on_step: Callable[[int, float], None] | None = None, threads: int = THREADS) -> Adapter:
     """Relevance, selection, ESFT fine-tuning and packing of `task`'s adapter in `folder` (default: the world's
     adapters/TASK), each step skipped when its output of the same recipe exists; then its held-out scores."""
-    from esftctl.pack import pack
+    from esftctl.merge import merge
     from esftctl.relevance import Relevance, compute_relevance
     from esftctl.selection import ExpertConfig, select_experts
+    from esftctl.train import TrainSettings, train_adapter
     from esftctl.world.training import torch_threads
 
     folder = folder or world.root / "adapters" / task
@@ -110,16 +113,17 @@ def prepare_adapter(world: World, task: str, recipe: Recipe = Recipe(), *, folde
             chosen = select_experts(Relevance.load(scores).scores[recipe.metric], recipe.p)
             ExpertConfig(chosen).save(config)
         experts = ExpertConfig.load(config)
-        if not tuned.exists():
-            log(f"{task}: ESFT fine-tuning of {sum(map(len, experts.experts.values()))} experts")
-            start = time.time()
-            esft_finetune(world.base_dir, experts, train, tuned, general=list(read_jsonl(world.general_file("train"))),
-                          steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr, replay=recipe.replay,
-                          seed=recipe.seed, threads=threads, on_step=on_step)
-            seconds = time.time() - start
         if not bundle.exists():
-            log(f"{task}: packing the bundle")
-            pack(world.base_dir, tuned, bundle, task, config)
+            log(f"{task}: ESFT fine-tuning of {sum(map(len, experts.experts.values()))} experts (esftctl train)")
+            start = time.time()
+            settings = TrainSettings(steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr, seed=recipe.seed,
+                                     eval_share=0.0, save_every=0, replay_share=recipe.replay)
+            train_adapter(world.base_dir, world.data_file(task, "train"), bundle, task, settings, config_file=config,
+                          replay=world.general_file("train"), on_step=lambda step, loss, tps: on_step(step, loss)
+                          if on_step is not None else None)
+            seconds = time.time() - start
+        if not tuned.exists():  # the merged model, for the held-out scores
+            merge(world.base_dir, bundle, tuned)
         log(f"{task}: held-out exact match and retention")
         held_out = list(read_jsonl(world.data_file(task, "test")))
         general = list(read_jsonl(world.general_file("test")))
