@@ -256,6 +256,10 @@ def train(
     replay: Path = typer.Option(None, help="General data (the same JSONL shapes) mixed back into every batch, so that "
                                            "the selected experts keep serving general text.", callback=_must_exist),
     replay_share: float = typer.Option(0.5, help="With --replay: the share of every batch drawn from it."),
+    gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing",
+                                                help="Recompute each layer's activations in the backward pass: less "
+                                                     "memory for longer sequences or larger batches, more time (each "
+                                                     "layer's forward runs twice)."),
     save_every: int = typer.Option(50, min=0, help="Steps between checkpoints (in OUT.ckpt, removed once the bundle "
                                                    "is written); the same command run again resumes from the last "
                                                    "one; 0: none."),
@@ -272,7 +276,8 @@ def train(
 
     check_output(out, overwrite=overwrite, folder=True)
     settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, seed=seed, eval_share=eval_share,
-                             save_every=save_every, replay_share=replay_share if replay is not None else 0.0)
+                             save_every=save_every, replay_share=replay_share if replay is not None else 0.0,
+                             gradient_checkpointing=gradient_checkpointing)
     quiet_transformers()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())

@@ -52,6 +52,7 @@ class TrainSettings:
     save_every: int = 50  # steps between checkpoints (0: none)
     warmup: float = 0.1  # share of the steps the learning rate ramps up over
     replay_share: float = 0.0  # of every batch, drawn from general data mixed back in (`replay`), for retention
+    gradient_checkpointing: bool = False  # recompute each layer's activations in the backward pass: less memory
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or self.save_every < 0:
@@ -239,6 +240,8 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)
+    if settings.gradient_checkpointing:  # non-reentrant: the frozen inputs need no gradient of their own
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, shared_names)
     params = rows.parameters() + whole.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)

@@ -165,3 +165,14 @@ def test_shared_experts_trained_into_a_servable_bundle(architecture, world, data
     assert moved, "no shared-expert tensor moved"
     serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
     assert serve_plan.shared_copies == 1 and serve_plan.module_copies == 0
+
+
+def test_gradient_checkpointing_trains_the_same_rows(world, data, tmp_path):
+    """Recomputing activations in the backward pass changes the memory, not the arithmetic: the same bytes."""
+    cfg = config(tmp_path, chosen(MoECheckpoint(world.base_dir), data))
+    train_adapter(world.base_dir, data, tmp_path / "plain", "task", QUICK, config_file=cfg)
+    again = TrainSettings(**{**QUICK.__dict__, "gradient_checkpointing": True})
+    train_adapter(world.base_dir, data, tmp_path / "ckpt", "task", again, config_file=cfg)
+    assert (tmp_path / "ckpt" / "experts.safetensors").read_bytes() == \
+        (tmp_path / "plain" / "experts.safetensors").read_bytes()
+
