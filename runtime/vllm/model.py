@@ -204,6 +204,9 @@ class EsftModel:
             if self.pool is not None:
                 torch.cuda.empty_cache()
         self.shared = self._shared_experts(engine_layers, base, shared_copies, num_slots) if shared_copies else None
+        if module_copies and first.moe_config.moe_parallel_config.tp_size > 1:
+            raise EsftError("adapters that change non-expert modules are served on one GPU only for now (their copies "
+                            "are converted and checked whole); serve without --tensor-parallel-size")
         self.module_copies = ModuleCopies(model, base, list(copied_tensors), copies=module_copies, slots=num_slots,
                                           token_adapters=self.token_adapters, device=self.device) \
             if module_copies else None
