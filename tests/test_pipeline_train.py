@@ -4,7 +4,8 @@ On tiny models of several architectures (DeepSeek-V2's per-expert checkpoint, an
 memory: Qwen3-MoE and Mixtral stacked, GPT-OSS with biases): the bundle holds exactly the configured experts, each
 changed; a merged model differs from the base in those experts only. A run killed after a checkpoint and run again
 resumes and writes the same bytes as an uninterrupted one. Data lines of neither shape are refused naming the line;
-chat lines are rendered with the base's chat template."""
+chat lines are rendered with the base's chat template. Shared experts train into a bundle that serve plans copies for,
+and a trained bundle is served exactly as its merged model (CPU build)."""
 
 from __future__ import annotations
 
@@ -176,3 +177,28 @@ def test_gradient_checkpointing_trains_the_same_rows(world, data, tmp_path):
     assert (tmp_path / "ckpt" / "experts.safetensors").read_bytes() == \
         (tmp_path / "plain" / "experts.safetensors").read_bytes()
 
+
+
+@pytest.mark.vllm
+def test_a_trained_bundle_serves_as_its_merged_model(world, tmp_path):
+    """What `esftctl train` writes (here with the shared experts) is served beside the base exactly as its merged
+    model is served alone by plain vLLM, CPU build."""
+    from conftest import engine_settings, server_args
+    from test_serve_adapters import prompts_of, reference, serve_concurrently
+
+    from esftctl.serve import Server, free_port, plan
+
+    task = world.task_names[0]
+    data = tmp_path / "train.jsonl"
+    write_jsonl(data, list(read_jsonl(world.data_file(task, "train")))[:200])
+    settings = TrainSettings(steps=20, batch_size=16, lr=1e-2, save_every=0, eval_share=0.0)
+    train_adapter(world.base_dir, data, tmp_path / "bundle", task, settings, threshold=0.5, shared_experts=True)
+    merged = merge(world.base_dir, tmp_path / "bundle", tmp_path / "merged")
+    prompts = prompts_of(world)[:4]
+    ref = reference({"base": world.base_dir, task: merged}, prompts, tmp_path, engine_settings())
+    assert [r["token_ids"] for r in ref[task]] != [r["token_ids"] for r in ref["base"]], "training changed nothing"
+    serve_plan = plan(world.base_dir, [f"{task}={tmp_path / 'bundle'}"], name="base", port=free_port(),
+                      state_dir=tmp_path / "state", vllm_args=server_args(engine_settings()))
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(ref), prompts, ref)
