@@ -314,23 +314,8 @@ def open_servable_bundle(path: str | Path, base, *, hash_data: bool = True, pinn
     return bundle
 
 
-# Checkpoint tensors a request's adapter cannot change per token: the vocabulary's rows.
-VOCABULARY = ("embed_tokens", "lm_head", "wte", "embed_out")
-
-
-def vocabulary_tensors(names) -> list[str]:
-    """The names of embedding or output-head tensors among `names`."""
-    return [n for n in names if any(f"{v}." in n or n.endswith(v) for v in VOCABULARY)]
-
-
 def non_expert_kinds(bundle, base) -> tuple[list[str], list[str]]:
-    """The bundle's non-expert tensors: (shared experts', other modules'); refuses the vocabulary's (an embedding or
-    output head: its rows are tokens, not a step's tokens' own)."""
+    """The bundle's non-expert tensors: (shared experts', other modules')."""
     names = bundle.non_expert_tensors
     shared = [n for n in names if any(base.arch.is_shared_expert_tensor(n, layer) for layer in base.moe_layers)]
-    other = [n for n in names if n not in set(shared)]
-    vocabulary = vocabulary_tensors(other)
-    if vocabulary:
-        raise EsftError(f"bundle {bundle.name!r} changes {vocabulary[0]!r}, the vocabulary's rows, which cannot be "
-                        "served per request; merge it into a full model instead", bundle.path)
-    return shared, other
+    return shared, [n for n in names if n not in set(shared)]

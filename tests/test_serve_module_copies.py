@@ -2,9 +2,9 @@
 and routers, served per request. An ESFT adapter folder that changes them beside its routed experts is packed
 (`--include-non-expert`) and served with two plain adapters and the base; every name answers as its model merged
 and served alone by plain vLLM does. Its routed experts are one plain adapter's, so the two differ by the modules
-alone, and its router is one of them: its tokens are routed by its own router. Then it is unloaded and loaded again
-at run time into the copy it left, a second one is refused while the only copy is held, and what cannot be served
-per token is refused at start in one line: the vocabulary's rows, MLA's folded kv_b_proj."""
+alone, and its router is one of them: its tokens are routed by its own router; its embeddings embed its tokens, and its
+output head gives its requests' logits. Then it is unloaded and loaded again at run time into the copy it left, a
+second one is refused while the only copy is held, and MLA's folded kv_b_proj is refused at start in one line."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ pytestmark = pytest.mark.vllm
 
 # What the adapter changes: every per-token module vLLM keeps outside its attention kernel and MoE op.
 CHANGED = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.", "q_a_proj.",
-           "q_b_proj.", "kv_a_proj_with_mqa.", "layernorm.weight", "mlp.gate.weight", "model.norm.weight")
+           "q_b_proj.", "kv_a_proj_with_mqa.", "layernorm.weight", "mlp.gate.weight", "model.norm.weight",
+           "embed_tokens.weight", "lm_head.weight")
 
 
 def moved_modules(base: MoECheckpoint, *, seed: int, scale: float) -> dict[str, torch.Tensor]:
@@ -70,7 +71,7 @@ def served_exactly(architecture: str, world, tmp_path: Path, settings: dict, **o
     del bundles["task2"], merged["task2"]
     bundles["tuned"] = module_adapter(base, bundles["task0"], tmp_path, "tuned", seed=61)
     changed = Bundle.open(bundles["tuned"]).non_expert_tensors
-    assert any("mlp.gate.weight" in n for n in changed) and any("o_proj" in n for n in changed)
+    assert all(any(c in n for n in changed) for c in ("mlp.gate.weight", "o_proj", "embed_tokens", "lm_head"))
     merged["tuned"] = merge(base, bundles["tuned"], tmp_path / "merged" / "tuned")
     ref = reference({"base": base, **merged}, prompts, tmp_path, settings)
     assert differ(ref, "tuned", "task0"), "the modules change no answer: the test would prove nothing"
@@ -112,9 +113,14 @@ def test_module_adapter_with_cuda_graphs_served_exactly(architecture, world, tmp
     served_exactly(architecture, world, tmp_path, engine_settings(graphs=True))
 
 
-def test_vocabulary_changes_refused_at_start(tiny_models, tmp_path):
-    base = MoECheckpoint(tiny_models["deepseek_v2"])
-    name = next(n for n in base.tensors if "embed_tokens" in n)
-    bundle = write_bundle(tmp_path / "vocab", "vocab", base, {}, {name: base.read_tensor(name) + 1})
-    with pytest.raises(EsftError, match=re.escape(f"changes {name!r}, the vocabulary's rows")):
-        plan(base.path, [f"vocab={bundle}"], port=free_port(), state_dir=tmp_path / "state")
+def test_mla_kv_b_proj_refused_at_start(world, tmp_path):
+    """DeepSeek's MLA folds kv_b_proj into its attention kernel's own weights: an adapter changing it is refused when
+    the engine starts, in one line naming the tensor."""
+    base = MoECheckpoint(world.base_dir)
+    name = next(n for n in base.tensors if "kv_b_proj" in n)
+    bundle = write_bundle(tmp_path / "kvb", "kvb", base, {}, {name: base.read_tensor(name) * 2})
+    serve_plan = plan(world.base_dir, [f"kvb={bundle}"], port=free_port(), state_dir=tmp_path / "state",
+                      vllm_args=server_args(engine_settings()))
+    with pytest.raises(EsftError, match=re.escape(f"the tensor {name!r} goes to") + ".*MLA folds it"):
+        with Server(serve_plan) as server:
+            server.wait_ready()

@@ -207,9 +207,10 @@ class EsftModel:
         if module_copies and first.moe_config.moe_parallel_config.tp_size > 1:
             raise EsftError("adapters that change non-expert modules are served on one GPU only for now (their copies "
                             "are converted and checked whole); serve without --tensor-parallel-size")
+        self.sample_adapters = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)  # logits rows'
         self.module_copies = ModuleCopies(model, base, list(copied_tensors), copies=module_copies, slots=num_slots,
-                                          token_adapters=self.token_adapters, device=self.device) \
-            if module_copies else None
+                                          token_adapters=self.token_adapters, sample_adapters=self.sample_adapters,
+                                          device=self.device) if module_copies else None
         pools = {"shared": self.shared, "modules": self.module_copies}
         self.slots = AdapterSlots(self.layers, budget=adapter_budget,
                                   pools={k: v for k, v in pools.items() if v is not None})
@@ -418,6 +419,15 @@ class EsftModel:
         self.token_adapters[:n].copy_(torch.from_numpy(slots), non_blocking=True)
         self.token_adapters[n:].fill_(-1)
         self._written_slots = slots.copy()
+
+    def set_sample_adapters(self, slots: np.ndarray) -> None:
+        """This step's adapter slot per sampled row (the logits' rows: a request's last token, or its speculative
+        ones), for an output head that adapters replace (esftctl.runtime.vllm.module_copies)."""
+        n = len(slots)
+        if n > len(self.sample_adapters):
+            raise EsftError(f"{n} sampled rows in one step, more than the {len(self.sample_adapters)} planned for")
+        self.sample_adapters[:n].copy_(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int32)))
+        self.sample_adapters[n:].fill_(-1)
 
     def expert_bytes(self) -> int:
         return sum(l.expert_bytes for l in self.layers.values())

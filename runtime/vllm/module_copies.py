@@ -19,8 +19,13 @@ adapter's copy (tensors in place, so CUDA graphs keep their pointers; the CPU bu
 engine there). Checked once per module at start-up: the base's tensors, converted so, must give the live module's
 output bit for bit.
 
-Refused in one line naming the tensor: tensors of modules that are not per-token (an embedding's or the output head's
-rows are the vocabulary's), and MLA's `kv_b_proj`, which vLLM folds into its attention kernel's own weights.
+The output head is the exception: vLLM computes logits for the sampled rows only (a request's last token), in the
+model's `compute_logits`, which is replaced on the instance as the forwards are: the base's head and each copy compute
+the rows' logits, and each row keeps its adapter's (`sample_adapters`, filled from vLLM's per-row LoRA mapping). An
+embedding's row is its token's, so embeddings are per-token modules like the rest.
+
+Refused in one line naming the tensor: tensors of modules that esftctl does not know to be per-token, and MLA's
+`kv_b_proj`, which vLLM folds into its attention kernel's own weights.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
-from esftctl.runtime.serve_config import vocabulary_tensors
 from esftctl.runtime.vllm.variant_weights import module_state
 
-# vLLM module classes whose forward computes each token's row from that token alone (names in the class's MRO).
-PER_TOKEN = ("LinearBase", "RMSNorm", "LayerNorm", "GemmaRMSNorm")
+# vLLM module classes whose forward computes each token's row from that token alone (names in the class's MRO): an
+# embedding's row is its token's. The output head (ParallelLMHead, an embedding too) computes logits for the sampled
+# rows only, outside the forward: its copies are applied in the model's `compute_logits`, by each row's adapter.
+PER_TOKEN = ("LinearBase", "RMSNorm", "LayerNorm", "GemmaRMSNorm", "VocabParallelEmbedding")
 # Module names whose weights vLLM processes into another module's state, so that a copy of them is never read.
 FOLDED = {"kv_b_proj": "MLA folds it into its attention kernel's weights (W_UK, W_UV)"}
 @dataclass
@@ -192,13 +198,12 @@ class ModuleCopies:
     copy each loaded adapter holds."""
 
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, names: list[str], *, copies: int, slots: int,
-                 token_adapters: torch.Tensor, device: torch.device):
+                 token_adapters: torch.Tensor, sample_adapters: torch.Tensor, device: torch.device):
+        """`token_adapters`: each token's slot in the step (the forwards'); `sample_adapters`: each sampled row's
+        (the output head's)."""
         self.base, self.num_copies, self.device = base, copies, device
-        vocabulary = vocabulary_tensors(names)
-        if vocabulary:
-            raise EsftError(f"the tensor {vocabulary[0]!r} holds the vocabulary's rows, which a request's adapter "
-                            "cannot change per token; merge such a fine-tune into a full model instead", base.path)
         modules = dict(model.named_modules())
+        head = getattr(model, "lm_head", None)
         self.routes = record_routes(model, base, names)
         self.modules: dict[str, CopiedModule] = {}
         for name in sorted({r.module for routes in self.routes.values() for r in routes}):
@@ -215,20 +220,29 @@ class ModuleCopies:
             table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
             self.modules[name] = CopiedModule(name, module, made, table, token_adapters,
                                               states=[module_state(m, set()) for m in made])
+        self.head = next((m for m in self.modules.values() if m.module is head), None)
+        self.sample_adapters = sample_adapters
         # the base's tensors of each module, by the routes that fill it (every tensor of it, not only the changed)
         self.base_routes = self._module_routes(model)
         self.owner: dict[int, int] = {}  # copy -> slot
         self.replaced: dict[int, int] = {}  # slot -> modules its adapter replaces
         self.pending: set[int] = set()
+        self._logits_processor = getattr(model, "logits_processor", None)
+        if self.head is not None and (self._logits_processor is None or not hasattr(model, "compute_logits")):
+            raise EsftError(f"{self.head.name}: this model computes its logits otherwise than vLLM's models do; an "
+                            "adapter that changes its output head cannot be served per request", base.path)
         for m in self.modules.values():
             self._check(m)
         for m in self.modules.values():  # after the copies and checks: they keep the class's forward
-            m.base_forward, m.module.forward = m.module.forward, m.forward
+            if m is not self.head or _tied(model, head):  # a tied head embeds the tokens too
+                m.base_forward, m.module.forward = m.module.forward, m.forward
+        if self.head is not None:
+            self._base_logits, model.compute_logits = model.compute_logits, self._compute_logits
 
     def _module_routes(self, model: torch.nn.Module) -> dict[str, dict[str, list[Route]]]:
         """{module: {checkpoint tensor: routes}} of every base tensor whose loader fills a copied module's
         parameters (a module's scratch gets all of them, then an adapter's)."""
-        prefixes = {name.rpartition(".")[0] for name in self.modules}
+        prefixes = {name.rpartition(".")[0] for name in self.modules} | set(self.modules)  # a top one: lm_head.
         candidates = [n for n in self.base.tensors if not self.base.is_routed_expert_tensor(n)
                       and any(n.startswith(p + ".") for p in prefixes if p)]
         routes = record_routes(model, self.base, candidates) if candidates else {}
@@ -272,13 +286,35 @@ class ModuleCopies:
             method.process_weights_after_loading(scratch)
         return scratch
 
+    def _compute_logits(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """The model's logits, each sampled row's with its adapter's output head."""
+        logits = self._base_logits(hidden_states, *args, **kwargs)
+        if logits is None:  # a pipeline rank without the head
+            return logits
+        which = self.head.table[self.sample_adapters[:hidden_states.shape[0]].long() + 1]
+        for c, head in enumerate(self.head.copies):
+            logits = select(which == c, self._logits_processor(head, hidden_states), logits)
+        return logits
+
     def _check(self, m: CopiedModule) -> None:
+        if not self.base_routes[m.name]:  # a scratch loaded with nothing would pass the check below, and serve the base
+            raise EsftError(f"{m.name}: no tensor of the checkpoint is loaded into it that esftctl can follow; "
+                            "adapters that change it cannot be served by this engine", self.base.path)
         scratch = self.convert(m, {})
-        width = getattr(m.module, "input_size", None) or next(iter(m.module.parameters())).shape[-1]
         dtype = next(p for p in m.module.parameters()).dtype
-        x = torch.randn(5, width, generator=torch.Generator().manual_seed(0)).to(self.device, dtype)
-        with torch.no_grad():
-            want, got = m.module(x), scratch(x)
+        g = torch.Generator().manual_seed(0)
+        if m is self.head:  # logits of five rows
+            hidden = torch.randn(5, m.module.embedding_dim, generator=g).to(self.device, dtype)
+            with torch.no_grad():
+                want, got = self._logits_processor(m.module, hidden), self._logits_processor(scratch, hidden)
+        else:
+            if "VocabParallelEmbedding" in _class_names(m.module):  # five token ids
+                x = torch.randint(0, m.module.org_vocab_size, (5,), generator=g).to(self.device)
+            else:
+                width = getattr(m.module, "input_size", None) or next(iter(m.module.parameters())).shape[-1]
+                x = torch.randn(5, width, generator=g).to(self.device, dtype)
+            with torch.no_grad():
+                want, got = m.module(x), scratch(x)
         if not _same(want, got):
             raise EsftError(f"{m.name}: vLLM's module ({type(m.module).__name__}) could not be reproduced from the "
                             "checkpoint; adapters that change it cannot be served by this engine")
@@ -332,6 +368,11 @@ class ModuleCopies:
         """The copies' device memory: every copy of every module, as the checkpoint holds the tensors."""
         per_copy = sum(self.base.tensors[t].nbytes for routes in self.base_routes.values() for t in routes)
         return self.num_copies * per_copy
+
+
+def _tied(model: torch.nn.Module, head: torch.nn.Module) -> bool:
+    """Whether the output head is also the model's embedding (tie_word_embeddings)."""
+    return any(m is head for name, m in model.named_modules() if name.endswith("embed_tokens"))
 
 
 def _same(a, b) -> bool:

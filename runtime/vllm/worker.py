@@ -285,12 +285,18 @@ class EsftWorkerManager:
         self.status_file.tick(self.status, prefill=prefill)  # counters (paging fetches, KV cache) stay current
         if mapping is None:
             return
-        lora_ids = np.asarray(mapping.index_mapping, dtype=np.int64)
+        self.runtime.set_token_adapters(self._slots(mapping.index_mapping))
+        if self.runtime.module_copies is not None and self.runtime.module_copies.head is not None:
+            self.runtime.set_sample_adapters(self._slots(mapping.prompt_mapping))
+
+    def _slots(self, lora_mapping) -> np.ndarray:
+        """vLLM's LoRA id per token (or per sampled row) as the adapter slot of each (-1: the base)."""
+        lora_ids = np.asarray(lora_mapping, dtype=np.int64)
         slots = np.full(len(lora_ids), -1, dtype=np.int32)
         for lora_id in np.unique(lora_ids):
             if lora_id > 0 and lora_id not in self.dummy_loras:
                 slots[lora_ids == lora_id] = self.runtime.slots.slot_of(self._slot_key(int(lora_id)))
-        self.runtime.set_token_adapters(slots)
+        return slots
 
     def _slot_key(self, lora_id: int) -> str:
         variant = self.variant_loras.get(lora_id)
