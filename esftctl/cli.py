@@ -608,6 +608,13 @@ def serve(
     quantum: int = typer.Option(4, help="With --variants: engine steps a variant runs before the next one with "
                                         "requests takes its turn (each switch copies non-expert weights).",
                                 rich_help_panel="Consolidated variants"),
+    one_step: bool = typer.Option(False, "--one-step",
+                                  help="With --variants: run every variant's requests in the same engine steps, each "
+                                       "token with its variant's non-expert weights (a copy per variant of every "
+                                       "module that differs, each costing one more product per step) instead of one "
+                                       "variant per step. Refused, naming it, where variants differ in state that "
+                                       "is not a per-token module's (DeepSeek's MLA kv_b_proj).",
+                                  rich_help_panel="Consolidated variants"),
     api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
                                 help="Require this key (`Authorization: Bearer KEY`) on every request, esftctl's "
                                      "own endpoints and /health included; handed to vLLM in its environment. "
@@ -654,7 +661,8 @@ def serve(
         variants=variants,
         variant_names=tuple(variant_names.split(",")) if variant_names else None, quantum=quantum,
         api_key=api_key or None, adapter_root=adapter_root, group_adapters=group_adapters, group_wait=group_wait,
-        admit_by_adapter=admit_by_adapter, shared_expert_copies=shared_expert_copies, module_copies=module_copies)
+        admit_by_adapter=admit_by_adapter, shared_expert_copies=shared_expert_copies, module_copies=module_copies,
+        one_step=one_step)
     serve_plan = plan_serving(settings)
     server, key = Server(serve_plan), serve_plan.request_key
     server.start()

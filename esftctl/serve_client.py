@@ -168,10 +168,13 @@ def _memory_table(s: EngineStatus) -> Table:
     if s.shared_copies:
         held = sum(1 for a in s.adapters if a.shared_layers)
         memory.add_row(f"shared-expert copies ({held} of {s.shared_copies} held)", format_bytes(s.shared_copy_bytes))
-    if s.module_copies:
+    if s.module_copies and s.variants:  # serve --one-step
+        memory.add_row(f"variants' copies of the modules that differ ({s.module_copies} variants)",
+                       format_bytes(s.module_copy_bytes))
+    elif s.module_copies:
         held = sum(1 for a in s.adapters if a.modules)
         memory.add_row(f"module copies ({held} of {s.module_copies} held)", format_bytes(s.module_copy_bytes))
-    if s.variants:
+    if s.variants and not s.module_copies:
         memory.add_row("variants' non-expert weights, kept for switching", format_bytes(s.variant_switch_bytes))
     memory.add_row("KV cache", f"{kv:,} tokens" if kv else "not allocated yet")
     return memory

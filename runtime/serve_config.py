@@ -60,6 +60,7 @@ class ServeSettings:
     variants: Path | None = None  # `serve --variants`: a consolidated map's folder (esftctl.variants)
     variant_names: tuple[str, ...] | None = None  # their served names, the home one first (None: folder names)
     quantum: int = 4  # engine steps per variant turn (esftctl.runtime.vllm.variant_turns)
+    one_step: bool = False  # variants' requests in the same steps, per-token copies of what differs (module_copies)
     api_key: str | None = field(default=None, repr=False)  # handed to vLLM in its environment, never in ENV
     adapter_root: Path | None = None  # adapters load at run time only from under this folder
     shared_expert_copies: int | None = None  # copies of every MoE layer's shared experts kept for adapters that
@@ -88,6 +89,8 @@ class ServeSettings:
             raise EsftError("--variant-names needs --variants")
         if self.variants is not None and self.name is not None:
             raise EsftError("with --variants, name the variants with --variant-names (the first is the home one)")
+        if self.one_step and self.variants is None:
+            raise EsftError("--one-step needs --variants")
         if self.quantum < 1:
             raise EsftError(f"--quantum {self.quantum}: give at least one engine step per turn")
         if self.shared_expert_copies is not None and not 0 <= self.shared_expert_copies <= MAX_SHARED_COPIES:
@@ -126,7 +129,7 @@ class ServeSettings:
         """The scheduler esftctl has vLLM build (`--scheduler-cls`), or None for vLLM's own."""
         if not self.esft:
             return None
-        if self.variants is not None:
+        if self.variants is not None and not self.one_step:
             return "esftctl.runtime.vllm.variant_turns.variant_scheduler"
         if self.group_adapters or self.admit_by_adapter:
             return "esftctl.runtime.vllm.adapter_groups.grouping_scheduler"

@@ -108,7 +108,7 @@ def test_adapter_slots_hold_and_release_a_copy(base):
     layer = base.moe_layers[0]
     slots.load("a", {}, non_expert=moved(base, layer, seed=2))
     assert slots.adapters["a"].replaced == {"shared": 1}
-    with pytest.raises(EsftError, match="all 1 shared-expert copies are taken"):
+    with pytest.raises(EsftError, match="changes shared experts and all 1 copies of them are taken"):
         slots.load("b", {}, non_expert=moved(base, layer, seed=3))
     assert "b" not in slots.adapters and shared.owner == {0: 0}
     slots.evict("a")  # on the host: released at once

@@ -271,9 +271,10 @@ def test_the_status_record_reads_and_writes_the_servers_json():
     data = paged.to_json()
     assert data["adapters"][0] == {"name": "a", "lora_id": 1, "slot": 0, "bytes": 8, "retiring": False,
                                    "experts_per_layer": [1, 2], "checked_rows": 0,
-                                   "load_s": {"verify": 0.5, "stage": 1.0, "copy": 0.25}, "loaded_from": "file, hashed"}
-    assert AdapterStatus(**{k: v for k, v in data["adapters"][0].items() if k not in ("load_s", "loaded_from")}
-                         ).load_s == {}  # a status written before loads were timed still reads
+                                   "load_s": {"verify": 0.5, "stage": 1.0, "copy": 0.25}, "loaded_from": "file, hashed",
+                                   "shared_layers": 0, "modules": 0}
+    older = ("load_s", "loaded_from", "shared_layers", "modules")  # a status written before these still reads
+    assert AdapterStatus(**{k: v for k, v in data["adapters"][0].items() if k not in older}).load_s == {}
     assert data["paging_store_experts"] == 2 and data["paging_resident_layers"] == [1] and "paging" not in data
     assert data["paging_parked_layers"] == [2, 3]
     console = Console(file=io.StringIO(), width=200)

@@ -135,3 +135,40 @@ def test_turns_are_round_robin_by_quantum_and_nothing_starves():
     assert turns.next({1, 2}) == 1  # its quantum is over and another variant waits
     assert turns.next({0}) == 0  # the current one has nothing left: the next with work at once
     assert turns.next(set()) == 0  # no work: stays
+
+
+def test_one_step_variants_served_exactly(world, tmp_path):
+    """`--one-step`: three Qwen2-MoE variants (every non-expert tensor of theirs changed: attention, norms, routers,
+    shared experts, embeddings, the output head) in the same engine steps, each token with its variant's copies of
+    the modules that differ, answer as their materialized models served alone."""
+    from test_serve_adapters import random_base
+
+    base = random_base("qwen2_moe", world, tmp_path)
+    prompts = prompts_of(world)[:4]
+    used = experts_used_by(base, prompts)
+    dirs = [write_synthetic_variant(base, tmp_path / f"task{k}", seed=50 + k, experts_per_layer=PERTURBED, scale=8.0,
+                                    non_expert_scale=0.4, prefer=used) for k in range(3)]
+    ckpt = MoECheckpoint(base)
+    consolidate(dirs, tmp_path / "map", capacity=len(ckpt.moe_layers) * ckpt.num_experts)
+    materialized = {f"task{v}": materialize(tmp_path / "map", v, tmp_path / f"mat{v}") for v in range(3)}
+    ref = plain_vllm(materialized, prompts, tmp_path, MAX_TOKENS, LOGPROBS)
+    answers = [[r["token_ids"] for r in ref[f"task{v}"]] for v in range(3)]
+    assert answers[0] != answers[1] != answers[2] != answers[0]
+    serve_plan = plan(None, [], variants=tmp_path / "map", port=free_port(), state_dir=tmp_path / "state",
+                      vllm_args=ENGINE_ARGS, one_step=True)
+    assert "--scheduler-cls" not in serve_plan.command()  # vLLM's own scheduler: no turns
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(ref), prompts, ref)
+        s = status(serve_plan.url)
+    assert s["module_copies"] == 2 and s["module_copy_bytes"] > 0 and s["variant_switch_bytes"] == 0
+
+
+def test_one_step_refuses_variants_differing_in_mla_kv_b_proj(variants, tmp_path):
+    """The tiny world's DeepSeek-V2 variants differ in kv_b_proj, which vLLM's MLA folds into its attention kernel's
+    weights: --one-step is refused in one line when the engine starts; the same map runs in turns."""
+    serve_plan = plan(None, [], variants=variants["tmp"] / "map_all", port=free_port(), state_dir=tmp_path / "state",
+                      vllm_args=ENGINE_ARGS, one_step=True)
+    with pytest.raises(EsftError, match="serve them one per step"):
+        with Server(serve_plan) as server:
+            server.wait_ready()

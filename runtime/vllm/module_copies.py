@@ -172,6 +172,53 @@ def _class_names(module: torch.nn.Module) -> set[str]:
     return {c.__name__ for c in type(module).__mro__}
 
 
+class CopyPool:
+    """Which of `num_copies` copies each loaded adapter holds, in every table of `tables()` (one per copied module,
+    `table[slot + 1]`: the copy that slot's tokens take, -1 the base's), and the copies freed but still pending
+    (AdapterSlots releases them once work queued before the unload has run)."""
+
+    num_copies: int = 0
+
+    def _start_pool(self, copies: int) -> None:
+        self.num_copies = copies
+        self.owner: dict[int, int] = {}  # copy -> slot holding it
+        self.replaced: dict[int, int] = {}  # slot -> layers or modules its adapter replaces
+        self.pending: set[int] = set()
+
+    def tables(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def free_copies(self) -> list[int]:
+        return [c for c in range(self.num_copies) if c not in self.owner and c not in self.pending]
+
+    def _take(self, what: str, flag: str) -> int:
+        free = self.free_copies()
+        if not free:
+            raise EsftError(f"it changes {what} and all {self.num_copies} copies of them are taken; unload an adapter "
+                            f"that changes them, or serve with more {flag}")
+        return free[0]
+
+    def _hold(self, c: int, slot: int, replaced: int) -> int:
+        self.owner[c], self.replaced[slot] = slot, replaced
+        return c
+
+    def detach(self, slot: int) -> int | None:
+        """Point `slot`'s tokens back at the base's modules (stream-ordered); returns the copy it held, kept until
+        `release` (in-flight work may still read it)."""
+        c = next((c for c, s in self.owner.items() if s == slot), None)
+        if c is None:
+            return None
+        for table in self.tables():
+            table[slot + 1] = -1
+        del self.owner[c]
+        self.replaced.pop(slot, None)
+        self.pending.add(c)
+        return c
+
+    def release(self, c: int) -> None:
+        self.pending.discard(c)
+
+
 @dataclass
 class CopiedModule:
     """One module: the live one (the base's), `copies` for adapters, and which copy each slot's tokens take
@@ -193,7 +240,7 @@ class CopiedModule:
         return out
 
 
-class ModuleCopies:
+class ModuleCopies(CopyPool):
     """Copies of every module that the adapters given at start change beside experts (and shared experts), and which
     copy each loaded adapter holds."""
 
@@ -201,21 +248,19 @@ class ModuleCopies:
                  token_adapters: torch.Tensor, sample_adapters: torch.Tensor, device: torch.device):
         """`token_adapters`: each token's slot in the step (the forwards'); `sample_adapters`: each sampled row's
         (the output head's)."""
-        self.base, self.num_copies, self.device = base, copies, device
+        self.base, self.device = base, device
+        self._start_pool(copies)
         modules = dict(model.named_modules())
         head = getattr(model, "lm_head", None)
         self.routes = record_routes(model, base, names)
         self.modules: dict[str, CopiedModule] = {}
         for name in sorted({r.module for routes in self.routes.values() for r in routes}):
-            module, leaf = modules[name], name.rpartition(".")[2]
+            module = modules[name]
             tensor = next(t for t, rs in self.routes.items() if any(r.module == name for r in rs))
-            if leaf in FOLDED:
-                raise EsftError(f"the tensor {tensor!r} goes to {name}, which {FOLDED[leaf]}; an adapter that changes "
-                                "it cannot be served per request (merge it into a full model instead)", base.path)
-            if not _class_names(module) & set(PER_TOKEN):
-                raise EsftError(f"the tensor {tensor!r} goes to {name} ({type(module).__name__}), which esftctl does "
-                                "not know to compute each token alone; an adapter that changes it cannot be served "
-                                "per request", base.path)
+            why = not_per_token(name, module)
+            if why:
+                raise EsftError(f"the tensor {tensor!r} goes to {name}, {why}; an adapter that changes it cannot be "
+                                "served per request (merge it into a full model instead)", base.path)
             made = deep_copies(module, copies, name)
             table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
             self.modules[name] = CopiedModule(name, module, made, table, token_adapters,
@@ -224,20 +269,75 @@ class ModuleCopies:
         self.sample_adapters = sample_adapters
         # the base's tensors of each module, by the routes that fill it (every tensor of it, not only the changed)
         self.base_routes = self._module_routes(model)
-        self.owner: dict[int, int] = {}  # copy -> slot
-        self.replaced: dict[int, int] = {}  # slot -> modules its adapter replaces
-        self.pending: set[int] = set()
-        self._logits_processor = getattr(model, "logits_processor", None)
-        if self.head is not None and (self._logits_processor is None or not hasattr(model, "compute_logits")):
-            raise EsftError(f"{self.head.name}: this model computes its logits otherwise than vLLM's models do; an "
-                            "adapter that changes its output head cannot be served per request", base.path)
+        self._logits_processor = self._head_logits(model)
         for m in self.modules.values():
             self._check(m)
-        for m in self.modules.values():  # after the copies and checks: they keep the class's forward
+        self._install(model)
+
+    def _head_logits(self, model: torch.nn.Module):
+        """The model's logits processor, which the output head's copies compute with; refuses a model without one."""
+        processor = getattr(model, "logits_processor", None)
+        if self.head is not None and (processor is None or not hasattr(model, "compute_logits")):
+            raise EsftError(f"{self.head.name}: this model computes its logits otherwise than vLLM's models do; its "
+                            "output head cannot be replaced per request")
+        return processor
+
+    def _install(self, model: torch.nn.Module) -> None:
+        """Replace the forwards (and the head's logits) on the instances, once the copies are made and checked: the
+        copies keep the class's forward."""
+        head = getattr(model, "lm_head", None)
+        for m in self.modules.values():
             if m is not self.head or _tied(model, head):  # a tied head embeds the tokens too
                 m.base_forward, m.module.forward = m.module.forward, m.forward
         if self.head is not None:
             self._base_logits, model.compute_logits = model.compute_logits, self._compute_logits
+
+    @classmethod
+    def for_variants(cls, model: torch.nn.Module, weights, slots_of: dict[int, int], *, slots: int,
+                     token_adapters: torch.Tensor, sample_adapters: torch.Tensor,
+                     device: torch.device) -> "ModuleCopies":
+        """Consolidated variants in one engine step: every module whose state differs between the variants
+        (esftctl.runtime.vllm.variant_weights.VariantWeights, each variant's as vLLM's loader made it in a model of
+        its own) gets a copy per variant besides the home one, holding that variant's state; variant v's tokens (its
+        slot `slots_of[v]`) take copy v - 1. Refuses, naming it, state that is not a per-token module's (an attention
+        kernel's own weights, say): such variants run one per step."""
+        from esftctl.variants import HOME
+
+        names = {id(m): n for n, m in model.named_modules()}
+        grouped: dict[str, list[int]] = {}
+        for k, entry in enumerate(weights.entries):
+            name = names.get(id(entry.owner))
+            why = not_per_token(name, entry.owner) if name is not None else \
+                f"held by {type(entry.owner).__name__}, not a module of the model"
+            if why:
+                raise EsftError(f"the variants differ in {name or '?'}.{entry.name}, {why}: serve them one per step "
+                                "(without --one-step)")
+            grouped.setdefault(name, []).append(k)
+        self = cls.__new__(cls)
+        others = sorted(v for v in weights.values if v != HOME)
+        self.base, self.device, self.routes, self.base_routes = None, device, {}, {}
+        self._start_pool(len(others))
+        self.modules = {}
+        modules = dict(model.named_modules())
+        for name, ks in sorted(grouped.items()):
+            made = deep_copies(modules[name], len(others), name)
+            table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+            with torch.no_grad():
+                for c, v in enumerate(others):
+                    for k in ks:
+                        entry, value = weights.entries[k], weights.values[v][k]
+                        if entry.kind == "tensor":
+                            getattr(made[c], entry.name).copy_(value)
+                        else:
+                            setattr(made[c], entry.name, value)
+                    table[slots_of[v] + 1] = c
+            self.modules[name] = CopiedModule(name, modules[name], made, table, token_adapters)
+        head = getattr(model, "lm_head", None)
+        self.head = next((m for m in self.modules.values() if m.module is head), None)
+        self.sample_adapters = sample_adapters
+        self._logits_processor = self._head_logits(model)
+        self._install(model)
+        return self
 
     def _module_routes(self, model: torch.nn.Module) -> dict[str, dict[str, list[Route]]]:
         """{module: {checkpoint tensor: routes}} of every base tensor whose loader fills a copied module's
@@ -323,8 +423,8 @@ class ModuleCopies:
         """Whether `name` is a tensor of a module this server keeps copies of."""
         return name in self.routes
 
-    def free_copies(self) -> list[int]:
-        return [c for c in range(self.num_copies) if c not in self.owner and c not in self.pending]
+    def tables(self) -> list[torch.Tensor]:
+        return [m.table for m in self.modules.values()]
 
     def by_module(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
@@ -338,36 +438,31 @@ class ModuleCopies:
         return out
 
     def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> int:
-        changed, free = self.by_module(tensors), self.free_copies()
-        if not free:
-            raise EsftError(f"it changes non-expert modules and all {self.num_copies} module copies are taken; unload "
-                            "an adapter that changes them, or serve with more --module-copies")
-        c = free[0]
+        changed = self.by_module(tensors)
+        c = self._take("non-expert modules", "--module-copies")
         for name, replaced in changed.items():
             m = self.modules[name]
             write_state(m.states[c], self.convert(m, replaced), name)
             m.table[slot + 1] = c
-        self.owner[c], self.replaced[slot] = slot, len(changed)
-        return c
-
-    def detach(self, slot: int) -> int | None:
-        c = next((c for c, s in self.owner.items() if s == slot), None)
-        if c is None:
-            return None
-        for m in self.modules.values():
-            m.table[slot + 1] = -1
-        del self.owner[c]
-        self.replaced.pop(slot, None)
-        self.pending.add(c)
-        return c
-
-    def release(self, c: int) -> None:
-        self.pending.discard(c)
+        return self._hold(c, slot, len(changed))
 
     def nbytes(self) -> int:
-        """The copies' device memory: every copy of every module, as the checkpoint holds the tensors."""
+        """The copies' memory: every copy of every module, as the checkpoint holds its tensors (an adapter's), or as
+        the copies hold them (variants'; vLLM's CPU build keeps packed linear weights outside them)."""
+        if self.base is None:
+            return sum(t.numel() * t.element_size() for m in self.modules.values() for c in m.copies
+                       for t in (*c.parameters(), *c.buffers()))
         per_copy = sum(self.base.tensors[t].nbytes for routes in self.base_routes.values() for t in routes)
         return self.num_copies * per_copy
+
+
+def not_per_token(name: str, module) -> str | None:
+    """Why per-token copies of `module` (named `name` in the model) would not serve it, or None where they would."""
+    if name.rpartition(".")[2] in FOLDED:
+        return f"which {FOLDED[name.rpartition('.')[2]]}"
+    if not isinstance(module, torch.nn.Module) or not _class_names(module) & set(PER_TOKEN):
+        return f"a {type(module).__name__}, which esftctl does not know to compute each token alone"
+    return None
 
 
 def _tied(model: torch.nn.Module, head: torch.nn.Module) -> bool:

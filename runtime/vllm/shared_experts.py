@@ -29,7 +29,7 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
-from esftctl.runtime.vllm.module_copies import deep_copies
+from esftctl.runtime.vllm.module_copies import CopyPool, deep_copies, select, write_state
 from esftctl.runtime.vllm.variant_weights import module_state
 
 # vLLM's shared-expert module (DeepseekV2MLP, Qwen2MoeMLP): its linear layers, each from the checkpoint tensors under
@@ -86,9 +86,9 @@ class SharedCopies:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_forward(x)
-        which = self.table[self.token_adapters[:x.shape[0]].long() + 1].unsqueeze(-1)
+        which = self.table[self.token_adapters[:x.shape[0]].long() + 1]
         for c, module in enumerate(self.copies):
-            out = torch.where(which == c, module(x), out)
+            out = select(which == c, module(x), out)
         return out
 
     def convert(self, scratch: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -108,34 +108,18 @@ class SharedCopies:
         return scratch
 
     def write(self, c: int, scratch: torch.nn.Module) -> None:
-        """Copy `scratch`'s state into copy `c`: tensors in place (so pointers captured by CUDA graphs stay), the
-        CPU build's weight closures set."""
-        source = module_state(scratch, set())
-        with torch.no_grad():
-            for key, (owner, name, kind) in self.states[c].items():
-                value = getattr(source[key][0], source[key][1])
-                if kind == "tensor":
-                    target = getattr(owner, name)
-                    if target.shape != value.shape or target.dtype != value.dtype:
-                        raise EsftError(f"layer {self.index}: the shared experts' {key} converts to {value.dtype} "
-                                        f"{list(value.shape)}, the served module holds {target.dtype} "
-                                        f"{list(target.shape)}")
-                    target.copy_(value, non_blocking=True)
-                else:
-                    setattr(owner, name, value)
+        """Copy `scratch`'s state into copy `c` (module_copies.write_state)."""
+        write_state(self.states[c], scratch, f"layer {self.index}'s shared experts")
 
 
-class SharedExperts:
+class SharedExperts(CopyPool):
     """Every MoE layer's `SharedCopies`, and which copy each loaded adapter holds."""
 
     def __init__(self, base: MoECheckpoint, modules: dict[int, torch.nn.Module], *, copies: int, slots: int,
                  token_adapters: torch.Tensor, rank: tuple[int, int], dtype: torch.dtype):
         self.base = base
         self.layers: dict[int, SharedCopies] = {}
-        self.owner: dict[int, int] = {}  # copy -> slot holding it
-        self.replaced: dict[int, int] = {}  # slot -> MoE layers whose shared experts its adapter replaces
-        self.pending: set[int] = set()  # copies unloaded whose release waits on in-flight work (AdapterSlots)
-        self.num_copies = copies
+        self._start_pool(copies)
         device = token_adapters.device
         for index, module in modules.items():
             made = _copies(module, copies, index)
@@ -170,8 +154,8 @@ class SharedExperts:
         """Whether `name` is a shared-expert tensor of one of the layers."""
         return any(self.base.arch.is_shared_expert_tensor(name, layer) for layer in self.layers)
 
-    def free_copies(self) -> list[int]:
-        return [c for c in range(self.num_copies) if c not in self.owner and c not in self.pending]
+    def tables(self) -> list[torch.Tensor]:
+        return [layer.table for layer in self.layers.values()]
 
     def layer_bytes(self) -> int:
         """One copy's bytes in one layer, as the checkpoint holds them (this rank's part under tensor parallelism)."""
@@ -185,17 +169,13 @@ class SharedExperts:
     def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> int:
         """Put an adapter's shared-expert tensors ({checkpoint name: tensor}, any MoE layer's) into a free copy and
         point `slot`'s tokens at it in the layers they change; returns the copy."""
-        changed, free = self.by_layer(tensors), self.free_copies()
-        if not free:
-            raise EsftError(f"it changes shared experts and all {self.num_copies} shared-expert copies are taken; "
-                            "unload an adapter that changes them, or serve with more --shared-expert-copies")
-        c = free[0]
+        changed = self.by_layer(tensors)
+        c = self._take("shared experts", "--shared-expert-copies")
         for index, replaced in changed.items():
             layer = self.layers[index]
             layer.write(c, layer.convert(self._scratch, self.base_tensors(index) | replaced))
             layer.table[slot + 1] = c
-        self.owner[c], self.replaced[slot] = slot, len(changed)
-        return c
+        return self._hold(c, slot, len(changed))
 
     def by_layer(self, tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         """{MoE layer: {module parameter: tensor}} of an adapter's shared-expert tensors; refuses any other name."""
@@ -208,22 +188,6 @@ class SharedExperts:
             index, param = names[name]
             out.setdefault(index, {})[param] = tensor
         return out
-
-    def detach(self, slot: int) -> int | None:
-        """Point `slot`'s tokens back at the base's shared experts (stream-ordered); returns the copy it held, kept
-        until `release` (in-flight work may still read it)."""
-        c = next((c for c, s in self.owner.items() if s == slot), None)
-        if c is None:
-            return None
-        for layer in self.layers.values():
-            layer.table[slot + 1] = -1
-        del self.owner[c]
-        self.replaced.pop(slot, None)
-        self.pending.add(c)
-        return c
-
-    def release(self, c: int) -> None:
-        self.pending.discard(c)
 
 
 def _copies(module: torch.nn.Module, n: int, index: int) -> list[torch.nn.Module]:

@@ -54,6 +54,7 @@ from esftctl.runtime.serve_config import (
     was_verified,
 )
 from esftctl.runtime.vllm.model import EsftModel
+from esftctl.runtime.vllm.module_copies import ModuleCopies
 from esftctl.runtime.vllm.moe import check_engine
 from esftctl.runtime.vllm.variant_weights import VariantWeights, collect
 from esftctl.variants import HOME, VariantSet
@@ -83,6 +84,7 @@ class EsftWorkerManager:
         self.variant_weights: VariantWeights | None = None
         self.variant_loras: dict[int, int] = {}  # LoRA id -> variant (never evicted: a variant's slot is fixed)
         self.dummy_loras: set[int] = set()  # vLLM's warm-up adapters: no slot
+        self.one_step = False  # variants in the same steps (serve --one-step)
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -125,6 +127,14 @@ class EsftWorkerManager:
             for v in range(1, len(self.variants.names)):
                 staged = stage(self.runtime.layers, self.variants.own_experts(v))
                 self.runtime.slots.load(_variant_key(v), staged.experts(), staged.rows(), staged.checksums())
+            if settings.one_step:  # the variants' differing modules as per-token copies; no weights swapped per step
+                slots_of = {v: self.runtime.slots.slot_of(_variant_key(v)) for v in range(1, len(self.variants.names))}
+                self.runtime.module_copies = ModuleCopies.for_variants(
+                    model, self.variant_weights, slots_of, slots=self.runtime.slots.num_slots,
+                    token_adapters=self.runtime.token_adapters, sample_adapters=self.runtime.sample_adapters,
+                    device=self.runtime.device)
+                self.one_step = True
+                self.variant_weights = VariantWeights([])  # the copies hold the other variants' weights: nothing swaps
         self.write_status()
         return model
 
@@ -303,8 +313,9 @@ class EsftWorkerManager:
         return _key(lora_id) if variant is None else _variant_key(variant)
 
     def _activate_variant(self, requests) -> None:
-        """Put the step's variant's non-expert weights in place (the home one's for the base and adapters)."""
-        if self.variant_weights is None:
+        """Put the step's variant's non-expert weights in place (the home one's for the base and adapters); nothing
+        with --one-step, where each token takes its variant's copies."""
+        if self.variant_weights is None or self.one_step:
             return
         variants = {self.variant_loras[r.lora_int_id] for r in requests if r.lora_int_id in self.variant_loras}
         if len(variants) > 1:
