@@ -9,7 +9,8 @@
 3. Fine-tuning of the selected routed experts only. transformers holds a layer's experts as one tensor per projection
    ([E, 2I, H] and [E, H, I]); the selected rows become float32 master parameters of their own (AdamW's state is kept
    for them alone, never for a frozen row), and before each forward of the layer a pre-hook writes them, in the
-   model's dtype, into a copy of the frozen tensor (`index_copy`, through which the gradient reaches the masters).
+   model's dtype, into the frozen tensor in place (`_RowsInto`: no copy of the layer's experts; the rows' gradient is
+   the weight's at them).
    Everything else (attention, norms, the router, every other expert, and the shared experts unless ESFT's
    `shared_experts` switch says to train them: TrainedTensors) is frozen and stays in the base's dtype. AdamW with
    linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator) seeded by (seed, step):
@@ -128,9 +129,27 @@ def held_out(examples: Sequence[Example], share: float, seed: int) -> tuple[list
     return [examples[i] for i in keep], [examples[i] for i in held]
 
 
+class _RowsInto(torch.autograd.Function):
+    """The frozen fused tensor with the master rows written into it in place, as the layer's weight: neither a copy
+    of the tensor per forward (a layer's experts, over a GB at DeepSeek-V2-Lite's size, kept for the backward of
+    every layer) nor a gradient for its frozen rows; the rows' gradient is the weight's at them."""
+
+    @staticmethod
+    def forward(ctx, frozen: torch.Tensor, ids: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        frozen.index_copy_(0, ids, master.detach().to(frozen.dtype))
+        ctx.save_for_backward(ids)
+        ctx.master_dtype = master.dtype
+        return frozen.view_as(frozen)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        return None, None, grad.index_select(0, ids).to(ctx.master_dtype)
+
+
 class TrainedRows:
-    """The selected experts of every MoE layer as float32 master rows, written into the layer's fused tensors (a
-    copy of the frozen ones) before each of its forwards."""
+    """The selected experts of every MoE layer as float32 master rows, written into the layer's fused tensors (the
+    frozen ones, in place) before each of its forwards."""
 
     def __init__(self, model, base: MoECheckpoint, experts: dict[int, list[int]]):
         self.layout = base.arch.in_memory().fused
@@ -143,8 +162,8 @@ class TrainedRows:
             names = self.layout.tensors(layer)
             module = model.get_submodule(names[0].rpartition(".")[0])
             attrs = [n.rpartition(".")[2] for n in names]
-            ids = torch.tensor(sorted(chosen), dtype=torch.long)
             frozen = [getattr(module, a).detach() for a in attrs]
+            ids = torch.tensor(sorted(chosen), dtype=torch.long, device=frozen[0].device)
             for a in attrs:  # the fused tensors become plain attributes, rebuilt before every forward
                 delattr(module, a)
             masters = [torch.nn.Parameter(f[ids].float()) for f in frozen]
@@ -155,7 +174,7 @@ class TrainedRows:
     def _writer(attrs, frozen, ids, masters) -> Callable:
         def write(module, args):
             for a, f, m in zip(attrs, frozen, masters):
-                setattr(module, a, f.index_copy(0, ids.to(f.device), m.to(f.dtype)))
+                setattr(module, a, _RowsInto.apply(f, ids, m))
         return write
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -242,12 +261,13 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
         p.requires_grad_(False)
     if settings.gradient_checkpointing:  # non-reentrant: the frozen inputs need no gradient of their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    total = sum(p.numel() for p in model.parameters())  # before the trained tensors leave the module
     rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, shared_names)
     params = rows.parameters() + whole.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     start = _resume(checkpoints, identity, params, opt, log)
     report = TrainReport(name, out, {l: len(e) for l, e in experts.items() if e}, sum(p.numel() for p in params),
-                         sum(p.numel() for p in model.parameters()), settings.steps, start, len(train),
+                         total, settings.steps, start, len(train),
                          len(evaluation))
     began = time.perf_counter()
     model.train()

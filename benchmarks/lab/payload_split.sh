@@ -5,7 +5,8 @@
 # .vllm3, checks them against .vllm2/vllm.sha256, points .vllm2/install.sh's import check at the plugin's module
 # (esftctl.runtime.vllm.plugin since issue 30), adds two wheels build_payload.sh's list lacks (vLLM's Gated
 # DeltaNet layer, Qwen3-Next's, imports compressed-tensors through its AWQ config, and that imports loguru: without
-# them vLLM cannot inspect the model, seen on an H100 2026-12-06) and keeps the folders and .world out of git.
+# them vLLM cannot inspect the model, seen on an H100 2026-12-06) and the two `esftctl bench train`'s LoRA arm needs
+# (peft, and accelerate, which peft imports), and keeps the folders and .world out of git.
 # Idempotent.
 # Then on the device, each call within 30 s of the last answer:
 #   carry .vllm0: mkdir -p /tmp/stage && cp .vllm0/part.* /tmp/stage/
@@ -26,7 +27,7 @@ mkdir -p .vllm3
 mv "$tmp/part.00" .vllm0/ && mv "$tmp/part.01" .vllm1/ && mv "$tmp/part.02" .vllm3/
 sed -i 's/esftctl\.runtime\.vllm_plugin/esftctl.runtime.vllm.plugin/' .vllm2/install.sh
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .vllm2/whl \
-  compressed-tensors==0.17.0 loguru==0.7.3
+  compressed-tensors==0.17.0 loguru==0.7.3 peft==0.21.2 accelerate==1.16.0
 mkdir -p .git/info
 for line in '/.vllm*/' '/.world/'; do
   grep -qxF "$line" .git/info/exclude 2>/dev/null || echo "$line" >> .git/info/exclude

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from esftctl.atomic import atomic_file
+from esftctl.bench.turnaround import SETUPS as SERVE_SETUPS
 from esftctl.errors import EsftError
 
 app = typer.Typer(help="Measure esftctl against its baselines (tables, JSON and plots).", no_args_is_help=True)
@@ -149,12 +150,16 @@ def consolidate(
     capacities: str = typer.Option("100,90,75,50,25,0", help="The sweep's capacities, in percent of the expert "
                                                              "positions loaded (100: every position shared)."),
     serve: bool = typer.Option(False, "--serve", metavar="",
-                               help="Also serve the sweep's variants: `esftctl serve --variants` against one plain "
-                                    "vLLM server per variant and whole-model swapping, same traffic (a few minutes "
-                                    "more)."),
+                               help="Also serve the sweep's variants: `esftctl serve --variants` (a variant per "
+                                    "step, and with --one-step all in one step) against one plain vLLM server per "
+                                    "variant and whole-model swapping, same traffic (a few minutes more)."),
+    setups: str = typer.Option(",".join(SERVE_SETUPS), help="With --serve: the set-ups served, comma-separated: "
+                                                            + "; ".join(f"{k} ({v})" for k, v in SERVE_SETUPS.items())
+                                                            + "."),
     serve_capacity: int = typer.Option(50, min=0, max=100, help="With --serve: the map served, in percent of the "
                                                                 "positions loaded."),
-    rate: float = typer.Option(2.0, min=0.01, help="With --serve: Poisson request rate, requests per second."),
+    rate: float = typer.Option(2.0, min=0.01, help="With --serve: Poisson request rate, requests per second (inf: "
+                                                    "every request at once, for throughput)."),
     requests: int = typer.Option(24, min=1, help="With --serve: requests in the run."),
     serve_only: bool = typer.Option(False, "--serve-only", help="Only the serving part (implies --serve): the quality "
                                                                 "runs are the same on any machine.", metavar=""),
@@ -170,10 +175,17 @@ def consolidate(
         from esftctl.errors import EsftError
 
         raise EsftError(f"--capacities {capacities!r}: percentages run from 0 to 100")
+    chosen = tuple(x.strip() for x in setups.split(","))
+    unknown = [x for x in chosen if x not in SERVE_SETUPS]
+    if unknown or not chosen:
+        from esftctl.errors import EsftError
+
+        raise EsftError(f"--setups: {unknown[0] if unknown else setups!r} is not a set-up; pick from "
+                        + ", ".join(SERVE_SETUPS))
     quality = {"counts": (), "capacities": ()} if serve_only else {"capacities": fractions}
     _measure(bench, "consolidate", out, as_json, steps=steps, eval_examples=eval_examples, **quality,
              serve=serve or serve_only, serve_fraction=serve_capacity / 100, rate=rate, requests=requests,
-             work=out / "serve-work")
+             work=out / "serve-work", setups=chosen)
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -544,3 +556,48 @@ def esft(
     with atomic_file(out / "results.png") as tmp:
         bench.plot(result, tmp)
     print(f"wrote {out / 'results.json'} and {out / 'results.png'}", file=sys.stderr if as_json else sys.stdout)
+
+
+@app.command()
+def train(
+    out: Path = typer.Option(Path("bench-results"), help=OUT_HELP),
+    model: str = typer.Option("deepseek-v2-lite", metavar="[deepseek-v2-lite|qwen3-30b-a3b]",
+                              help="The shape trained: a synthetic checkpoint of this model's structure (random "
+                                   "trained-like weights, written to a temporary folder under --work)."),
+    layers: int = typer.Option(8, min=2, help="Decoder layers of the checkpoint (the first dense ones included): as "
+                                              "many as full fine-tuning fits on the card, to compare with it."),
+    methods: str = typer.Option("esft-token,esft-gate,fft,lora",
+                                help="Comma-separated: esft-token / esft-gate (`esftctl train`, --metric token or "
+                                     "gate at -p), fft (every weight, bf16 AdamW), lora (peft, rank 8, every linear "
+                                     "layer)."),
+    steps: int = typer.Option(12, min=2, help="Optimizer steps per method."),
+    warmup: int = typer.Option(3, min=0, help="Steps left out of the timing (compilation, allocator warm-up)."),
+    batch_size: int = typer.Option(8, min=1, help="Examples a step."),
+    seq_len: int = typer.Option(512, min=4, help="Tokens an example (half prompt, half completion)."),
+    threshold: float = typer.Option(0.2, "-p", "--threshold", help="ESFT's selection threshold (esftctl train -p)."),
+    gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing",
+                                                help="Recompute activations in the backward pass, for every method.",
+                                                metavar=""),
+    work: Path = typer.Option(None, help="Folder for the checkpoint and bundles while measuring (default: the "
+                                         "system's temporary folder; DeepSeek-V2-Lite's 27 layers take 31 GB)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table.", metavar=""),
+) -> None:
+    """ESFT's training cost against full fine-tuning and LoRA on this GPU: tokens per second, peak memory, parameters
+    trained and bytes stored, the same data, batches and steps for every method (GPU only)."""
+    from esftctl.bench import train as bench
+
+    chosen = tuple(m.strip() for m in methods.split(","))
+    unknown = [m for m in chosen if m not in bench.METHODS]
+    if unknown:
+        raise EsftError(f"--methods: unknown {unknown[0]!r} (choose from {', '.join(bench.METHODS)})")
+    if model not in bench.MODELS:
+        raise EsftError(f"--model {model!r}: choose from {', '.join(bench.MODELS)}")
+    if warmup + 2 > steps:
+        raise EsftError(f"--steps {steps}: at least --warmup + 2 ({warmup + 2}), so that some steps are timed")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EsftError("esftctl bench train measures training on a GPU, and this machine has no CUDA GPU")
+    _measure(bench, "train", out, as_json, model=model, layers=layers, methods=chosen, steps=steps, warmup=warmup,
+             batch_size=batch_size, prompt_len=seq_len // 2, completion_len=seq_len - seq_len // 2,
+             threshold=threshold, gradient_checkpointing=gradient_checkpointing, work=work)

@@ -11,7 +11,8 @@ The capacity sweep takes the first `sweep` variants from every position loaded (
 memory, one model's worth) down to none (every variant its own experts: M models' worth) and reports quality
 against the expert memory a server holds for them (`esftctl serve --variants`: every base row plus each
 variant's distinct misses). With `serve`, esftctl.bench.variants_serve measures turnaround of the variants
-served by one consolidated server against one plain vLLM server per variant and whole-model swapping.
+served by one consolidated server (a variant per step, or all in one step) against one plain vLLM server per
+variant and whole-model swapping.
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ def engine_args() -> list[str]:
 
 def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float = 3e-3, eval_examples: int = 40, *,
         sweep: int = 3, capacities=CAPACITIES, serve: bool = False, serve_fraction: float = 0.5, rate: float = 2.0,
-        requests: int = 24, output_len: int = 16, work: Path | None = None,
+        requests: int = 24, output_len: int = 16, work: Path | None = None, setups: tuple[str, ...] | None = None,
         on_step: Callable[[str], None] = lambda msg: None) -> dict:
     quiet_transformers()
     world = build_world(root)
     tasks = world.task_names[: max([*counts, sweep])]
-    variants = fine_tuned_variants(world, tasks, steps=steps, lr=lr, on_step=on_step)
+    # One-step serving takes no per-variant MLA kv_b_proj (runtime.vllm.module_copies.FOLDED): its variants keep the
+    # base's, and every set-up and quality number of the run is of those variants.
+    frozen = ("kv_b_proj",) if serve and (setups is None or "one-step" in setups) else ()
+    variants = fine_tuned_variants(world, tasks, steps=steps, lr=lr, frozen=frozen, on_step=on_step)
     held_out = {t: list(read_jsonl(world.data_file(t, "test")))[:eval_examples] for t in tasks}
 
     def evaluate(model_dir: Path, task: str) -> dict:
@@ -78,7 +82,7 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
                 rows.append({"variants": n, "task": t, "own": own[t], "consolidated": evaluate(tmp / f"c{i}", t),
                              "averaged": evaluate(tmp / "avg", t)})
     result = {"benchmark": "consolidate", "world": str(world.root), "capacity": capacity, "steps": steps,
-              "eval_examples": eval_examples, "rows": rows}
+              "frozen": list(frozen), "eval_examples": eval_examples, "rows": rows}
     members = tasks[:sweep]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -110,7 +114,7 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
             traffic = Traffic(members, rate, requests, prompts, output_len)
             result["serving"] = variants_serve.measure(
                 {t: variants[t] for t in members}, tmp / f"map{c}", Path(work or tmp / "serve"),
-                traffic, engine_args(), on_step=on_step)
+                traffic, engine_args(), setups=setups or variants_serve.SETUPS, on_step=on_step)
             result["serving"]["capacity"] = c
     return result
 
@@ -122,8 +126,9 @@ def base_expert_bytes(world) -> int:
 def table(result: dict):
     from rich.table import Table
 
+    frozen = f"; variants fine-tuned with {', '.join(result['frozen'])} frozen" if result.get("frozen") else ""
     t = Table(title=f"Consolidated vs averaged variants (tiny world; capacity {result['capacity']} expert positions; "
-                    f"{result['eval_examples']} held-out examples; loss in nats/token)", header_style="bold")
+                    f"{result['eval_examples']} held-out examples; loss in nats/token{frozen})", header_style="bold")
     for col in ("variants", "task", "own loss", "consolidated", "averaged", "own exact", "consol. exact",
                 "avg. exact"):
         t.add_column(col, justify="right")
@@ -171,12 +176,13 @@ def serving_table(result: dict):
 
     sv = result["serving"]
     tr, setups = sv["traffic"], sv["setups"]
-    anchor = setups["consolidated"]["summary"]
+    first = next(iter(setups))
+    anchor = setups[first]["summary"]
     t = Table(title=f"Serving {len(tr['models'])} variants (capacity {sv['capacity']}): {tr['requests']} requests, "
-                    f"Poisson {tr['rate']:g} rps, {tr['output_len']} tokens each; ratios to the consolidated server",
+                    f"Poisson {tr['rate']:g} rps, {tr['output_len']} tokens each; ratios to the {first} server",
               header_style="bold")
     for col in ("set-up", "ready s", "TTFT mean ms", "TPOT mean ms", "E2E mean ms", "E2E p99 ms", "req/s",
-                "E2E vs consol.", "req/s vs consol.", "swaps"):
+                "E2E ratio", "req/s ratio", "swaps"):
         t.add_column(col, justify="right")
     for name, r in setups.items():
         s = r["summary"]

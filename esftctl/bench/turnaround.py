@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 STATS = ("mean", "median", "p99")
+# The set-ups esftctl.bench.variants_serve serves M variants with, {option value: label in results} (here, where
+# the CLI can name them cheaply).
+SETUPS = {"consolidated": "consolidated", "one-step": "consolidated in one step", "own": "one server per variant",
+          "swapping": "whole-model swapping"}
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,14 @@ def esft_finetune(base_dir: Path, config: ExpertConfig, examples: Sequence[Examp
 
 def full_finetune(base_dir: Path, examples: Sequence[Example], out_dir: Path, *, general: Sequence[Example] = (),
                   steps: int, batch_size: int, lr: float, replay: float = 0.0, seed: int = 0,
-                  on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """Fine-tune every weight (FFT; the consolidation experiment's variants), saved as a full bf16 checkpoint."""
+                  frozen: Sequence[str] = (), on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Fine-tune every weight (FFT; the consolidation experiment's variants), saved as a full bf16 checkpoint; a
+    weight whose name ends with one of `frozen` keeps the base's values."""
     tokenizer, model = _load(base_dir)
+    params = [p for n, p in model.named_parameters() if not n.endswith(tuple(f"{f}.weight" for f in frozen))]
     losses = train(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                   completion_only=True, on_step=on_step, general=general, replay=replay)
+                   completion_only=True, on_step=on_step, general=general, replay=replay,
+                   parameters=params if frozen else None)
     with atomic_dir(out_dir) as tmp:
         save_model(model, tmp, tokenizer)
     return losses
@@ -94,22 +97,24 @@ VARIANT_RECIPE = dict(steps=200, batch_size=16, lr=3e-3)  # the consolidation ex
 
 
 def fine_tuned_variants(world, tasks: Sequence[str], *, steps: int = VARIANT_RECIPE["steps"],
-                        lr: float = VARIANT_RECIPE["lr"], on_step: Callable[[str], None] = lambda msg: None
-                        ) -> dict[str, Path]:
+                        lr: float = VARIANT_RECIPE["lr"], frozen: Sequence[str] = (),
+                        on_step: Callable[[str], None] = lambda msg: None) -> dict[str, Path]:
     """{task: folder} of a fully fine-tuned variant of the world's base per task, made once (about 20 s each on
-    2 cores) and cached under the world's `variants/` folder (the recipe of the default steps and lr; others get
-    their own folder)."""
+    2 cores) and cached under the world's `variants/` folder (the recipe of the default steps and lr; others, and
+    variants with `frozen` modules, get their own folder)."""
     from esftctl.jsonl import read_jsonl
 
     default = steps == VARIANT_RECIPE["steps"] and lr == VARIANT_RECIPE["lr"]
     folder = world.root / ("variants" if default else f"variants-s{steps}-lr{lr:g}")
+    if frozen:
+        folder = folder.with_name(folder.name + "-frozen-" + "-".join(sorted(frozen)))
     out = {}
     for task in tasks:
         out[task] = folder / task
         if not out[task].exists():
             on_step(f"fully fine-tuning a variant on {task}")
             full_finetune(world.base_dir, list(read_jsonl(world.data_file(task, "train"))), out[task], steps=steps,
-                          batch_size=VARIANT_RECIPE["batch_size"], lr=lr)
+                          batch_size=VARIANT_RECIPE["batch_size"], lr=lr, frozen=frozen)
     return out
 
 
