@@ -16,8 +16,8 @@ words of a fixed length, so every batch holds the same tokens), the same batches
 Measured: tokens per second over the steps after `warmup` (trained tokens, padding excluded), peak GPU memory
 (torch.cuda.max_memory_allocated, weights included), parameters trained, and bytes stored (ESFT: the bundle's
 files, beside the selected experts' bytes; FFT: the whole model's weights; LoRA: the adapter's). A method that
-runs out of GPU memory is reported as such. Targets (issue 86): ESFT at least 1.3x full fine-tuning's tokens per second at most half its
-peak memory; the bundle's bytes those of the selected experts (bf16 rows) and a manifest.
+runs out of GPU memory is reported as such. Targets (issue 86): ESFT at least 1.3x full fine-tuning's tokens per
+second at most half its peak memory; the bundle's bytes those of the selected experts (bf16 rows) and a manifest.
 """
 
 from __future__ import annotations
