@@ -1,8 +1,8 @@
 """Checkpoints whose experts are stacked as transformers 5 holds them in memory: one tensor per MoE layer and
 projection (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), as tools that save a state
 dict as it is write them. For every architecture in the table but GPT-OSS (whose checkpoints are fused already): the
-stacked copy is transformers' own state dict of the hub checkpoint, and inspect, pack (a stacked fine-tune against a
-per-expert base, and the reverse), merge, compress and decompress treat it as the same model. Except where
+stacked copy is transformers' own state dict of the hub checkpoint, and inspect, relevance, pack (a stacked fine-tune
+against a per-expert base, and the reverse), merge, compress and decompress treat it as the same model. Except where
 transformers holds a tensor in another dtype than the hub file: DeepSeek-V3's and GLM-4.5's router correction bias,
 bf16 on the hub, float32 in memory. Such a state dict is another base to the hub checkpoint's bundles, and pack across
 the two refuses in one line naming the tensor."""
@@ -139,3 +139,17 @@ def test_serving_a_stacked_base_is_refused_before_vllm(layouts):
 
     with pytest.raises(EsftError, match="stacked as transformers holds them in memory.*save_pretrained"):
         plan(layouts["qwen2_moe"][1])
+
+
+@pytest.mark.parametrize("arch", STACKED)
+def test_relevance_of_a_stacked_base_is_the_hub_checkpoints(layouts, arch):
+    """`esftctl relevance` (and so `esftctl train`'s selection) scores the same experts on either layout: both load
+    into the same transformers model."""
+    from test_pipeline_routing import _relevance_of_ids
+
+    hub, stacked, _, _ = layouts[arch]
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))
+    a, b = (_relevance_of_ids(MoECheckpoint(p), ids) for p in (hub, stacked))
+    assert a.keys() == b.keys() == {"token", "gate"}
+    for metric in a:
+        assert a[metric] == b[metric] and len(a[metric]) == len(MoECheckpoint(hub).moe_layers)
