@@ -253,6 +253,12 @@ def train(
     shared_experts: bool = typer.Option(False, "--shared-experts", help="Also train every MoE layer's shared experts "
                                         "(ESFT's shared_experts: true; a --config with that switch set does too): "
                                         "the bundle carries them, and `esftctl serve` applies them per request."),
+    non_expert_modules: bool = typer.Option(False, "--non-expert-modules",
+                                            help="Also train every weight outside the experts: attention, norms, "
+                                                 "routers, dense MLPs, embeddings and output head (ESFT's "
+                                                 "non_expert_modules: true; a --config with that switch set does "
+                                                 "too). `esftctl serve` applies them per request (--module-copies), "
+                                                 "but for MLA's kv_b_proj, which it refuses."),
     replay: Path = typer.Option(None, help="General data (the same JSONL shapes) mixed back into every batch, so that "
                                            "the selected experts keep serving general text.", callback=_must_exist),
     replay_share: float = typer.Option(0.5, help="With --replay: the share of every batch drawn from it."),
@@ -284,7 +290,8 @@ def train(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("preparing", total=steps, info="")
         report = train_adapter(base, data, out, name, settings, config_file=config, metric=metric, threshold=threshold,
-                               layer_base=layer_base, shared_experts=shared_experts, replay=replay,
+                               layer_base=layer_base, shared_experts=shared_experts,
+                               non_expert_modules=non_expert_modules, replay=replay,
                                overwrite=overwrite,
                                log=lambda msg: progress.update(task, description=msg),
                                on_step=lambda step, loss, tps: progress.update(

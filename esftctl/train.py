@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from esftctl.errors import EsftError
+from esftctl.formats.architectures import memory_name
 from esftctl.formats.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint, unfuse
 from esftctl.jsonl import Example, read_records
 from esftctl.selection import ExpertConfig
@@ -190,14 +191,15 @@ class TrainedRows:
 
 
 class TrainedTensors:
-    """Whole tensors trained (shared experts): float32 masters, written in the model's dtype into their module before
-    each of its forwards, as TrainedRows writes rows."""
+    """Whole tensors trained (shared experts, non-expert modules), by their checkpoint names: float32 masters, written
+    in the model's dtype into their module (transformers' name for it: memory_name) before each of its forwards, as
+    TrainedRows writes rows."""
 
     def __init__(self, model, names: list[str]):
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.handles = []
         for name in names:
-            owner_name, _, attr = name.rpartition(".")
+            owner_name, _, attr = memory_name(name).rpartition(".")
             try:
                 owner = model.get_submodule(owner_name)
                 frozen = getattr(owner, attr).detach()
@@ -219,14 +221,16 @@ class TrainedTensors:
 
 def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: TrainSettings = TrainSettings(), *,
                   config_file: Path | None = None, metric: str = "token", threshold: float = 0.2,
-                  layer_base: int | None = None, shared_experts: bool = False, replay: Path | None = None,
+                  layer_base: int | None = None, shared_experts: bool = False, non_expert_modules: bool = False,
+                  replay: Path | None = None,
                   overwrite: bool = False,
                   checkpoints: Path | None = None,
                   on_step: Callable[[int, float, float], None] = lambda step, loss, tps: None,
                   log: Callable[[str], None] = lambda msg: None) -> TrainReport:
     """Train an ESFT adapter of `base_dir` on `data` and write it as bundle `out` named `name`; `shared_experts` (or
-    the config's switch) trains every MoE layer's shared experts too, which the bundle carries as non-expert tensors
-    (served per request: esftctl.runtime.vllm.shared_experts)."""
+    the config's switch) trains every MoE layer's shared experts too, and `non_expert_modules` (or its switch) every
+    weight outside the experts (attention, norms, routers, dense MLPs, embeddings, output head), which the bundle
+    carries as non-expert tensors (served per request: esftctl.runtime.vllm.shared_experts and module_copies)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from esftctl.atomic import check_output
@@ -246,23 +250,27 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     examples = read_examples(data, tokenizer)
     train, evaluation = held_out(examples, settings.eval_share, settings.seed)
     general = read_examples(replay, tokenizer) if replay is not None and settings.replay_share else []
-    experts, shared = _experts(base, train, config_file, metric, threshold, layer_base, log)
-    shared = shared or shared_experts
-    if not any(experts.values()) and not shared:
+    experts, shared, modules = _experts(base, train, config_file, metric, threshold, layer_base, log)
+    shared, modules = shared or shared_experts, modules or non_expert_modules
+    if not any(experts.values()) and not shared and not modules:
         raise EsftError("the expert config selects no expert: nothing to train", config_file)
-    shared_names = _shared_names(base) if shared else []
+    whole_names = (_shared_names(base) if shared else []) + (_module_names(base) if modules else [])
     checkpoints = checkpoints or out.with_name(out.name + ".ckpt")
     identity = _identity(base, data, experts, settings) | {"shared_experts": shared, "replay_sha256": _sha256(replay)}
+    if modules:  # (a key only where set: checkpoints of runs without it stay resumable)
+        identity["non_expert_modules"] = True
     log(f"loading {base.path.name}")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_train_dtype(base))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
+    if modules:
+        _check_untied(model, base)
     for p in model.parameters():
         p.requires_grad_(False)
     if settings.gradient_checkpointing:  # non-reentrant: the frozen inputs need no gradient of their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     total = sum(p.numel() for p in model.parameters())  # before the trained tensors leave the module
-    rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, shared_names)
+    rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, whole_names)
     params = rows.parameters() + whole.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     start = _resume(checkpoints, identity, params, opt, log)
@@ -280,7 +288,7 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     if evaluation:
         report.eval_loss, report.eval_exact = _evaluate(model, tokenizer, evaluation, device)
     write_bundle(out, name, base, {l: e for l, e in rows.experts(_dtype(base)).items() if e},
-                 whole.tensors({n: TORCH_DTYPES[base.tensors[n].dtype] for n in shared_names}), overwrite=overwrite)
+                 whole.tensors({n: TORCH_DTYPES[base.tensors[n].dtype] for n in whole_names}), overwrite=overwrite)
     Bundle.open(out).check_base(base)
     _remove_checkpoints(checkpoints)
     return report
@@ -327,22 +335,20 @@ def deterministic() -> Iterator[None]:
 
 
 def _experts(base: MoECheckpoint, train: list[Example], config_file: Path | None, metric: str, threshold: float,
-             layer_base: int | None, log) -> tuple[dict[int, list[int]], bool]:
-    """(the experts to train, {layer: ids}; whether the config asks for the shared experts too)."""
+             layer_base: int | None, log) -> tuple[dict[int, list[int]], bool, bool]:
+    """(the experts to train, {layer: ids}; whether the config asks for the shared experts too; and for the non-expert
+    modules)."""
     from esftctl.relevance import compute_relevance
     from esftctl.selection import select_experts
 
     if config_file is not None:
         config, _ = ExpertConfig.read_for(config_file, base.moe_layers, base.num_experts, layer_base=layer_base)
-        if config.non_expert_modules:
-            raise EsftError("training non-expert modules (attention, norms, embeddings) is not supported yet: set "
-                            "non_expert_modules to false", config_file)
-        return {l: sorted(ids) for l, ids in config.experts.items()}, config.shared_experts
+        return {l: sorted(ids) for l, ids in config.experts.items()}, config.shared_experts, config.non_expert_modules
     if metric not in ("token", "gate"):
         raise EsftError(f"--metric {metric}: choose token or gate")
     log(f"expert relevance on {len(train)} examples")
     scores = compute_relevance(base.path, train, scored="completion").scores[metric]
-    return select_experts(scores, threshold), False
+    return select_experts(scores, threshold), False, False
 
 
 def _shared_names(base: MoECheckpoint) -> list[str]:
@@ -351,6 +357,23 @@ def _shared_names(base: MoECheckpoint) -> list[str]:
     if not names:
         raise EsftError("this base has no shared experts to train", base.path)
     return names
+
+
+def _module_names(base: MoECheckpoint) -> list[str]:
+    """Every tensor outside the routed and shared experts (ESFT's `non_expert_modules: true`), but the router's
+    score-correction bias, which no gradient reaches (the balancing rule moves it)."""
+    return sorted(n for n in base.tensors if not base.is_routed_expert_tensor(n)
+                  and not any(base.arch.is_shared_expert_tensor(n, l) for l in base.moe_layers)
+                  and not n.endswith("e_score_correction_bias"))
+
+
+def _check_untied(model, base: MoECheckpoint) -> None:
+    """Refuse a base whose output head is its embedding matrix: training the one as a tensor of its own would part it
+    from the other, which the merged model (one tensor) cannot hold."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and embed is not None and head.weight is embed.weight:
+        raise EsftError("this base ties its output head to its embeddings: esftctl cannot train its non-expert "
+                        "modules (train without non_expert_modules)", base.path)
 
 
 def _train_dtype(base: MoECheckpoint) -> torch.dtype:

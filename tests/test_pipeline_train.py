@@ -4,8 +4,8 @@ On tiny models of several architectures (DeepSeek-V2's per-expert checkpoint, an
 memory: Qwen3-MoE and Mixtral stacked, GPT-OSS with biases): the bundle holds exactly the configured experts, each
 changed; a merged model differs from the base in those experts only. A run killed after a checkpoint and run again
 resumes and writes the same bytes as an uninterrupted one. Data lines of neither shape are refused naming the line;
-chat lines are rendered with the base's chat template. Shared experts train into a bundle that serve plans copies for,
-and a trained bundle is served exactly as its merged model (CPU build)."""
+chat lines are rendered with the base's chat template. Shared experts and non-expert modules train into bundles that
+serve plans copies for, and a trained bundle is served exactly as its merged model (CPU build)."""
 
 from __future__ import annotations
 
@@ -166,6 +166,47 @@ def test_shared_experts_trained_into_a_servable_bundle(architecture, world, data
     assert moved, "no shared-expert tensor moved"
     serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
     assert serve_plan.shared_copies == 1 and serve_plan.module_copies == 0
+
+
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen2_moe"])
+def test_non_expert_modules_trained_into_a_servable_bundle(architecture, world, data, tmp_path):
+    """ESFT's non_expert_modules: true: every tensor outside the experts (attention, norms, routers, the dense MLP,
+    embeddings and head) trains beside the selected experts, under the checkpoint's names, and the bundle carries
+    them; `esftctl serve` plans module copies for it. The shared experts stay the base's (their own switch)."""
+    from esftctl.serve import free_port, plan
+
+    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    base = MoECheckpoint(base_dir)
+    experts = chosen(base, data)
+    path = config(tmp_path, experts)
+    path.write_text(path.read_text().replace('"non_expert_modules": false', '"non_expert_modules": true'))
+    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=path)
+    bundle = Bundle.open(tmp_path / "bundle")
+    shared = {n for n in base.tensors if any(base.arch.is_shared_expert_tensor(n, l) for l in base.moe_layers)}
+    modules = sorted(n for n in base.tensors if not base.is_routed_expert_tensor(n) and n not in shared)
+    assert bundle.non_expert_tensors == modules and shared
+    assert any(n.endswith("embed_tokens.weight") for n in modules) and any("self_attn" in n for n in modules)
+    assert report.trained_parameters == sum(math.prod(base.tensors[n].shape) for n in modules) + sum(
+        map(len, experts.values())) * sum(t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+    moved = {n for n in modules if not torch.equal(bundle.read_tensor("non_expert." + n), base.read_tensor(n))}
+    assert any("self_attn" in n for n in moved) and any(n.endswith("lm_head.weight") for n in moved)
+    if architecture == "qwen2_moe":  # (MLA's kv_b_proj, which DeepSeek-V2's bundle changes, is refused at start)
+        serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
+        assert serve_plan.module_copies == 1 and serve_plan.shared_copies == 0
+
+
+def test_non_expert_modules_of_a_tied_base_are_refused(world, data, tmp_path):
+    """A base whose head is its embedding matrix: training either as a tensor of its own would part them."""
+    from transformers import AutoTokenizer
+
+    from esftctl.world.models import make_random_model
+
+    base_dir = make_random_model("qwen2_moe", tmp_path / "tied", seed=3, tie_word_embeddings=True,
+                                 tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
+    with pytest.raises(EsftError, match="ties its output head to its embeddings"):
+        train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, non_expert_modules=True,
+                      config_file=config(tmp_path, chosen(MoECheckpoint(base_dir), data)))
+    assert not (tmp_path / "bundle").exists()
 
 
 def test_gradient_checkpointing_trains_the_same_rows(world, data, tmp_path):
