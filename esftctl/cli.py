@@ -266,6 +266,11 @@ def train(
                                                 help="Recompute each layer's activations in the backward pass: less "
                                                      "memory for longer sequences or larger batches, more time (each "
                                                      "layer's forward runs twice)."),
+    pack_length: int = typer.Option(0, min=0, help="Pack each batch's short examples into rows of at most this many "
+                                                   "tokens (each example attending to itself alone, at its own "
+                                                   "positions): the same loss over fewer padded positions. 0: one "
+                                                   "example a row. Refused for bases with sliding-window or linear "
+                                                   "attention layers."),
     save_every: int = typer.Option(50, min=0, help="Steps between checkpoints (in OUT.ckpt, removed once the bundle "
                                                    "is written); the same command run again resumes from the last "
                                                    "one; 0: none."),
@@ -283,7 +288,7 @@ def train(
     check_output(out, overwrite=overwrite, folder=True)
     settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, seed=seed, eval_share=eval_share,
                              save_every=save_every, replay_share=replay_share if replay is not None else 0.0,
-                             gradient_checkpointing=gradient_checkpointing)
+                             gradient_checkpointing=gradient_checkpointing, pack_length=pack_length)
     quiet_transformers()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())

@@ -55,10 +55,12 @@ class TrainSettings:
     warmup: float = 0.1  # share of the steps the learning rate ramps up over
     replay_share: float = 0.0  # of every batch, drawn from general data mixed back in (`replay`), for retention
     gradient_checkpointing: bool = False  # recompute each layer's activations in the backward pass: less memory
+    pack_length: int = 0  # tokens a row holds when short examples are packed into rows (0: one example a row, padded)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or self.save_every < 0:
-            raise EsftError("--steps and --batch-size must be at least 1, --lr above 0, --save-every at least 0")
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or self.save_every < 0 or self.pack_length < 0:
+            raise EsftError("--steps and --batch-size must be at least 1, --lr above 0, --save-every and "
+                            "--pack-length at least 0")
         if not 0 <= self.eval_share < 1 or not 0 <= self.warmup < 1 or not 0 <= self.replay_share < 1:
             raise EsftError(f"--eval-share {self.eval_share} / --replay-share {self.replay_share}: give shares in "
                             "[0, 1)")
@@ -265,6 +267,8 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     model.to(device)
     if modules:
         _check_untied(model, base)
+    if settings.pack_length:
+        _check_packable(model, base)
     for p in model.parameters():
         p.requires_grad_(False)
     if settings.gradient_checkpointing:  # non-reentrant: the frozen inputs need no gradient of their own
@@ -306,15 +310,16 @@ def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], setting
         batch = rng.choices(train, k=settings.batch_size - replayed) + (rng.choices(general, k=replayed)
                                                                          if replayed else [])
         torch.manual_seed(settings.seed * 1_000_003 + step)  # dropout or router noise, where a model has them
-        enc = {k: v.to(device) for k, v in _encode(tokenizer, batch).items()}
-        loss = model(**enc).loss
+        enc, tokens = (_encode_packed(tokenizer, batch, settings.pack_length, model.dtype) if settings.pack_length
+                       else _encode_counted(tokenizer, batch))
+        loss = model(**{k: v.to(device) for k, v in enc.items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in opt.param_groups:
             group["lr"] = settings.lr_at(step)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        report.tokens += int(enc["attention_mask"].sum())
+        report.tokens += tokens
         report.losses.append(round(loss.item(), 6))
         on_step(step, report.losses[-1], report.tokens / max(time.perf_counter() - began, 1e-9))
         if settings.save_every and (step + 1) % settings.save_every == 0 and step + 1 < settings.steps:
@@ -376,6 +381,16 @@ def _check_untied(model, base: MoECheckpoint) -> None:
                         "modules (train without non_expert_modules)", base.path)
 
 
+def _check_packable(model, base: MoECheckpoint) -> None:
+    """Refuse packing where a block-diagonal mask does not keep packed examples apart: linear attention (Qwen3-Next's
+    Gated DeltaNet carries a state along the row) and sliding-window layers (GPT-OSS: one mask for every layer would
+    drop the window)."""
+    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise EsftError(f"--pack-length: this base has {' and '.join(sorted(kinds - {'full_attention'}))} layers, "
+                        "across which a mask cannot keep packed examples apart; train without packing", base.path)
+
+
 def _train_dtype(base: MoECheckpoint) -> torch.dtype:
     """The frozen weights' dtype: the base's on a GPU; float32 on the CPU (its bf16 matmuls are slow)."""
     return _dtype(base) if torch.cuda.is_available() else torch.float32
@@ -391,6 +406,50 @@ def _encode(tokenizer, batch: Sequence[Example]) -> dict[str, torch.Tensor]:
     from esftctl.world.training import encode_batch
 
     return encode_batch(tokenizer, batch, completion_only=True)
+
+
+def _encode_counted(tokenizer, batch: Sequence[Example]) -> tuple[dict[str, torch.Tensor], int]:
+    enc = _encode(tokenizer, batch)
+    return enc, int(enc["attention_mask"].sum())
+
+
+def _encode_packed(tokenizer, batch: Sequence[Example], length: int, dtype: torch.dtype
+                   ) -> tuple[dict[str, torch.Tensor], int]:
+    """The batch's examples packed into rows of at most `length` tokens (first fit, in the batch's order), and its
+    tokens: each example keeps its own positions (position_ids from 0) and attends to itself alone (a block-diagonal
+    causal mask, additive, in the model's dtype), and its first token is no label (the one before it is another
+    example's), so the loss is the unpacked batch's, over fewer padded positions."""
+    enc = _encode(tokenizer, batch)
+    lengths = enc["attention_mask"].sum(dim=1).tolist()
+    if max(lengths) > length:
+        raise EsftError(f"--pack-length {length}: an example has {max(lengths)} tokens; give at least that")
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i, n in enumerate(lengths):
+        r = next((r for r, f in enumerate(fill) if f + n <= length), None)
+        if r is None:
+            rows.append([]), fill.append(0)
+            r = len(rows) - 1
+        rows[r].append(i)
+        fill[r] += n
+    width, low = max(fill), torch.finfo(dtype).min
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=enc["input_ids"].dtype)
+    labels = torch.full((len(rows), width), -100, dtype=enc["labels"].dtype)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.full((len(rows), 1, width, width), low, dtype=dtype)
+    causal = lambda n: torch.zeros(n, n, dtype=dtype).masked_fill(  # noqa: E731
+        ~torch.ones(n, n, dtype=torch.bool).tril(), low)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            n = lengths[i]
+            ids[r, at:at + n] = enc["input_ids"][i, :n]
+            labels[r, at + 1:at + n] = enc["labels"][i, 1:n]
+            positions[r, at:at + n] = torch.arange(n)
+            mask[r, 0, at:at + n, at:at + n] = causal(n)
+            at += n
+        mask[r, 0, range(at, width), range(at, width)] = 0  # padding attends to itself: no row of the softmax is empty
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}, sum(lengths)
 
 
 @torch.no_grad()
@@ -420,7 +479,16 @@ def _identity(base: MoECheckpoint, data: Path, experts: dict[int, list[int]], se
     from esftctl.formats.bundle import base_identity
 
     return {"base": base_identity(base), "data_sha256": _sha256(data),
-            "experts": {str(l): e for l, e in experts.items()}, "settings": asdict(settings) | {"save_every": None}}
+            "experts": {str(l): e for l, e in experts.items()}, "settings": _settings_identity(settings)}
+
+
+def _settings_identity(settings: TrainSettings) -> dict:
+    """The settings a checkpoint must match: not how often it is saved, and packing only where on (a run without it
+    resumes from a checkpoint written before packing existed)."""
+    out = asdict(settings) | {"save_every": None}
+    if not settings.pack_length:
+        del out["pack_length"]
+    return out
 
 
 def _sha256(path: Path | None) -> str | None:

@@ -209,6 +209,46 @@ def test_non_expert_modules_of_a_tied_base_are_refused(world, data, tmp_path):
     assert not (tmp_path / "bundle").exists()
 
 
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen3_moe"])
+def test_packed_examples_give_the_unpacked_loss(architecture, world, data):
+    """Packing short examples into rows (own positions, a block-diagonal mask, no label across a boundary) changes
+    the padding, not the objective: the loss and the gradient of a batch are the unpacked batch's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esftctl.train import _encode_counted, _encode_packed
+
+    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, Path(
+        data).parent)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    batch = read_examples(data, tokenizer)[:8]
+    plain, tokens = _encode_counted(tokenizer, batch)
+    longest = int(plain["attention_mask"].sum(dim=1).max())
+    packed, packed_tokens = _encode_packed(tokenizer, batch, 3 * longest, torch.float32)
+    assert packed_tokens == tokens and packed["input_ids"].shape[0] < len(batch)  # fewer rows, same tokens
+    assert int((packed["labels"] != -100).sum()) == int((plain["labels"][:, 1:] != -100).sum())
+
+    def loss_and_grad(enc):
+        model.zero_grad()
+        loss = model(**enc).loss
+        loss.backward()
+        return loss.detach(), model.get_input_embeddings().weight.grad.clone()
+
+    (a, ga), (b, gb) = loss_and_grad(plain), loss_and_grad(packed)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float((ga - gb).norm() / ga.norm()) < 1e-4  # float32's rounding in other sums, not another gradient
+
+
+def test_packing_is_refused_where_a_mask_cannot_separate_examples(world, data, tmp_path):
+    base_dir = random_base("qwen3_next", world, tmp_path)
+    settings = TrainSettings(**{**QUICK.__dict__, "pack_length": 256})
+    with pytest.raises(EsftError, match="linear_attention layers"):
+        train_adapter(base_dir, data, tmp_path / "bundle", "task", settings,
+                      config_file=config(tmp_path, chosen(MoECheckpoint(base_dir), data)))
+
+
 def test_gradient_checkpointing_trains_the_same_rows(world, data, tmp_path):
     """Recomputing activations in the backward pass changes the memory, not the arithmetic: the same bytes."""
     cfg = config(tmp_path, chosen(MoECheckpoint(world.base_dir), data))
