@@ -112,15 +112,29 @@ def scoring_device() -> str:
 
 
 @torch.no_grad()
+def open_model(ckpt: MoECheckpoint, dtype: torch.dtype):
+    """The transformers model of `ckpt` in `dtype`; an FP8 checkpoint's block-quantized weights dequantized as they
+    load (transformers' FineGrainedFP8 with dequantize: Q * S, as DeepSeek's fp8_cast_bf16), so that it runs and
+    trains on any device."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {}
+    if ckpt.fp8 is not None:
+        from transformers import FineGrainedFP8Config
+
+        extra["quantization_config"] = FineGrainedFP8Config(weight_block_size=tuple(ckpt.fp8.block), dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype, **extra)
+
+
 def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: str = "all", batch_size: int = 16,
                       data_name: str = "", on_batch: Callable[[int], None] = lambda n: None) -> Relevance:
     """Score every routed expert on `examples` with both ESFT metrics, over the tokens `scored` names (float32 on
     the CPU, or the GPU if present)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if scored not in SCORED:
         raise EsftError(f"unknown choice of scored tokens {scored!r} (choose {' or '.join(SCORED)})")
-    ckpt = MoECheckpoint(model_dir)
+    ckpt = MoECheckpoint(model_dir, fp8=True)
     if not examples:
         raise EsftError("no examples to score", data_name or None)
     device = scoring_device()
@@ -128,7 +142,7 @@ def compute_relevance(model_dir: Path, examples: Sequence[Example], *, scored: s
     tokenizer.padding_side = "right"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = open_model(ckpt, torch.float32).to(device).eval()
     experts = ckpt.num_experts
     gate_sum = {l: torch.zeros(experts, dtype=torch.float64) for l in ckpt.moe_layers}
     picks = {l: torch.zeros(experts, dtype=torch.float64) for l in ckpt.moe_layers}

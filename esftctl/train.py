@@ -36,8 +36,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from esftctl.errors import EsftError
-from esftctl.formats.architectures import memory_name
+from esftctl.formats.architectures import EXPERT_WEIGHTS, memory_name
 from esftctl.formats.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoint, unfuse
+from esftctl.formats.fp8 import SCALE_SUFFIX
 from esftctl.jsonl import Example, read_records
 from esftctl.selection import ExpertConfig
 
@@ -233,18 +234,17 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     the config's switch) trains every MoE layer's shared experts too, and `non_expert_modules` (or its switch) every
     weight outside the experts (attention, norms, routers, dense MLPs, embeddings, output head), which the bundle
     carries as non-expert tensors (served per request: esftctl.runtime.vllm.shared_experts and module_copies)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from esftctl.atomic import check_output
     from esftctl.formats.bundle import Bundle, write_bundle
     from esftctl.names import check_name
+    from esftctl.relevance import open_model
 
     check_name(name)
     check_output(out, overwrite=overwrite)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (`deterministic`)
-    base = MoECheckpoint(base_dir)
-    if base.fp8 is not None:
-        raise EsftError("training on an FP8 base is not supported yet: train on its bf16 checkpoint", base.path)
+    base = MoECheckpoint(base_dir, fp8=True)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -257,12 +257,13 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     if not any(experts.values()) and not shared and not modules:
         raise EsftError("the expert config selects no expert: nothing to train", config_file)
     whole_names = (_shared_names(base) if shared else []) + (_module_names(base) if modules else [])
+    _check_fp8_trainable(base, whole_names)
     checkpoints = checkpoints or out.with_name(out.name + ".ckpt")
     identity = _identity(base, data, experts, settings) | {"shared_experts": shared, "replay_sha256": _sha256(replay)}
     if modules:  # (a key only where set: checkpoints of runs without it stay resumable)
         identity["non_expert_modules"] = True
     log(f"loading {base.path.name}")
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_train_dtype(base))
+    model = open_model(base, _train_dtype(base))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     if modules:
@@ -291,7 +292,7 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     model.eval()
     if evaluation:
         report.eval_loss, report.eval_exact = _evaluate(model, tokenizer, evaluation, device)
-    write_bundle(out, name, base, {l: e for l, e in rows.experts(_dtype(base)).items() if e},
+    write_bundle(out, name, base, _stored_experts(base, rows),
                  whole.tensors({n: TORCH_DTYPES[base.tensors[n].dtype] for n in whole_names}), overwrite=overwrite)
     Bundle.open(out).check_base(base)
     _remove_checkpoints(checkpoints)
@@ -391,15 +392,54 @@ def _check_packable(model, base: MoECheckpoint) -> None:
                         "across which a mask cannot keep packed examples apart; train without packing", base.path)
 
 
+def _check_fp8_trainable(base: MoECheckpoint, names: list[str]) -> None:
+    """An FP8 base's adapters replace routed experts (quantized as `pack` quantizes them); a whole tensor trained
+    beside them that the base holds in FP8 would need requantizing, which no bundle carries (as `pack` refuses)."""
+    fp8 = [n for n in names if base.fp8 is not None and n + SCALE_SUFFIX in base.tensors]
+    if fp8:
+        raise EsftError(f"{fp8[0]!r} is an FP8 weight of this base: an adapter of an FP8 base trains routed experts "
+                        "(and bf16 tensors) only", base.path)
+
+
+def _stored_experts(base: MoECheckpoint, rows: TrainedRows) -> dict[int, dict[int, ExpertWeights]]:
+    """The trained experts as the bundle stores them: in the base's dtype, or for an FP8 base quantized with its block
+    scheme, as `pack` stores a bf16 fine-tune of it (a weight equal to the base's dequantized one keeps the base's
+    bytes); a weight that is not finite (a run that diverged) is refused."""
+    from esftctl.formats.architectures import EXPERT_SCALES
+
+    trained = {l: e for l, e in rows.experts(_dtype(base)).items() if e}
+    for layer, experts in trained.items():
+        for e, w in experts.items():
+            if not all(bool(torch.isfinite(t).all()) for _, t in w.items()):
+                raise EsftError(f"training diverged: expert {e} of layer {layer} holds values that are not finite "
+                                "(lower --lr)")
+    if base.fp8 is None:
+        return trained
+    out = {}
+    for layer, experts in trained.items():
+        out[layer] = {}
+        for e, plain in experts.items():
+            stored, parts = base.read_expert(layer, e), {}
+            for w, s in zip(EXPERT_WEIGHTS, EXPERT_SCALES):
+                q, scale = getattr(stored, w), getattr(stored, s)
+                same = torch.equal(base.fp8.dequantize(q, scale, torch.bfloat16).view(torch.int16),
+                                   getattr(plain, w).view(torch.int16))
+                parts[w], parts[s] = (q, scale) if same else base.fp8.quantize(getattr(plain, w))
+            out[layer][e] = ExpertWeights(**parts)
+    return out
+
+
 def _train_dtype(base: MoECheckpoint) -> torch.dtype:
-    """The frozen weights' dtype: the base's on a GPU; float32 on the CPU (its bf16 matmuls are slow)."""
+    """The frozen weights' dtype: the base's (bf16 for an FP8 one, dequantized) on a GPU; float32 on the CPU (its bf16
+    matmuls are slow)."""
     return _dtype(base) if torch.cuda.is_available() else torch.float32
 
 
 def _dtype(base: MoECheckpoint) -> torch.dtype:
+    """The experts' dtype in training and before storing: the base's, or bf16 for an FP8 base."""
     from esftctl.formats.checkpoint import TORCH_DTYPES
 
-    return TORCH_DTYPES[base.expert_dtype]
+    return torch.bfloat16 if base.fp8 is not None else TORCH_DTYPES[base.expert_dtype]
 
 
 def _encode(tokenizer, batch: Sequence[Example]) -> dict[str, torch.Tensor]:

@@ -249,6 +249,39 @@ def test_packing_is_refused_where_a_mask_cannot_separate_examples(world, data, t
                       config_file=config(tmp_path, chosen(MoECheckpoint(base_dir), data)))
 
 
+def test_an_fp8_base_trains_its_experts_in_bf16_and_stores_them_quantized(world, data, tmp_path):
+    """An FP8 base (block-quantized projections) loads dequantized; relevance selects on it, the selected experts train
+    in bf16 and the bundle holds them quantized with the base's block scheme, as `pack` stores a bf16 fine-tune of it:
+    a bundle of that base, which serve plans for. Training its FP8 attention instead is refused."""
+    from test_formats_fp8 import quantize_model
+
+    from esftctl.serve import free_port, plan
+
+    base_dir = quantize_model(random_base("qwen3_moe", world, tmp_path), tmp_path / "fp8")
+    base = MoECheckpoint(base_dir, fp8=True)
+    assert base.fp8 is not None
+    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, threshold=0.3)
+    bundle = Bundle.open(tmp_path / "bundle")
+    bundle.check_base(base)
+    assert bundle.fp8 == base.fp8 and bundle.manifest["dtype"] == "F8_E4M3"
+    assert {l: len(e) for l, e in bundle.experts.items()} == report.experts_per_layer
+    moved = 0
+    for layer, ids in bundle.experts.items():
+        for e in ids:
+            mine, theirs = bundle.read_expert(layer, e), base.read_expert(layer, e)
+            for w in ("gate", "up", "down"):
+                q, s = getattr(mine, w), getattr(mine, w + "_scale")
+                assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+                requantized = base.fp8.quantize(base.fp8.dequantize(q, s, torch.bfloat16))
+                assert torch.equal(requantized[1], s)  # the bytes a quantization of bf16 weights gives
+                moved += not torch.equal(q.view(torch.uint8), getattr(theirs, w).view(torch.uint8))
+    assert moved
+    serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
+    assert list(serve_plan.adapters) == ["task"] and serve_plan.module_copies == 0
+    with pytest.raises(EsftError, match="is an FP8 weight of this base"):
+        train_adapter(base_dir, data, tmp_path / "b2", "task", QUICK, threshold=0.3, non_expert_modules=True)
+
+
 def test_gradient_checkpointing_trains_the_same_rows(world, data, tmp_path):
     """Recomputing activations in the backward pass changes the memory, not the arithmetic: the same bytes."""
     cfg = config(tmp_path, chosen(MoECheckpoint(world.base_dir), data))
