@@ -1,8 +1,7 @@
 """`esftctl train`: task data to a bundle of the selected experts, trained alone; the rest of the model untouched.
 
-On tiny models of several architectures (DeepSeek-V2's per-expert checkpoint, and transformers' fused layouts in
-memory: Qwen3-MoE and Mixtral stacked, GPT-OSS with biases): the bundle holds exactly the configured experts, each
-changed; a merged model differs from the base in those experts only. A run killed after a checkpoint and run again
+On a tiny model of every architecture in the table (per-expert checkpoints, which transformers stacks in memory, and
+GPT-OSS's fused ones with biases): the bundle holds exactly the configured experts, each changed; a merged model differs from the base in those experts only. A run killed after a checkpoint and run again
 resumes and writes the same bytes as an uninterrupted one. Data lines of neither shape are refused naming the line;
 chat lines are rendered with the base's chat template. Shared experts and non-expert modules train into bundles that
 serve plans copies for, and a trained bundle is served exactly as its merged model (CPU build)."""
@@ -23,6 +22,7 @@ from esftctl.formats.checkpoint import MoECheckpoint
 from esftctl.jsonl import read_jsonl, write_jsonl
 from esftctl.merge import merge
 from esftctl.train import TrainSettings, read_examples, train_adapter
+from esftctl.world.models import ARCHITECTURES
 
 QUICK = TrainSettings(steps=3, batch_size=4, lr=1e-2, save_every=0, eval_share=0.2)
 
@@ -63,7 +63,7 @@ def random_base(architecture: str, world, root: Path) -> Path:
                              tokenizer=AutoTokenizer.from_pretrained(world.tokenizer_dir))
 
 
-@pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_only_the_selected_experts_are_trained(architecture, world, data, tmp_path):
     base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
     base = MoECheckpoint(base_dir)
