@@ -1,8 +1,10 @@
 """`esftctl train`: task data to a bundle of the selected experts, trained alone; the rest of the model untouched.
 
 On a tiny model of every architecture in the table (per-expert checkpoints, which transformers stacks in memory, and
-GPT-OSS's fused ones with biases): the bundle holds exactly the configured experts, each changed; a merged model differs from the base in those experts only. A run killed after a checkpoint and run again
-resumes and writes the same bytes as an uninterrupted one. Data lines of neither shape are refused naming the line;
+GPT-OSS's fused ones with biases): the bundle holds exactly the configured experts, each changed; a merged model
+differs from the base in those experts only. A run killed after a checkpoint and run again resumes and writes the same
+bytes as an uninterrupted one. An FP8 base trains in bf16 and stores its experts quantized; packed examples give the
+unpacked loss. Data lines of neither shape are refused naming the line;
 chat lines are rendered with the base's chat template. Shared experts and non-expert modules train into bundles that
 serve plans copies for, and a trained bundle is served exactly as its merged model (CPU build)."""
 
