@@ -232,5 +232,5 @@ def plot(result: dict, path) -> None:
     b.set_ylabel("peak GPU memory, GB")
     fig.suptitle(f"{result['model']}, {result['layers']} layers, {result['device']}")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
