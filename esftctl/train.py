@@ -313,18 +313,24 @@ def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], setting
         torch.manual_seed(settings.seed * 1_000_003 + step)  # dropout or router noise, where a model has them
         enc, tokens = (_encode_packed(tokenizer, batch, settings.pack_length, model.dtype) if settings.pack_length
                        else _encode_counted(tokenizer, batch))
-        loss = model(**{k: v.to(device) for k, v in enc.items()}).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for group in opt.param_groups:
-            group["lr"] = settings.lr_at(step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = optimizer_step(model, {k: v.to(device) for k, v in enc.items()}, params, opt, settings.lr_at(step))
         report.tokens += tokens
         report.losses.append(round(loss.item(), 6))
         on_step(step, report.losses[-1], report.tokens / max(time.perf_counter() - began, 1e-9))
         if settings.save_every and (step + 1) % settings.save_every == 0 and step + 1 < settings.steps:
             _save(checkpoints, identity, step + 1, params, opt)
+
+
+def optimizer_step(model, inputs: dict[str, torch.Tensor], params: list, opt, lr: float) -> torch.Tensor:
+    """One step on a batch: the loss's backward pass, gradients clipped at norm 1, AdamW at `lr`; the loss."""
+    loss = model(**inputs).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 @contextmanager

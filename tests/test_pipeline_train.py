@@ -73,8 +73,7 @@ def test_only_the_selected_experts_are_trained(architecture, world, data, tmp_pa
     report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=config(tmp_path, experts))
     bundle = Bundle.open(tmp_path / "bundle")
     assert bundle.experts == {l: e for l, e in experts.items() if e}
-    assert report.trained_parameters == sum(map(len, experts.values())) * sum(
-        t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+    assert report.trained_parameters == expert_parameters(base, experts)
     assert len(report.losses) == 3 and report.eval_examples == 5 and report.eval_loss is not None
     for layer, ids in bundle.experts.items():
         for e in ids:  # each trained expert moved from the base's
@@ -147,26 +146,35 @@ def test_data_lines_read_or_refused(tmp_path):
         read_examples(path, ChatTokenizer())
 
 
+def train_with_switch(switch: str, architecture: str, world, data: Path, tmp_path: Path):
+    """(base, experts, report, bundle) of a quick run whose expert config sets ESFT's `switch` to true."""
+    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
+    base = MoECheckpoint(base_dir)
+    experts = chosen(base, data)
+    path = config(tmp_path, experts)
+    path.write_text(path.read_text().replace(f'"{switch}": false', f'"{switch}": true'))
+    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=path)
+    return base, experts, report, Bundle.open(tmp_path / "bundle")
+
+
+def expert_parameters(base: MoECheckpoint, experts: dict[int, list[int]]) -> int:
+    return sum(map(len, experts.values())) * sum(t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+
+
 @pytest.mark.parametrize("architecture", ["deepseek_v2", "qwen2_moe"])
 def test_shared_experts_trained_into_a_servable_bundle(architecture, world, data, tmp_path):
     """ESFT's shared_experts: true: every MoE layer's shared experts (Qwen2-MoE's gate too) train beside the selected
     experts and travel as the bundle's non-expert tensors, which `esftctl serve` plans a shared-expert copy for."""
     from esftctl.serve import free_port, plan
 
-    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
-    base = MoECheckpoint(base_dir)
-    experts = chosen(base, data)
-    path = config(tmp_path, experts)
-    path.write_text(path.read_text().replace('"shared_experts": false', '"shared_experts": true'))
-    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=path)
-    bundle = Bundle.open(tmp_path / "bundle")
+    base, experts, report, bundle = train_with_switch("shared_experts", architecture, world, data, tmp_path)
     shared = sorted(n for n in base.tensors if any(base.arch.is_shared_expert_tensor(n, l) for l in base.moe_layers))
     assert bundle.non_expert_tensors == shared and bundle.experts == {l: e for l, e in experts.items() if e}
-    assert report.trained_parameters == sum(math.prod(base.tensors[n].shape) for n in shared) + sum(
-        map(len, experts.values())) * sum(t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+    assert report.trained_parameters == sum(math.prod(base.tensors[n].shape) for n in shared) + expert_parameters(
+        base, experts)
     moved = [n for n in shared if not torch.equal(bundle.read_tensor("non_expert." + n), base.read_tensor(n))]
     assert moved, "no shared-expert tensor moved"
-    serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
+    serve_plan = plan(base.path, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
     assert serve_plan.shared_copies == 1 and serve_plan.module_copies == 0
 
 
@@ -177,23 +185,17 @@ def test_non_expert_modules_trained_into_a_servable_bundle(architecture, world, 
     them; `esftctl serve` plans module copies for it. The shared experts stay the base's (their own switch)."""
     from esftctl.serve import free_port, plan
 
-    base_dir = world.base_dir if architecture == "deepseek_v2" else random_base(architecture, world, tmp_path)
-    base = MoECheckpoint(base_dir)
-    experts = chosen(base, data)
-    path = config(tmp_path, experts)
-    path.write_text(path.read_text().replace('"non_expert_modules": false', '"non_expert_modules": true'))
-    report = train_adapter(base_dir, data, tmp_path / "bundle", "task", QUICK, config_file=path)
-    bundle = Bundle.open(tmp_path / "bundle")
+    base, experts, report, bundle = train_with_switch("non_expert_modules", architecture, world, data, tmp_path)
     shared = {n for n in base.tensors if any(base.arch.is_shared_expert_tensor(n, l) for l in base.moe_layers)}
     modules = sorted(n for n in base.tensors if not base.is_routed_expert_tensor(n) and n not in shared)
     assert bundle.non_expert_tensors == modules and shared
     assert any(n.endswith("embed_tokens.weight") for n in modules) and any("self_attn" in n for n in modules)
-    assert report.trained_parameters == sum(math.prod(base.tensors[n].shape) for n in modules) + sum(
-        map(len, experts.values())) * sum(t.numel() for _, t in base.read_expert(base.moe_layers[0], 0).items())
+    assert report.trained_parameters == sum(math.prod(base.tensors[n].shape) for n in modules) + expert_parameters(
+        base, experts)
     moved = {n for n in modules if not torch.equal(bundle.read_tensor("non_expert." + n), base.read_tensor(n))}
     assert any("self_attn" in n for n in moved) and any(n.endswith("lm_head.weight") for n in moved)
     if architecture == "qwen2_moe":  # (MLA's kv_b_proj, which DeepSeek-V2's bundle changes, is refused at start)
-        serve_plan = plan(base_dir, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
+        serve_plan = plan(base.path, [f"task={tmp_path / 'bundle'}"], port=free_port(), state_dir=tmp_path / "state")
         assert serve_plan.module_copies == 1 and serve_plan.shared_copies == 0
 
 

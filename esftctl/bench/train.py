@@ -92,7 +92,7 @@ def _baseline(method: str, base_dir: Path, data: Path, work: Path, settings, tim
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from esftctl.train import _encode, deterministic, held_out, read_examples
+    from esftctl.train import _encode, deterministic, held_out, optimizer_step, read_examples
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     if tokenizer.pad_token_id is None:
@@ -121,15 +121,9 @@ def _baseline(method: str, base_dir: Path, data: Path, work: Path, settings, tim
             rng = random.Random(settings.seed * 1_000_003 + step)
             torch.manual_seed(settings.seed * 1_000_003 + step)
             enc = {k: v.to(device) for k, v in _encode(tokenizer, rng.choices(train, k=settings.batch_size)).items()}
-            loss = model(**enc).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            for group in opt.param_groups:
-                group["lr"] = settings.lr_at(step)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = optimizer_step(model, enc, params, opt, settings.lr_at(step))
             tokens += int(enc["attention_mask"].sum())
-            loss.item()
+            loss.item()  # the step's end, synchronised
             times.append(time.perf_counter())
     return {"trained_parameters": sum(p.numel() for p in params), "model_parameters": total, "stored_bytes": stored,
             "tokens": tokens}
