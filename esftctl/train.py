@@ -11,13 +11,16 @@
    for them alone, never for a frozen row), and before each forward of the layer a pre-hook writes them, in the
    model's dtype, into the frozen tensor in place (`_RowsInto`: no copy of the layer's experts; the rows' gradient is
    the weight's at them).
-   Everything else (attention, norms, the router, every other expert, and the shared experts unless ESFT's
-   `shared_experts` switch says to train them: TrainedTensors) is frozen and stays in the base's dtype. AdamW with
-   linear warm-up and cosine decay, gradient clipping at 1, batches (and torch's generator) seeded by (seed, step):
-   a run is reproducible, and one resumed from a checkpoint takes the same batches.
+   Everything else is frozen and stays in the base's dtype, but what ESFT's switches say to train as whole tensors
+   (TrainedTensors): the shared experts (`shared_experts`), every tensor outside the experts (`non_expert_modules`).
+   An FP8 base loads dequantized (bf16) and its experts are stored quantized again. AdamW with linear warm-up and
+   cosine decay, gradient clipping at 1, batches (and torch's generator) seeded by (seed, step): a run is
+   reproducible, and one resumed from a checkpoint takes the same batches. `pack_length` packs a batch's short
+   examples into rows with a block-diagonal mask (the same loss).
 4. Checkpoints every `save_every` steps (the masters and AdamW's moments, safetensors; the step and the run's
    identity, JSON), written atomically beside the output; the same command run again resumes from the last one.
-5. The bundle: the trained rows in the checkpoint's orientation and dtype, written and verified as `pack` writes them.
+5. The bundle: the trained rows in the checkpoint's orientation and dtype (an FP8 base's block scheme), and the whole
+   tensors trained, written and verified as `pack` writes them.
 """
 
 from __future__ import annotations
