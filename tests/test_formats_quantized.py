@@ -1,6 +1,7 @@
 """Quantized checkpoints: `esftctl inspect` names the method it found (from the config and from the expert tensors'
-dtypes), and every command that reads expert weights refuses them in one line naming it, writing nothing; pack and
-merge take FP8 bases with block scales (tests/test_formats_fp8.py) and refuse FP8 experts whose config was lost."""
+dtypes), and every command that reads expert weights refuses them in one line naming it, writing nothing; pack,
+merge, relevance and train take FP8 bases with block scales (tests/test_formats_fp8.py, tests/test_pipeline_train.py)
+and pack refuses FP8 experts whose config was lost."""
 
 from __future__ import annotations
 
@@ -78,14 +79,11 @@ def test_inspect_names_architecture_and_quantization(fp8, tiny_models):
 
 def _refusals(fp8: dict[str, Path], plain: Path, tmp: Path) -> list[tuple[str, list]]:
     bundle = write_synthetic_adapter(plain, tmp / "bundle", "b", seed=1)
-    data = tmp / "data.jsonl"
-    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     q = fp8["config"]
     out = tmp / "out"
     return [("compress", ["compress", q, "--out", out]),
             ("consolidate", ["consolidate", q, plain, "--out", out, "--capacity", "1"]),
             ("average", ["average", q, plain, "--out", out]),
-            ("relevance", ["relevance", q, data, "--out", tmp / "scores.json"]),
             ("export", ["export", bundle, "--format", "esft", "--base", q, "--out", out]),
             ("pack (dtypes only)", ["pack", fp8["tensors"], plain, "--out", out, "--name", "x"])]
 
@@ -97,4 +95,4 @@ def test_commands_that_read_experts_refuse_quantized_ones(fp8, tiny_models, tmp_
         line = " ".join(err.split())
         assert "config.json: experts quantized with fp8 (" in line, (what, err)
         assert "are not supported" in line and "esftctl reads bf16, fp16 or fp32 experts" in line, what
-        assert not (tmp_path / "out").exists() and not (tmp_path / "scores.json").exists(), what
+        assert not (tmp_path / "out").exists(), what
