@@ -237,8 +237,6 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     the config's switch) trains every MoE layer's shared experts too, and `non_expert_modules` (or its switch) every
     weight outside the experts (attention, norms, routers, dense MLPs, embeddings, output head), which the bundle
     carries as non-expert tensors (served per request: esftctl.runtime.vllm.shared_experts and module_copies)."""
-    from transformers import AutoTokenizer
-
     from esftctl.atomic import check_output
     from esftctl.formats.bundle import Bundle, write_bundle
     from esftctl.names import check_name
@@ -248,10 +246,7 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     check_output(out, overwrite=overwrite)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (`deterministic`)
     base = MoECheckpoint(base_dir, fp8=True)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
+    tokenizer = training_tokenizer(base_dir)
     examples = read_examples(data, tokenizer)
     train, evaluation = held_out(examples, settings.eval_share, settings.seed)
     general = read_examples(replay, tokenizer) if replay is not None and settings.replay_share else []
@@ -305,15 +300,11 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
 def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], settings: TrainSettings, start: int,
            params: list, opt, device, report: TrainReport, checkpoints: Path, identity: dict, on_step) -> None:
     """The optimizer steps from `start`: each batch the task's examples and `replay_share` of it from the general
-    ones (pools: task, general), drawn with replacement by a generator seeded with (seed, step)."""
+    ones (pools: task, general), as draw_batch draws them."""
     train, general = pools
-    replayed = round(settings.batch_size * settings.replay_share) if general else 0
     began = time.perf_counter()
     for step in range(start, settings.steps):
-        rng = random.Random(settings.seed * 1_000_003 + step)
-        batch = rng.choices(train, k=settings.batch_size - replayed) + (rng.choices(general, k=replayed)
-                                                                         if replayed else [])
-        torch.manual_seed(settings.seed * 1_000_003 + step)  # dropout or router noise, where a model has them
+        batch = draw_batch(train, general, settings, step)
         enc, tokens = (_encode_packed(tokenizer, batch, settings.pack_length, model.dtype) if settings.pack_length
                        else _encode_counted(tokenizer, batch))
         loss = optimizer_step(model, {k: v.to(device) for k, v in enc.items()}, params, opt, settings.lr_at(step))
@@ -322,6 +313,30 @@ def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], setting
         on_step(step, report.losses[-1], report.tokens / max(time.perf_counter() - began, 1e-9))
         if settings.save_every and (step + 1) % settings.save_every == 0 and step + 1 < settings.steps:
             _save(checkpoints, identity, step + 1, params, opt)
+
+
+def training_tokenizer(base_dir: Path):
+    """The base's tokenizer as training encodes with it: padded on the right, with EOS for padding where it has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def draw_batch(train: Sequence[Example], general: Sequence[Example], settings: TrainSettings, step: int
+               ) -> list[Example]:
+    """Step `step`'s batch: the task's examples and `replay_share` of it from `general`, drawn with replacement by a
+    generator seeded with (seed, step); torch's generator is seeded the same way (dropout or router noise, where a
+    model has them). A run resumed at `step` draws what an uninterrupted one does."""
+    replayed = round(settings.batch_size * settings.replay_share) if general else 0
+    rng = random.Random(settings.seed * 1_000_003 + step)
+    batch = rng.choices(train, k=settings.batch_size - replayed)
+    batch += rng.choices(general, k=replayed) if replayed else []
+    torch.manual_seed(settings.seed * 1_000_003 + step)
+    return batch
 
 
 def optimizer_step(model, inputs: dict[str, torch.Tensor], params: list, opt, lr: float) -> torch.Tensor:

@@ -72,14 +72,12 @@ def _per_second(times: list[float], tokens_per_step: int, warmup: int) -> float:
 
 
 def _esft(method: str, base_dir: Path, data: Path, work: Path, settings, threshold: float, times: list) -> dict:
-    import json as _json
-
     from esftctl.train import train_adapter
 
     out = work / f"bundle-{method}"
     report = train_adapter(base_dir, data, out, method, settings, metric=method.split("-")[1], threshold=threshold,
                            on_step=_timed_steps(times))
-    config = _json.loads((base_dir / "config.json").read_text())
+    config = json.loads((base_dir / "config.json").read_text())
     experts = sum(report.experts_per_layer.values())
     return {"trained_parameters": report.trained_parameters, "model_parameters": report.model_parameters,
             "stored_bytes": sum(f.stat().st_size for f in out.iterdir()), "experts": experts,
@@ -87,17 +85,22 @@ def _esft(method: str, base_dir: Path, data: Path, work: Path, settings, thresho
             "experts_per_layer": report.experts_per_layer, "tokens": report.tokens}
 
 
-def _baseline(method: str, base_dir: Path, data: Path, work: Path, settings, times: list) -> dict:
+def _baseline(method: str, base_dir: Path, data: Path, settings, times: list) -> dict:
     """FFT or LoRA over the batches `esftctl train` draws (the same examples, seeds and encoding)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from esftctl.train import _encode, deterministic, held_out, optimizer_step, read_examples
+    from esftctl.train import (
+        _encode,
+        deterministic,
+        draw_batch,
+        held_out,
+        optimizer_step,
+        read_examples,
+        training_tokenizer,
+    )
 
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
+    tokenizer = training_tokenizer(base_dir)
     train, _ = held_out(read_examples(data, tokenizer), settings.eval_share, settings.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).to(device)
@@ -118,9 +121,7 @@ def _baseline(method: str, base_dir: Path, data: Path, work: Path, settings, tim
     tokens = 0
     with deterministic():
         for step in range(settings.steps):
-            rng = random.Random(settings.seed * 1_000_003 + step)
-            torch.manual_seed(settings.seed * 1_000_003 + step)
-            enc = {k: v.to(device) for k, v in _encode(tokenizer, rng.choices(train, k=settings.batch_size)).items()}
+            enc = {k: v.to(device) for k, v in _encode(tokenizer, draw_batch(train, [], settings, step)).items()}
             loss = optimizer_step(model, enc, params, opt, settings.lr_at(step))
             tokens += int(enc["attention_mask"].sum())
             loss.item()  # the step's end, synchronised
@@ -149,7 +150,7 @@ def run_method(method: str, base_dir: str, data: str, work: str, settings: dict,
         if method.startswith("esft-"):
             out = _esft(method, Path(base_dir), Path(data), Path(work), s, threshold, times)
         else:
-            out = _baseline(method, Path(base_dir), Path(data), Path(work), s, times)
+            out = _baseline(method, Path(base_dir), Path(data), s, times)
     except torch.OutOfMemoryError:
         return {"method": method, "error": "out of memory"}
     tokens_per_step = out["tokens"] // s.steps
