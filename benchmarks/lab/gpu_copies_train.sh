@@ -5,11 +5,13 @@
 #      Qwen2-MoE paged; non-expert modules of both; Qwen2-MoE variants in one step);
 #   2. `esftctl bench consolidate --serve-only`: three variants in one step against one plain vLLM server per variant
 #      (SETUPS: add `consolidated` for the per-step server), every request at once (throughput);
-#   3. `esftctl bench train` on DeepSeek-V2-Lite's shape: ESFT (token, gate) against full fine-tuning and LoRA.
+#   3. `esftctl bench train` on DeepSeek-V2-Lite's shape: ESFT (token, gate) against full fine-tuning and LoRA;
+#   4. the same on Qwen3-30B-A3B's shape (QWEN_LAYERS, default 8);
+#   5. ESFT alone on the whole 27-layer DeepSeek-V2-Lite shape (its full fine-tune does not fit one card).
 # Results in /tmp/res (pass it to background.sh wait). Carry .world (the tiny world) with the install's last part.
 #   bash benchmarks/lab/background.sh start ct "bash benchmarks/lab/gpu_copies_train.sh"
 #   bash benchmarks/lab/background.sh wait ct 540 /tmp/res   (again until it prints "finished")
-# PARTS: which parts to run (default "1 2 3"); TRAIN_LAYERS: the train bench's layers (default 10: full fine-tuning
+# PARTS: which parts to run (default "1 2 3"; TESTS: part 1's test ids); TRAIN_LAYERS: the train bench's layers (default 10: full fine-tuning
 # of DeepSeek-V2-Lite's first 10 layers with bf16 AdamW is about 47 GB of weights and state).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 ESFTCTL_WORLD=$PWD/.world PYTHONUNBUFFERED=1
@@ -18,15 +20,19 @@ mkdir -p "$res"
 for part in ${PARTS:-1 2 3}; do
   t0=$(date +%s)
   case $part in
-    1) OUT=$res DEADLINE=${TESTS_DEADLINE:-660} bash benchmarks/lab/gpu_tests.sh copies \
+    1) OUT=$res DEADLINE=${TESTS_DEADLINE:-660} bash benchmarks/lab/gpu_tests.sh copies ${TESTS:-\
          'tests/test_serve_shared_experts.py::test_shared_expert_adapter_with_cuda_graphs_served_exactly[deepseek_v2-resident]' \
          'tests/test_serve_shared_experts.py::test_shared_expert_adapter_with_cuda_graphs_served_exactly[qwen2_moe-paged]' \
          'tests/test_serve_module_copies.py::test_module_adapter_with_cuda_graphs_served_exactly' \
-         'tests/test_serve_variants.py::test_one_step_variants_served_exactly' ;;
+         'tests/test_serve_variants.py::test_one_step_variants_served_exactly'} ;;
     2) python3 -m esftctl.cli bench consolidate --serve-only --setups ${SETUPS:-one-step,own} --rate inf \
          --requests 480 --out "$res/consolidate" ;;
     3) python3 -m esftctl.cli bench train --model deepseek-v2-lite --layers "${TRAIN_LAYERS:-10}" \
          --out "$res/train-dsv2" --work /tmp ;;
+    4) python3 -m esftctl.cli bench train --model qwen3-30b-a3b --layers "${QWEN_LAYERS:-8}" \
+         --out "$res/train-qwen3" --work /tmp ;;
+    5) python3 -m esftctl.cli bench train --model deepseek-v2-lite --layers 27 --methods esft-token,esft-gate \
+         --out "$res/train-dsv2-whole" --work /tmp ;;
   esac
   echo "part $part: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$res/parts.log"
 done
