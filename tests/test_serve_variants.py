@@ -164,11 +164,15 @@ def test_one_step_variants_served_exactly(world, tmp_path):
     assert s["module_copies"] == 2 and s["module_copy_bytes"] > 0 and s["variant_switch_bytes"] == 0
 
 
-def test_one_step_refuses_variants_differing_in_mla_kv_b_proj(variants, tmp_path):
-    """The tiny world's DeepSeek-V2 variants differ in kv_b_proj, which vLLM's MLA folds into its attention kernel's
-    weights: --one-step is refused in one line when the engine starts; the same map runs in turns."""
-    serve_plan = plan(None, [], variants=variants["tmp"] / "map_all", port=free_port(), state_dir=tmp_path / "state",
+def test_one_step_mla_variants_served_exactly(variants, tmp_path):
+    """The tiny world's DeepSeek-V2 variants differ in kv_b_proj too, which vLLM's MLA folds into its attention op's
+    weights: in one step, each token attends with its variant's copy of that op (and its own experts where the map
+    misses)."""
+    ref = variants["reference"]("half")
+    serve_plan = plan(None, [], variants=variants["tmp"] / "map_half", port=free_port(), state_dir=tmp_path / "state",
                       vllm_args=ENGINE_ARGS, one_step=True)
-    with pytest.raises(EsftError, match="serve them one per step"):
-        with Server(serve_plan) as server:
-            server.wait_ready()
+    with Server(serve_plan) as server:
+        server.wait_ready()
+        serve_concurrently(serve_plan.url, list(ref), variants["prompts"], ref)
+        s = status(serve_plan.url)
+    assert s["module_copies"] == 2 and s["variant_switch_bytes"] == 0

@@ -24,8 +24,9 @@ model's `compute_logits`, which is replaced on the instance as the forwards are:
 the rows' logits, and each row keeps its adapter's (`sample_adapters`, filled from vLLM's per-row LoRA mapping). An
 embedding's row is its token's, so embeddings are per-token modules like the rest.
 
-Refused in one line naming the tensor: tensors of modules that esftctl does not know to be per-token, and MLA's
-`kv_b_proj`, which vLLM folds into its attention kernel's own weights.
+MLA's `kv_b_proj` is not a per-token module of its own: vLLM folds it into its attention op's weights, so an
+adapter's copy of it is a copy of that op's state (esftctl.runtime.vllm.mla_copies.CopiedAttention). Refused in one line
+naming the tensor: tensors of modules that esftctl does not know to be per-token.
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ import torch
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
+from esftctl.runtime.vllm.mla_copies import CopiedAttention, mla_layers
 from esftctl.runtime.vllm.variant_weights import module_state
 
 # vLLM module classes whose forward computes each token's row from that token alone (names in the class's MRO): an
 # embedding's row is its token's. The output head (ParallelLMHead, an embedding too) computes logits for the sampled
 # rows only, outside the forward: its copies are applied in the model's `compute_logits`, by each row's adapter.
 PER_TOKEN = ("LinearBase", "RMSNorm", "LayerNorm", "GemmaRMSNorm", "VocabParallelEmbedding")
-# Module names whose weights vLLM processes into another module's state, so that a copy of them is never read.
-FOLDED = {"kv_b_proj": "MLA folds it into its attention kernel's weights (W_UK, W_UV)"}
+# Module names whose weights vLLM processes into another module's state, so that a copy of them alone is never read
+# (served through a copy of that module: mla_copies, where esftctl finds the MLA attention holding it).
+FOLDED = {"kv_b_proj": "MLA folds it into its attention kernel's weights (W_UK, W_UV), and esftctl found no MLA "
+                       "attention holding it"}
+
+
 @dataclass
 class Route:
     """Where vLLM's loader puts one checkpoint tensor: a parameter of a module, through that parameter's loader."""
@@ -253,9 +259,14 @@ class ModuleCopies(CopyPool):
         modules = dict(model.named_modules())
         head = getattr(model, "lm_head", None)
         self.routes = record_routes(model, base, names)
-        self.modules: dict[str, CopiedModule] = {}
+        self.modules: dict[str, CopiedModule | CopiedAttention] = {}
+        mla = mla_layers(model)
         for name in sorted({r.module for routes in self.routes.values() for r in routes}):
             module = modules[name]
+            if id(module) in mla:  # kv_b_proj: a copy of the attention op that folds it
+                table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+                self.modules[name] = CopiedAttention.make(name, mla[id(module)], copies, table, token_adapters)
+                continue
             tensor = next(t for t, rs in self.routes.items() if any(r.module == name for r in rs))
             why = not_per_token(name, module)
             if why:
@@ -271,7 +282,10 @@ class ModuleCopies(CopyPool):
         self.base_routes = self._module_routes(model)
         self._logits_processor = self._head_logits(model)
         for m in self.modules.values():
-            self._check(m)
+            if isinstance(m, CopiedAttention):
+                m.check(self.convert(m, {}))
+            else:
+                self._check(m)
         self._install(model)
 
     def _head_logits(self, model: torch.nn.Module):
@@ -287,7 +301,9 @@ class ModuleCopies(CopyPool):
         copies keep the class's forward."""
         head = getattr(model, "lm_head", None)
         for m in self.modules.values():
-            if m is not self.head or _tied(model, head):  # a tied head embeds the tokens too
+            if isinstance(m, CopiedAttention):
+                m.install()
+            elif m is not self.head or _tied(model, head):  # a tied head embeds the tokens too
                 m.base_forward, m.module.forward = m.module.forward, m.forward
         if self.head is not None:
             self._base_logits, model.compute_logits = model.compute_logits, self._compute_logits
@@ -305,7 +321,14 @@ class ModuleCopies(CopyPool):
 
         names = {id(m): n for n, m in model.named_modules()}
         grouped: dict[str, list[int]] = {}
+        attention: dict[str, tuple[torch.nn.Module, list[int]]] = {}  # kv_b_proj's name: (its MLA layer, entries)
+        folding = {id(o): layer for layer in mla_layers(model).values()
+                   for o in (layer, layer.impl, *layer.kv_b_proj.modules())}
         for k, entry in enumerate(weights.entries):
+            layer = folding.get(id(entry.owner))
+            if layer is not None:  # MLA's state, which kv_b_proj decides: copies of the attention op
+                attention.setdefault(names[id(layer.kv_b_proj)], (layer, []))[1].append(k)
+                continue
             name = names.get(id(entry.owner))
             why = not_per_token(name, entry.owner) if name is not None else \
                 f"held by {type(entry.owner).__name__}, not a module of the model"
@@ -332,6 +355,17 @@ class ModuleCopies(CopyPool):
                             setattr(made[c], entry.name, value)
                     table[slots_of[v] + 1] = c
             self.modules[name] = CopiedModule(name, modules[name], made, table, token_adapters)
+        for name, (layer, ks) in sorted(attention.items()):
+            table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+            copied = CopiedAttention.make(name, layer, len(others), table, token_adapters)
+            copied.impl_keys = frozenset(weights.entries[k].name for k in ks if weights.entries[k].owner is layer.impl)
+            keys = copied.keys_of()
+            for c, v in enumerate(others):
+                for k in ks:
+                    entry = weights.entries[k]
+                    copied.put(c, keys[(id(entry.owner), entry.name)], weights.values[v][k])
+                table[slots_of[v] + 1] = c
+            self.modules[name] = copied
         head = getattr(model, "lm_head", None)
         self.head = next((m for m in self.modules.values() if m.module is head), None)
         self.sample_adapters = sample_adapters
@@ -442,18 +476,25 @@ class ModuleCopies(CopyPool):
         c = self._take("non-expert modules", "--module-copies")
         for name, replaced in changed.items():
             m = self.modules[name]
-            write_state(m.states[c], self.convert(m, replaced), name)
+            if isinstance(m, CopiedAttention):
+                m.write(c, self.convert(m, replaced))
+            else:
+                write_state(m.states[c], self.convert(m, replaced), name)
             m.table[slot + 1] = c
         return self._hold(c, slot, len(changed))
 
     def nbytes(self) -> int:
         """The copies' memory: every copy of every module, as the checkpoint holds its tensors (an adapter's), or as
-        the copies hold them (variants'; vLLM's CPU build keeps packed linear weights outside them)."""
+        the copies hold them (variants'; vLLM's CPU build keeps packed linear weights outside them); MLA's attention
+        copies as they hold theirs (kv_b_proj and the matrices derived from it)."""
+        attention = sum(m.nbytes() for m in self.modules.values() if isinstance(m, CopiedAttention))
         if self.base is None:
-            return sum(t.numel() * t.element_size() for m in self.modules.values() for c in m.copies
-                       for t in (*c.parameters(), *c.buffers()))
-        per_copy = sum(self.base.tensors[t].nbytes for routes in self.base_routes.values() for t in routes)
-        return self.num_copies * per_copy
+            return attention + sum(t.numel() * t.element_size() for m in self.modules.values()
+                                   if not isinstance(m, CopiedAttention) for c in m.copies
+                                   for t in (*c.parameters(), *c.buffers()))
+        per_copy = sum(self.base.tensors[t].nbytes for name, routes in self.base_routes.items()
+                       if not isinstance(self.modules[name], CopiedAttention) for t in routes)
+        return attention + self.num_copies * per_copy
 
 
 def not_per_token(name: str, module) -> str | None:
