@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issues 85 and 86 on the GPU machine, in priority order, each part's results written as it ends (so a machine that
 # goes back mid-run still returns what finished):
-#   1. the per-request copies served exactly with CUDA graphs (shared experts of DeepSeek-V2 resident and of
-#      Qwen2-MoE paged; non-expert modules of both; Qwen2-MoE variants in one step);
+#   1. the per-request copies served exactly on CUDA: variants in one step (DeepSeek-V2's, MLA's kv_b_proj included,
+#      and Qwen2-MoE's), non-expert modules of both with CUDA graphs;
 #   2. `esftctl bench consolidate --serve-only`: three variants in one step against one plain vLLM server per variant
 #      (SETUPS: add `consolidated` for the per-step server), every request at once (throughput);
 #   3. `esftctl bench train` on DeepSeek-V2-Lite's shape: ESFT (token, gate) against full fine-tuning and LoRA;
@@ -21,10 +21,9 @@ for part in ${PARTS:-1 2 3}; do
   t0=$(date +%s)
   case $part in
     1) OUT=$res DEADLINE=${TESTS_DEADLINE:-660} bash benchmarks/lab/gpu_tests.sh copies ${TESTS:-\
-         'tests/test_serve_shared_experts.py::test_shared_expert_adapter_with_cuda_graphs_served_exactly[deepseek_v2-resident]' \
-         'tests/test_serve_shared_experts.py::test_shared_expert_adapter_with_cuda_graphs_served_exactly[qwen2_moe-paged]' \
-         'tests/test_serve_module_copies.py::test_module_adapter_with_cuda_graphs_served_exactly' \
-         'tests/test_serve_variants.py::test_one_step_variants_served_exactly'} ;;
+         'tests/test_serve_variants.py::test_one_step_mla_variants_served_exactly' \
+         'tests/test_serve_variants.py::test_one_step_variants_served_exactly' \
+         'tests/test_serve_module_copies.py::test_module_adapter_with_cuda_graphs_served_exactly'} ;;
     2) python3 -m esftctl.cli bench consolidate --serve-only --setups ${SETUPS:-one-step,own} --rate inf \
          --requests 480 --out "$res/consolidate" ;;
     3) python3 -m esftctl.cli bench train --model deepseek-v2-lite --layers "${TRAIN_LAYERS:-10}" \
