@@ -257,8 +257,7 @@ def train(
                                             help="Also train every weight outside the experts: attention, norms, "
                                                  "routers, dense MLPs, embeddings and output head (ESFT's "
                                                  "non_expert_modules: true; a --config with that switch set does "
-                                                 "too). `esftctl serve` applies them per request (--module-copies), "
-                                                 "but for MLA's kv_b_proj, which it refuses."),
+                                                 "too). `esftctl serve` applies them per request (--module-copies)."),
     replay: Path = typer.Option(None, help="General data (the same JSONL shapes) mixed back into every batch, so that "
                                            "the selected experts keep serving general text.", callback=_must_exist),
     replay_share: float = typer.Option(0.5, help="With --replay: the share of every batch drawn from it."),
@@ -623,9 +622,9 @@ def serve(
     one_step: bool = typer.Option(False, "--one-step",
                                   help="With --variants: run every variant's requests in the same engine steps, each "
                                        "token with its variant's non-expert weights (a copy per variant of every "
-                                       "module that differs, each costing one more product per step) instead of one "
-                                       "variant per step. Refused, naming it, where variants differ in state that "
-                                       "is not a per-token module's (DeepSeek's MLA kv_b_proj).",
+                                       "module that differs, each costing one more product per step; where MLA's "
+                                       "kv_b_proj differs, a copy of that layer's attention op, one more attention "
+                                       "per step) instead of one variant per step.",
                                   rich_help_panel="Consolidated variants"),
     api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
                                 help="Require this key (`Authorization: Bearer KEY`) on every request, esftctl's "

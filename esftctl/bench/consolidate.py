@@ -53,10 +53,7 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
     quiet_transformers()
     world = build_world(root)
     tasks = world.task_names[: max([*counts, sweep])]
-    # One-step serving takes no per-variant MLA kv_b_proj (runtime.vllm.module_copies.FOLDED): its variants keep the
-    # base's, and every set-up and quality number of the run is of those variants.
-    frozen = ("kv_b_proj",) if serve and (setups is None or "one-step" in setups) else ()
-    variants = fine_tuned_variants(world, tasks, steps=steps, lr=lr, frozen=frozen, on_step=on_step)
+    variants = fine_tuned_variants(world, tasks, steps=steps, lr=lr, on_step=on_step)
     held_out = {t: list(read_jsonl(world.data_file(t, "test")))[:eval_examples] for t in tasks}
 
     def evaluate(model_dir: Path, task: str) -> dict:
@@ -82,7 +79,7 @@ def run(root: Path | None = None, counts=(2, 3, 4), steps: int = 200, lr: float 
                 rows.append({"variants": n, "task": t, "own": own[t], "consolidated": evaluate(tmp / f"c{i}", t),
                              "averaged": evaluate(tmp / "avg", t)})
     result = {"benchmark": "consolidate", "world": str(world.root), "capacity": capacity, "steps": steps,
-              "frozen": list(frozen), "eval_examples": eval_examples, "rows": rows}
+              "eval_examples": eval_examples, "rows": rows}
     members = tasks[:sweep]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -126,9 +123,8 @@ def base_expert_bytes(world) -> int:
 def table(result: dict):
     from rich.table import Table
 
-    frozen = f"; variants fine-tuned with {', '.join(result['frozen'])} frozen" if result.get("frozen") else ""
     t = Table(title=f"Consolidated vs averaged variants (tiny world; capacity {result['capacity']} expert positions; "
-                    f"{result['eval_examples']} held-out examples; loss in nats/token{frozen})", header_style="bold")
+                    f"{result['eval_examples']} held-out examples; loss in nats/token)", header_style="bold")
     for col in ("variants", "task", "own loss", "consolidated", "averaged", "own exact", "consol. exact",
                 "avg. exact"):
         t.add_column(col, justify="right")
