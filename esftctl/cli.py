@@ -278,7 +278,10 @@ def train(
 ) -> None:
     """Fine-tune the experts a task uses (ESFT) and write them as an adapter bundle: expert relevance and selection
     on the data (or --config), training of the selected routed experts only (everything else frozen), the bundle
-    verified as `pack` writes it. No whole model is written."""
+    verified as `pack` writes it. No whole model is written. On several GPUs, one process each, the model sharded by
+    PyTorch's FSDP2: `torchrun --nproc-per-node 8 -m esftctl train ...` (the first process reports and writes)."""
+    import os
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from esftctl.train import TrainSettings, train_adapter
@@ -291,7 +294,8 @@ def train(
     quiet_transformers()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    first = int(os.environ.get("RANK", "0")) == 0  # torchrun's other processes say nothing
+    with Progress(*columns, console=console, transient=True, disable=not first) as progress:
         task = progress.add_task("preparing", total=steps, info="")
         report = train_adapter(base, data, out, name, settings, config_file=config, metric=metric, threshold=threshold,
                                layer_base=layer_base, shared_experts=shared_experts,
@@ -301,6 +305,8 @@ def train(
                                on_step=lambda step, loss, tps: progress.update(
                                    task, completed=step + 1, description="training",
                                    info=f"loss {loss:.3f}, {tps:,.0f} tokens/s"))
+    if not first:
+        return
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
         return

@@ -155,12 +155,14 @@ class _RowsInto(torch.autograd.Function):
 
 
 class TrainedRows:
-    """The selected experts of every MoE layer as float32 master rows, written into the layer's fused tensors (the
-    frozen ones, in place) before each of its forwards."""
+    """The selected experts of every MoE layer as float32 master rows (parameters of a module of their own in the
+    experts' module, `esft_rows`, which FSDP2 shards with their layer), written into the layer's frozen fused tensors
+    (in place) before each of its forwards: the forward reads the fused parameter through _RowsInto (an instance
+    attribute over the parameter), whose gradient goes to the masters alone."""
 
     def __init__(self, model, base: MoECheckpoint, experts: dict[int, list[int]]):
         self.layout = base.arch.in_memory().fused
-        self.masters: dict[int, list[torch.nn.Parameter]] = {}
+        self.modules: dict[int, tuple[torch.nn.Module, list[str]]] = {}
         self.ids: dict[int, torch.Tensor] = {}
         self.handles = []
         for layer, chosen in sorted(experts.items()):
@@ -169,40 +171,60 @@ class TrainedRows:
             names = self.layout.tensors(layer)
             module = model.get_submodule(names[0].rpartition(".")[0])
             attrs = [n.rpartition(".")[2] for n in names]
-            frozen = [getattr(module, a).detach() for a in attrs]
-            ids = torch.tensor(sorted(chosen), dtype=torch.long, device=frozen[0].device)
-            for a in attrs:  # the fused tensors become plain attributes, rebuilt before every forward
-                delattr(module, a)
-            masters = [torch.nn.Parameter(f[ids].float()) for f in frozen]
-            self.ids[layer], self.masters[layer] = ids, masters
-            self.handles.append(module.register_forward_pre_hook(self._writer(attrs, frozen, ids, masters)))
+            ids = torch.tensor(sorted(chosen), dtype=torch.long, device=getattr(module, attrs[0]).device)
+            module.esft_rows = torch.nn.Module()
+            for a in attrs:
+                module.esft_rows.register_parameter(a, torch.nn.Parameter(getattr(module, a).detach()[ids].float()))
+            self.ids[layer], self.modules[layer] = ids, (module, attrs)
+            self.handles.append(module.register_forward_pre_hook(self._writer(layer)))
 
-    @staticmethod
-    def _writer(attrs, frozen, ids, masters) -> Callable:
+    def _writer(self, layer: int) -> Callable:
+        attrs = self.modules[layer][1]
+
         def write(module, args):
-            for a, f, m in zip(attrs, frozen, masters):
-                setattr(module, a, _RowsInto.apply(f, ids, m))
+            for a in attrs:  # in the instance's __dict__, over the parameter (FSDP2 may swap in its gathered one)
+                module.__dict__[a] = _RowsInto.apply(module._parameters[a], self.ids[layer],
+                                                     getattr(module.esft_rows, a))
         return write
 
+    def to(self, device: torch.device) -> None:
+        self.ids = {layer: ids.to(device) for layer, ids in self.ids.items()}
+
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [m for layer in sorted(self.masters) for m in self.masters[layer]]
+        return [getattr(m.esft_rows, a) for layer in sorted(self.modules) for m, attrs in [self.modules[layer]]
+                for a in attrs]
+
+    def sync(self) -> None:
+        """The masters written into the fused parameters (their shards, where FSDP2 holds them): a sharded layer's
+        backward gathers its weights again from there. Every process calls it."""
+        from esftctl.train_fsdp import full, write_rows
+
+        for layer, (module, attrs) in self.modules.items():
+            for a in attrs:
+                write_rows(module._parameters[a], self.ids[layer], full(getattr(module.esft_rows, a).detach()))
 
     def experts(self, dtype: torch.dtype) -> dict[int, dict[int, ExpertWeights]]:
-        """{layer: {expert: weights}} of the trained rows, in the checkpoint's orientation and `dtype`."""
+        """{layer: {expert: weights}} of the trained rows, in the checkpoint's orientation and `dtype` (gathered where
+        sharded: every process calls it)."""
+        from esftctl.train_fsdp import full
+
         out = {}
         for layer, ids in self.ids.items():
-            rows = [m.detach().to(dtype) for m in self.masters[layer]]
+            module, attrs = self.modules[layer]
+            rows = [full(getattr(module.esft_rows, a).detach()).to(dtype).cpu() for a in attrs]
             out[layer] = {int(e): unfuse(self.layout, [r[k] for r in rows]) for k, e in enumerate(ids.tolist())}
         return out
 
 
 class TrainedTensors:
-    """Whole tensors trained (shared experts, non-expert modules), by their checkpoint names: float32 masters, written
-    in the model's dtype into their module (transformers' name for it: memory_name) before each of its forwards, as
-    TrainedRows writes rows."""
+    """Whole tensors trained (shared experts, non-expert modules), by their checkpoint names, as float32 masters.
+    One process: each is written in the model's dtype into its module (transformers' name for it: memory_name)
+    before each of its forwards, as TrainedRows writes rows. Sharded: each is its module's own float32 parameter,
+    which FSDP2's mixed precision gathers in the model's dtype (esftctl.train_fsdp.shard, over `owners`)."""
 
-    def __init__(self, model, names: list[str]):
-        self.masters: dict[str, torch.nn.Parameter] = {}
+    def __init__(self, model, names: list[str], *, sharded: bool = False):
+        self.owned: dict[str, tuple[torch.nn.Module, str]] = {}
+        self.owners: list[torch.nn.Module] = []
         self.handles = []
         for name in names:
             owner_name, _, attr = memory_name(name).rpartition(".")
@@ -212,17 +234,27 @@ class TrainedTensors:
             except AttributeError:
                 raise EsftError(f"transformers holds no tensor {name!r} in this model: esftctl cannot train it") \
                     from None
+            master = torch.nn.Parameter(frozen.float())
+            if sharded:
+                setattr(owner, attr, master)
+                self.owners += [owner] if not any(o is owner for o in self.owners) else []
+                self.owned[name] = (owner, attr)
+                continue
             delattr(owner, attr)
-            self.masters[name] = master = torch.nn.Parameter(frozen.float())
+            self.owned[name] = (self, f"master_{len(self.owned)}")
+            setattr(self, self.owned[name][1], master)
             self.handles.append(owner.register_forward_pre_hook(
                 lambda module, args, attr=attr, master=master, dtype=frozen.dtype: setattr(module, attr,
                                                                                            master.to(dtype))))
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [self.masters[n] for n in sorted(self.masters)]
+        return [getattr(*self.owned[n]) for n in sorted(self.owned)]
 
     def tensors(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
-        return {n: m.detach().to(dtypes[n]).cpu() for n, m in self.masters.items()}
+        """{name: tensor} in `dtypes` (gathered where sharded: every process calls it)."""
+        from esftctl.train_fsdp import full
+
+        return {n: full(getattr(*self.owned[n]).detach()).to(dtypes[n]).cpu() for n in sorted(self.owned)}
 
 
 def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: TrainSettings = TrainSettings(), *,
@@ -241,9 +273,16 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     from esftctl.formats.bundle import Bundle, write_bundle
     from esftctl.names import check_name
     from esftctl.relevance import open_model
+    from esftctl.train_fsdp import barrier, ranks, shard
 
     check_name(name)
     check_output(out, overwrite=overwrite)
+    r = ranks()
+    if settings.batch_size < r.size:
+        raise EsftError(f"a batch of {settings.batch_size} examples leaves some of the {r.size} processes without one: "
+                        f"give --batch-size {r.size} or more")
+    if not r.first:  # one process reports
+        log, on_step = (lambda msg: None), (lambda step, loss, tps: None)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (`deterministic`)
     base = MoECheckpoint(base_dir, fp8=True)
     tokenizer = training_tokenizer(base_dir)
@@ -262,8 +301,8 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
         identity["non_expert_modules"] = True
     log(f"loading {base.path.name}")
     model = open_model(base, _train_dtype(base))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device)
+    if not r.sharded:  # sharded: moved once FSDP2 has cut it
+        model.to(r.device)
     if modules:
         _check_untied(model, base)
     if settings.pack_length:
@@ -273,46 +312,64 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     if settings.gradient_checkpointing:  # non-reentrant: the frozen inputs need no gradient of their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     total = sum(p.numel() for p in model.parameters())  # before the trained tensors leave the module
-    rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, whole_names)
+    rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, whole_names, sharded=r.sharded)
+    if r.sharded:
+        log(f"sharding over {r.size} processes")
+        shard(model, whole.owners, _train_dtype(base))
+        model.to(r.device)
+        rows.to(r.device)
     params = rows.parameters() + whole.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     start = _resume(checkpoints, identity, params, opt, log)
+    rows.sync()
     report = TrainReport(name, out, {l: len(e) for l, e in experts.items() if e}, sum(p.numel() for p in params),
                          total, settings.steps, start, len(train),
                          len(evaluation))
     began = time.perf_counter()
     model.train()
     with deterministic():
-        _steps(model, tokenizer, (train, general), settings, start, params, opt, device, report, checkpoints, identity,
-               on_step)
+        _steps(model, tokenizer, (train, general), settings, start, (params, rows), opt, r, report, checkpoints,
+               identity, on_step)
     report.seconds = round(time.perf_counter() - began, 3)
     report.tokens_per_second = round(report.tokens / max(report.seconds, 1e-9), 1)
     model.eval()
-    if evaluation:
-        report.eval_loss, report.eval_exact = _evaluate(model, tokenizer, evaluation, device)
-    write_bundle(out, name, base, _stored_experts(base, rows),
-                 whole.tensors({n: TORCH_DTYPES[base.tensors[n].dtype] for n in whole_names}), overwrite=overwrite)
-    Bundle.open(out).check_base(base)
-    _remove_checkpoints(checkpoints)
+    if evaluation:  # every process runs it (a sharded forward gathers from all), on the same examples
+        report.eval_loss, report.eval_exact = _evaluate(model, tokenizer, evaluation, r.device)
+    experts_out = _stored_experts(base, rows)
+    tensors_out = whole.tensors({n: TORCH_DTYPES[base.tensors[n].dtype] for n in whole_names})
+    if r.first:
+        write_bundle(out, name, base, experts_out, tensors_out, overwrite=overwrite)
+        Bundle.open(out).check_base(base)
+        _remove_checkpoints(checkpoints)
+    barrier(r)
     return report
 
 
 def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], settings: TrainSettings, start: int,
-           params: list, opt, device, report: TrainReport, checkpoints: Path, identity: dict, on_step) -> None:
+           trained: tuple[list, TrainedRows], opt, r, report: TrainReport, checkpoints: Path, identity: dict,
+           on_step) -> None:
     """The optimizer steps from `start`: each batch the task's examples and `replay_share` of it from the general
-    ones (pools: task, general), as draw_batch draws them."""
+    ones (pools: task, general), as draw_batch draws them; with several processes (r: esftctl.train_fsdp.Ranks),
+    each takes every r.size-th example of it and weighs its loss by its share of the batch's loss tokens."""
+    from esftctl.train_fsdp import global_tokens, mean
+
     train, general = pools
+    params, rows = trained
     began = time.perf_counter()
     for step in range(start, settings.steps):
-        batch = draw_batch(train, general, settings, step)
+        batch = draw_batch(train, general, settings, step)[r.rank::r.size]
         enc, tokens = (_encode_packed(tokenizer, batch, settings.pack_length, model.dtype) if settings.pack_length
                        else _encode_counted(tokenizer, batch))
-        loss = optimizer_step(model, {k: v.to(device) for k, v in enc.items()}, params, opt, settings.lr_at(step))
-        report.tokens += tokens
-        report.losses.append(round(loss.item(), 6))
+        scored = int((enc["labels"][:, 1:] != -100).sum())
+        weight = scored * r.size / max(global_tokens(scored, r), 1)  # the averaged gradient: the whole batch's
+        loss = optimizer_step(model, {k: v.to(r.device) for k, v in enc.items()}, params, opt, settings.lr_at(step),
+                              weight)
+        rows.sync()
+        report.tokens += global_tokens(tokens, r)
+        report.losses.append(round(mean(loss.item() * weight, r), 6))
         on_step(step, report.losses[-1], report.tokens / max(time.perf_counter() - began, 1e-9))
         if settings.save_every and (step + 1) % settings.save_every == 0 and step + 1 < settings.steps:
-            _save(checkpoints, identity, step + 1, params, opt)
+            _save(checkpoints, identity, step + 1, params, opt, r.first)
 
 
 def training_tokenizer(base_dir: Path):
@@ -339,10 +396,12 @@ def draw_batch(train: Sequence[Example], general: Sequence[Example], settings: T
     return batch
 
 
-def optimizer_step(model, inputs: dict[str, torch.Tensor], params: list, opt, lr: float) -> torch.Tensor:
-    """One step on a batch: the loss's backward pass, gradients clipped at norm 1, AdamW at `lr`; the loss."""
+def optimizer_step(model, inputs: dict[str, torch.Tensor], params: list, opt, lr: float,
+                   weight: float = 1.0) -> torch.Tensor:
+    """One step on a batch: the backward pass of the loss times `weight` (a process's share, where several average
+    their gradients), gradients clipped at norm 1, AdamW at `lr`; the loss."""
     loss = model(**inputs).loss
-    loss.backward()
+    (loss * weight if weight != 1.0 else loss).backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     for group in opt.param_groups:
         group["lr"] = lr
@@ -559,18 +618,22 @@ def _sha256(path: Path | None) -> str | None:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path is not None else None
 
 
-def _save(folder: Path, identity: dict, step: int, params: list, opt) -> None:
+def _save(folder: Path, identity: dict, step: int, params: list, opt, write: bool = True) -> None:
+    """The masters and AdamW's moments (gathered where sharded: every process calls it; `write`: this one writes)."""
     from safetensors.torch import save_file
 
     from esftctl.atomic import atomic_dir
+    from esftctl.train_fsdp import full
 
-    tensors = {f"master.{i}": p.detach().cpu().contiguous() for i, p in enumerate(params)}
+    tensors = {f"master.{i}": full(p.detach()).cpu().contiguous() for i, p in enumerate(params)}
     for i, p in enumerate(params):
         state = opt.state.get(p, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                tensors[f"adam.{i}.{key}"] = state[key].detach().cpu().contiguous()
+                tensors[f"adam.{i}.{key}"] = full(state[key].detach()).cpu().contiguous()
     adam_steps = [float(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else 0.0 for p in params]
+    if not write:
+        return
     with atomic_dir(folder, overwrite=True) as tmp:
         save_file(tensors, tmp / STATE)
         (tmp / META).write_text(json.dumps({"identity": identity, "step": step, "adam_steps": adam_steps}))
@@ -591,13 +654,15 @@ def _resume(folder: Path, identity: dict, params: list, opt, log) -> int:
     if meta.get("identity") != identity:
         raise EsftError("the checkpoint is of another run (base, data, experts or settings differ); remove it to "
                         "start over", folder)
+    from esftctl.train_fsdp import like
+
     with torch.no_grad():
         for i, p in enumerate(params):
-            p.copy_(tensors[f"master.{i}"])
+            p.copy_(like(p, tensors[f"master.{i}"]))
             if f"adam.{i}.exp_avg" in tensors:
                 opt.state[p] = {"step": torch.tensor(meta["adam_steps"][i]),
-                                "exp_avg": tensors[f"adam.{i}.exp_avg"].to(p.device),
-                                "exp_avg_sq": tensors[f"adam.{i}.exp_avg_sq"].to(p.device)}
+                                "exp_avg": like(p, tensors[f"adam.{i}.exp_avg"]),
+                                "exp_avg_sq": like(p, tensors[f"adam.{i}.exp_avg_sq"])}
     log(f"resuming from step {meta['step']}")
     return int(meta["step"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,50 @@ def test_the_command_selects_by_relevance_and_reports(world, data, tmp_path):
     assert report["steps"] == 2 and report["experts_per_layer"] and report["trained_parameters"] > 0
     assert Bundle.open(tmp_path / "b").experts == {int(l): Bundle.open(tmp_path / "b").experts[int(l)]
                                                    for l in report["experts_per_layer"]}
+
+
+def test_two_processes_train_what_one_does(world, data, tmp_path):
+    """torchrun with two processes (gloo on the CPU, NCCL on GPUs): FSDP2 shards the model, each process trains on half
+    of every batch with its loss weighted by its share of the loss tokens, and the bundle holds the rows one process
+    trains on the whole batches (the same gradients but for the order of float sums), the shared experts' tensors
+    included; a checkpoint is gathered and written on the way."""
+    import subprocess
+    import sys
+
+    examples = list(read_jsonl(data))  # completions of 1 to 5 repeats: the processes' shares differ in loss tokens
+    write_jsonl(data, [e | {"completion": e["completion"] * (1 + i % 5)} for i, e in enumerate(examples)])
+    experts = chosen(MoECheckpoint(world.base_dir), data)
+    path = config(tmp_path, experts)
+    path.write_text(path.read_text().replace('"shared_experts": false', '"shared_experts": true'))
+    settings = TrainSettings(steps=4, batch_size=4, lr=1e-2, save_every=2, eval_share=0.2)
+    train_adapter(world.base_dir, data, tmp_path / "one", "task", settings, config_file=path)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "esftctl",
+                           "train", world.base_dir, data, "--out", tmp_path / "two", "--name", "task", "--config",
+                           path, "--steps", "4", "--batch-size", "4", "--lr", "1e-2", "--save-every", "2",
+                           "--eval-share", "0.2", "--json"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["steps"] == 4  # one report: the first process's
+    assert not (tmp_path / "two.ckpt").exists()
+    one, two = Bundle.open(tmp_path / "one"), Bundle.open(tmp_path / "two")
+    assert one.experts == two.experts and one.non_expert_tensors == two.non_expert_tensors
+    base = MoECheckpoint(world.base_dir)
+    for layer, ids in one.experts.items():
+        for e in ids:
+            for (_, a), (_, b), (_, w) in zip(one.read_expert(layer, e).items(), two.read_expert(layer, e).items(),
+                                              base.read_expert(layer, e).items()):
+                close(a, b, w, (layer, e))
+    for name in one.non_expert_tensors:
+        tensors = [b.read_tensor("non_expert." + name) for b in (one, two)]
+        close(*tensors, base.read_tensor(name), name)
+
+
+def close(one: torch.Tensor, two: torch.Tensor, base: torch.Tensor, what) -> None:
+    """Two runs' tensors (bf16, as bundles store them) moved alike from the base's: they differ in a few roundings
+    (under 1% of their values, a last bit each), by far less than either moved."""
+    moved, apart = (one.float() - base.float()).abs().mean(), (one.float() - two.float()).abs().mean()
+    assert moved > 0 and apart <= 1e-3 * moved and (one != two).float().mean() < 0.01, (what, float(moved),
+                                                                                        float(apart))
 
 
 class ChatTokenizer:

@@ -1,0 +1,147 @@
+"""`esftctl train` on several GPUs: one process per GPU (torchrun), the model sharded by PyTorch's FSDP2.
+
+    torchrun --nproc-per-node 8 -m esftctl train BASE DATA.jsonl --out BUNDLE --name NAME
+
+Every process draws the same seeded batch and trains on its share (every `size`-th example); FSDP2 (`fully_shard`
+on every decoder layer, then the model) keeps 1/size of every weight on each GPU, gathers a layer's weights for its
+forward and again for its backward, and averages the trained parameters' gradients across the processes. Each
+process's loss is weighted by its share of the batch's loss tokens, so the averaged gradient is the one a single
+process computes on the whole batch (up to the order of float sums).
+
+ESFT's trained rows are float32 masters in a module of their own inside their layer (`esft_rows`), so FSDP2 shards
+them, their gradients and AdamW's state like any parameter. The frozen fused expert tensor stays a sharded parameter;
+its forward reads it with the rows written in (esftctl.train._RowsInto). FSDP2 frees a layer's gathered weights after
+its forward and gathers them again from the shards for its backward, so the rows are also written into the shards
+after every optimizer step (`sync_rows`): the backward's weights are the forward's. Whole tensors trained (shared
+experts, non-expert modules) are their module's own parameters in float32, computed in the model's dtype (FSDP2's
+mixed precision) and sharded with the rest.
+
+The model is loaded on the CPU by every process and moved to its GPU once sharded: each process holds the whole
+model in host memory while it loads. Without torchrun (WORLD_SIZE unset or 1) none of this runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from esftctl.errors import EsftError
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the training processes (one per GPU), or the only one."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+
+def ranks() -> Ranks:
+    """This process's Ranks: from torchrun's environment (the process group started: NCCL on GPUs, gloo on the CPU),
+    or the only process."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if size <= 1:
+        return Ranks(0, 1, torch.device("cuda" if cuda else "cpu"))
+    import torch.distributed as dist
+
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise EsftError(f"process {local} of this machine has no GPU of its own ({torch.cuda.device_count()} "
+                            "visible): start at most one process per GPU")
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def shard(model: torch.nn.Module, whole_owners: list[torch.nn.Module], compute_dtype: torch.dtype) -> None:
+    """FSDP2 over `model`: first every module holding whole trained tensors (float32 parameters, computed in
+    `compute_dtype`), then every decoder layer, then the model (embeddings, norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for owner in whole_owners:
+        fully_shard(owner, mp_policy=mixed)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise EsftError(f"{type(model).__name__} keeps no decoder layers where transformers' models do (model.layers):"
+                        " esftctl cannot shard it")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded parameter (gathered: every process calls it), or `t`."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def like(param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Whole tensor `t` placed as `param` is: sharded the same way where it is sharded, else on its device."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(t.to(param.device), param.device_mesh, param.placements)
+    return t.to(param.device)
+
+
+def write_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write `rows` (whole, float32) at `ids` of the fused tensor `param`: in place, or into this process's shard
+    where `param` is sharded along its first dimension (FSDP2's: chunks of ceil(E / size) rows)."""
+    with torch.no_grad():
+        if not hasattr(param, "to_local"):
+            param.index_copy_(0, ids, rows.to(param.dtype))
+            return
+        import torch.distributed as dist
+
+        local = param.to_local()
+        per = -(-param.shape[0] // dist.get_world_size())
+        lo = dist.get_rank() * per
+        mine = (ids >= lo) & (ids < lo + local.shape[0])
+        if bool(mine.any()):
+            local.index_copy_(0, ids[mine] - lo, rows[mine].to(local.dtype))
+
+
+def global_tokens(count: int, r: Ranks) -> int:
+    """The loss tokens of the whole batch: this process's `count` summed over the processes."""
+    if not r.sharded:
+        return count
+    import torch.distributed as dist
+
+    t = torch.tensor([count], dtype=torch.float64, device=r.device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def mean(value: float, r: Ranks) -> float:
+    """`value` averaged over the processes."""
+    if not r.sharded:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=r.device)
+    dist.all_reduce(t)
+    return float(t.item()) / r.size
+
+
+def barrier(r: Ranks) -> None:
+    if r.sharded:
+        import torch.distributed as dist
+
+        dist.barrier()
