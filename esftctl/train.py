@@ -654,15 +654,19 @@ def _resume(folder: Path, identity: dict, params: list, opt, log) -> int:
     if meta.get("identity") != identity:
         raise EsftError("the checkpoint is of another run (base, data, experts or settings differ); remove it to "
                         "start over", folder)
-    from esftctl.train_fsdp import like
+    from esftctl.train_fsdp import load_into
 
-    with torch.no_grad():
-        for i, p in enumerate(params):
-            p.copy_(like(p, tensors[f"master.{i}"]))
-            if f"adam.{i}.exp_avg" in tensors:
-                opt.state[p] = {"step": torch.tensor(meta["adam_steps"][i]),
-                                "exp_avg": like(p, tensors[f"adam.{i}.exp_avg"]),
-                                "exp_avg_sq": like(p, tensors[f"adam.{i}.exp_avg_sq"])}
+    def placed(p, t):  # `t` placed as `p` is (its shard, where sharded)
+        out = torch.zeros_like(p)
+        load_into(out, t.to(out.dtype))
+        return out
+
+    for i, p in enumerate(params):
+        load_into(p, tensors[f"master.{i}"])
+        if f"adam.{i}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(meta["adam_steps"][i]),
+                            "exp_avg": placed(p, tensors[f"adam.{i}.exp_avg"]),
+                            "exp_avg_sq": placed(p, tensors[f"adam.{i}.exp_avg_sq"])}
     log(f"resuming from step {meta['step']}")
     return int(meta["step"])
 

@@ -92,13 +92,23 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def like(param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Whole tensor `t` placed as `param` is: sharded the same way where it is sharded, else on its device."""
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+def shard_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The first-dimension range [lo, hi) of `param` this process holds: FSDP2's chunks of ceil(n / size) rows (the
+    last ones short or empty), or all of it where `param` is not sharded."""
+    if not hasattr(param, "to_local"):
+        return 0, param.shape[0]
+    import torch.distributed as dist
 
-        return distribute_tensor(t.to(param.device), param.device_mesh, param.placements)
-    return t.to(param.device)
+    per = -(-param.shape[0] // dist.get_world_size())
+    lo = min(param.shape[0], dist.get_rank() * per)
+    return lo, lo + param.to_local().shape[0]
+
+
+def load_into(param: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy whole tensor `t` into `param`: into its shard where it is sharded (no communication)."""
+    lo, hi = shard_rows(param)
+    with torch.no_grad():
+        (param.to_local() if hasattr(param, "to_local") else param).copy_(t[lo:hi])
 
 
 def write_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -108,12 +118,9 @@ def write_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> No
         if not hasattr(param, "to_local"):
             param.index_copy_(0, ids, rows.to(param.dtype))
             return
-        import torch.distributed as dist
-
         local = param.to_local()
-        per = -(-param.shape[0] // dist.get_world_size())
-        lo = dist.get_rank() * per
-        mine = (ids >= lo) & (ids < lo + local.shape[0])
+        lo, hi = shard_rows(param)
+        mine = (ids >= lo) & (ids < hi)
         if bool(mine.any()):
             local.index_copy_(0, ids[mine] - lo, rows[mine].to(local.dtype))
 

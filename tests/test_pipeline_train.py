@@ -157,6 +157,51 @@ def test_two_processes_train_what_one_does(world, data, tmp_path):
         close(*tensors, base.read_tensor(name), name)
 
 
+def test_two_processes_resume_from_their_checkpoint(world, data, tmp_path):
+    """A two-process run stopped after a checkpoint (its masters and AdamW's moments gathered from the shards) and run
+    again resumes from it, sharded again, and writes the bytes of an uninterrupted two-process run."""
+    import subprocess
+    import sys
+    import time
+
+    cfg = config(tmp_path, chosen(MoECheckpoint(world.base_dir), data))
+
+    def command(out: str) -> list:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "esftctl", "train",
+                world.base_dir, data, "--out", tmp_path / out, "--name", "task", "--config", cfg, "--steps", "40",
+                "--batch-size", "4", "--lr", "1e-2", "--save-every", "2", "--eval-share", "0.2"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(command("whole"), check=True, capture_output=True, env=env)
+    run = subprocess.Popen(command("resumed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                           start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "resumed.ckpt" / "state.json").is_file() and run.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint came"
+        time.sleep(0.05)
+    kill_every_process_of(str(tmp_path / "resumed"))  # torchrun and its workers, which run in sessions of their own
+    run.wait()
+    assert not (tmp_path / "resumed").exists(), "the run ended before it was stopped: the test proves nothing"
+    step = json.loads((tmp_path / "resumed.ckpt" / "state.json").read_text())["step"]
+    proc = subprocess.run(command("resumed") + ["--json"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["resumed_from"] >= step > 0
+    assert (tmp_path / "resumed" / "experts.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "experts.safetensors").read_bytes()
+
+
+def kill_every_process_of(marker: str) -> None:
+    """SIGKILL every process whose command line holds `marker`."""
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def close(one: torch.Tensor, two: torch.Tensor, base: torch.Tensor, what) -> None:
     """Two runs' tensors (bf16, as bundles store them) moved alike from the base's: they differ in a few roundings
     (under 1% of their values, a last bit each), by far less than either moved."""
