@@ -273,7 +273,7 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     from esftctl.formats.bundle import Bundle, write_bundle
     from esftctl.names import check_name
     from esftctl.relevance import open_model
-    from esftctl.train_fsdp import barrier, ranks, shard
+    from esftctl.train_fsdp import finish, ranks, shard
 
     check_name(name)
     check_output(out, overwrite=overwrite)
@@ -341,7 +341,7 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
         write_bundle(out, name, base, experts_out, tensors_out, overwrite=overwrite)
         Bundle.open(out).check_base(base)
         _remove_checkpoints(checkpoints)
-    barrier(r)
+    finish(r)
     return report
 
 

@@ -147,8 +147,10 @@ def mean(value: float, r: Ranks) -> float:
     return float(t.item()) / r.size
 
 
-def barrier(r: Ranks) -> None:
+def finish(r: Ranks) -> None:
+    """Wait for every process (the first has written the bundle), then end the process group `ranks` started."""
     if r.sharded:
         import torch.distributed as dist
 
         dist.barrier()
+        dist.destroy_process_group()
