@@ -171,7 +171,8 @@ class TrainedRows:
             names = self.layout.tensors(layer)
             module = model.get_submodule(names[0].rpartition(".")[0])
             attrs = [n.rpartition(".")[2] for n in names]
-            ids = torch.tensor(sorted(chosen), dtype=torch.long, device=getattr(module, attrs[0]).device)
+            device = getattr(module, attrs[0]).device
+            ids = torch.tensor(sorted(chosen), dtype=torch.long, device=device if device.type != "meta" else "cpu")
             module.esft_rows = torch.nn.Module()
             for a in attrs:
                 module.esft_rows.register_parameter(a, torch.nn.Parameter(getattr(module, a).detach()[ids].float()))
@@ -273,7 +274,7 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     from esftctl.formats.bundle import Bundle, write_bundle
     from esftctl.names import check_name
     from esftctl.relevance import open_model
-    from esftctl.train_fsdp import finish, ranks, shard
+    from esftctl.train_fsdp import empty_model, fill_from_first, finish, first_only, ranks, shard
 
     check_name(name)
     check_output(out, overwrite=overwrite)
@@ -289,7 +290,8 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     examples = read_examples(data, tokenizer)
     train, evaluation = held_out(examples, settings.eval_share, settings.seed)
     general = read_examples(replay, tokenizer) if replay is not None and settings.replay_share else []
-    experts, shared, modules = _experts(base, train, config_file, metric, threshold, layer_base, log)
+    experts, shared, modules = first_only(r, lambda: _experts(base, train, config_file, metric, threshold, layer_base,
+                                                              log))
     shared, modules = shared or shared_experts, modules or non_expert_modules
     if not any(experts.values()) and not shared and not modules:
         raise EsftError("the expert config selects no expert: nothing to train", config_file)
@@ -300,7 +302,10 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     if modules:  # (a key only where set: checkpoints of runs without it stay resumable)
         identity["non_expert_modules"] = True
     log(f"loading {base.path.name}")
-    model = open_model(base, _train_dtype(base))
+    if r.sharded and not r.first:  # the first process loads the weights; the others get their shards from it
+        model = empty_model(base.path, _train_dtype(base))
+    else:
+        model = open_model(base, _train_dtype(base))
     if not r.sharded:  # sharded: moved once FSDP2 has cut it
         model.to(r.device)
     if modules:
@@ -315,8 +320,10 @@ def train_adapter(base_dir: Path, data: Path, out: Path, name: str, settings: Tr
     rows, whole = TrainedRows(model, base, experts), TrainedTensors(model, whole_names, sharded=r.sharded)
     if r.sharded:
         log(f"sharding over {r.size} processes")
+        state = dict(model.state_dict()) if r.first else None  # its whole weights, the masters included
         shard(model, whole.owners, _train_dtype(base))
-        model.to(r.device)
+        fill_from_first(model, state, r)
+        del state
         rows.to(r.device)
     params = rows.parameters() + whole.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)

@@ -16,8 +16,9 @@ after every optimizer step (`sync_rows`): the backward's weights are the forward
 experts, non-expert modules) are their module's own parameters in float32, computed in the model's dtype (FSDP2's
 mixed precision) and sharded with the rest.
 
-The model is loaded on the CPU by every process and moved to its GPU once sharded: each process holds the whole
-model in host memory while it loads. Without torchrun (WORLD_SIZE unset or 1) none of this runs.
+The first process loads the model into host memory; the others build it on the meta device (no memory), and once
+every process has sharded it, each gets its shards from the first (`fill_from_first`). Relevance and selection run on
+the first process alone (`first_only`). Without torchrun (WORLD_SIZE unset or 1) none of this runs.
 """
 
 from __future__ import annotations
@@ -85,6 +86,53 @@ def shard(model: torch.nn.Module, whole_owners: list[torch.nn.Module], compute_d
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
+
+
+def empty_model(path, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's structure on the meta device, holding no memory: what the processes but the first build, since the
+    first loads the weights and `fill_from_first` hands each process its shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+
+
+def fill_from_first(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, r: Ranks) -> None:
+    """Once `model` is sharded: its shards on this process's device (the other processes' allocated there, meta until
+    now) and filled from `state`, the first process's whole weights (PyTorch's set_model_state_dict, broadcast from
+    it); every buffer is sent from the first process too (non-persistent ones, the rotary tables, are in no state
+    dict)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if r.first:
+        model.to(r.device)
+    else:
+        model.to_empty(device=r.device)
+    set_model_state_dict(model, state if r.first else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def first_only(r: Ranks, work):
+    """`work()` run by the first process alone and its result handed to every process; an EsftError it raises is
+    raised by every process (none waits for a result that will not come)."""
+    if not r.sharded:
+        return work()
+    import torch.distributed as dist
+
+    box = [None]
+    if r.first:
+        try:
+            box[0] = ("ok", work())
+        except EsftError as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
