@@ -156,6 +156,16 @@ class CopiedAttention:
             raise EsftError(f"{self.name}: vLLM's MLA attention ({type(self.layer.impl).__name__}) could not be "
                             f"reproduced from the checkpoint ({key} differs); adapters that change kv_b_proj cannot be "
                             "served by this engine")
+        self.own_impl_state()
+
+    def own_impl_state(self) -> None:
+        """Each stand-in's own copies of the impl attributes named `impl_keys`: a stand-in's impl is a shallow copy of
+        the live one, so until now they were the live layer's objects, which a load must never write into."""
+        for s in self.copies:
+            for n in self.impl_keys:
+                value = getattr(s.impl, n)
+                if isinstance(value, torch.Tensor):
+                    setattr(s.impl, n, value.clone())
 
     def write(self, c: int, scratch_kv_b_proj: torch.nn.Module) -> None:
         """Stand-in `c` takes the state derived from `scratch_kv_b_proj` (an adapter's kv_b_proj, loaded)."""
