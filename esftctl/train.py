@@ -196,8 +196,8 @@ class TrainedRows:
                 for a in attrs]
 
     def sync(self) -> None:
-        """The masters written into the fused parameters (their shards, where FSDP2 holds them): a sharded layer's
-        backward gathers its weights again from there. Every process calls it."""
+        """The masters written into the fused parameters' shards where FSDP2 holds them (a sharded layer's backward
+        gathers its weights again from there; one process needs nothing). Every process calls it."""
         from esftctl.train_fsdp import full, write_rows
 
         for layer, (module, attrs) in self.modules.items():
@@ -358,7 +358,7 @@ def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], setting
     """The optimizer steps from `start`: each batch the task's examples and `replay_share` of it from the general
     ones (pools: task, general), as draw_batch draws them; with several processes (r: esftctl.train_fsdp.Ranks),
     each takes every r.size-th example of it and weighs its loss by its share of the batch's loss tokens."""
-    from esftctl.train_fsdp import global_tokens, mean
+    from esftctl.train_fsdp import summed
 
     train, general = pools
     params, rows = trained
@@ -368,12 +368,13 @@ def _steps(model, tokenizer, pools: tuple[list[Example], list[Example]], setting
         enc, tokens = (_encode_packed(tokenizer, batch, settings.pack_length, model.dtype) if settings.pack_length
                        else _encode_counted(tokenizer, batch))
         scored = int((enc["labels"][:, 1:] != -100).sum())
-        weight = scored * r.size / max(global_tokens(scored, r), 1)  # the averaged gradient: the whole batch's
+        all_scored, all_tokens = summed([scored, tokens], r)
+        weight = scored * r.size / max(all_scored, 1)  # the averaged gradient: the whole batch's
         loss = optimizer_step(model, {k: v.to(r.device) for k, v in enc.items()}, params, opt, settings.lr_at(step),
                               weight)
         rows.sync()
-        report.tokens += global_tokens(tokens, r)
-        report.losses.append(round(mean(loss.item() * weight, r), 6))
+        report.tokens += int(all_tokens)
+        report.losses.append(round(summed([loss.item() * weight], r)[0] / r.size, 6))
         on_step(step, report.losses[-1], report.tokens / max(time.perf_counter() - began, 1e-9))
         if settings.save_every and (step + 1) % settings.save_every == 0 and step + 1 < settings.steps:
             _save(checkpoints, identity, step + 1, params, opt, r.first)

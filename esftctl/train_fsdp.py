@@ -12,7 +12,7 @@ ESFT's trained rows are float32 masters in a module of their own inside their la
 them, their gradients and AdamW's state like any parameter. The frozen fused expert tensor stays a sharded parameter;
 its forward reads it with the rows written in (esftctl.train._RowsInto). FSDP2 frees a layer's gathered weights after
 its forward and gathers them again from the shards for its backward, so the rows are also written into the shards
-after every optimizer step (`sync_rows`): the backward's weights are the forward's. Whole tensors trained (shared
+after every optimizer step (TrainedRows.sync): the backward's weights are the forward's. Whole tensors trained (shared
 experts, non-expert modules) are their module's own parameters in float32, computed in the model's dtype (FSDP2's
 mixed precision) and sharded with the rest.
 
@@ -160,12 +160,12 @@ def load_into(param: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def write_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write `rows` (whole, float32) at `ids` of the fused tensor `param`: in place, or into this process's shard
-    where `param` is sharded along its first dimension (FSDP2's: chunks of ceil(E / size) rows)."""
+    """Write `rows` (whole, float32) at `ids` into this process's shard of the fused tensor `param` (sharded along its
+    first dimension: FSDP2's chunks of ceil(E / size) rows). An unsharded `param` needs nothing: the forward writes
+    the rows into it (_RowsInto), and no backward reads it from elsewhere."""
+    if not hasattr(param, "to_local"):
+        return
     with torch.no_grad():
-        if not hasattr(param, "to_local"):
-            param.index_copy_(0, ids, rows.to(param.dtype))
-            return
         local = param.to_local()
         lo, hi = shard_rows(param)
         mine = (ids >= lo) & (ids < hi)
@@ -173,26 +173,15 @@ def write_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> No
             local.index_copy_(0, ids[mine] - lo, rows[mine].to(local.dtype))
 
 
-def global_tokens(count: int, r: Ranks) -> int:
-    """The loss tokens of the whole batch: this process's `count` summed over the processes."""
+def summed(values: list[float], r: Ranks) -> list[float]:
+    """`values` summed over the processes, in one reduction."""
     if not r.sharded:
-        return count
+        return values
     import torch.distributed as dist
 
-    t = torch.tensor([count], dtype=torch.float64, device=r.device)
+    t = torch.tensor(values, dtype=torch.float64, device=r.device)
     dist.all_reduce(t)
-    return int(t.item())
-
-
-def mean(value: float, r: Ranks) -> float:
-    """`value` averaged over the processes."""
-    if not r.sharded:
-        return value
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64, device=r.device)
-    dist.all_reduce(t)
-    return float(t.item()) / r.size
+    return t.tolist()
 
 
 def finish(r: Ranks) -> None:
