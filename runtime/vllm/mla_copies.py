@@ -149,18 +149,19 @@ class CopiedAttention:
         """The base's kv_b_proj, as vLLM's loader leaves it, must give the live layer's state through `derive`; the
         impl attributes that processing sets are learnt here."""
         derived = derive(self.layer, scratch_kv_b_proj)
-        self.impl_keys = frozenset(n for n, v in vars(derived.impl).items()
-                                   if n != "kv_b_proj" and v is not getattr(self.layer.impl, n, None))
+        self.set_impl_keys(n for n, v in vars(derived.impl).items()
+                           if n != "kv_b_proj" and v is not getattr(self.layer.impl, n, None))
         key = differing(state(derived, self.impl_keys), state(self.layer, self.impl_keys))
         if key is not None:
             raise EsftError(f"{self.name}: vLLM's MLA attention ({type(self.layer.impl).__name__}) could not be "
                             f"reproduced from the checkpoint ({key} differs); adapters that change kv_b_proj cannot be "
                             "served by this engine")
-        self.own_impl_state()
 
-    def own_impl_state(self) -> None:
-        """Each stand-in's own copies of the impl attributes named `impl_keys`: a stand-in's impl is a shallow copy of
-        the live one, so until now they were the live layer's objects, which a load must never write into."""
+    def set_impl_keys(self, names) -> None:
+        """The impl attributes that the weight processing sets, each stand-in given its own copy of them: a stand-in's
+        impl is a shallow copy of the live one, so until now they were the live layer's objects, which a load must
+        never write into."""
+        self.impl_keys = frozenset(names)
         for s in self.copies:
             for n in self.impl_keys:
                 value = getattr(s.impl, n)

@@ -358,8 +358,7 @@ class ModuleCopies(CopyPool):
         for name, (layer, ks) in sorted(attention.items()):
             table = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
             copied = CopiedAttention.make(name, layer, len(others), table, token_adapters)
-            copied.impl_keys = frozenset(weights.entries[k].name for k in ks if weights.entries[k].owner is layer.impl)
-            copied.own_impl_state()
+            copied.set_impl_keys(weights.entries[k].name for k in ks if weights.entries[k].owner is layer.impl)
             keys = copied.keys_of()
             for c, v in enumerate(others):
                 for k in ks:
