@@ -45,6 +45,10 @@ from esftctl.runtime.vllm.variant_weights import module_state
 # embedding's row is its token's. The output head (ParallelLMHead, an embedding too) computes logits for the sampled
 # rows only, outside the forward: its copies are applied in the model's `compute_logits`, by each row's adapter.
 PER_TOKEN = ("LinearBase", "RMSNorm", "LayerNorm", "GemmaRMSNorm", "VocabParallelEmbedding")
+# Of those, the classes whose forward may write its inputs in place: vLLM's CUDA build adds the residual and normalizes
+# in place (fused_add_rms_norm's in-place overload), returning its input tensors. Each copy then takes inputs of its
+# own, cloned before the base's forward writes them.
+WRITES_INPUTS = ("RMSNorm", "LayerNorm", "GemmaRMSNorm")
 # Module names whose weights vLLM processes into another module's state, so that a copy of them alone is never read
 # (served through a copy of that module: mla_copies, where esftctl finds the MLA attention holding it).
 FOLDED = {"kv_b_proj": "MLA folds it into its attention kernel's weights (W_UK, W_UV), and esftctl found no MLA "
@@ -228,7 +232,9 @@ class CopyPool:
 @dataclass
 class CopiedModule:
     """One module: the live one (the base's), `copies` for adapters, and which copy each slot's tokens take
-    (`table[slot + 1]`, -1: the base's)."""
+    (`table[slot + 1]`, -1: the base's). A norm that writes its inputs in place (WRITES_INPUTS) gives each copy a
+    clone of them taken before the base's forward ran: the copies would otherwise add the residual twice, and write
+    into the very tensors the base's forward returned."""
 
     name: str
     module: torch.nn.Module
@@ -239,11 +245,24 @@ class CopiedModule:
     states: list[dict] = field(default_factory=list)
 
     def forward(self, *args, **kwargs):
-        out = self.base_forward(*args, **kwargs)
         which = self.table[self.token_adapters[:args[0].shape[0]].long() + 1]
+        kept = _cloned((args, kwargs)) if self.copies and _class_names(self.module) & set(WRITES_INPUTS) else None
+        out = self.base_forward(*args, **kwargs)
         for c, module in enumerate(self.copies):
-            out = select(which == c, module(*args, **kwargs), out)
+            a, k = (args, kwargs) if kept is None else kept if c == len(self.copies) - 1 else _cloned(kept)
+            out = select(which == c, module(*a, **k), out)
         return out
+
+
+def _cloned(value):
+    """`value` with every tensor in it (in tuples, lists and dicts) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    return value
 
 
 class ModuleCopies(CopyPool):
