@@ -8,7 +8,8 @@ the M variants uniformly, streamed, greedy, fixed output length):
   token taking its variant's copies of what differs; it may hold the sequences of M servers (M times
   `--max-num-seqs`), since it stands for them on the card;
 - one plain vLLM server per variant, all running side by side on the machine (M engines, M copies of the
-  model, M KV caches);
+  model, M KV caches), started one after another: vLLM sizes its KV cache from the memory that grew on the card
+  while it profiled, so engines profiling at once count each other's memory (on an H200 they found none left);
 - one plain vLLM server that is restarted with another variant whenever the oldest waiting request wants
   one (whole-model swapping, the seed paper's time-sharing baseline; its first model is loaded before the run).
 Each server is warmed up with one request per model before the traffic starts; starts and swaps are timed.
@@ -80,13 +81,12 @@ def _plain(variants: dict[str, Path], work: Path, engine_args: list[str], name: 
 def _own_servers(variants: dict[str, Path], work: Path, traffic: Traffic, engine_args: list[str],
                  on_step: Callable[[str], None]) -> dict:
     names = list(variants)
-    on_step(f"serving: starting {len(names)} plain vLLM servers side by side")
+    on_step(f"serving: starting {len(names)} plain vLLM servers side by side, one after another")
     started = time.perf_counter()
     with ExitStack() as stack:
         plans = {n: _plain(variants, work, engine_args, n, "own") for n in names}
-        servers = [stack.enter_context(Server(p)) for p in plans.values()]
-        for s in servers:
-            s.wait_ready(1800)
+        for p in plans.values():
+            stack.enter_context(Server(p)).wait_ready(1800)
         ready = time.perf_counter() - started
         for n, p in plans.items():
             _warm(p.url, [n])
