@@ -262,9 +262,11 @@ try:
                 # A group with an escape: its exponents whole (a load that moves no bytes elsewhere).
                 raw_exp = tl.load(raw_ptr + at.to(tl.int64)[None, :] * 16 + offs_w[:, None], mask=raw, other=0)
                 for q in tl.static_range(4):
-                    s = (sm >> (8 * q)) & 0xFF
+                    # The byte twice in 16 bits puts its sign at bit 15 and its mantissa at bits 0-6; the exponent
+                    # goes between: two masks and one add (fused by ptxas into LOP3 and IMAD).
+                    twice = ((sm >> (8 * q)) & 0xFF) * 0x101
                     exp = tl.where(raw, (raw_exp >> (8 * q)) & 0xFF, base + ((codes >> (4 * q)) & 15))
-                    bits = ((s & 0x80) << 8) | (exp << 7) | (s & 0x7F)
+                    bits = (twice & 0x807F) | (exp << 7)
                     if not EVEN_K:
                         bits = tl.where(inside, bits, 0)
                     b = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # [16, BLOCK_N]: K values k0 + 16 q ...
