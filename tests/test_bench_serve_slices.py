@@ -393,7 +393,7 @@ def test_a_slice_too_long_for_what_is_left_is_passed_over_for_shorter_ones(tmp_p
     ran = slices.run_pending(todo, out=tmp_path, model="m", budget_s=200, estimate_s=lambda sl, warm: need[sl.server],
                              run=one_by_one(lambda sl: {"wall_s": 1}), setup_s=20, on_step=steps.append)
     assert [sl.server for sl in ran] == ["a", "c"] and steps == ["passed over: g/b r0 needs about 1000 s, 200 s left"]
-    assert slices.pending(todo, tmp_path, "m") == [todo[1]]  # the next session resumes with it
+    assert slices.pending(todo, tmp_path, "m") == [todo[1]]  # the next run resumes with it
     ran = slices.run_pending(todo[1:], out=tmp_path / "2", model="m", budget_s=60,
                              estimate_s=lambda sl, warm: need[sl.server], run=one_by_one(lambda sl: {"wall_s": 1}),
                              setup_s=20)

@@ -181,7 +181,7 @@ def test_fuzz_fp8_checkpoints(fp8_world, tmp_path):
     """Random changes of an FP8 checkpoint's expert weights, scales and quantization_config, fixed seed, about 8 s:
     refused in one line naming the checkpoint, or opened, described and every expert read; never another
     exception. (Longer runs outside the suite, two seeds for 60 and 30 s with pack and merge on top, found nothing:
-    benchmarks/RESULTS.md, thirty-fourth session.)"""
+    benchmarks/journal/2026-12.md, 2026-12-05.)"""
     import random
     import time
 
