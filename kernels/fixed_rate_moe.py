@@ -271,8 +271,11 @@ try:
                         bits = tl.where(inside, bits, 0)
                     b = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # [16, BLOCK_N]: K values k0 + 16 q ...
                     ks = k0 + 16 * q + offs_q
-                    a = tl.load(a_rows + ks[None, :] * stride_ak, mask=token_mask[:, None] & (ks[None, :] < K),
-                                other=0.0)
+                    if EVEN_K:  # every K index inside: the tokens' mask alone
+                        a = tl.load(a_rows + ks[None, :] * stride_ak, mask=token_mask[:, None], other=0.0)
+                    else:
+                        a = tl.load(a_rows + ks[None, :] * stride_ak, mask=token_mask[:, None] & (ks[None, :] < K),
+                                    other=0.0)
                     # vLLM's `accumulator += tl.dot(a, b)` over its K tile, as it compiles: the same MMA steps
                     accumulator = tl.dot(a, b, accumulator)
 

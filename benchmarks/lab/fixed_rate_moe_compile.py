@@ -11,8 +11,9 @@ bench's shapes, and their TTGIR / PTX / cubin are read:
   memory, `ttg.local_alloc` of a register tensor, ldmatrix);
 - num_stages honoured: the loads' async-copy groups in the loop (cp.async.commit_group) and the TTGIR's
   pipelined buffers (a `ttg.local_alloc` with a leading stage dimension);
-- global loads per K step (ld.global in the loop body, by width), local memory (ld.local / st.local), and the
-  cubin's registers, stack and spills (cuobjdump --dump-resource-usage, ptxas -v).
+- global loads per K step (ld.global in the loop body, by width), local memory (ld.local / st.local), the
+  cubin's registers, stack and spills (cuobjdump --dump-resource-usage, ptxas -v), and the kernel's SASS
+  instructions in all (`sass`: prologue and pipeline included; the loop dominates).
 
 Usage (CPU only): python benchmarks/lab/fixed_rate_moe_compile.py [--keep DIR] [--only deepseek-v2-lite]
 Prints one row per (model, tokens, product, kernel). The Triton here may be newer than the device's (check the
@@ -181,15 +182,18 @@ def resources(cubin: bytes, keep: Path) -> dict:
     return got
 
 
-def spills(ptx: str, keep: Path) -> str:
+def spills(ptx: str, keep: Path) -> tuple[str, int]:
+    """(spill stores / loads in bytes, SASS instructions of the whole kernel) from ptxas -v and cuobjdump -sass."""
     path = keep / "k.ptx"
     path.write_text(ptx)
-    tool = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
-    out = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(path), "-o", str(keep / "k2.cubin")],
-                         capture_output=True, text=True).stderr
+    tools = Path(__import__("triton").__file__).parent / "backends/nvidia/bin"
+    out = subprocess.run([str(tools / "ptxas-blackwell"), "-arch=sm_90a", "-v", str(path), "-o",
+                          str(keep / "k2.cubin")], capture_output=True, text=True).stderr
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out) or \
         re.search(r"(\d+) bytes stack frame.*?(\d+) bytes spill", out, re.S)
-    return f"{m.group(1)}/{m.group(2)}" if m else "?"
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(keep / "k2.cubin")], capture_output=True,
+                          text=True).stdout
+    return (f"{m.group(1)}/{m.group(2)}" if m else "?"), len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
 
 
 def summarize(kernel, keep: Path) -> dict:
@@ -212,7 +216,7 @@ def summarize(kernel, keep: Path) -> dict:
         lds=_count(r"ld\.shared", body), sts=_count(r"st\.shared", body), ldmatrix=_count(r"ldmatrix", body),
         stages="x".join(stage_bufs) or "-",
         local=_count(r"(?:ld|st)\.local", ptx), **resources(kernel.asm["cubin"], keep),
-        spill=spills(ptx, keep))
+        **dict(zip(("spill", "sass"), spills(ptx, keep))))
 
 
 def main() -> None:
@@ -229,7 +233,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, target sm_90 (offline)")
     cols = ("mma", "kW", "shapes", "loop_ptx", "loop_mma", "cp_async", "commit", "tma", "ldg", "ldg_bytes", "lds",
             "sts", "ldmatrix",
-            "stages", "local", "REG", "STACK", "spill")
+            "stages", "local", "REG", "STACK", "spill", "sass")
     print(f"{'model':17s} {'tok':>3s} {'prod':4s} {'kernel':6s} " + " ".join(f"{c:>9s}" for c in cols))
     for (model, tokens), config in CONFIGS.items():
         if args.only and args.only not in model:
