@@ -163,15 +163,9 @@ def without_escapes(w: torch.Tensor, tiles) -> torch.Tensor:
 
 def graph_times(run, iters: int, flush: torch.Tensor) -> tuple[float, float]:
     """Median and min ms of replaying `run` as a CUDA graph, L2 flushed before each replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    from esftctl.bench.reroute import captured
+
+    graph = captured(run)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
         flush.zero_()

@@ -35,8 +35,8 @@ def _median_ms(fn: Callable[[], object], rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
-def _graph_ms(fn: Callable[[], object]) -> float:
-    """Median time of replaying `fn` captured as a CUDA graph."""
+def captured(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """`fn` captured as a CUDA graph, after three warm-up calls on a side stream (as torch's docs capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -46,7 +46,12 @@ def _graph_ms(fn: Callable[[], object]) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _median_ms(graph.replay)
+    return graph
+
+
+def _graph_ms(fn: Callable[[], object]) -> float:
+    """Median time of replaying `fn` captured as a CUDA graph."""
+    return _median_ms(captured(fn).replay)
 
 
 def copy_bandwidth(device) -> float:
