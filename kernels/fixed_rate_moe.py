@@ -8,19 +8,20 @@ the code where it loads it reads 0.78x the bytes, with no window and no decode p
 The layout (`TiledExperts`, built offline by `encode_tiled` from bf16 weights [E, N, K], K a multiple of 64): each
 value is its bf16 bits' sign and mantissa (a byte, `s`) and a 4-bit code of its exponent, `base + code` for code
 0-14, where `base` is the expert's window of 15 consecutive exponents holding the most of its values (no table to
-gather), 15 an escape. Within every 64 values of a weight row (a group, the K tile's smallest unit), word j (0-15)
-of the group holds the four values k = j, 16 + j, 32 + j and 48 + j: their sign-mantissa bytes in an int32 (byte
-q for k = 16 q + j) and their codes in an int16 (nibble q). So a tile row of one group is 16 words of each, and
-quarter q of the group, 16 consecutive K values, is one shift and mask of the words away: a product over K of 16,
-one MMA step. Chained in K order, the quarters' products are the MMA steps vLLM's kernel issues for its whole K tile,
-in the same order, so the sums round alike. A group with any escape keeps its 64 exponents whole (`raw`, 16 int32
-words interleaved like the bytes, found through `raw_at`, -1 for none); the kernel loads them with a mask that is off
-in every other group (a predicated load that moves no bytes), so the escape path has no branch and no prefix sum.
+gather), 15 an escape. Within every 64 values of a weight row (a group, the K tile's smallest unit), the
+sign-mantissa bytes sit four to an int32 word (16 words) and the codes eight to an int32 (8 words), placed
+(`SM_AT`, `CODE_AT`) so that one shift and mask of a word leaves two K-adjacent values of one quarter of the group
+(16 consecutive K values) in its two 16-bit halves: the pair a thread hands the MMA in one register. Every
+operation of the decode then builds two values. A quarter is a product over K of 16, one MMA step; chained in K
+order, the quarters' products are the MMA steps vLLM's kernel issues for its whole K tile, in the same order, so
+the sums round alike. A group with any escape keeps its 64 exponents whole (`raw`, 16 int32 words placed like the
+bytes, found through `raw_at`, -1 for none); the kernel loads them with a mask that is off in every other group (a
+predicated load that moves no bytes), so the escape path has no branch and no prefix sum.
 
 Why words and not bytes: Triton picks the MMA operands' register layout from the narrowest load in B's backward
 slice, and byte loads there gave other K indices to each thread than vLLM's bf16 B gets (the first fused prototype
 was inexact so; the second cut the slice with a branch that cost it 206-255 registers a thread against vLLM's
-63-72). The words are 16 and 32 bits wide.
+63-72). The words are 32 bits wide, the values 16 after the split of each pair.
 
 Size, per value: 1 byte + 4 bits + an int32 index per 64 values + 64 bytes per group with an escape (2-3% of groups
 on trained-like weights): about 0.79 of bf16 (`TiledExperts.nbytes`).
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 GROUP = 64  # K values of a group: the interleave period, the escape unit and the smallest K tile the kernel takes
-WORDS = GROUP // 4  # words of a group's row: four values each
+WORDS = GROUP // 4  # sign-mantissa (and raw exponent) words of a group's row: four values each
 ESCAPE = 15
 
 
@@ -50,8 +51,8 @@ class TiledExperts:
 
     n: int
     k: int
-    sm: torch.Tensor  # int32 [E, n, k / 4]: four sign-mantissa bytes a word
-    codes: torch.Tensor  # int16 [E, n, k / 4]: four 4-bit exponent codes a word
+    sm: torch.Tensor  # int32 [E, n, k / 4]: four sign-mantissa bytes a word (SM_AT)
+    codes: torch.Tensor  # int32 [E, n, k / 8]: eight 4-bit exponent codes a word (CODE_AT)
     base: torch.Tensor  # int32 [E]: the exponent of code 0
     raw_at: torch.Tensor  # int32 [E, n, k / 64]: the group's row of `raw`, or -1 (no escape in the group)
     raw: torch.Tensor  # int32 [R, 16]: a group's 64 exponents, interleaved as the sign-mantissa bytes
@@ -73,7 +74,7 @@ class TiledExperts:
         e, n, k = self.experts, self.n, self.k
         if n < 1 or k < GROUP or k % GROUP:
             raise ValueError(f"fixed-rate tiles of {n} x {k} values: k a multiple of {GROUP}")
-        shapes = {"sm": (self.sm, (e, n, k // 4), torch.int32), "codes": (self.codes, (e, n, k // 4), torch.int16),
+        shapes = {"sm": (self.sm, (e, n, k // 4), torch.int32), "codes": (self.codes, (e, n, k // 8), torch.int32),
                   "base": (self.base, (e,), torch.int32), "raw_at": (self.raw_at, (e, n, k // GROUP), torch.int32)}
         for name, (t, shape, dtype) in shapes.items():
             if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
@@ -89,28 +90,48 @@ class TiledExperts:
         if (at.numel() and int(at.min()) < -1) or not torch.equal(used.sort().values.long(),
                                                                   torch.arange(self.raw.shape[0])):
             raise ValueError("fixed-rate tiles' raw_at must name every raw group once")
-        escaped = (_nibbles(self.codes.cpu()) == ESCAPE).view(e, n, k // GROUP, GROUP).any(-1)
+        escaped = (_unpack(self.codes.cpu(), CODE_AT, 4) == ESCAPE).view(e, n, k // GROUP, GROUP).any(-1)
         if not torch.equal(escaped, at >= 0):
             raise ValueError("fixed-rate tiles' raw groups are not the groups with escapes")
 
 
-def _split(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., W] words -> [..., W / 16 groups, 4 quarters, 16] fields of `bits` bits: the values in K order."""
-    w = words.to(torch.int64) & ((1 << (4 * bits)) - 1)
-    fields = torch.stack([(w >> (bits * q)) & ((1 << bits) - 1) for q in range(4)], -1)  # [..., W, 4]
-    return fields.view(*words.shape[:-1], -1, WORDS, 4).transpose(-1, -2)
+def _positions() -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of a group's 64 values sits: SM[w, p] is the K index of byte p of sign-mantissa word w (16 words),
+    CODE[i, j] that of nibble j of code word i (8 words). Word 8 h + i's bytes 0 and 2 are the values at 32 h + 2 i
+    and the next, bytes 1 and 3 those 16 further: one mask of the word leaves two K-adjacent values in its two
+    halves, the pair a thread hands the MMA in one register. Code word i's nibble q holds the value at 16 q + 2 i,
+    nibble 4 + q the next."""
+    sm = torch.empty(16, 4, dtype=torch.long)
+    for h in range(2):
+        for i in range(8):
+            for p in range(4):
+                sm[8 * h + i, p] = 32 * h + 16 * (p & 1) + 2 * i + (p >> 1)
+    code = torch.empty(8, 8, dtype=torch.long)
+    for i in range(8):
+        for j in range(8):
+            code[i, j] = 16 * (j % 4) + 2 * i + j // 4
+    return sm, code
 
 
-def _join(fields: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `_split`: [..., K] fields -> [..., K / 4] words (two's complement in `dtype`)."""
-    f = fields.to(torch.int64).view(*fields.shape[:-1], -1, 4, WORDS).transpose(-1, -2)  # [..., G, 16, 4]
-    w = sum(f[..., q] << (bits * q) for q in range(4)).reshape(*fields.shape[:-1], -1)
-    top = 1 << (4 * bits)
-    return torch.where(w >= top // 2, w - top, w).to(dtype)
+SM_AT, CODE_AT = _positions()
 
 
-def _nibbles(codes: torch.Tensor) -> torch.Tensor:
-    return _split(codes, 4).reshape(*codes.shape[:-1], -1)
+def _pack(fields: torch.Tensor, at: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., K] fields of `bits` bits -> [..., K / 64 * words] int32 words, field j of word w the value at
+    at[w, j] of its group."""
+    f = fields.to(torch.int64).view(*fields.shape[:-1], -1, GROUP)[..., at.to(fields.device)]  # [..., G, W, F]
+    w = sum(f[..., j] << (bits * j) for j in range(at.shape[1]))
+    w = torch.where(w >= 1 << 31, w - (1 << 32), w)
+    return w.reshape(*fields.shape[:-1], -1).to(torch.int32)
+
+
+def _unpack(words: torch.Tensor, at: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `_pack`: [..., K / 64 * words] int32 -> [..., K] fields."""
+    w = words.to(torch.int64).view(*words.shape[:-1], -1, at.shape[0]) & 0xFFFFFFFF  # [..., G, W]
+    f = torch.stack([(w >> (bits * j)) & ((1 << bits) - 1) for j in range(at.shape[1])], -1)  # [..., G, W, F]
+    out = torch.empty(*f.shape[:-2], GROUP, dtype=torch.int64, device=words.device)
+    out[..., at.reshape(-1).to(words.device)] = f.reshape(*f.shape[:-2], -1)
+    return out.reshape(*words.shape[:-1], -1)
 
 
 def encode_tiled(weights: torch.Tensor) -> TiledExperts:
@@ -134,19 +155,19 @@ def encode_tiled(weights: torch.Tensor) -> TiledExperts:
     groups = escaped.view(e, n, k // GROUP, GROUP).any(-1)
     raw_at = torch.where(groups, groups.view(-1).cumsum(0).view(groups.shape) - 1, -1).to(torch.int32)
     picked = exp.view(e, n, k // GROUP, GROUP)[groups]  # [R, 64]
-    raw = _join(picked, 8, torch.int32) if picked.numel() else torch.zeros(0, WORDS, dtype=torch.int32,
-                                                                          device=weights.device)
-    return TiledExperts(n, k, _join(sm, 8, torch.int32).contiguous(), _join(code, 4, torch.int16).contiguous(),
+    raw = _pack(picked, SM_AT, 8) if picked.numel() else torch.zeros(0, WORDS, dtype=torch.int32,
+                                                                     device=weights.device)
+    return TiledExperts(n, k, _pack(sm, SM_AT, 8).contiguous(), _pack(code, CODE_AT, 4).contiguous(),
                         base.contiguous(), raw_at.contiguous(), raw.view(-1, WORDS).contiguous())
 
 
 def decode_tiled_reference(t: TiledExperts) -> torch.Tensor:
     """The bf16 weights [E, N, K], in plain PyTorch."""
-    sm = _split(t.sm, 8).reshape(t.experts, t.n, t.k)
-    exp = _split(t.codes, 4).reshape(t.experts, t.n, t.k) + t.base.view(-1, 1, 1).long()
+    sm = _unpack(t.sm, SM_AT, 8)
+    exp = _unpack(t.codes, CODE_AT, 4) + t.base.view(-1, 1, 1).long()
     at = t.raw_at.long()
     if t.raw.numel():
-        raw = _split(t.raw, 8).reshape(-1, GROUP)[at.clamp(min=0)]  # [E, N, K / 64, 64]
+        raw = _unpack(t.raw, SM_AT, 8).reshape(-1, GROUP)[at.clamp(min=0)]  # [E, N, K / 64, 64]
         exp = torch.where((at >= 0)[..., None], raw, exp.view(raw.shape)).view(exp.shape)
     bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
     return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
@@ -237,39 +258,52 @@ try:
 
         offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N  # wrapped, as vLLM's
         rows = expert * N + offs_bn
-        word_rows = rows * (K // 4)  # [BLOCK_N]: each weight row's first word
+        sm_rows = rows * (K // 4)  # [BLOCK_N]: each weight row's first sign-mantissa word
+        code_rows = rows * (K // 8)
         group_rows = rows * (K // 64)
         base = tl.load(base_ptr + expert)
-        offs_w = tl.arange(0, 16)
+        base2 = base | (base << 16)  # the window's base in both halves of a word
+        offs_w = tl.arange(0, 8)
         offs_q = tl.arange(0, 16)
         a_rows = a_ptr + (offs_token[:, None] // top_k) * stride_am
         accumulator = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             for g in tl.static_range(BLOCK_SIZE_K // 64):
                 k0 = k * BLOCK_SIZE_K + g * 64
-                words = word_rows[None, :] + (k0 // 4 + offs_w)[:, None]  # [16, BLOCK_N]
+                sm_at = sm_rows[None, :] + (k0 // 4 + offs_w)[:, None]  # [8, BLOCK_N]: words 0-7 of the group
+                code_at = code_rows[None, :] + (k0 // 8 + offs_w)[:, None]
                 if EVEN_K:
-                    sm = tl.load(sm_ptr + words)
-                    codes = tl.load(codes_ptr + words)
+                    sm_lo = tl.load(sm_ptr + sm_at)
+                    sm_hi = tl.load(sm_ptr + sm_at + 8)
+                    codes = tl.load(codes_ptr + code_at)
                     at = tl.load(raw_at_ptr + group_rows + k0 // 64)
                 else:  # a group past K: zeros, as vLLM's masked B load
-                    inside = (offs_w * 0 + k0 < K)[:, None]  # [16, 1]
-                    sm = tl.load(sm_ptr + words, mask=inside, other=0)
-                    codes = tl.load(codes_ptr + words, mask=inside, other=0)
+                    inside = (offs_w * 0 + k0 < K)[:, None]  # [8, 1]
+                    sm_lo = tl.load(sm_ptr + sm_at, mask=inside, other=0)
+                    sm_hi = tl.load(sm_ptr + sm_at + 8, mask=inside, other=0)
+                    codes = tl.load(codes_ptr + code_at, mask=inside, other=0)
                     at = tl.load(raw_at_ptr + group_rows + k0 // 64, mask=offs_bn * 0 + k0 < K, other=-1)
-                codes = codes.to(tl.int32)  # widened once a word, not once a value
                 raw = (at >= 0)[None, :]
                 # A group with an escape: its exponents whole (a load that moves no bytes elsewhere).
-                raw_exp = tl.load(raw_ptr + at.to(tl.int64)[None, :] * 16 + offs_w[:, None], mask=raw, other=0)
+                raw_at = at.to(tl.int64)[None, :] * 16 + offs_w[:, None]
+                raw_lo = tl.load(raw_ptr + raw_at, mask=raw, other=0)
+                raw_hi = tl.load(raw_ptr + raw_at + 8, mask=raw, other=0)
                 for q in tl.static_range(4):
-                    # The byte twice in 16 bits puts its sign at bit 15 and its mantissa at bits 0-6; the exponent
-                    # goes between: two masks and one add (fused by ptxas into LOP3 and IMAD).
-                    twice = ((sm >> (8 * q)) & 0xFF) * 0x101
-                    exp = tl.where(raw, (raw_exp >> (8 * q)) & 0xFF, base + ((codes >> (4 * q)) & 15))
-                    bits = (twice & 0x807F) | (exp << 7)
+                    # Two K-adjacent values a 32-bit lane (k0 + 16 q + 2 i and the next, in its two halves): each
+                    # byte twice in 16 bits puts its sign at bit 15 and its mantissa at bits 0-6, the exponent goes
+                    # between; every operation here builds two values.
+                    words = sm_lo if q < 2 else sm_hi
+                    pair = (words >> (8 * (q % 2))) & 0x00FF00FF
+                    sign_mantissa = (pair * 0x101) & -0x7F807F81  # 0x807F807F as an int32
+                    exp = ((codes >> (4 * q)) & 0x000F000F) + base2
+                    exp = tl.where(raw, ((raw_lo if q < 2 else raw_hi) >> (8 * (q % 2))) & 0x00FF00FF, exp)
+                    pairs = sign_mantissa | (exp << 7)
                     if not EVEN_K:
-                        bits = tl.where(inside, bits, 0)
-                    b = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # [16, BLOCK_N]: K values k0 + 16 q ...
+                        pairs = tl.where(inside, pairs, 0)
+                    # [8, BLOCK_N] pairs -> [16, BLOCK_N] values in K order (the pair's halves stay in one thread)
+                    values = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))  # [8, BLOCK_N, 2]
+                    values = tl.reshape(tl.permute(values, (0, 2, 1)), (16, BLOCK_SIZE_N))
+                    b = values.to(tl.bfloat16, bitcast=True)
                     ks = k0 + 16 * q + offs_q
                     if EVEN_K:  # every K index inside: the tokens' mask alone
                         a = tl.load(a_rows + ks[None, :] * stride_ak, mask=token_mask[:, None], other=0.0)

@@ -81,18 +81,29 @@ def test_the_layout_decodes_to_the_weights_bit_for_bit(escapes):
     assert (raw_groups == 0) == (escapes == "none") and t.raw.shape[0] == raw_groups
 
 
-def test_the_words_hold_four_values_sixteen_apart_in_k():
-    """Word j of a group's row: byte (or nibble) q is the value at k = 16 q + j, so quarter q of the group is one
-    shift of the words away (the kernel's product over 16 K values)."""
-    w = exact_weights(1, 1, 64, "none", seed=2)
+def test_the_words_hold_pairs_of_k_adjacent_values():
+    """A sign-mantissa word's bytes 0 and 2 are two K-adjacent values (a pair the MMA takes in one register), its
+    bytes 1 and 3 the pair 16 further; a code word's nibbles q and 4 + q are quarter q's pair: one shift and mask of
+    a word gives two values of one quarter. Every value of a group sits once in each plane."""
+    from esftctl.kernels.fixed_rate_moe import CODE_AT, SM_AT
+
+    assert sorted(SM_AT.reshape(-1).tolist()) == list(range(64)) == sorted(CODE_AT.reshape(-1).tolist())
+    assert torch.equal(SM_AT[:, 2] - SM_AT[:, 0], torch.ones(16, dtype=torch.long))
+    assert torch.equal(SM_AT[:, 1] - SM_AT[:, 0], torch.full((16,), 16))
+    assert torch.equal(CODE_AT[:, 4:] - CODE_AT[:, :4], torch.ones(8, 4, dtype=torch.long))
+    w = exact_weights(1, 1, 128, "none", seed=2)
     t = encode_tiled(w)
     bits = w.view(torch.int16).to(torch.int32).view(-1) & 0xFFFF
     sm, code = ((bits >> 8) & 0x80) | (bits & 0x7F), ((bits >> 7) & 0xFF) - int(t.base[0])
-    for j in range(16):
-        word, nibbles = int(t.sm[0, 0, j]) & 0xFFFFFFFF, int(t.codes[0, 0, j]) & 0xFFFF
-        for q in range(4):
-            assert (word >> (8 * q)) & 0xFF == int(sm[16 * q + j])
-            assert (nibbles >> (4 * q)) & 15 == int(code[16 * q + j])
+    for g in range(2):
+        for word in range(16):
+            value = int(t.sm[0, 0, 16 * g + word]) & 0xFFFFFFFF
+            for byte in range(4):
+                assert (value >> (8 * byte)) & 0xFF == int(sm[64 * g + SM_AT[word, byte]])
+        for word in range(8):
+            value = int(t.codes[0, 0, 8 * g + word]) & 0xFFFFFFFF
+            for nibble in range(8):
+                assert (value >> (4 * nibble)) & 15 == int(code[64 * g + CODE_AT[word, nibble]])
 
 
 def test_trained_like_weights_take_about_079_of_bf16():
@@ -118,9 +129,9 @@ def test_check_refuses_what_would_read_outside_the_buffers_or_lose_an_escape():
         "raw_at past raw": replace(t, raw_at=torch.where(at >= 0, at + 1, at)),
         "a lost escape": replace(t, raw_at=torch.full_like(at, -1), raw=t.raw[:0]),
         "raw group elsewhere": replace(t, raw_at=moved),
-        "dtype": replace(t, codes=t.codes.to(torch.int32)),
+        "dtype": replace(t, codes=t.codes.to(torch.int64)),
         "shape": replace(t, sm=t.sm[:, :, :-1].contiguous()),
-        "k": replace(t, k=96, sm=t.sm[:, :, :24].contiguous(), codes=t.codes[:, :, :24].contiguous()),
+        "k": replace(t, k=96, sm=t.sm[:, :, :24].contiguous(), codes=t.codes[:, :, :12].contiguous()),
         "window": replace(t, base=t.base + 250),
     }
     for name, wrong in bad.items():

@@ -144,7 +144,7 @@ class Layer:
         window's write and reread (decode), activations in and out."""
         rows = int(b.needed.sum())
         weights = sum(rows * w[0].numel() * 2 for w in self.weights.values())
-        tiles = sum(rows * (t.sm[0].numel() * 4 + t.codes[0].numel() * 2 + t.raw_at[0].numel() * 4)
+        tiles = sum(rows * (t.sm[0].numel() * 4 + t.codes[0].numel() * 4 + t.raw_at[0].numel() * 4)
                     for t in self.tiles.values())
         codes = sum(rows * (r.count * 3 // 2 + 16 + r.starts.shape[1] * 4) for r in self.rows.values())
         acts = sum(a.numel() * 2 + b.tokens * self.top_k * n * 2 for _, a, n, _, _ in self.products(b))

@@ -119,7 +119,7 @@ def stand_ins(model: str, tokens: int, product: str, config):
         w=torch.empty(experts, n, k, dtype=torch.bfloat16), topk_weights=torch.empty(tokens, top_k),
         sorted_ids=None if naive else torch.empty(em, dtype=torch.int32),
         expert_ids=torch.empty(max(pairs, -(-em // bm)), dtype=torch.int32), post=torch.empty(1, dtype=torch.int32),
-        sm=torch.empty(experts, n, k // 4, dtype=torch.int32), codes=torch.empty(experts, n, k // 4, dtype=torch.int16),
+        sm=torch.empty(experts, n, k // 4, dtype=torch.int32), codes=torch.empty(experts, n, k // 8, dtype=torch.int32),
         base=torch.empty(experts, dtype=torch.int32), raw_at=torch.empty(experts, n, k // GROUP, dtype=torch.int32),
         raw=torch.empty(4096, WORDS, dtype=torch.int32))
     return t, dict(n=n, k=k, em=em, pairs=pairs, top=top, mul=product == "w2", bm=bm, bn=bn, bk=bk,
