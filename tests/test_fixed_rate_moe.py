@@ -122,9 +122,9 @@ def test_check_refuses_what_would_read_outside_the_buffers_or_lose_an_escape():
     t = encode_tiled(exact_weights(2, 4, 128, "rare", seed=3))
     t.check()
     at = t.raw_at.clone()
-    first = int((at >= 0).nonzero()[0, 2])
+    e, n, g = ((at >= 0) & (at.flip(-1) < 0)).nonzero()[0].tolist()  # a raw group whose row's other group is not
     moved = at.clone()
-    moved[0, 0, first], moved[0, 0, 1 - first] = -1, at[0, 0, first]  # the raw group on another group
+    moved[e, n, g], moved[e, n, 1 - g] = -1, at[e, n, g]  # the raw group named on the other group of its row
     bad = {
         "raw_at past raw": replace(t, raw_at=torch.where(at >= 0, at + 1, at)),
         "a lost escape": replace(t, raw_at=torch.full_like(at, -1), raw=t.raw[:0]),
