@@ -35,6 +35,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from esftctl.errors import EsftError
 from esftctl.formats.checkpoint import MoECheckpoint
@@ -243,10 +244,14 @@ class CopiedModule:
     token_adapters: torch.Tensor
     base_forward: object = None
     states: list[dict] = field(default_factory=list)
+    writes_inputs: bool = field(init=False)  # a norm of WRITES_INPUTS: decided once, not every forward
+
+    def __post_init__(self):
+        self.writes_inputs = bool(_class_names(self.module) & set(WRITES_INPUTS))
 
     def forward(self, *args, **kwargs):
         which = self.table[self.token_adapters[:args[0].shape[0]].long() + 1]
-        kept = _cloned((args, kwargs)) if self.copies and _class_names(self.module) & set(WRITES_INPUTS) else None
+        kept = _cloned((args, kwargs)) if self.copies and self.writes_inputs else None
         out = self.base_forward(*args, **kwargs)
         for c, module in enumerate(self.copies):
             a, k = (args, kwargs) if kept is None else kept if c == len(self.copies) - 1 else _cloned(kept)
@@ -256,13 +261,7 @@ class CopiedModule:
 
 def _cloned(value):
     """`value` with every tensor in it (in tuples, lists and dicts) cloned."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cloned(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, torch.Tensor.clone, value)
 
 
 class ModuleCopies(CopyPool):
