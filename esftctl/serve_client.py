@@ -155,10 +155,12 @@ def _memory_table(s: EngineStatus) -> Table:
             if p.parked_layers else ""
         memory.add_row(f"  the window's blocks{parked}", format_bytes(p.window_bytes))
         memory.add_row(f"  {len(p.resident_layers)} layers kept resident", format_bytes(p.resident_bytes))
+        memory.add_row("  adapter rows of the paged layers (on the device, never fetched)",
+                       format_bytes(p.adapter_bytes))
         codec = {"huffman": "Huffman store, ", "fixed": "fixed-rate, "}.get(p.store_codec, "")
         memory.add_row(f"  compressed tier on the GPU ({codec}{p.store_experts} base experts per layer)",
                        format_bytes(p.store_bytes))
-        copies = "every layer's experts" if p.host_base_rows else "adapter rows only; the compressed tier has the base"
+        copies = "the base experts" if p.host_base_rows else "none: the compressed tier has the base"
         memory.add_row(f"host tier (pinned copies of {copies})", format_bytes(p.host_bytes))
         bought = f" = {p.freed_kv_tokens:,} KV tokens" if p.freed_kv_tokens is not None else ""
         memory.add_row("expert memory paging leaves to the KV cache", format_bytes(p.freed_bytes) + bought)

@@ -33,15 +33,16 @@ VECTOR = 16  # segments start and end on 16-byte boundaries: the copies are 128-
 
 def mark_rows_reference(ids: torch.Tensor | None, needed: torch.Tensor, active: bool,
                         held: list[int] | None = None) -> list[int]:
-    """While `active`: needed[r] = 1 where r is among `ids` and those rows listed, or with `ids` None every row
-    needed and the `held` rows listed; else nothing."""
+    """While `active`: needed[r] = 1 where r is among `ids` and those rows listed (ids outside the rows, a paged
+    layer's adapter rows, are not), or with `ids` None every row needed and the `held` rows listed; else nothing."""
     needed.zero_()
     if not active:
         return []
     if ids is None:
         needed.fill_(1)
         return sorted(held if held is not None else range(len(needed)))
-    needed[ids.flatten().long()] = 1
+    ids = ids.flatten().long()
+    needed[ids[(ids >= 0) & (ids < len(needed))]] = 1
     return needed.nonzero().flatten().tolist()
 
 

@@ -74,12 +74,13 @@ class PagingStatus:
     window_bytes: int  # device memory of the window's blocks
     resident_bytes: int  # device memory of the layers kept resident
     store_bytes: int  # device memory of the compressed tier (0 while no base expert comes from it)
-    host_bytes: int  # pinned host memory of the host tier: its copies of held rows, as allocated
-    host_base_rows: bool = True  # whether those include the base rows (else adapter rows only: a compressed tier
-    # delivers every base row, esftctl.runtime.paging.tiers.base_copies_needed)
-    freed_bytes: int  # expert memory that paging leaves to the KV cache: all held rows less the three above
+    adapter_bytes: int = 0  # device memory of the paged layers' adapter rows: they stay there, never fetched
+    host_bytes: int  # pinned host memory of the host tier: its copies of the base rows, as allocated
+    host_base_rows: bool = True  # whether the host tier holds them (else none: a compressed tier delivers every
+    # base row, esftctl.runtime.paging.tiers.base_copies_needed)
+    freed_bytes: int  # expert memory that paging leaves to the KV cache: all held rows less the four above
     freed_kv_tokens: int | None  # those bytes in KV-cache tokens of this model (None: unknown)
-    held_rows: int  # rows a paged layer holds now (base and adapters): what a whole-layer fetch brings
+    held_rows: int  # the base rows of a paged layer: what a whole-layer fetch brings
     fetched_rows: int  # rows fetched, summed over every fetch since the start
     fetches: int  # fetches of paged layers since the start (one per layer and step)
     resident_layers: list[int]

@@ -143,10 +143,11 @@ class VirtualMoELayer:
         self.base_rows = len(self.own_experts)
         local_rows = self.base_rows + num_slots * experts_per_slot
         self.layout = layout or ExpertLayout.plain(hidden_size, intermediate_size)
+        # split at the adapter area: a paged layer shares the pages below it and keeps those above
         self.w13 = VirtualExpertTensor(make_space(local_rows * math.prod(self.layout.w13_row) * dtype.itemsize),
-                                       local_rows, self.layout.w13_row, dtype)
+                                       local_rows, self.layout.w13_row, dtype, split_row=self.base_rows)
         self.w2 = VirtualExpertTensor(make_space(local_rows * math.prod(self.layout.w2_row) * dtype.itemsize),
-                                      local_rows, self.layout.w2_row, dtype)
+                                      local_rows, self.layout.w2_row, dtype, split_row=self.base_rows)
         # FP8 experts: their scales' rows, beside the weights' rows of the same numbers.
         self.scales = tuple(VirtualExpertTensor(make_space(local_rows * math.prod(shape) * 4), local_rows, shape,
                                                 torch.float32) for shape in self.layout.scale_rows or ())
@@ -164,14 +165,12 @@ class VirtualMoELayer:
         self._adapter_local: dict[int, int] = {}
         self._free_local = list(range(self.base_rows, local_rows))  # a heap
         self.slot_rows: dict[int, dict[int, int]] = {}
-        # Paging (esftctl.runtime.paging): host copies of the held rows once `keeps_host` (adapter rows one pair
-        # each, made as adapters load; base rows in one pair of tensors, `host`, unless a compressed tier serves
-        # every one: then None), and whether the rows are on the device.
+        # Paging (esftctl.runtime.paging): host copies of the base rows once `keeps_host` (one pair of tensors,
+        # `host`, unless a compressed tier serves every base row: then None), and whether the base rows are on the
+        # device. Adapter rows never page: they stay in the layer's own pages.
         self.keeps_host = False
         self.host: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.host_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.paged_out = False
-        self.rows_changed: Callable[[], None] | None = None  # the pager's, told when adapter rows come or go
 
     @property
     def parts(self) -> tuple[VirtualExpertTensor, ...]:
@@ -215,27 +214,33 @@ class VirtualMoELayer:
 
     def write_rows(self, rows: Sequence[int], *parts: torch.Tensor) -> None:
         """Copy experts already in the layout's rows (w13 [n, *w13_row], w2 [n, *w2_row], then for FP8 experts
-        their scales, for experts with biases those) into their (global) rows: the device rows unless the layer is
-        paged out, and the host copy if the layer keeps one. Rows another rank computes are left out."""
+        their scales, for experts with biases those) into their (global) rows: the device rows (a paged-out layer's
+        adapter rows, not its base rows), and a base row's host copy if the layer keeps them. Rows another rank
+        computes are left out."""
         if len(parts) != len(self.parts):
             raise ValueError(f"{len(parts)} parts given for experts of {len(self.parts)}")
         for k, row in enumerate(rows):
             if not self.holds_row(row):
                 continue
-            if self.keeps_host:
+            base = row < self.num_experts
+            if self.keeps_host and base:
                 self._host_copy(row, parts[0][k], parts[1][k])
-            if not self.paged_out:
+            if not (self.paged_out and base):
                 for dst, src in zip(self.parts, parts):
                     dst.tensor[self.local_row(row)].copy_(src[k], non_blocking=True)
 
-    # ---- paging: every expert of the layer, base and adapters alike, leaves and returns together ----
+    # ---- paging: the base rows leave and return together; adapter rows stay ----------------------
+    # An adapter's rows are a small share of a layer (4 adapters on the Qwen3-30B-A3B shape: 471 rows of 6,144, 4.44
+    # GB) read by every step that serves it: fetched with the base rows, they crossed the bus whole every step (0.20x
+    # of plain vLLM where memory binds). Kept on the device, counted in the memory set aside before the KV cache,
+    # they cost their bytes once.
     def _host_empty(self, *shape: int) -> torch.Tensor:
         """Host memory for rows: pinned beside a GPU, so copies to the device run asynchronously."""
         return torch.empty(shape, dtype=self.w13.dtype, pin_memory=self.device.type == "cuda")
 
     def keep_host_copy(self, *, base_rows: bool = True) -> None:
-        """From now on keep the held rows in host memory too: adapter rows, and base rows unless `base_rows` is
-        False (a compressed tier on the device delivers every one of them, so copies would never be read: for
+        """From now on the layer may page out: keep its base rows in host memory too, unless `base_rows` is False
+        (a compressed tier on the device delivers every one of them, so copies would never be read: for
         Qwen3-30B-A3B's shape, 38.6 GB of pinned memory). The caller decides (esftctl.runtime.paging.tiers.
         base_copies_needed)."""
         if self.scales:
@@ -246,34 +251,28 @@ class VirtualMoELayer:
         if base_rows:
             self.host = (self._host_empty(self.num_experts, *self.layout.w13_row),
                          self._host_empty(self.num_experts, *self.layout.w2_row))
-        for row in self.held_rows():
-            if base_rows or row >= self.num_experts:
+            for row in self.own_experts:
                 self._host_copy(row, self.w13.tensor[row], self.w2.tensor[row])
 
     def _host_copy(self, row: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        if row < self.num_experts and self.host is None:
+        if self.host is None:
             raise EsftError(f"base expert {row} cannot change while paged: the compressed tier serves the base "
                             "experts as it encoded them, and no host copy is kept")
-        if row >= self.num_experts:  # adapter rows: only those in use take host memory, not the whole reservation
-            self.host_rows[row] = (self._host_empty(*self.layout.w13_row), self._host_empty(*self.layout.w2_row))
-        host13, host2 = self.host_row(row)
-        host13.copy_(w13)
-        host2.copy_(w2)
+        self.host[0][row].copy_(w13)
+        self.host[1][row].copy_(w2)
 
     @property
     def base_copies(self) -> bool:
-        """Whether the host copies include the base rows (else a compressed tier delivers them)."""
+        """Whether the host keeps copies of the base rows (else a compressed tier delivers them)."""
         return self.host is not None
 
     def host_row(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The host copies of a held row (w13, w2); (None, None) for a base row without copies."""
-        if row >= self.num_experts:
-            return self.host_rows[row]
+        """The host copies of base row `row` (w13, w2); (None, None) without copies."""
         return (self.host[0][row], self.host[1][row]) if self.host is not None else (None, None)
 
     def host_bytes(self) -> int:
-        """Host memory of the copies (pinned beside a GPU): the base rows' if kept, and the adapter rows in use."""
-        return sum(t.nbytes for t in (*(self.host or ()), *(t for pair in self.host_rows.values() for t in pair)))
+        """Host memory of the base rows' copies (pinned beside a GPU), if kept."""
+        return sum(t.nbytes for t in self.host or ())
 
     def held_rows(self) -> list[int]:
         """The rows with experts in use: the base's and those of attached adapters."""
@@ -284,36 +283,43 @@ class VirtualMoELayer:
         """Bytes of the held rows' experts (what the layer takes on the device when it is paged in)."""
         return len(self.held_rows()) * self.expert_bytes
 
+    def base_bytes(self) -> int:
+        """Bytes of the base rows' experts: what paging a layer in or out maps or gives back."""
+        return self.base_rows * self.expert_bytes
+
+    def adapter_device_bytes(self) -> int:
+        """Device memory of a paged-out layer (its adapter rows, and the page they may share with the last base
+        row); 0 while it is paged in (then physical_bytes holds everything)."""
+        return self.physical_bytes() if self.paged_out else 0
+
     def copy_in(self, skip: int = 0) -> int:
-        """Queue copies of the held rows from the host copies into the (mapped) rows, base rows from `skip`
-        on (the others come from elsewhere: all of them without base copies); returns the bytes."""
-        e, copied = self.num_experts, 0
+        """Queue copies of the base rows from `skip` on from the host copies into the (mapped) rows (the others
+        come from elsewhere: all of them without base copies); returns the bytes."""
+        e = self.num_experts
         if skip < e and self.host is None:
             raise EsftError(f"base rows {skip}..{e - 1} have no host copies (the compressed tier serves them)")
         if skip < e:
             self.w13.tensor[skip:e].copy_(self.host[0][skip:], non_blocking=True)
             self.w2.tensor[skip:e].copy_(self.host[1][skip:], non_blocking=True)
-            copied += (e - skip) * self.expert_bytes
-        for row in self.held_rows()[e:]:
-            w13, w2 = self.host_rows[row]
-            self.w13.tensor[row].copy_(w13, non_blocking=True)
-            self.w2.tensor[row].copy_(w2, non_blocking=True)
-            copied += self.expert_bytes
-        return copied
+        return max(0, e - skip) * self.expert_bytes
 
     def page_out(self) -> None:
-        """Unmap every held row (the caller made sure no queued kernel reads them); the host copy stays."""
+        """Unmap the base rows (the caller made sure no queued kernel reads them); the host copy stays, and so do
+        the adapter rows, with the page the last base row shares with them."""
         if not self.keeps_host:
             raise EsftError("a layer pages out only once it keeps a host copy of its rows")
-        rows = [r for r in self.held_rows() if self.w13.is_mapped(r)]
+        for t in (self.w13, self.w2):
+            t.hold_pages(t.boundary_page(self.base_rows))
+        rows = [r for r in self.own_experts if self.w13.is_mapped(r)]
         self.w13.unmap_rows(rows)
         self.w2.unmap_rows(rows)
         self.paged_out = True
 
     def page_in(self) -> None:
-        """Map every held row again; their contents are the caller's to bring in (the pager's: LayerTiers.fill)."""
-        rows = [r for r in self.held_rows() if not self.w13.is_mapped(r)]
-        self._map(rows)
+        """Map the base rows again; their contents are the caller's to bring in (the pager's: LayerTiers.fill)."""
+        self._map([r for r in self.own_experts if not self.w13.is_mapped(r)])
+        for t in (self.w13, self.w2):
+            t.let_go(t.boundary_page(self.base_rows))
         self.paged_out = False
 
     def _map(self, rows: list[int]) -> None:
@@ -362,9 +368,8 @@ class VirtualMoELayer:
 
     def check_rows(self, slot: int, checksums: torch.Tensor) -> int:
         """That slot's experts reach the kernel as staged: the map sends each of its expert ids to the row it was
-        given, and the rows the engine reads for it (the device rows, or the host copies a paged layer is fetched
-        from) have the staged rows' checksums (in expert id order). Returns the rows checked; EsftError if one
-        differs."""
+        given, and the device rows the engine reads for it (paged or not: adapter rows stay there) have the staged
+        rows' checksums (in expert id order). Returns the rows checked; EsftError if one differs."""
         rows = self.slot_rows[slot]
         ids = sorted(rows)
         mapped = self.table[slot].cpu()
@@ -372,14 +377,8 @@ class VirtualMoELayer:
         if wrong:
             raise EsftError(f"the expert map sends experts {wrong} elsewhere than their rows")
         held = [k for k, e in enumerate(ids) if self.holds_row(rows[e])]
-        if not held:
-            got = []
-        elif self.paged_out:  # the host copies it is fetched from (checked on the device, one row at a time)
-            got = [row_checksums(*(t.to(self.device, non_blocking=True)[None] for t in self.host_row(rows[ids[k]])))
-                   for k in held]
-        else:  # every part the kernel reads, the scales of FP8 experts and the biases too: one pass over them
-            got = [row_checksums(*(p.tensor for p in self.parts), rows=[self.local_row(rows[ids[k]]) for k in held])]
-        got = torch.cat(got).cpu().tolist() if got else []  # one wait for the device, not one per row
+        got = row_checksums(*(p.tensor for p in self.parts), rows=[self.local_row(rows[ids[k]]) for k in held]) \
+            .cpu().tolist() if held else []  # every part the kernel reads, FP8 scales and biases too: one pass
         differ = [ids[k] for k, c in zip(held, got) if c != int(checksums[k])]
         if differ:
             raise EsftError(f"the rows of experts {differ} do not hold the adapter's weights")
@@ -407,8 +406,7 @@ class VirtualMoELayer:
         held = [row for e, row in rows.items() if self.holds(e)]
         if self._owned is not None:
             self._adapter_local.update((row, heapq.heappop(self._free_local)) for row in held)
-        if not self.paged_out:  # a paged-out layer gets the rows mapped (and filled) when it pages in
-            self._map(held)
+        self._map(held)  # adapter rows stay on the device, paged or not
         if staged is not None:
             self.write_rows(list(rows.values()), *staged)
         else:
@@ -421,8 +419,6 @@ class VirtualMoELayer:
         # Ordered after the weight copies on the same stream: no token sees the row before its weights.
         self.table[slot].copy_(new_map, non_blocking=True)
         self.slot_rows[slot] = rows
-        if self.rows_changed is not None:
-            self.rows_changed()
         return rows
 
     def detach(self, slot: int) -> list[int]:
@@ -438,16 +434,12 @@ class VirtualMoELayer:
     def release_rows(self, rows: list[int]) -> None:
         held = [r for r in rows if self.holds_row(r)]
         self._set_expert_map(held, [-1] * len(held))
-        mapped = [self.local_row(r) for r in held if self.w13.is_mapped(self.local_row(r))]  # paged out: none
         for part in self.parts:
-            part.unmap_rows(mapped)
+            part.unmap_rows([self.local_row(r) for r in held])
         for row in rows:
-            self.host_rows.pop(row, None)
             if row in self._adapter_local:
                 heapq.heappush(self._free_local, self._adapter_local.pop(row))
             heapq.heappush(self._free_rows, row)
-        if self.rows_changed is not None:
-            self.rows_changed()
 
     def _set_expert_map(self, rows: list[int], local: list[int]) -> None:
         """Under expert parallelism, point the extended expert map's entries for global `rows` at `local`."""

@@ -41,18 +41,19 @@ class PageRefCounts:
             raise ValueError(f"byte range [{start}, {end}) outside 0..{self.num_pages * self.page_size}")
         return range(start // self.page_size, (end - 1) // self.page_size + 1)
 
-    def acquire(self, start: int, end: int) -> list[int]:
-        """Count one more user of [start, end); return the pages that must be mapped now."""
+    def acquire(self, start: int, end: int, *, needed: bool = True) -> list[int]:
+        """Count one more user of [start, end); return the pages that must be mapped now. `needed` False: a hold
+        on the pages (VirtualExpertTensor.hold_pages) that no expert's bytes are counted for."""
         newly = []
         for page in self.pages_of(start, end):
             count = self._refs.get(page, 0)
             if count == 0:
                 newly.append(page)
             self._refs[page] = count + 1
-        self._needed += end - start
+        self._needed += (end - start) if needed else 0
         return newly
 
-    def release(self, start: int, end: int) -> list[int]:
+    def release(self, start: int, end: int, *, needed: bool = True) -> list[int]:
         """Count one user of [start, end) fewer; return the pages that nothing uses any more."""
         freed = []
         for page in self.pages_of(start, end):
@@ -64,7 +65,7 @@ class PageRefCounts:
                 freed.append(page)
             else:
                 self._refs[page] = count - 1
-        self._needed -= end - start
+        self._needed -= (end - start) if needed else 0
         return freed
 
     def is_mapped(self, page: int) -> bool:

@@ -76,7 +76,8 @@ class Stack:
     """The layers as serving holds them, paged: each layer's forward routes, reroutes, lets the pager fetch, and
     computes from the layer's own rows."""
 
-    def __init__(self, weights, device, *, window, slots=0, per_slot=0, store=None, base_copies=True, **options):
+    def __init__(self, weights, device, *, window, slots=0, per_slot=0, store=None, base_copies=True,
+                 host_page=4 * mmap.PAGESIZE, **options):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             from esftctl.runtime.address_space import CudaAddressSpace, PhysicalPagePool
@@ -85,7 +86,7 @@ class Stack:
             self.make_space = lambda n: CudaAddressSpace(n, self.pool)
         else:
             self.pool = None
-            self.make_space = lambda n: HostAddressSpace(n, page_size=4 * mmap.PAGESIZE)
+            self.make_space = lambda n: HostAddressSpace(n, page_size=host_page)
         self.routers = [w["router"].to(device) for w in weights]
         self.layers = {}
         for l, w in enumerate(weights):
@@ -201,24 +202,65 @@ def test_window_aliases_one_block_per_position(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fetch", ["routed", "layer"])
 def test_adapters_loaded_while_paged_out_are_served_and_unloaded(device, fetch):
+    """An adapter's rows stay on the device in the layer's own pages, paged or not: never copied to the host, never
+    fetched (only base rows are: a whole-layer fetch brings E rows, adapters or not), in the memory the pager
+    counts, and given back when the adapter goes."""
     weights = make_weights(8)
     stack = Stack(weights, device, window=2, slots=2, per_slot=3, fetch=fetch)
+    assert stack.pager.device_bytes()["adapters"] == 0
     g = torch.Generator().manual_seed(9)
     adapter = {l: {e: ((torch.randn(2 * I, H, generator=g) * 0.1).to(torch.bfloat16),
                        (torch.randn(H, I, generator=g) * 0.1).to(torch.bfloat16)) for e in (1, 4, 6)}
                for l in (0, 3, 4)}
+    host = host_bytes(stack)
     for l, chosen in adapter.items():
         stack.layers[l].load(1, {e: ExpertWeights(w13[:I], w13[I:], w2) for e, (w13, w2) in chosen.items()})
+    assert host_bytes(stack) == host  # no host copies of adapter rows
+    expert_bytes = stack.layers[0].expert_bytes
+    assert stack.pager.device_bytes()["adapters"] >= 3 * 3 * expert_bytes
     x = tokens(12, 10)
     use = torch.tensor([k % 2 == 0 for k in range(12)])
     stack.token_slots = torch.where(use, 1, -1).to(torch.int32).to(stack.device)
     want = resident_forward(weights, x, device, adapter, use)
     assert torch.equal(stack.run(x), want)
     assert not torch.equal(want, resident_forward(weights, x, device))  # the adapter changes answers
+    rows, fetches = stack.pager.counters().values()
+    assert rows <= fetches * E and (fetch == "routed" or rows == fetches * E)
     for l in adapter:
         rows = stack.layers[l].detach(1)
         stack.layers[l].release_rows(rows)
+    assert stack.pager.device_bytes()["adapters"] == 0
     assert torch.equal(stack.run(x), resident_forward(weights, x, device))
+    stack.close()
+
+
+@pytest.mark.parametrize("fetch", ["routed", "layer"])
+def test_a_page_that_base_and_adapter_rows_share_stays_the_layers_own(fetch):
+    """Pages of 12 KiB against rows of 8 KiB (w13) and 4 KiB (w2): the last base row and the first adapter row
+    share a page. A paged-out layer keeps that page (the window's block maps only the pages wholly below it), so
+    its adapter rows load into it and the fetch writes the base row's tail there: outputs as resident, with an
+    adapter loaded before paging out, one loaded while paged out, and layers made resident and paged out again."""
+    weights = make_weights(31)
+    page = 3 * mmap.PAGESIZE
+    stack = Stack(weights, "cpu", window=2, slots=2, per_slot=3, fetch=fetch, host_page=page)
+    layer = stack.layers[5]
+    for t in (layer.w13, layer.w2):
+        assert t.boundary_page(E) and (E * t.row_bytes) % page  # the case this test is for
+    assert layer.physical_bytes() == 2 * page  # paged out, no adapters: the shared page of each tensor alone
+    adapters = random_adapter((0, 3, 4), (1, 4, 6), seed=32), random_adapter((1, 4, 5), (0, 2, 7), seed=33)
+    stack.pager.set_resident((0, 3))
+    load_adapter(stack, 0, adapters[0])  # layers 0 and 3 resident, 4 paged
+    stack.pager.set_resident(())
+    load_adapter(stack, 1, adapters[1])  # every layer paged
+    x = tokens(12, 34)
+    slots = torch.tensor([k % 3 - 1 for k in range(12)], dtype=torch.int32)  # base, adapter 0, adapter 1
+    stack.token_slots = slots
+    want = resident_forward(weights, x, "cpu")
+    for slot, adapter in enumerate(adapters):
+        want = torch.where((slots == slot)[:, None], resident_forward(weights, x, "cpu", adapter, slots == slot), want)
+    for resident in ((), (2, 4), ()):
+        stack.pager.set_resident(resident)
+        assert torch.equal(stack.run(x), want), resident
     stack.close()
 
 
@@ -371,17 +413,17 @@ def test_a_tier_of_every_base_row_pages_without_base_copies(device, tier, fetch,
     assert stack.pager.store_rows == E and host_bytes(stack) == 0
     adapter = random_adapter((0, 3, 4), (1, 4, 6), seed=18)
     load_adapter(stack, 1, adapter)
-    assert host_bytes(stack) == 3 * 3 * stack.layers[0].expert_bytes  # the adapter's rows alone
+    assert host_bytes(stack) == 0  # the adapter's rows stay on the device
     x, use = tokens(12, 19), torch.tensor([k % 2 == 0 for k in range(12)])
     stack.token_slots = torch.where(use, 1, -1).to(torch.int32).to(stack.device)
     want = resident_forward(weights, x, device, adapter, use)
     for resident in ((), (0, 3), (1,), ()):  # made resident: base rows decoded from the tier into own pages
         stack.pager.set_resident(resident)
         assert torch.equal(stack.run(x), want), resident
-    if fetch == "layer":  # a whole-layer fetch counts every held row, the decoded base rows too
+    if fetch == "layer":  # a whole-layer fetch counts every base row (decoded ones too), never an adapter row
         for l, tiers in stack.pager.tiers.items():
             rows, fetches = tiers.stats.tolist()
-            assert fetches > 0 and rows == fetches * len(stack.layers[l].held_rows()), l
+            assert fetches > 0 and rows == fetches * E, l
     for l in adapter:
         stack.layers[l].release_rows(stack.layers[l].detach(1))
     assert host_bytes(stack) == 0

@@ -10,7 +10,9 @@
 #   5. ESFT alone on the whole 27-layer DeepSeek-V2-Lite shape (its full fine-tune does not fit one card);
 #   6. issue 87's tiled fixed-rate expert GEMM: its CUDA tests against vLLM's kernel, then its bench (both GEMMs of
 #      one layer, 1 / 32 / 256 tokens, against vLLM's kernel and the tier's decode-then-GEMM);
-#   7. issue 87 item 2: a layer's rows from the host as the fixed-rate code against bf16 (effective rate).
+#   7. issue 87 item 2: a layer's rows from the host as the fixed-rate code against bf16 (effective rate);
+#   8. issue 87 item 1: paging with adapter rows kept on the device, on CUDA (the pager's tests with the driver's
+#      aliases, the runtime's paging tests, DeepSeek-V2 served paged with CUDA graphs).
 # Results in /tmp/res (pass it to background.sh wait). Carry .world (the tiny world) with the install's last part.
 #   bash benchmarks/lab/background.sh start ct "bash benchmarks/lab/gpu_copies_train.sh"
 #   bash benchmarks/lab/background.sh wait ct 540 /tmp/res   (again until it prints "finished")
@@ -38,6 +40,9 @@ for part in ${PARTS:-1 2 3}; do
     6) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh kernel tests/test_fixed_rate_moe.py
        OUT=$res python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 | tee "$res/fixed_rate_moe_bench.log" ;;
     7) OUT=$res python3 benchmarks/lab/host_codes_bench.py 2>&1 | tee "$res/host_codes.log" ;;
+    8) OUT=$res DEADLINE=${TESTS_DEADLINE:-420} bash benchmarks/lab/gpu_tests.sh paging tests/test_runtime_paging.py \
+         tests/test_runtime_paging_fixed.py 'tests/test_runtime_vllm_model.py' -k 'pag or tier or cuda' \
+         'tests/test_serve_adapters.py::test_paging_with_cuda_graphs_served_exactly[deepseek_v2]' ;;
   esac
   echo "part $part: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$res/parts.log"
 done

@@ -243,8 +243,9 @@ def settled_status(url: str, nudge: Callable[[], None], *, pause: Callable[[floa
     return _status(url)
 
 
-TIER_KEYS = ("expert_device_bytes", "paging_window_bytes", "paging_resident_bytes", "paging_store_bytes",
-             "paging_host_bytes", "paging_host_base_rows", "paging_freed_bytes", "paging_freed_kv_tokens",
+TIER_KEYS = ("expert_device_bytes", "paging_window_bytes", "paging_resident_bytes", "paging_adapter_bytes",
+             "paging_store_bytes", "paging_host_bytes", "paging_host_base_rows", "paging_freed_bytes",
+             "paging_freed_kv_tokens",
              "paging_store_experts", "paging_resident_layers", "paging_parked_layers", "paging_held_rows",
              "kv_cache_tokens")
 

@@ -1,11 +1,12 @@
 """The pager: which rows of a paged layer come in before its kernel, when, and on which stream.
 
 Each MoE layer's experts layer calls `before_kernel(layer, ids, num_tokens)` once the router's ids (after the
-reroute) are on the device, and `after_kernel(layer)` once its kernel is queued. Two ways to fetch:
+reroute) are on the device, and `after_kernel(layer)` once its kernel is queued. Only base rows are fetched: an
+adapter's rows stay on the device in the layer's own pages (esftctl.runtime.paging.window). Two ways to fetch:
 
-- routed: the rows this step's ids name, just before the kernel, on the compute stream. A decode step of a
+- routed: the base rows this step's ids name, just before the kernel, on the compute stream. A decode step of a
   DeepSeek-V2-Lite-sized model at batch 1 touches 6 of a layer's 64 experts: 104 MB instead of 1.1 GB.
-- layer: every held row of the next layer, fetched while this layer's kernel runs, on the load stream with a
+- layer: every base row of the next layer, fetched while this layer's kernel runs, on the load stream with a
   bounded number of programs (the rest of the SMs stay the kernel's); the forward's first layer fetches itself.
   Needs a window of two blocks or more (with one, each layer fetches itself whole, before its kernel).
 
@@ -86,7 +87,6 @@ class PagedExperts:
                     torch.cuda.synchronize(self.device)  # the encoder's kernels read the rows unmapped now
                 self.window.page_out(i)
                 make_room()
-            self.layers[i].rows_changed = lambda i=i: self._rows_changed(i)
         for i in self.order:
             if i not in self.tiers:
                 self.tiers[i] = LayerTiers(i, self.layers[i], store=store, decode_stream=decode_stream)
@@ -208,15 +208,6 @@ class PagedExperts:
     def store_rows(self) -> int:
         return next(iter(self.tiers.values())).store_rows
 
-    def _rows_changed(self, layer: int) -> None:
-        """An adapter's rows came to or left a layer: its block covers them, its fetch finds their host copies (a
-        parked layer, which fetches nothing, gets its adapter rows copied in now, behind the queued kernels)."""
-        if layer in self.window.paged:
-            self.window.cover(layer)
-        self.tiers[layer].refresh()
-        if layer in self.window.paged and not self.tiers[layer].active:  # parked
-            self.layers[layer].copy_in(skip=self.num_experts)
-
     # ---- measurement -----------------------------------------------------------------------------
     def timed_fetch(self, layer: int, store_rows: int) -> float:
         """Seconds to fetch a whole paged layer with `store_rows` base rows from the store and the rest from host
@@ -251,9 +242,11 @@ class PagedExperts:
         return {"fetched_rows": self._last_counted[0], "fetches": self._last_counted[1]}
 
     def device_bytes(self) -> dict[str, int]:
-        """Device memory per tier: the window's blocks, the resident layers' own rows, the store."""
+        """Device memory per tier: the window's blocks, the resident layers' own rows, the paged layers' adapter
+        rows (they stay on the device), the store."""
         resident = sum(self.layers[i].physical_bytes() for i in self.resident)
-        return {"window": self.window.nbytes(), "resident": resident,
+        adapters = sum(self.layers[i].adapter_device_bytes() for i in self.window.paged)
+        return {"window": self.window.nbytes(), "resident": resident, "adapters": adapters,
                 "store": self.store.nbytes if self.store is not None and self.store_rows else 0}
 
     def close(self) -> None:

@@ -1,15 +1,17 @@
 """Where a paged layer's rows come from, and the fetch that brings a step's rows in.
 
-Two tiers: pinned host copies of every held row (base and adapter rows alike; the GPU reads them over the bus,
-esftctl.kernels.row_fetch), and for the base rows below `store_rows` a Huffman store kept in GPU memory
-(esftctl.kernels.huffman_decode: about 68% of bf16, so a compressed GPU tier holds every base expert of a paged
-layer in two thirds of their memory and moves nothing over the bus). Both decide on the GPU which rows to bring,
+Only base rows page (a layer's adapter rows stay on the device: esftctl.runtime.moe_layer), so a layer's fetch
+covers rows [0, E): its routed ids past E name adapter rows, which are neither marked nor fetched. Two tiers: pinned
+host copies of the base rows (the GPU reads them over the bus, esftctl.kernels.row_fetch), and for the base rows
+below `store_rows` a Huffman store kept in GPU memory (esftctl.kernels.huffman_decode: about 68% of bf16, so a
+compressed GPU tier holds every base expert of a paged layer in two thirds of their memory and moves nothing over
+the bus). Both decide on the GPU which rows to bring,
 from the step's routed ids or every row, and read their settings there (`active`, `store_rows`), so the launches
 are the same every step and CUDA graphs captured once stay right when the planner changes either.
 
 Where a compressed tier delivers every base row from the start (`--store-experts` = the expert count), the host
-copies of the base rows would never be read: the layers keep only their adapter rows' (`base_copies_needed`; for
-Qwen3-30B-A3B's shape the base copies were 38.6 GB of pinned memory). Such a layer's `store_rows` stays at its
+copies of the base rows would never be read: the layers keep none (`base_copies_needed`; for Qwen3-30B-A3B's shape
+the base copies were 38.6 GB of pinned memory). Such a layer's `store_rows` stays at its
 expert count, and a layer made resident gets its base rows from the tier too (`LayerTiers.fill`).
 
 A second compressed GPU tier needs no store file (`FixedTier`, `serve --paging-codec fixed`): every paged layer's
@@ -103,16 +105,16 @@ class FixedPlan:
 
 
 class LayerTiers:
-    """One paged layer's tiers and its fetch. `layer` gives its rows (w13, w2 virtual tensors at fixed addresses),
-    `held_rows()`, `host_row(row)` (pinned host copies; (None, None) for base rows without, which the compressed
-    tier then delivers, all of them: `base_copies`) and `copy_in(skip)`."""
+    """One paged layer's tiers and its fetch, over its base rows. `layer` gives its rows (w13, w2 virtual tensors
+    at fixed addresses), `own_experts`, `host_row(row)` (pinned host copies; (None, None) without, where the
+    compressed tier delivers every base row: `base_copies`) and `copy_in(skip)`."""
 
     def __init__(self, index: int, layer, *, store: StoreTier | FixedTier | None = None, decode_stream=None):
         """`decode_stream` (CUDA, with a store): where the decoder runs beside the host tier's copies. A FixedTier
         encodes the layer's base rows now, from what they hold: build it before the layer is paged out."""
         self.index, self.layer, self.decode_stream = index, layer, decode_stream
         self.num_experts = layer.num_experts
-        w13, w2 = layer.w13.tensor, layer.w2.tensor
+        w13, w2 = self.rows
         self.cuda = w13.device.type == "cuda"
         self.store_rows = 0  # base rows [0, store_rows) from the store, the rest from host copies
         self.active = True  # False: the layer is resident and fetches nothing
@@ -125,7 +127,7 @@ class LayerTiers:
             self.set_store_rows(self.num_experts)
 
     def _init_store(self, store: StoreTier | None) -> None:
-        w13, w2 = self.layer.w13.tensor, self.layer.w2.tensor
+        w13, w2 = self.rows
         targets = store.targets(self.index, w13, w2) if store is not None else []
         if self.cuda:
             self.fetcher = RowFetch(w13, w2)
@@ -144,20 +146,24 @@ class LayerTiers:
 
     def _init_fixed(self, plan: FixedPlan) -> None:
         if self.cuda:
-            self.fetcher, self.plan = RowFetch(self.layer.w13.tensor, self.layer.w2.tensor), plan
+            self.fetcher, self.plan = RowFetch(*self.rows), plan
         else:
-            self.needed = torch.zeros(self.layer.w13.tensor.shape[0], dtype=torch.int32)
+            self.needed = torch.zeros(self.num_experts, dtype=torch.int32)
             self.segments, self.fetched_rows, self.marks = {}, 0, 0
             self.decode_row = plan.decode_row
         self.refresh()
 
+    @property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base rows of w13 and w2: what this layer's fetch fills."""
+        return self.layer.w13.tensor[:self.num_experts], self.layer.w2.tensor[:self.num_experts]
+
     def refresh(self) -> None:
-        """Point every held row at its host copy, and the others at nothing (after adapters came or went)."""
-        held = set(self.layer.held_rows())
-        w13, w2 = self.layer.w13.tensor, self.layer.w2.tensor
-        if self.cuda:  # a whole-layer fetch lists every held row: the decoder's are counted as fetched too
-            self.fetcher.set_sources([self.layer.host_row(r) if r in held else (None, None)
-                                      for r in range(w13.shape[0])], held=sorted(held))
+        """Point every base row at its host copy."""
+        w13, w2 = self.rows
+        held = self.layer.own_experts
+        if self.cuda:  # a whole-layer fetch lists every base row: the decoder's are counted as fetched too
+            self.fetcher.set_sources([self.layer.host_row(r) for r in range(self.num_experts)], held=list(held))
         else:
             self.segments = {r: list(zip(self.layer.host_row(r), (w13[r], w2[r]))) for r in held}
 
@@ -177,7 +183,7 @@ class LayerTiers:
             self.fetcher.first_host.fill_(self.store_rows)
 
     def fetch(self, ids: torch.Tensor | None, *, programs: int) -> None:
-        """Bring in the rows `ids` names (every held row with None), from both tiers, on the current stream."""
+        """Bring in the base rows `ids` names (every one with None), from both tiers, on the current stream."""
         if self.cuda and ids is None and not torch.cuda.is_current_stream_capturing():
             self._copy_whole()  # outside graphs the host decides, and the copy engine leaves the SMs to kernels
             return
@@ -204,8 +210,8 @@ class LayerTiers:
         self.marks += int(self.active)
 
     def _copy_whole(self) -> None:
-        """Every held row, through the copy engine (the base rows from `store_rows` on in one copy per tensor) and
-        the store's rows through the decoder beside it: what a whole-layer fetch is when no graph is captured (on
+        """Every base row, through the copy engine (the rows from `store_rows` on in one copy per tensor) and the
+        store's rows through the decoder beside it: what a whole-layer fetch is when no graph is captured (on
         an H100 a fetch kernel beside a large prefill's grouped products got few SMs: 0.83 of resident at 131K
         tokens, against 0.99 with copies)."""
         if not self.active:
@@ -217,23 +223,19 @@ class LayerTiers:
             self.decode_stream.wait_stream(here)
             with torch.cuda.stream(self.decode_stream):
                 self.plan.run(self.fetcher.needed, self.fetcher.first_host)
-        w13, w2 = layer.w13.tensor, layer.w2.tensor
+        w13, w2 = self.rows
         if s < e:  # without base copies the tier delivers every base row (s == e)
-            w13[s:e].copy_(layer.host[0][s:], non_blocking=True)
-            w2[s:e].copy_(layer.host[1][s:], non_blocking=True)
-        held = layer.held_rows()
-        for row in held[e:]:
-            host13, host2 = layer.host_row(row)
-            w13[row].copy_(host13, non_blocking=True)
-            w2[row].copy_(host2, non_blocking=True)
+            w13[s:].copy_(layer.host[0][s:], non_blocking=True)
+            w2[s:].copy_(layer.host[1][s:], non_blocking=True)
         if self.plan is not None and s:
             here.wait_stream(self.decode_stream)
-        self.fetcher.stats[0] += len(held)  # counted on the device, like the kernels' fetches
+        self.fetcher.stats[0] += e  # counted on the device, like the kernels' fetches
         self.fetcher.stats[1] += 1
 
     def fill(self) -> None:
-        """Every held row into the layer's rows, between steps (a layer made resident maps pages of its own
-        again): from the host copies, and base rows without copies (then all of them) from the compressed tier."""
+        """Every base row into the layer's rows, between steps (a layer made resident maps pages of its own
+        again, or a parked one fills its block): from the host copies, or without copies from the compressed
+        tier."""
         skip = 0 if self.layer.base_copies else self.store_rows
         if skip and self.cuda:
             self.fetcher.needed.fill_(1)  # the next fetch's mark sets it again

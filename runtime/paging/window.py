@@ -1,12 +1,13 @@
 """The window: `size` blocks of device memory that the paged layers share, each layer keeping its own addresses.
 
-Paged layer number p (in forward order) computes from block p mod size: its address range maps the block's
-memory (esftctl.runtime.address_space's aliases), so the fused MoE kernel, the decoder's plans and CUDA graphs
-captured once keep the layer's addresses while the memory under them is shared. A block maps the union of the
-rows its layers hold (the base rows, and every adapter row any of them holds); it grows when an adapter brings
-a new row and never shrinks while serving (rows freed are the first reused). Keeping a layer resident swaps its
-memory, not its address: its own pages are mapped again and filled by the pager, from the host copies (and the
-compressed tier, where the layers keep no copies of their base rows).
+Paged layer number p (in forward order) computes its base rows from block p mod size: the pages of its address
+range below its adapter area map the block's memory (esftctl.runtime.address_space's aliases), so the fused MoE
+kernel, the decoder's plans and CUDA graphs captured once keep the layer's addresses while the memory under them is
+shared. A block maps the base rows' pages when a first layer pages out into it, and only those: a layer's adapter
+rows, and the page its last base row may share with them, keep memory of its own (esftctl.runtime.moe_layer), so
+they are never fetched. Keeping a layer resident swaps the memory under its base rows, not their address: its own
+pages are mapped again and filled by the pager, from the host copies (and the compressed tier, where the layers
+keep no copies of their base rows).
 
 Two layers of one block never run at once: layer p's rows are filled just before its kernel, on the same stream
 as layer p - size's kernel (or, fetched ahead, on a stream that waits for it: esftctl.runtime.paging.pager).
@@ -23,13 +24,15 @@ from esftctl.runtime.virtual_tensor import VirtualExpertTensor
 class Window:
     def __init__(self, layers: Mapping[int, object], order: Sequence[int], size: int,
                  make_space: Callable[[int], AddressSpace]):
-        """`layers`: index -> a layer with `w13` and `w2` virtual tensors, `held_rows()`, `page_out()`, `page_in()`
+        """`layers`: index -> a layer with `w13` and `w2` virtual tensors, `base_rows`, `page_out()`, `page_in()`
         (esftctl.runtime.moe_layer.VirtualMoELayer); `make_space(nbytes)` reserves a range like theirs."""
         self.layers, self.order, self.size = dict(layers), list(order), size
         self.block_of = {layer: p % size for p, layer in enumerate(self.order)}
         first = self.layers[self.order[0]]
-        self.blocks = [tuple(VirtualExpertTensor(make_space(t.space.nbytes), t.num_rows, t.row_shape, t.dtype)
-                             for t in (first.w13, first.w2)) for _ in range(min(size, len(self.order)))]
+        self.base_rows = first.base_rows
+        self.blocks = [tuple(VirtualExpertTensor(make_space(t.space.nbytes), t.num_rows, t.row_shape, t.dtype,
+                                                 split_row=self.base_rows) for t in (first.w13, first.w2))
+                       for _ in range(min(size, len(self.order)))]
         self.paged: set[int] = set()
 
     def members(self, block: int) -> list[int]:
@@ -40,7 +43,12 @@ class Window:
         its rows must have finished)."""
         self.layers[layer].page_out()
         self.paged.add(layer)
-        self.cover(layer)
+        w13, w2 = self.blocks[self.block_of[layer]]
+        for t in (w13, w2):
+            if not t.stats().mapped_pages:  # the block's first paged layer: map its memory (kept from then on)
+                t.hold_pages(t.pages_below(self.base_rows))
+        self.layers[layer].w13.space.alias(w13.space)
+        self.layers[layer].w2.space.alias(w2.space)
 
     def page_in(self, layer: int) -> None:
         """The layer maps pages of its own again; filling them is the caller's (the pager's: LayerTiers.fill, from
@@ -50,19 +58,6 @@ class Window:
         l.w2.space.unalias()
         self.paged.discard(layer)
         l.page_in()
-
-    def cover(self, layer: int) -> None:
-        """Map the rows `layer` holds in its block, and alias what the block gained into its paged members."""
-        block = self.block_of[layer]
-        w13, w2 = self.blocks[block]
-        new = [r for r in self.layers[layer].held_rows() if not w13.is_mapped(r)]
-        if new:
-            w13.map_rows(new)
-            w2.map_rows(new)
-        for member in self.members(block):
-            if member in self.paged:
-                self.layers[member].w13.space.alias(w13.space)
-                self.layers[member].w2.space.alias(w2.space)
 
     def nbytes(self) -> int:
         """Device memory the blocks hold."""

@@ -221,12 +221,12 @@ class EsftModel:
             self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
             if adaptive:
                 self.residency = AdaptiveResidency(self.pager,
-                                                   lambda: max(l.held_bytes() for l in self.layers.values()))
+                                                   lambda: max(l.base_bytes() for l in self.layers.values()))
                 if kv_need is not None and self.pool is not None:
                     torch.cuda.empty_cache()
-                    free, total = torch.cuda.mem_get_info(self.device)
-                    self.residency.start(kv_need, free=free, total=total)
-        self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window, num_slots * experts_per_slot)
+                    free, total = torch.cuda.mem_get_info(self.device)  # less what the adapters' rows will take
+                    self.residency.start(kv_need, free=free - self._adapter_reserve(adapter_budget), total=total)
+        self.reserved_bytes = self._reserve_device_memory(adapter_budget, paging_window)
 
     def _shared_experts(self, engine_layers: dict[int, EngineMoELayer], base: MoECheckpoint, copies: int,
                         slots: int) -> SharedExperts:
@@ -251,32 +251,33 @@ class EsftModel:
             return HostAddressSpace(nbytes, page_size=HOST_PAGE)
         return CudaAddressSpace(nbytes, self.pool)
 
-    def _reserve_device_memory(self, budget: int | None, window: int, rows_per_layer: int) -> int:
+    def _reserve_device_memory(self, budget: int | None, window: int) -> int:
         """Set device memory aside now for what serving maps later, since vLLM sizes its KV cache from the
         memory left free once the model is loaded (adapters, `--lora-modules` ones too, load after that): the
-        adapter budget's experts, or with paging the adapter rows the window's blocks may gain (the blocks hold
-        the base rows already; layers paged out gave theirs back, so the KV cache gets it). Returns the bytes set
-        aside."""
+        adapter budget's experts, paged or not (a paged layer keeps its adapter rows in pages of its own; the
+        layers paged out gave their base rows back, so the KV cache gets those). Returns the bytes set aside."""
         if self.pool is None:
             return 0
         torch.cuda.empty_cache()  # what start-up left in torch's cache (paging: the fixed-rate encoder's temporaries)
-        layer = next(iter(self.layers.values()))
-        page, n = self.pool.page_size, len(self.layers)
-        adapter_experts = budget or 0
-        if window and window < n:
+        if window and window < len(self.layers):
             self.pool.trim()
-            nbytes = window * (min(adapter_experts, rows_per_layer) * layer.expert_bytes + 4 * page)
-        else:  # an adapter's rows in a layer start and end inside a page: two more pages per tensor and layer
-            nbytes = adapter_experts * layer.expert_bytes + (2 * len(layer.parts) * n * page if adapter_experts else 0)
+        nbytes, page = self._adapter_reserve(budget), self.pool.page_size
         free = torch.cuda.mem_get_info(self.device)[0]
         if nbytes > free:
-            what = "the paging window and its adapters need" if window else "the adapter memory budget needs"
-            raise EsftError(f"{what} {format_bytes(nbytes)} of GPU memory, but {format_bytes(free)} are free after "
-                            "loading the model; serve with a smaller --adapter-memory or --paging-window, or fewer "
-                            "--slots or --experts-per-slot")
+            raise EsftError(f"the adapter memory budget needs {format_bytes(nbytes)} of GPU memory, but "
+                            f"{format_bytes(free)} are free after loading the model; serve with a smaller "
+                            "--adapter-memory or --paging-window, or fewer --slots or --experts-per-slot")
         pages = -(-nbytes // page)
         self.pool.reserve(pages)
         return pages * page
+
+    def _adapter_reserve(self, budget: int | None) -> int:
+        """Device bytes of `budget` adapter experts (all layers): their rows, and in each layer the two pages per
+        tensor their rows start and end inside."""
+        if not budget:
+            return 0
+        layer = next(iter(self.layers.values()))
+        return budget * layer.expert_bytes + 2 * len(layer.parts) * len(self.layers) * self.page_bytes
 
     def _page_experts(self, engine_layers: dict[int, EngineMoELayer], window: int,
                       tier: StoreTier | FixedTier | None, store_experts: int | None, fetch: str) -> PagedExperts:
@@ -309,7 +310,7 @@ class EsftModel:
     def _free_once_paged(self, window: int) -> int:
         """GPU memory free once the paged layers gave their experts back (the window's blocks keep as many
         layers' rows): the compressed tier's room, since the pager builds it as the layers page out."""
-        held = sorted((layer.held_bytes() for layer in self.layers.values()), reverse=True)
+        held = sorted((layer.base_bytes() for layer in self.layers.values()), reverse=True)
         return torch.cuda.mem_get_info(self.device)[0] + sum(held[window:])
 
     def _store_tier(self, base: MoECheckpoint, store: ExpertStore, window: int) -> StoreTier:

@@ -361,8 +361,8 @@ class EsftWorkerManager:
             adapter_budget_experts=slots.budget,
             reserved_bytes=runtime.reserved_bytes, page_bytes=runtime.page_bytes,
             adapter_physical_bytes=physical_adapter,
-            expert_device_bytes=paging.window_bytes + paging.resident_bytes + paging.store_bytes if paging
-            else slots.physical_bytes(),
+            expert_device_bytes=(paging.window_bytes + paging.resident_bytes + paging.adapter_bytes
+                                 + paging.store_bytes) if paging else slots.physical_bytes(),
             padded_bytes=len(adapters) * widest * expert_bytes, merged_bytes=len(adapters) * self.base.total_nbytes,
             kv_cache_tokens=blocks * cache.block_size if blocks else None,
             host_cache_used_bytes=self.host_cache.nbytes, host_cache_hits=self.host_cache.hits,
@@ -403,11 +403,12 @@ class EsftWorkerManager:
         per_token = kv_bytes_per_token(self.vllm_config)
         return PagingStatus(fetch=pager.fetch_mode, store_experts=pager.store_rows, store_codec=pager.codec or "",
                             window_bytes=device["window"],
-                            resident_bytes=device["resident"], store_bytes=device["store"],
+                            resident_bytes=device["resident"], adapter_bytes=device["adapters"],
+                            store_bytes=device["store"],
                             host_bytes=sum(l.host_bytes() for l in layers),
                             host_base_rows=all(l.base_copies for l in layers),
                             freed_bytes=freed, freed_kv_tokens=freed // per_token if per_token else None,
-                            held_rows=max(len(l.held_rows()) for l in layers),
+                            held_rows=max(l.base_rows for l in layers),
                             fetched_rows=counters["fetched_rows"], fetches=counters["fetches"],
                             resident_layers=sorted(pager.resident), parked_layers=sorted(pager.parked),
                             decisions=residency.decisions[-5:] if residency else [])
