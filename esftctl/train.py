@@ -9,8 +9,9 @@
 3. Fine-tuning of the selected routed experts only. transformers holds a layer's experts as one tensor per projection
    ([E, 2I, H] and [E, H, I]); the selected rows become float32 master parameters of their own (AdamW's state is kept
    for them alone, never for a frozen row), and before each forward of the layer a pre-hook writes them, in the
-   model's dtype, into the frozen tensor in place (`_RowsInto`: no copy of the layer's experts; the rows' gradient is
-   the weight's at them).
+   model's dtype, into the frozen tensor in place (`_RowsInto`: no copy of the layer's experts). The experts' forward
+   is transformers' grouped one with weight gradients for the selected experts alone, straight to their masters
+   (esftctl.train_experts: not the whole layer's, a third of its experts' compute).
    Everything else is frozen and stays in the base's dtype, but what ESFT's switches say to train as whole tensors
    (TrainedTensors): the shared experts (`shared_experts`), every tensor outside the experts (`non_expert_modules`).
    An FP8 base loads dequantized (bf16) and its experts are stored quantized again. AdamW with linear warm-up and
@@ -44,6 +45,7 @@ from esftctl.formats.checkpoint import TORCH_DTYPES, ExpertWeights, MoECheckpoin
 from esftctl.formats.fp8 import SCALE_SUFFIX
 from esftctl.jsonl import Example, read_records
 from esftctl.selection import ExpertConfig
+from esftctl.train_experts import use_selected_rows
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,10 @@ class TrainedRows:
             for a in attrs:
                 module.esft_rows.register_parameter(a, torch.nn.Parameter(getattr(module, a).detach()[ids].float()))
             self.ids[layer], self.modules[layer] = ids, (module, attrs)
+            module.esft_ids = sorted(chosen)  # for esftctl.train_experts' backward, on the host
             self.handles.append(module.register_forward_pre_hook(self._writer(layer)))
+        if self.modules:
+            use_selected_rows(model)
 
     def _writer(self, layer: int) -> Callable:
         attrs = self.modules[layer][1]
