@@ -245,12 +245,13 @@ def launch_vllm(kernel, a, b, c, topk_weights, sorted_ids, expert_ids, post_padd
 
 def run_case(*, experts: int, hidden: int, intermediate: int, tokens: int, top_k: int, escapes: str,
              config: dict, seed: int, naive: bool = False, minus_one: bool = False, exact: bool = True,
-             device: str = "cpu", launch=None, align=None, corrupt=None) -> dict:
+             device: str = "cpu", launch=None, align=None, corrupt=None, fused_kernel=None) -> dict:
     """Both products of one MoE layer (w13: a [tokens, H] into [tokens, top_k, 2I]; w2: [pairs, I] into
     [tokens, top_k, H], routed weights applied there as vLLM does) through the fused kernel on the layout and
     vLLM's kernel on the decoded weights (`launch`, default `launch_vllm` of `vllm_kernel`), each with `config`,
     pairs aligned by `align` (default `moe_align_reference`): {product: (fused, vLLM's, reference)}. `corrupt`
-    changes the layout the fused kernel gets (after the checks): the tests that show a broken escape path fails."""
+    changes the layout the fused kernel gets (after the checks): the tests that show a broken escape path fails.
+    `fused_kernel`: another launch with invoke_fused_moe_tiled's arguments (the CuTe DSL design's)."""
     from esftctl.bench.synthetic_model import trained_like
     from esftctl.kernels.fixed_rate_moe import fused_moe_tiled_reference, invoke_fused_moe_tiled, moe_align_reference
 
@@ -285,8 +286,8 @@ def run_case(*, experts: int, hidden: int, intermediate: int, tokens: int, top_k
         mul = name == "w2"
         fused = torch.full((tokens, top_k, n), 3.0, dtype=torch.bfloat16, device=device)
         plain = fused.clone()
-        invoke_fused_moe_tiled(a, corrupt(tiled) if corrupt else tiled, fused, weights, sorted_ids, expert_ids, post,
-                               mul, top, config)
+        (fused_kernel or invoke_fused_moe_tiled)(a, corrupt(tiled) if corrupt else tiled, fused, weights, sorted_ids,
+                                                 expert_ids, post, mul, top, config)
         launch(a, w.to(device), plain, weights, sorted_ids, expert_ids, post, mul, top, config)
         ref = fused_moe_tiled_reference(a, tiled, weights, ids, mul, top, config["BLOCK_SIZE_K"]).view(fused.shape)
         out[name] = (fused.cpu(), plain.cpu(), ref.cpu())

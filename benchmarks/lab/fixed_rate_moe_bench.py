@@ -11,7 +11,10 @@ batches). The activation between the GEMMs and the final sum are the same in all
 - decode:   today's paging tier: `decode_rows` of the step's routed rows into a bf16 window, then vLLM's kernel
             on the window;
 - fused0:   the tiled kernel on the same layer with its escapes moved into the window (each escaped value's
-            exponent replaced by the window's lowest): what the escaped groups' path costs (2-3% of groups).
+            exponent replaced by the window's lowest): what the escaped groups' path costs (2-3% of groups);
+- cute:     the CuTe DSL design (esftctl.kernels.fixed_rate_moe_cute: B decoded into the MMA's registers) on the
+            same codes, vLLM's BLOCK_SIZE_M and assignment, 4 warps of 2 MMA columns; where nvidia-cutlass-dsl
+            imports (else left out).
 First the outputs are checked bit for bit (fused and decode against resident; fused0 against vLLM's kernel on
 fused0's weights); then each timed variant
 is captured as a CUDA graph and replayed --iters times, L2 flushed before each replay (weights come from HBM as in
@@ -36,6 +39,15 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from esftctl.kernels.fixed_rate_moe_cute import CuteTiles, invoke_fused_moe_tiled_cute
+
+try:
+    import cutlass  # noqa: F401
+
+    HAS_CUTE = torch.cuda.is_available()
+except ImportError:
+    HAS_CUTE = False
 
 MODELS = {  # experts, hidden, intermediate, top_k
     "deepseek-v2-lite": (64, 2048, 1408, 6),
@@ -79,6 +91,7 @@ class Layer:
             self.rows[name].check()
         self.weights0 = {name: without_escapes(w, self.tiles[name]) for name, w in self.weights.items()}
         self.tiles0 = {name: encode_tiled(w) for name, w in self.weights0.items()}
+        self.cute = {name: CuteTiles.of(t) for name, t in self.tiles.items()} if HAS_CUTE else {}
         assert all(t.raw.shape[0] == 0 for t in self.tiles0.values())
         self.window = {name: torch.empty_like(w) for name, w in self.weights.items()}
         self.first_host = torch.full((1,), experts, dtype=torch.int32, device=device)
@@ -129,6 +142,10 @@ class Layer:
             for name, a, _, mul, top in self.products(b):
                 if variant in ("resident", "resident0"):
                     vllm(a, (self.weights if variant == "resident" else self.weights0)[name], outs[name], mul, top)
+                elif variant == "cute":
+                    invoke_fused_moe_tiled_cute(a, self.cute[name], outs[name], b.topk_weights, b.sorted_ids,
+                                                b.expert_ids, b.post_padded, mul, top,
+                                                {"BLOCK_SIZE_M": b.config["BLOCK_SIZE_M"]})
                 elif variant in ("fused", "fused0"):
                     invoke_fused_moe_tiled(a, (self.tiles if variant == "fused" else self.tiles0)[name],
                                            outs[name], b.topk_weights, b.sorted_ids, b.expert_ids, b.post_padded,
@@ -148,7 +165,8 @@ class Layer:
                     for t in self.tiles.values())
         codes = sum(rows * (r.count * 3 // 2 + 16 + r.starts.shape[1] * 4) for r in self.rows.values())
         acts = sum(a.numel() * 2 + b.tokens * self.top_k * n * 2 for _, a, n, _, _ in self.products(b))
-        return {"resident": weights + acts, "fused": tiles + acts, "decode": codes + 2 * weights + acts}
+        return {"resident": weights + acts, "fused": tiles + acts, "cute": tiles + acts,
+                "decode": codes + 2 * weights + acts}
 
 
 def without_escapes(w: torch.Tensor, tiles) -> torch.Tensor:
@@ -205,14 +223,15 @@ def main() -> None:
                       "skipped", flush=True)
                 records.append({"model": model, "tokens": tokens, "config": b.config, "skipped": "K tile"})
                 continue
-            steps = {v: layer.step(b, v) for v in ("resident", "fused", "decode", "fused0", "resident0")}
+            steps = {v: layer.step(b, v) for v in ("resident", "fused", "decode", "fused0", "resident0")
+                     + (("cute",) if HAS_CUTE else ())}
             for run, _ in steps.values():
                 run()
             torch.cuda.synchronize()
             outs = {v: o for v, (_, o) in steps.items()}
             exact = all(torch.equal(outs[v][p].view(torch.int16), outs[want][p].view(torch.int16))
                         for v, want in (("fused", "resident"), ("decode", "resident"), ("fused0", "resident0"))
-                        for p in outs["resident"])
+                        + ((("cute", "resident"),) if HAS_CUTE else ()) for p in outs["resident"])
             times = {v: graph_times(run, args.iters, flush) for v, (run, _) in steps.items() if v != "resident0"}
             bound = {v: n / bandwidth * 1e3 for v, n in layer.nbytes(b).items()}
             c = b.config
@@ -224,7 +243,9 @@ def main() -> None:
                   f"{t['decode']:>13s} {t['fused0']:>13s} "
                   f"{bound['resident']:6.3f}/{bound['fused']:6.3f}/{bound['decode']:6.3f} "
                   f"{times['fused'][0] / times['resident'][0]:9.2f} {times['decode'][0] / times['fused'][0]:9.2f} "
-                  f"{bound['fused'] / times['fused'][0]:14.0%}", flush=True)
+                  f"{bound['fused'] / times['fused'][0]:14.0%}"
+                  + (f"  cute {t['cute']} ({times['cute'][0] / times['resident'][0]:.2f}x resident, "
+                     f"{bound['cute'] / times['cute'][0]:.0%} of bound)" if HAS_CUTE else ""), flush=True)
             records.append({"model": model, "tokens": tokens, "config": c, "naive": b.sorted_ids is None,
                             "exact": exact, "ms": times, "bound_ms": bound, "device": torch.cuda.get_device_name(),
                             "rows": int(b.needed.sum())})

@@ -12,7 +12,9 @@
 #      one layer, 1 / 32 / 256 tokens, against vLLM's kernel and the tier's decode-then-GEMM);
 #   7. issue 87 item 2: a layer's rows from the host as the fixed-rate code against bf16 (effective rate);
 #   8. issue 87 item 1: paging with adapter rows kept on the device, on CUDA (the pager's tests with the driver's
-#      aliases, the runtime's paging tests, DeepSeek-V2 served paged with CUDA graphs).
+#      aliases, the runtime's paging tests, DeepSeek-V2 served paged with CUDA graphs);
+#   9. issue 87 item 3's CuTe DSL design: its CUDA tests against vLLM's kernel, then the GEMM bench (its `cute`
+#      column beside the Triton design's). Needs benchmarks/lab/cute_payload.sh's install in /tmp/cute-site.
 # Results in /tmp/res (pass it to background.sh wait). Carry .world (the tiny world) with the install's last part.
 #   bash benchmarks/lab/background.sh start ct "bash benchmarks/lab/gpu_copies_train.sh"
 #   bash benchmarks/lab/background.sh wait ct 540 /tmp/res   (again until it prints "finished")
@@ -43,6 +45,9 @@ for part in ${PARTS:-1 2 3}; do
     8) OUT=$res DEADLINE=${TESTS_DEADLINE:-420} bash benchmarks/lab/gpu_tests.sh paging tests/test_runtime_paging.py \
          tests/test_runtime_paging_fixed.py 'tests/test_runtime_vllm_model.py' -k 'pag or tier or cuda' \
          'tests/test_serve_adapters.py::test_paging_with_cuda_graphs_served_exactly[deepseek_v2]' ;;
+    9) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh cute tests/test_fixed_rate_moe_cute.py
+       OUT=$res PYTHONPATH=/tmp/site:/tmp/cute-site python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 \
+         | tee "$res/fixed_rate_moe_cute_bench.log" ;;
   esac
   echo "part $part: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$res/parts.log"
 done

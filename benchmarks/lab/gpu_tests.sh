@@ -14,6 +14,7 @@
 # killed it in the sixth of thirteen tests, and of a failure only its "F" came back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 ESFTCTL_WORLD=$PWD/.world PYTHONUNBUFFERED=1
+[ -d /tmp/cute-site ] && export PYTHONPATH=$PYTHONPATH:/tmp/cute-site  # CUTLASS's DSL (cute_payload.sh), if installed
 name=$1; shift
 # no test named: the whole suite, past any call's limit (2026-12-05: an empty glob ran it, and the call timed out
 # with its 70th test and a log too large to come back)
