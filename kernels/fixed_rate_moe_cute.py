@@ -161,8 +161,11 @@ try:
             for ma in cutlass.range_constexpr(MA):
                 for h in cutlass.range_constexpr(2):
                     r = 16 * ma + 8 * h + g
-                    if cutlass.const_expr(NAIVE):
-                        pair[h, ma] = pid_m if r == 0 else num_valid
+                    if cutlass.const_expr(NAIVE):  # the block's first row is pair pid_m, the others none
+                        first = num_valid
+                        if r == 0:
+                            first = pid_m
+                        pair[h, ma] = first
                     else:
                         pair[h, ma] = sorted_ids[pid_m * block_m + r]
             expert = cute.make_tensor(experts_ptr, flat)[pid_m]
