@@ -135,6 +135,24 @@ def host_device_pointer(tensor: torch.Tensor) -> int:
     return int(ptr)
 
 
+class _MappedHost:
+    """Pinned host memory as a CUDA array (torch.as_tensor keeps this object, and so the host tensor, alive)."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.__cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                         "data": (host_device_pointer(host), False), "version": 3}
+
+
+def mapped_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over pinned host memory (zero-copy: a kernel's loads from it cross the bus), same dtype and
+    shape: what a kernel that refuses CPU tensors (Triton's) takes to read the host directly."""
+    if not host.is_pinned() or not host.is_contiguous():
+        raise ValueError("zero-copy views need contiguous pinned host tensors")
+    raw = torch.as_tensor(_MappedHost(host), device=device)
+    return raw.view(host.dtype).view(host.shape)
+
+
 class RowFetch:
     """One layer's fetch state on the device: its segment table (row r's w13 is segment r, its w2 segment
     rows + r), the step's marks, the tier boundary, the active flag, and `stats` = (rows fetched, marks while

@@ -172,3 +172,30 @@ def test_masked_decode_writes_only_needed_rows_below_the_host_tier(tmp_path):
     plan.run()  # unmasked: every row
     torch.cuda.synchronize()
     assert torch.equal(dev13.cpu(), w13) and torch.equal(dev2.cpu(), w2)
+
+
+def test_reference_marks_ignore_ids_past_the_rows():
+    """A paged layer's fetch covers its base rows: routed ids past them (adapter rows) are neither marked nor
+    listed, as the mark kernel's bound on n_rows does."""
+    needed = torch.zeros(4, dtype=torch.int32)
+    assert mark_rows_reference(torch.tensor([[1, 6], [5, 3]]), needed, True) == [1, 3]
+    assert needed.tolist() == [0, 1, 0, 1]
+
+
+def test_zero_copy_views_refuse_memory_that_is_not_pinned():
+    from esftctl.kernels.row_fetch import mapped_on_device
+
+    with pytest.raises(ValueError, match="pinned"):
+        mapped_on_device(torch.zeros(8), torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_a_zero_copy_view_reads_and_writes_the_host():
+    from esftctl.kernels.row_fetch import mapped_on_device
+
+    host = torch.arange(4096, dtype=torch.int32).pin_memory()
+    view = mapped_on_device(host, torch.device("cuda"))
+    assert view.is_cuda and view.shape == host.shape and torch.equal(view.clone().cpu(), host)
+    view.mul_(2)  # a kernel's stores land in host memory
+    torch.cuda.synchronize()
+    assert torch.equal(host, torch.arange(4096, dtype=torch.int32) * 2)

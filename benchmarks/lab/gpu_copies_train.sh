@@ -43,7 +43,8 @@ for part in ${PARTS:-1 2 3}; do
        OUT=$res python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 | tee "$res/fixed_rate_moe_bench.log" ;;
     7) OUT=$res python3 benchmarks/lab/host_codes_bench.py 2>&1 | tee "$res/host_codes.log" ;;
     8) OUT=$res DEADLINE=${TESTS_DEADLINE:-420} bash benchmarks/lab/gpu_tests.sh paging tests/test_runtime_paging.py \
-         tests/test_runtime_paging_fixed.py 'tests/test_runtime_vllm_model.py' -k 'pag or tier or cuda' \
+         tests/test_runtime_paging_fixed.py tests/test_kernel_row_fetch.py 'tests/test_runtime_vllm_model.py' \
+         -k 'pag or tier or cuda or fetch or zero_copy or decode' \
          'tests/test_serve_adapters.py::test_paging_with_cuda_graphs_served_exactly[deepseek_v2]' ;;
     9) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh cute tests/test_fixed_rate_moe_cute.py
        OUT=$res PYTHONPATH=/tmp/site:/tmp/cute-site python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 \
