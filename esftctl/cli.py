@@ -589,15 +589,18 @@ def serve(
                                                  "keeps experts in the checkpoint's layout: vLLM on CUDA).",
                                       callback=_must_exist,
                                 rich_help_panel="Paging (when experts do not fit)"),
-    paging_codec: str = typer.Option(None, help="With --paging-window: the compressed GPU tier. `huffman` (the "
+    paging_codec: str = typer.Option(None, help="With --paging-window: the compressed tier. `huffman` (the "
                                                 "default with --paging-store) decodes the store; `fixed` encodes "
                                                 "every paged layer's base experts at start, from the loaded "
-                                                "weights, in a fixed-rate code (75% of bf16, decoded about 1.4x "
-                                                "faster than the store's 68%) and needs no store.",
+                                                "weights, in a fixed-rate code kept on the GPU (75% of bf16, "
+                                                "decoded about 1.4x faster than the store's 68%) and needs no "
+                                                "store; `fixed-host` keeps those codes in pinned host memory and "
+                                                "decodes them over the bus (no GPU memory for base experts, 0.75 "
+                                                "of a bf16 host copy's bytes to move).",
                                 rich_help_panel="Paging (when experts do not fit)"),
     store_experts: int = typer.Option(None, help="With --paging-store or --paging-codec fixed: base experts per "
                                                  "layer taken from the compressed tier (default: split by the two "
-                                                 "tiers' speeds, measured at start).",
+                                                 "tiers' speeds, measured at start; with fixed-host, all).",
                                 rich_help_panel="Paging (when experts do not fit)"),
     paging_adaptive: bool = typer.Option(False, help="With --paging-window: keep more layers resident while loads "
                                                      "show (compute / load < 0.9) and fewer while compute hides "

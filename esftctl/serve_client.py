@@ -157,11 +157,16 @@ def _memory_table(s: EngineStatus) -> Table:
         memory.add_row(f"  {len(p.resident_layers)} layers kept resident", format_bytes(p.resident_bytes))
         memory.add_row("  adapter rows of the paged layers (on the device, never fetched)",
                        format_bytes(p.adapter_bytes))
-        codec = {"huffman": "Huffman store, ", "fixed": "fixed-rate, "}.get(p.store_codec, "")
+        codec = {"huffman": "Huffman store, ", "fixed": "fixed-rate, ",
+                 "fixed-host": "fixed-rate codes' tables; the codes on the host, "}.get(p.store_codec, "")
         memory.add_row(f"  compressed tier on the GPU ({codec}{p.store_experts} base experts per layer)",
                        format_bytes(p.store_bytes))
-        copies = "the base experts" if p.host_base_rows else "none: the compressed tier has the base"
-        memory.add_row(f"host tier (pinned copies of {copies})", format_bytes(p.host_bytes))
+        if p.store_codec == "fixed-host":
+            held = "the base experts' fixed-rate codes" + (" and bf16 copies" if p.host_base_rows else "")
+            memory.add_row(f"host tier (pinned: {held})", format_bytes(p.host_bytes))
+        else:
+            copies = "the base experts" if p.host_base_rows else "none: the compressed tier has the base"
+            memory.add_row(f"host tier (pinned copies of {copies})", format_bytes(p.host_bytes))
         bought = f" = {p.freed_kv_tokens:,} KV tokens" if p.freed_kv_tokens is not None else ""
         memory.add_row("expert memory paging leaves to the KV cache", format_bytes(p.freed_bytes) + bought)
         per_fetch = p.fetched_rows / p.fetches if p.fetches else 0.0

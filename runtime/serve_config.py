@@ -49,10 +49,11 @@ class ServeSettings:
     vllm_args: tuple[str, ...] = ()  # given to vLLM as they are
     cpu_kv_cache_gib: float | None = None  # None: $VLLM_CPU_KVCACHE_SPACE if set, else 1 GiB
     esft: bool = True  # False: plain vLLM serving the base alone (the baseline of `esftctl bench serve`)
-    paging_window: int = 0  # > 0: experts (base and adapters) paged through this many layers' worth of memory
+    paging_window: int = 0  # > 0: base experts paged through this many layers' worth of memory (adapters stay)
     paging_store: Path | None = None  # a Huffman store of the base: the GPU tier of paging
-    paging_codec: str | None = None  # the compressed GPU tier: huffman (the store's; default with paging_store),
-    # fixed (esftctl.kernels.fixed_rate: encoded from the loaded base at start-up, no store file), None: none
+    paging_codec: str | None = None  # the compressed tier: huffman (the store's; default with paging_store), fixed
+    # (esftctl.kernels.fixed_rate: encoded from the loaded base at start-up, no store file), fixed-host (those codes
+    # in pinned host memory, decoded over the bus), None: none
     store_experts: int | None = None  # base experts per layer taken from it (None: split by measured speeds)
     paging_adaptive: bool = False  # the residency planner keeps layers resident while loads show
     paging_fetch: str = "auto"  # auto, routed (the rows a step routes to), layer (the next layer whole, ahead)
@@ -137,7 +138,8 @@ class ServeSettings:
 
     @property
     def compressed_tier(self) -> str | None:
-        """The compressed GPU tier of paging: "huffman" (the store's), "fixed" (encoded at start-up), or None."""
+        """The compressed tier of paging: "huffman" (the store's), "fixed" (encoded at start-up), "fixed-host" (the
+        same codes in host memory, decoded over the bus), or None."""
         return self.paging_codec or ("huffman" if self.paging_store is not None else None)
 
     def _check_paging(self) -> None:  # the window's range needs the base: the plan checks it
@@ -147,18 +149,20 @@ class ServeSettings:
                             "--paging-window")
         self._check_codec()
         if self.store_experts is not None and self.compressed_tier is None:
-            raise EsftError("--store-experts needs --paging-store STORE or --paging-codec fixed (a compressed tier)")
+            raise EsftError("--store-experts needs --paging-store STORE or --paging-codec fixed or fixed-host (a "
+                            "compressed tier)")
         if self.paging_fetch not in ("auto", "routed", "layer"):
             raise EsftError(f"--paging-fetch {self.paging_fetch}: choose auto, routed or layer")
         if self.paging_fetch != "auto" and not self.paging_window:
             raise EsftError("--paging-fetch needs --paging-window")
 
     def _check_codec(self) -> None:
-        if self.paging_codec not in (None, "huffman", "fixed"):
-            raise EsftError(f"--paging-codec {self.paging_codec}: choose huffman (with --paging-store) or fixed")
-        if self.paging_codec == "fixed" and self.paging_store is not None:
-            raise EsftError("--paging-codec fixed encodes the base from the loaded weights and reads no store: drop "
-                            "--paging-store, or use --paging-codec huffman with it")
+        if self.paging_codec not in (None, "huffman", "fixed", "fixed-host"):
+            raise EsftError(f"--paging-codec {self.paging_codec}: choose huffman (with --paging-store), fixed or "
+                            "fixed-host")
+        if self.paging_codec in ("fixed", "fixed-host") and self.paging_store is not None:
+            raise EsftError(f"--paging-codec {self.paging_codec} encodes the base from the loaded weights and reads "
+                            "no store: drop --paging-store, or use --paging-codec huffman with it")
         if self.paging_codec == "huffman" and self.paging_store is None:
             raise EsftError("--paging-codec huffman decodes a store of the base: give --paging-store STORE "
                             "(`esftctl compress BASE`), or use --paging-codec fixed, which needs none")

@@ -95,8 +95,9 @@ class Stack:
             layer.load_base_rows(w["w13"].to(device), w["w2"].to(device))
             layer.keep_host_copy(base_rows=base_copies)
             self.layers[l] = layer
-        tier = FixedTier() if store == "fixed" else None  # encoded from the rows as loaded, before paging
-        if store is not None and store != "fixed":
+        # encoded from the rows as loaded, before paging; fixed-host: the codes in host memory, read over the bus
+        tier = FixedTier(on_host=store == "fixed-host") if store in ("fixed", "fixed-host") else None
+        if store is not None and store not in ("fixed", "fixed-host"):
             tier = StoreTier(store, {l: [{k: f"{l}.{e}.{k}" for k in ("gate", "up", "down")} for e in range(E)]
                                      for l in self.layers})
         self.pager = PagedExperts(self.layers, window=window, make_space=self.make_space, top_k=TOP_K, store=tier,
@@ -400,7 +401,7 @@ def test_base_copies_are_left_out_only_where_a_tier_delivers_every_base_row_from
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tier", ["store", "fixed"])
+@pytest.mark.parametrize("tier", ["store", "fixed", "fixed-host"])
 @pytest.mark.parametrize("fetch", ["routed", "layer"])
 def test_a_tier_of_every_base_row_pages_without_base_copies(device, tier, fetch, tmp_path):
     """Layers that keep no host copies of their base rows (a compressed tier delivers every one: for Qwen3-30B-
@@ -408,9 +409,22 @@ def test_a_tier_of_every_base_row_pages_without_base_copies(device, tier, fetch,
     tier from the start, and page as resident: with an adapter loaded while paged out and unloaded, and with layers
     made resident (filled from the tier) and paged out again. A split that would need the copies is refused."""
     weights = make_weights(17)
-    store = expert_store(weights, tmp_path / "store") if tier == "store" else "fixed"
+    store = expert_store(weights, tmp_path / "store") if tier == "store" else tier
     stack = Stack(weights, device, window=2, slots=2, per_slot=3, store=store, fetch=fetch, base_copies=False)
     assert stack.pager.store_rows == E and host_bytes(stack) == 0
+    if tier == "fixed-host":  # the codes' bulk on the host, 0.75 of the base rows' bf16 bytes; their tables here
+        expert_bytes = stack.layers[0].expert_bytes
+        assert stack.pager.codec == "fixed-host"
+        assert 0.74 * LAYERS * E * expert_bytes < stack.pager.store.host_nbytes < 0.76 * LAYERS * E * expert_bytes
+        assert 0 < stack.pager.store.nbytes < 0.05 * LAYERS * E * expert_bytes
+        if device == "cuda":  # the decoder's views are of pinned host memory
+            from cuda.bindings import runtime
+
+            for pair in stack.pager.store.codes.values():
+                for code in pair:
+                    err, attrs = runtime.cudaPointerGetAttributes(code.sm.data_ptr())
+                    assert err == runtime.cudaError_t.cudaSuccess
+                    assert attrs.type == runtime.cudaMemoryType.cudaMemoryTypeHost
     adapter = random_adapter((0, 3, 4), (1, 4, 6), seed=18)
     load_adapter(stack, 1, adapter)
     assert host_bytes(stack) == 0  # the adapter's rows stay on the device

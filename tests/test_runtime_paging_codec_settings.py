@@ -24,10 +24,12 @@ def test_the_codec_crosses_to_the_engine_and_resolves_the_tier(tmp_path, monkeyp
     assert ServeSettings(base=tmp_path, paging_window=1, paging_store=tmp_path,
                          paging_codec="huffman").compressed_tier == "huffman"
     assert ServeSettings(base=tmp_path, paging_window=1).compressed_tier is None
+    assert ServeSettings(base=tmp_path, paging_window=1, paging_codec="fixed-host").compressed_tier == "fixed-host"
 
 
 @pytest.mark.parametrize("options,message", [
     ({"paging_window": 1, "paging_codec": "fixed", "paging_store": Path("s")}, "drop --paging-store"),
+    ({"paging_window": 1, "paging_codec": "fixed-host", "paging_store": Path("s")}, "drop --paging-store"),
     ({"paging_window": 1, "paging_codec": "huffman"}, "give --paging-store STORE"),
     ({"paging_window": 1, "paging_codec": "zstd"}, "--paging-codec zstd: choose huffman"),
     ({"paging_codec": "fixed"}, "need --paging-window"),

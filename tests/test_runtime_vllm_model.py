@@ -398,6 +398,26 @@ def test_fixed_rate_tier_pages_the_same_answers(tiny_models, device, store_exper
     runtime.pager.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fixed_rate_codes_on_the_host_page_the_same_answers(tiny_models, device):
+    """`--paging-codec fixed-host`: the same codes in host memory (on a GPU, pinned and decoded over the bus), every
+    base expert from them by default, no host copies of the base rows; adapters and planner as above."""
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=60 + k, experts_per_layer=2 + k, scale=4.0) for k in range(2)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=64, paging_window=1,
+                        fixed_tier=True, fixed_on_host=True, adaptive=True)
+    runtime.residency.every = 1
+    assert runtime.pager.codec == "fixed-host" and runtime.pager.store_rows == ckpt.num_experts
+    assert not any(layer.base_copies for layer in runtime.layers.values())
+    assert runtime.pager.store.host_nbytes > 10 * runtime.pager.store.nbytes
+    slots = {name: runtime.slots.load(name, experts) for name, experts in adapters.items()}
+    for seed in range(2):
+        runtime.pager.step()
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=seed)
+    runtime.pager.close()
+
+
 @pytest.mark.gpu
 def test_reroute_replays_in_a_cuda_graph_as_adapters_change(tiny_models):
     ckpt = MoECheckpoint(tiny_models["deepseek_v2"])

@@ -199,10 +199,12 @@ class PagedExperts:
 
     @property
     def codec(self) -> str | None:
-        """The compressed tier's code: "huffman", "fixed" or None."""
+        """The compressed tier's code: "huffman", "fixed", "fixed-host" (its codes in host memory) or None."""
         if self.store is None:
             return None
-        return "fixed" if isinstance(self.store, FixedTier) else "huffman"
+        if isinstance(self.store, FixedTier):
+            return "fixed-host" if self.store.on_host else "fixed"
+        return "huffman"
 
     @property
     def store_rows(self) -> int:

@@ -168,7 +168,8 @@ class EsftModel:
 
     def __init__(self, model: torch.nn.Module, base: MoECheckpoint, *, num_slots: int, experts_per_slot: int,
                  max_tokens: int, adapter_budget: int | None = None, paging_window: int = 0,
-                 paging_store: ExpertStore | None = None, fixed_tier: bool = False, store_experts: int | None = None,
+                 paging_store: ExpertStore | None = None, fixed_tier: bool = False, fixed_on_host: bool = False,
+                 store_experts: int | None = None,
                  adaptive: bool = False, kv_need: KvNeed | None = None, paging_fetch: str = "auto",
                  base_rows: dict[int, dict[int, ExpertWeights]] | None = None, shared_copies: int = 0,
                  module_copies: int = 0, copied_tensors: tuple[str, ...] = ()):
@@ -177,7 +178,8 @@ class EsftModel:
         layers' blocks; `paging_store` (a store of the base, `esftctl compress BASE`) delivers the first
         `store_experts` base experts of each layer (None: split by the two tiers' measured speeds); `fixed_tier`
         instead encodes every layer's base experts at start-up, from the loaded weights, in a fixed-rate code kept
-        on the device (esftctl.runtime.paging.tiers.FixedTier: no store); `adaptive`
+        on the device (esftctl.runtime.paging.tiers.FixedTier: no store), or with `fixed_on_host` in pinned host
+        memory, decoded over the bus (every base expert from it unless `store_experts` says otherwise); `adaptive`
         lets the residency planner keep layers resident while loads show, from the start those that fit beside
         `kv_need` (the KV cache vLLM can use at most; None: none); `paging_fetch` how paged layers fetch
         (esftctl.runtime.paging.pager: auto, routed, layer); `base_rows` ({layer: {expert:
@@ -217,7 +219,9 @@ class EsftModel:
         self.pager, self.residency = None, None
         if paging_window:
             tier = self._store_tier(base, paging_store, paging_window) if paging_store is not None else \
-                self._fixed_tier(paging_window) if fixed_tier else None
+                self._fixed_tier(paging_window, fixed_on_host) if fixed_tier else None
+            if fixed_on_host and store_experts is None:  # both tiers would cross the one bus: no split to measure
+                store_experts = base.num_experts
             self.pager = self._page_experts(engine_layers, paging_window, tier, store_experts, paging_fetch)
             if adaptive:
                 self.residency = AdaptiveResidency(self.pager,
@@ -336,9 +340,12 @@ class EsftModel:
         return StoreTier(store, {i: [base.expert_tensor_names(i, e) for e in range(l.num_experts)]
                                  for i, l in self.layers.items()})
 
-    def _fixed_tier(self, window: int) -> FixedTier:
+    def _fixed_tier(self, window: int, on_host: bool = False) -> FixedTier:
         """The fixed-rate tier, once its codes fit: about 0.752 of the base experts' bf16 bytes, plus the encoder's
-        temporaries (ENCODE_ROWS_AT_ONCE w13 rows at ENCODE_BYTES_PER_VALUE, freed after)."""
+        temporaries (ENCODE_ROWS_AT_ONCE w13 rows at ENCODE_BYTES_PER_VALUE, freed after); on the host, in pinned
+        memory (each layer's codes move there as they are made)."""
+        if on_host:
+            return FixedTier(on_host=True)
         if self.device.type == "cuda":
             layer = next(iter(self.layers.values()))
             need = int(0.76 * layer.num_experts * layer.expert_bytes * len(self.layers))
