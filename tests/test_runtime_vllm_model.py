@@ -249,6 +249,133 @@ def test_start_up_holds_at_most_one_layer_of_experts_twice(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("store_experts", [3, None])  # None: split by the tiers' measured speeds
+def test_store_tier_and_planner_page_the_same_answers(tiny_models, tmp_path, device, store_experts):
+    """Base experts decoded from a Huffman store of the base (the first `store_experts` of each layer), the
+    rest and the adapters' from host copies, with the residency planner running every pass."""
+    from esftctl.formats.store import ExpertStore, compress
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    compress(ckpt.path, tmp_path / "store")
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=30 + k, experts_per_layer=2 + k, scale=4.0) for k in range(2)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=64, paging_window=1,
+                        paging_store=ExpertStore(tmp_path / "store"), store_experts=store_experts, adaptive=True)
+    runtime.residency.every = 1
+    split = runtime.pager.store_rows
+    assert split == 3 if store_experts else 0 <= split <= ckpt.num_experts
+    slots = {name: runtime.slots.load(name, experts) for name, experts in adapters.items()}
+    for seed in range(3):  # the planner may change what stays resident between these passes
+        runtime.pager.step()
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=seed)
+    assert runtime.residency.decisions and runtime.pager.counters()["fetched_rows"] > 0
+    runtime.pager.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["huffman", "fixed"])
+@pytest.mark.parametrize("split", ["all", "half"])
+def test_base_rows_get_host_copies_only_where_the_host_tier_may_serve_them(tiny_models, tmp_path, device, tier,
+                                                                           split):
+    """`--store-experts` = the expert count: a compressed tier delivers every base row, so the layers keep no host
+    copies (Qwen3-30B-A3B's shape: 38.6 GB of pinned base copies saved; adapter rows stay on the device); half from
+    the tier keeps the base rows' copies. Tokens get their merged models either way, with adapters loaded and
+    unloaded and a layer made resident and paged out again."""
+    from esftctl.formats.store import ExpertStore, compress
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    options = {"fixed_tier": True}
+    if tier == "huffman":
+        compress(ckpt.path, tmp_path / "store")
+        options = {"paging_store": ExpertStore(tmp_path / "store")}
+    experts = ckpt.num_experts if split == "all" else ckpt.num_experts // 2
+    adapters = {f"a{k}": synthetic_experts(ckpt, seed=50 + k, experts_per_layer=2 + k, scale=4.0) for k in range(3)}
+    served = engine_model(ckpt, None, device)
+    runtime = EsftModel(served, ckpt, num_slots=2, experts_per_slot=5, max_tokens=64, paging_window=1,
+                        store_experts=experts, **options)
+    layers = list(runtime.layers.values())
+    base_bytes = sum(l.num_experts * l.expert_bytes for l in layers)
+
+    def host_bytes() -> int:
+        return sum(l.host_bytes() for l in layers) - (0 if split == "all" else base_bytes)
+
+    assert runtime.pager.store_rows == experts and [l.base_copies for l in layers] == [split == "half"] * len(layers)
+    assert host_bytes() == 0
+    slots = {name: runtime.slots.load(name, adapters[name]) for name in ("a0", "a1")}
+    assert host_bytes() == 0  # adapter rows stay on the device
+    _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=1)
+    runtime.slots.evict("a0")
+    runtime.slots.collect()
+    slots.pop("a0")
+    slots["a2"] = runtime.slots.load("a2", adapters["a2"])
+    assert host_bytes() == 0
+    first = next(iter(runtime.layers))
+    for resident in ([first], []):  # made resident (its own pages filled), then paged out again
+        runtime.pager.set_resident(resident)
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, device, seed=2)
+    runtime.pager.close()
+
+
+def test_store_tier_refuses_an_engine_layout_it_cannot_write(tiny_models, tmp_path):
+    from esftctl.errors import EsftError
+    from esftctl.formats.store import ExpertStore, compress
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    compress(ckpt.path, tmp_path / "store")
+    served = engine_model(ckpt, None, "cpu")
+    for layer in served.layers.values():  # an engine that keeps w13 with up before gate
+        experts = layer.mlp.experts.routed_experts
+        def swap(module):
+            module.w13_weight.data = torch.cat(module.w13_weight.data.chunk(2, 1)[::-1], 1).contiguous()
+        experts.quant_method.moe_kernel.fused_experts.process_weights_after_loading = swap
+        swap(experts)
+    with pytest.raises(EsftError, match="checkpoint's layout"):
+        EsftModel(served, ckpt, num_slots=2, experts_per_slot=4, max_tokens=16, paging_window=1,
+                  paging_store=ExpertStore(tmp_path / "store"))
+
+
+def test_the_kv_need_is_what_the_scheduler_can_hold():
+    """max_num_seqs sequences of max_model_len tokens at vLLM's memory share; none where vLLM's KV cache has a
+    size of its own (--kv-cache-memory-bytes) or its bytes per token are unknown."""
+    from esftctl.runtime.paging.planner import KvNeed
+    from esftctl.runtime.vllm.worker import kv_need
+
+    def config(kv_cache_memory_bytes=None, mla=True):
+        text = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)
+        model = SimpleNamespace(get_num_layers=lambda parallel: 27, hf_text_config=text, use_mla=mla,
+                                dtype=torch.bfloat16, max_model_len=4096)
+        cache = SimpleNamespace(cache_dtype="auto", gpu_memory_utilization=0.9,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes)
+        return SimpleNamespace(model_config=model, parallel_config=None, cache_config=cache,
+                               scheduler_config=SimpleNamespace(max_num_seqs=64))
+
+    assert kv_need(config()) == KvNeed(tokens=64 * 4096, bytes_per_token=27 * 576 * 2, utilization=0.9)
+    assert kv_need(config(kv_cache_memory_bytes=8 << 30)) is None
+    assert kv_need(config(mla=False)) is None  # a model config without KV heads: unknown bytes per token
+
+
+@pytest.mark.gpu
+def test_adaptive_paging_starts_with_the_layers_the_kv_cache_leaves_room_for(tiny_models):
+    """A KV need that leaves the card's share free keeps every layer outside the window resident from the start
+    (the window's layer parked in it, the adapter's rows in pages of their own); one beyond the share keeps none;
+    the tokens stay the merged model's either way."""
+    from esftctl.runtime.paging.planner import KvNeed
+
+    ckpt = MoECheckpoint(tiny_models["deepseek_v2"])
+    adapters = {"a0": synthetic_experts(ckpt, seed=40, experts_per_layer=3, scale=4.0)}
+    total = torch.cuda.mem_get_info()[1]
+    for tokens, resident in ((1, len(ckpt.moe_layers) - 1), (total, 0)):
+        served = engine_model(ckpt, None, "cuda")
+        runtime = EsftModel(served, ckpt, num_slots=1, experts_per_slot=4, max_tokens=64, paging_window=1,
+                            adaptive=True, kv_need=KvNeed(tokens=tokens, bytes_per_token=1, utilization=0.9))
+        assert len(runtime.pager.resident) == resident
+        assert len(runtime.pager.parked) == (1 if resident else 0)  # the one paged layer, alone in the window
+        slots = {"a0": runtime.slots.load("a0", adapters["a0"])}
+        _assert_tokens_match_merged(ckpt, served, runtime, adapters, slots, "cuda", seed=5)
+        runtime.pager.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec,store_experts", [("fixed", 3), ("fixed", None), ("fixed-host", None)])
 def test_fixed_rate_tier_pages_the_same_answers(tiny_models, device, codec, store_experts):
     """`--paging-codec fixed`: base experts encoded at start-up from the rows the engine loaded (in its own layout:
