@@ -28,7 +28,7 @@ kernel reads by what it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -181,6 +181,17 @@ class FixedRows:
     def nbytes(self) -> int:
         parts = (self.table, self.sm, self.codes, self.escapes, self.base, self.starts)
         return sum(t.numel() * t.element_size() for t in parts)
+
+    def over_the_bus(self) -> "FixedRows":
+        """The code with its sign-mantissa bytes and exponent codes (0.75 of bf16's bytes) in pinned host memory, which
+        the GPU's decoder reads over the bus through zero-copy views (esftctl.kernels.row_fetch.mapped_on_device), its
+        small tables left where they are; a code off the GPU as it is (no bus to cross)."""
+        if self.sm.device.type != "cuda":
+            return self
+        from esftctl.kernels.row_fetch import mapped_on_device
+
+        return replace(self, **{name: mapped_on_device(getattr(self, name).cpu().pin_memory(), self.sm.device)
+                                for name in ("sm", "codes")})
 
     def row(self, r: int) -> FixedRate:
         """Row r as a single code (for the references and `check`)."""

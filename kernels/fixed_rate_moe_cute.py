@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from esftctl.kernels.fixed_rate_moe import GROUP, TiledExperts, decode_tiled_reference
+from esftctl.kernels.fixed_rate_moe import GROUP, TiledExperts
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,6 @@ def decode_cute_reference(tiles: CuteTiles) -> torch.Tensor:
                 out[..., kk + 1] = word[..., t] >> 16
     bits = out.view(e, n, k)
     return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
-
-
-def cute_reference_matches(t: TiledExperts) -> bool:
-    """Whether the threads' decode gives the Triton layout's weights (a check for tests)."""
-    return torch.equal(decode_cute_reference(CuteTiles.of(t)).view(torch.int16),
-                       decode_tiled_reference(t).view(torch.int16))
 
 
 try:

@@ -9,8 +9,8 @@ bytes). Each way below ends with every row's bf16 in device memory; its rate is 
 - code, copy then decode: the code copied by the copy engine, then decoded on the device (`decode_rows`), in
                           `--pieces` row pieces on two streams, so that a piece decodes while the next one crosses;
 - code, zero-copy decode: `decode_rows` reading the pinned code itself through CUDA views of it
-                          (esftctl.kernels.row_fetch.mapped_on_device; the decoder's loads cross the bus), the small
-                          tables on the device.
+                          (FixedRows.over_the_bus; the decoder's loads cross the bus), the small tables on the
+                          device.
 Item 2's target: the code's effective rate at least 1.3x the bf16 copy of the same rows, measured in the same run.
 Each way is checked bit for bit against the weights first. Median of --reps runs after 2 warm-ups (CUDA events).
 
@@ -36,16 +36,6 @@ def pinned(code):
 
     return FixedRows(code.count, code.block, *(t.cpu().pin_memory() for t in (code.table, code.sm, code.codes,
                                                                                code.escapes, code.base, code.starts)))
-
-
-def read_over_the_bus(host, device_code, device):
-    """The decoder's view of the code for a zero-copy decode: its sign-mantissa bytes and exponent codes (the 0.75 of
-    the bytes) read from pinned host memory through CUDA views of it, the small tables from the device."""
-    from esftctl.kernels.fixed_rate import FixedRows
-    from esftctl.kernels.row_fetch import mapped_on_device
-
-    return FixedRows(host.count, host.block, device_code.table, mapped_on_device(host.sm, device),
-                     mapped_on_device(host.codes, device), device_code.escapes, device_code.base, device_code.starts)
 
 
 def on_device(code, device):
@@ -131,7 +121,7 @@ def main() -> None:
             for n in weights:
                 decode_rows(dev_codes[n], out[n], needed, every)
 
-    over_bus = {n: read_over_the_bus(host_codes[n], codes[n], dev) for n in weights}
+    over_bus = {n: c.over_the_bus() for n, c in codes.items()}
 
     def zero_copy_decode():
         for n in weights:

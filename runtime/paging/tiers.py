@@ -27,14 +27,13 @@ On the CPU (vLLM's CPU build, and the tests) the same decisions run in plain PyT
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import torch
 
 from esftctl.errors import EsftError
 from esftctl.kernels.fixed_rate import FixedRows, decode_rows, decode_rows_reference, encode_rows
-from esftctl.kernels.row_fetch import RowFetch, fetch_rows_reference, mapped_on_device, mark_rows_reference
+from esftctl.kernels.row_fetch import RowFetch, fetch_rows_reference, mark_rows_reference
 
 
 def base_copies_needed(tier: StoreTier | FixedTier | None, store_experts: int | None, num_experts: int) -> bool:
@@ -74,9 +73,9 @@ class StoreTier:
 class FixedTier:
     """Fixed-rate codes of every paged layer's base rows, made from the layer's own rows on its device (before
     they are paged out): no store file, nothing untrusted read. Kept on the device, or with `on_host` (`serve
-    --paging-codec fixed-host`, issue 87 item 2) in pinned host memory, where the decoder reads them over the bus
-    through zero-copy views (esftctl.kernels.row_fetch.mapped_on_device): 0.75 of the bytes a bf16 host copy moves,
-    and no GPU memory for the base experts at all but the codes' small tables."""
+    --paging-codec fixed-host`) in pinned host memory, where the decoder reads them over the bus through zero-copy
+    views (FixedRows.over_the_bus): 0.75 of the bytes a bf16 host copy moves, and no GPU memory for the base
+    experts at all but the codes' small tables."""
 
     def __init__(self, on_host: bool = False):
         self.on_host = on_host
@@ -86,7 +85,7 @@ class FixedTier:
         """Encode base rows [0, num_experts) of a layer's tensors as they hold now; the plan decoding them back."""
         codes = (encode_rows(w13[:num_experts]), encode_rows(w2[:num_experts]))
         if self.on_host:
-            codes = tuple(_to_host(c) for c in codes)
+            codes = tuple(c.over_the_bus() for c in codes)
         self.codes[layer] = codes
         return FixedPlan(codes, (w13[:num_experts], w2[:num_experts]))
 
@@ -101,16 +100,6 @@ class FixedTier:
         if not self.on_host:
             return 0
         return sum(t.numel() * t.element_size() for pair in self.codes.values() for c in pair for t in (c.sm, c.codes))
-
-
-def _to_host(code: FixedRows) -> FixedRows:
-    """The code with its sign-mantissa bytes and exponent codes in pinned host memory, read by the GPU's decoder
-    through zero-copy views of it (on the CPU, where there is no bus, the code as it is)."""
-    if code.sm.device.type != "cuda":
-        return code
-    device = code.sm.device
-    host = {name: getattr(code, name).cpu().pin_memory() for name in ("sm", "codes")}
-    return replace(code, **{name: mapped_on_device(t, device) for name, t in host.items()})
 
 
 class FixedPlan:
