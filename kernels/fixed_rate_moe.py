@@ -322,6 +322,15 @@ except ImportError:
     triton = None
 
 
+def padded_pairs(m: int, top_k: int, block_m: int, sorted_token_ids: torch.Tensor | None) -> int:
+    """EM, the pairs a launch covers in blocks of `block_m` rows, as vLLM's launch bounds them: the aligned list's
+    length (at most m x top_k blocks' worth below one block of tokens), or one block per pair (naive)."""
+    if sorted_token_ids is None:
+        return m * top_k * block_m
+    em = sorted_token_ids.numel()
+    return min(em, m * top_k * block_m) if m < block_m else em
+
+
 def invoke_fused_moe_tiled(a: torch.Tensor, experts: TiledExperts, c: torch.Tensor, topk_weights: torch.Tensor | None,
                            sorted_token_ids: torch.Tensor | None, expert_ids: torch.Tensor,
                            num_tokens_post_padded: torch.Tensor, mul_routed_weight: bool, top_k: int,
@@ -348,12 +357,7 @@ def invoke_fused_moe_tiled(a: torch.Tensor, experts: TiledExperts, c: torch.Tens
     if block_k % GROUP:
         raise ValueError(f"BLOCK_SIZE_K of {block_k}: a multiple of {GROUP}")
     m = a.shape[0]
-    if sorted_token_ids is not None:
-        em = sorted_token_ids.numel()
-        if m < config["BLOCK_SIZE_M"]:  # vLLM's small-batch bound on the blocks that can hold pairs
-            em = min(em, m * top_k * config["BLOCK_SIZE_M"])
-    else:
-        em = m * top_k * config["BLOCK_SIZE_M"]
+    em = padded_pairs(m, top_k, config["BLOCK_SIZE_M"], sorted_token_ids)
     grid = (triton.cdiv(em, config["BLOCK_SIZE_M"]) * triton.cdiv(experts.n, config["BLOCK_SIZE_N"]),)
     raw = experts.raw if experts.raw.numel() else experts.base  # a real address even with no raw group
     launch = fused_moe_tiled_kernel[grid] if not warmup else \

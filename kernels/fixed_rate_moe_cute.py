@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from esftctl.kernels.fixed_rate_moe import GROUP, TiledExperts
+from esftctl.kernels.fixed_rate_moe import GROUP, TiledExperts, padded_pairs
 
 
 @dataclass(frozen=True)
@@ -289,14 +289,9 @@ def invoke_fused_moe_tiled_cute(a: torch.Tensor, tiles: CuteTiles, c: torch.Tens
                               or not topk_weights.is_contiguous()):
         raise ValueError("the routed weights: float32 [M, top_k], contiguous")
     m, block_m = a.shape[0], config["BLOCK_SIZE_M"]
-    naive = sorted_token_ids is None
-    if not naive:
-        em = sorted_token_ids.numel()
-        if m < block_m:  # vLLM's small-batch bound on the blocks that can hold pairs
-            em = min(em, m * top_k * block_m)
-    else:
-        em = m * top_k * block_m
-    kernel = compile_tiled_cute(top_k=top_k, mul_routed_weight=mul_routed_weight, config=config, naive=naive)
+    em = padded_pairs(m, top_k, block_m, sorted_token_ids)
+    kernel = compile_tiled_cute(top_k=top_k, mul_routed_weight=mul_routed_weight, config=config,
+                                naive=sorted_token_ids is None)
     stream = cuda_driver.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     kernel(*_pointers(a, c, topk_weights if mul_routed_weight else None, sorted_token_ids, expert_ids,
                       num_tokens_post_padded, tiles.sm, tiles.codes, tiles.base, tiles.raw_at, tiles.raw),
