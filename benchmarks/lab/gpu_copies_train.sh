@@ -11,8 +11,9 @@
 #   6. issue 87's tiled fixed-rate expert GEMM: its CUDA tests against vLLM's kernel, then its bench (both GEMMs of
 #      one layer, 1 / 32 / 256 tokens, against vLLM's kernel and the tier's decode-then-GEMM);
 #   7. issue 87 item 2: a layer's rows from the host as the fixed-rate code against bf16 (effective rate);
-#   8. issue 87 item 1: paging with adapter rows kept on the device, on CUDA (the pager's tests with the driver's
-#      aliases, the runtime's paging tests, DeepSeek-V2 served paged with CUDA graphs);
+#   8a, 8b. issue 87 item 1: paging with adapter rows kept on the device, on CUDA: 8a the pager's and the runtime's
+#      paging tests with the driver's aliases (no server, a minute or two), 8b DeepSeek-V2 served paged with CUDA
+#      graphs (about 300 s);
 #   9. issue 87 item 3's CuTe DSL design: its CUDA tests against vLLM's kernel, then the GEMM bench (its `cute`
 #      column beside the Triton design's). Needs benchmarks/lab/cute_payload.sh's install in /tmp/cute-site.
 # Results in /tmp/res (pass it to background.sh wait). Carry .world (the tiny world) with the install's last part.
@@ -42,9 +43,10 @@ for part in ${PARTS:-1 2 3}; do
     6) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh kernel tests/test_fixed_rate_moe.py
        OUT=$res python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 | tee "$res/fixed_rate_moe_bench.log" ;;
     7) OUT=$res python3 benchmarks/lab/host_codes_bench.py 2>&1 | tee "$res/host_codes.log" ;;
-    8) OUT=$res DEADLINE=${TESTS_DEADLINE:-420} bash benchmarks/lab/gpu_tests.sh paging tests/test_runtime_paging.py \
+    8a) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh paging tests/test_runtime_paging.py \
          tests/test_runtime_paging_fixed.py tests/test_kernel_row_fetch.py 'tests/test_runtime_vllm_model.py' \
-         -k 'pag or tier or cuda or fetch or zero_copy or decode' \
+         -k 'pag or tier or cuda or fetch or zero_copy or decode' ;;
+    8b) OUT=$res DEADLINE=${TESTS_DEADLINE:-420} bash benchmarks/lab/gpu_tests.sh paging-served \
          'tests/test_serve_adapters.py::test_paging_with_cuda_graphs_served_exactly[deepseek_v2]' ;;
     9) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh cute tests/test_fixed_rate_moe_cute.py
        OUT=$res PYTHONPATH=/tmp/site:/tmp/cute-site python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 \
