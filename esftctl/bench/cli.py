@@ -492,8 +492,8 @@ def esft(
     fft_lr: float = typer.Option(1e-3, help="Learning rate of full fine-tuning only (ESFT trains at the recipe's "
                                             "1e-2, which wipes out the base when every weight moves)."),
     replay: float = typer.Option(None, help="Share of every batch drawn from the general mixture, for every method "
-                                            "alike (default: the recipe's, 0.9; 0 trains on task data alone, as the "
-                                            "paper's fine-tunes do)."),
+                                            "alike (default: the recipe's, esftctl.world.esft.FINETUNE: 0.75; 0 "
+                                            "trains on task data alone, as the paper's fine-tunes do)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables.", metavar=""),
 ) -> None:
     """The ESFT paper's comparison in miniature: ESFT (token, gate) vs full fine-tuning vs LoRA on every task of
