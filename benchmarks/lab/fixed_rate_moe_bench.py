@@ -23,10 +23,18 @@ experts' weights or codes, the window's write and reread for decode, activations
 device copy bandwidth: resident 2 bytes a weight, fused about 1.58, decode about 5.5. A config whose K tile is
 not a multiple of 64 (the layout's group) is reported and skipped for fused.
 
+With --sweep, each row is followed by the fused kernel's configuration sweep: every config of --sweep-grid, each
+with vLLM's block assignment for its BLOCK_SIZE_M, checked bit for bit against vLLM's kernel at vLLM's config and
+timed the same way; the five fastest are printed and the fastest exact one marked. vLLM's config suits vLLM's
+kernel; the fused kernel decodes B in registers, so it may want other tiles (compiled offline at Qwen3-30B-A3B's 256
+tokens, vLLM's 32 x 256 x 128 costs it 255 registers and spills, 32 x 64 x 128 80 and none:
+`benchmarks/lab/fixed_rate_moe_compile.py --config`).
+
 Usage (device machine, vLLM's CUDA build on PYTHONPATH, see ../shared/gpu/README.md):
     python benchmarks/lab/fixed_rate_moe_bench.py [--iters 200] [--models deepseek-v2-lite,qwen3-30b-a3b]
-        [--tokens 1,32,256]
-A table to stdout, JSON lines to $OUT/fixed_rate_moe.jsonl if $OUT is set. About 1-2 minutes on an H100.
+        [--tokens 1,32,256] [--sweep [--sweep-grid "M=16,32,64 N=32,64,128 K=64,128 warps=4,8 stages=2,3,4"]]
+A table to stdout, JSON lines to $OUT/fixed_rate_moe.jsonl if $OUT is set. About 1-2 minutes on an H100; the
+sweep's 108 configs add a compile each (a few minutes per row: narrow the grid where time is short).
 """
 
 from __future__ import annotations
@@ -96,7 +104,9 @@ class Layer:
         self.window = {name: torch.empty_like(w) for name, w in self.weights.items()}
         self.first_host = torch.full((1,), experts, dtype=torch.int32, device=device)
 
-    def batch(self, tokens: int, seed: int = 0) -> Batch:
+    def batch(self, tokens: int, seed: int = 0, config: dict | None = None) -> Batch:
+        """A step of `tokens` tokens (inputs and routing drawn from `seed`), assigned to blocks as vLLM assigns
+        them for `config` (default: the config vLLM picks)."""
         from vllm.model_executor.layers.fused_moe.fused_moe import (
             _prepare_expert_assignment,
             try_get_optimal_moe_config,
@@ -107,8 +117,9 @@ class Layer:
         logits = torch.randn(tokens, self.experts, generator=g, device=d)
         weights, ids = torch.topk(torch.softmax(logits, -1), self.top_k)
         ids = ids.to(torch.int32)
-        config = try_get_optimal_moe_config(tuple(self.weights["w13"].shape), tuple(self.weights["w2"].shape),
-                                            self.top_k, None, tokens)  # None: vLLM's dtype key for bf16
+        config = config or try_get_optimal_moe_config(tuple(self.weights["w13"].shape),
+                                                      tuple(self.weights["w2"].shape), self.top_k, None,
+                                                      tokens)  # None: vLLM's dtype key for bf16
         sorted_ids, expert_ids, post = _prepare_expert_assignment(ids, config, tokens, self.top_k, self.experts,
                                                                   None, ignore_invalid_experts=True)
         needed = torch.zeros(self.experts, dtype=torch.int32, device=d)
@@ -195,6 +206,59 @@ def graph_times(run, iters: int, flush: torch.Tensor) -> tuple[float, float]:
     return statistics.median(ms), min(ms)
 
 
+def sweep_configs(grid: str) -> list[dict]:
+    """The configs of a grid "M=16,32 N=64,128 K=64,128 warps=4 stages=2,3" (GROUP_SIZE_M 1 at BLOCK_SIZE_M 64
+    and up, else 16, as vLLM's tuned files mostly have it)."""
+    import itertools
+
+    axes = dict(part.split("=") for part in grid.split())
+    keys = ("M", "N", "K", "warps", "stages")
+    if set(axes) != set(keys):
+        raise SystemExit(f"--sweep-grid names {', '.join(keys)}, each once: not {grid!r}")
+    out = []
+    for m, n, k, warps, stages in itertools.product(*([int(v) for v in axes[key].split(",")] for key in keys)):
+        if k % 64:
+            continue  # the layout's group: the fused kernel takes K tiles of whole groups
+        out.append({"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "GROUP_SIZE_M": 1 if m >= 64 else 16,
+                    "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def sweep(layer: "Layer", tokens: int, want: dict, grid: str, iters: int, flush: torch.Tensor,
+          bandwidth: float) -> list[dict]:
+    """The fused kernel timed at every config of `grid` (each with vLLM's block assignment for its BLOCK_SIZE_M),
+    its outputs compared bit for bit with vLLM's kernel at vLLM's own config (`want`: resident's outputs), and the
+    fastest exact one printed: what the fused kernel gets when it picks its own config, as vLLM's tuned files do
+    for its kernel."""
+    rows = []
+    for config in sweep_configs(grid):
+        b = layer.batch(tokens, config=config)
+        naive = b.sorted_ids is None
+        run, outs = layer.step(b, "fused")
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as e:  # a config Triton cannot build for this shape (shared memory, say): reported
+            rows.append({"config": config, "error": str(e).splitlines()[0][:200]})
+            continue
+        exact = all(torch.equal(outs[p].view(torch.int16), want[p].view(torch.int16)) for p in want)
+        ms, lo = graph_times(run, iters, flush)
+        bound = layer.nbytes(b)["fused"] / bandwidth * 1e3
+        rows.append({"config": config, "naive": naive, "exact": exact, "ms": [ms, lo], "of_bound": bound / ms})
+    done = [r for r in rows if "ms" in r]
+    exact = [r for r in done if r["exact"]]
+    best = min(exact or done, key=lambda r: r["ms"][0], default=None)
+    for r in sorted(done, key=lambda r: r["ms"][0])[:5]:
+        c = r["config"]
+        print(f"    sweep {c['BLOCK_SIZE_M']},{c['BLOCK_SIZE_N']},{c['BLOCK_SIZE_K']},{c['GROUP_SIZE_M']},"
+              f"{c['num_warps']},{c['num_stages']}{' naive' if r['naive'] else ''}: {r['ms'][0]:.3f} ms, "
+              f"{r['of_bound']:.0%} of bound, exact {r['exact']}" + ("  <- fastest exact" if r is best else ""))
+    failed = len(rows) - len(done)
+    print(f"    sweep: {len(done)} configs timed, {len(exact)} exact" + (f", {failed} not built" if failed else ""),
+          flush=True)
+    return rows
+
+
 def main() -> None:
     from esftctl.bench.reroute import copy_bandwidth
 
@@ -202,7 +266,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tokens", default="1,32,256")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the fused kernel at every config of --sweep-grid (its own config choice)")
+    parser.add_argument("--sweep-grid", default="M=16,32,64 N=32,64,128 K=64,128 warps=4,8 stages=2,3,4")
     args = parser.parse_args()
+    if args.sweep:
+        sweep_configs(args.sweep_grid)  # a bad grid fails before the GPU work
     began = time.time()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # past any L2
@@ -249,6 +318,9 @@ def main() -> None:
             records.append({"model": model, "tokens": tokens, "config": c, "naive": b.sorted_ids is None,
                             "exact": exact, "ms": times, "bound_ms": bound, "device": torch.cuda.get_device_name(),
                             "rows": int(b.needed.sum())})
+            if args.sweep:
+                records[-1]["sweep"] = sweep(layer, tokens, outs["resident"], args.sweep_grid, args.iters, flush,
+                                             bandwidth)
         del layer
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):

@@ -15,7 +15,8 @@ bench's shapes, and their TTGIR / PTX / cubin are read:
   cubin's registers, stack and spills (cuobjdump --dump-resource-usage, ptxas -v), and the kernel's SASS
   instructions in all (`sass`: prologue and pipeline included; the loop dominates).
 
-Usage (CPU only): python benchmarks/lab/fixed_rate_moe_compile.py [--keep DIR] [--only deepseek-v2-lite]
+Usage (CPU only): python benchmarks/lab/fixed_rate_moe_compile.py [--keep DIR] [--only deepseek-v2-lite[:256]]
+  [--config qwen3-30b-a3b:256=32,128,128,16,4,2 ...]   (another config than vLLM's for that shape, both kernels)
 Prints one row per (model, tokens, product, kernel). The Triton here may be newer than the device's (check the
 printed version); the mma choice and pipelining rules compared here are the same in 3.6 and 3.9 for sm_90.
 """
@@ -225,7 +226,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--keep", help="write each kernel's ttgir and ptx here")
     parser.add_argument("--only", default="")
+    parser.add_argument("--config", action="append", default=[], metavar="MODEL:TOKENS=BM,BN,BK,GM,WARPS,STAGES",
+                        help="compile both kernels at this config instead of vLLM's (repeatable; naive as vLLM's)")
     args = parser.parse_args()
+    configs = dict(CONFIGS)
+    for spec in args.config:
+        key, values = spec.split("=")
+        model, tokens = key.split(":")
+        configs[(model, int(tokens))] = (*map(int, values.split(",")), CONFIGS[(model, int(tokens))][-1])
     use_offline_driver()
     vllm = vllm_kernel()
     keep = Path(args.keep or tempfile.mkdtemp())
@@ -234,9 +242,9 @@ def main() -> None:
     cols = ("mma", "kW", "shapes", "loop_ptx", "loop_mma", "cp_async", "commit", "tma", "ldg", "ldg_bytes", "lds",
             "sts", "ldmatrix",
             "stages", "local", "REG", "STACK", "spill", "sass")
-    print(f"{'model':17s} {'tok':>3s} {'prod':4s} {'kernel':6s} " + " ".join(f"{c:>9s}" for c in cols))
-    for (model, tokens), config in CONFIGS.items():
-        if args.only and args.only not in model:
+    print(f"{'model':17s} {'tok':>3s} {'prod':4s} {'kernel':6s} {'config':>18s} " + " ".join(f"{c:>9s}" for c in cols))
+    for (model, tokens), config in configs.items():
+        if args.only and args.only not in f"{model}:{tokens}":
             continue
         for product in ("w13", "w2"):
             t, s = stand_ins(model, tokens, product, config)
@@ -247,7 +255,7 @@ def main() -> None:
                     stem = f"{model}-{tokens}-{product}-{name}"
                     (keep / f"{stem}.ttgir").write_text(kernel.asm["ttgir"])
                     (keep / f"{stem}.ptx").write_text(kernel.asm["ptx"])
-                print(f"{model:17s} {tokens:3d} {product:4s} {name:6s} "
+                print(f"{model:17s} {tokens:3d} {product:4s} {name:6s} {'x'.join(map(str, config[:6])):>18s} "
                       + " ".join(f"{str(got[c]):>9s}" for c in cols), flush=True)
 
 

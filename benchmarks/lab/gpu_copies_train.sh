@@ -10,6 +10,7 @@
 #   5. ESFT alone on the whole 27-layer DeepSeek-V2-Lite shape (its full fine-tune does not fit one card);
 #   6. issue 87's tiled fixed-rate expert GEMM: its CUDA tests against vLLM's kernel, then its bench (both GEMMs of
 #      one layer, 1 / 32 / 256 tokens, against vLLM's kernel and the tier's decode-then-GEMM);
+#   6s. the same bench with the fused kernel's configuration sweep (SWEEP_GRID; 24 configs a row by default);
 #   7. issue 87 item 2: a layer's rows from the host as the fixed-rate code against bf16 (effective rate);
 #   8a, 8b. issue 87 item 1: paging with adapter rows kept on the device, on CUDA: 8a the pager's and the runtime's
 #      paging tests with the driver's aliases (no server, a minute or two), 8b DeepSeek-V2 served paged with CUDA
@@ -42,6 +43,9 @@ for part in ${PARTS:-1 2 3}; do
          --out "$res/train-dsv2-whole" --work /tmp ;;
     6) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh kernel tests/test_fixed_rate_moe.py
        OUT=$res python3 benchmarks/lab/fixed_rate_moe_bench.py 2>&1 | tee "$res/fixed_rate_moe_bench.log" ;;
+    6s) mkdir -p "$res/sweep" && OUT=$res/sweep python3 benchmarks/lab/fixed_rate_moe_bench.py --sweep \
+         --sweep-grid "${SWEEP_GRID:-M=16,32,64 N=64,128 K=64,128 warps=4 stages=2,3}" 2>&1 \
+         | tee "$res/fixed_rate_moe_sweep.log" ;;
     7) OUT=$res python3 benchmarks/lab/host_codes_bench.py 2>&1 | tee "$res/host_codes.log" ;;
     8a) OUT=$res DEADLINE=${TESTS_DEADLINE:-300} bash benchmarks/lab/gpu_tests.sh paging tests/test_runtime_paging.py \
          tests/test_runtime_paging_fixed.py tests/test_kernel_row_fetch.py 'tests/test_runtime_vllm_model.py' \
