@@ -27,7 +27,7 @@ With --sweep, each row is followed by the fused kernel's configuration sweep: ev
 with vLLM's block assignment for its BLOCK_SIZE_M, checked bit for bit against vLLM's kernel at vLLM's config and
 timed the same way; the five fastest are printed and the fastest exact one marked. vLLM's config suits vLLM's
 kernel; the fused kernel decodes B in registers, so it may want other tiles (compiled offline at Qwen3-30B-A3B's 256
-tokens, vLLM's 32 x 256 x 128 costs it 255 registers and spills, 32 x 64 x 128 80 and none:
+tokens, vLLM's 32 x 256 x 128 costs it 255 registers and spills, 32 x 64 x 128 80-84 and none:
 `benchmarks/lab/fixed_rate_moe_compile.py --config`).
 
 Usage (device machine, vLLM's CUDA build on PYTHONPATH, see ../shared/gpu/README.md):

@@ -233,6 +233,8 @@ def main() -> None:
     for spec in args.config:
         key, values = spec.split("=")
         model, tokens = key.split(":")
+        if (model, int(tokens)) not in CONFIGS or len(values.split(",")) != 6:
+            raise SystemExit(f"--config {spec}: one of {sorted(CONFIGS)} = six integers")
         configs[(model, int(tokens))] = (*map(int, values.split(",")), CONFIGS[(model, int(tokens))][-1])
     use_offline_driver()
     vllm = vllm_kernel()
