@@ -13,6 +13,8 @@
 #   carry .vllm1: cp .vllm1/part.* /tmp/stage/
 #   carry .vllm3: cp .vllm3/part.* /tmp/stage/
 #   carry .vllm2 (and .world for the serving tests): bash .vllm2/install.sh > /tmp/install.log 2>&1 && <work>
+# .vllm3 and .vllm2 together (54.5 MB on 2026-12-08) fit one transfer while the tracked tree stays under about
+# 12.5 MB (11.1 MB then): carry both, copy and install in one call, then .world in the next.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tmp=$(mktemp -d)
