@@ -247,7 +247,7 @@ def sweep(layer: "Layer", tokens: int, want: dict, grid: str, iters: int, flush:
         rows.append({"config": config, "naive": naive, "exact": exact, "ms": [ms, lo], "of_bound": bound / ms})
     done = [r for r in rows if "ms" in r]
     exact = [r for r in done if r["exact"]]
-    best = min(exact or done, key=lambda r: r["ms"][0], default=None)
+    best = min(exact, key=lambda r: r["ms"][0], default=None)  # none marked where no config is exact
     for r in sorted(done, key=lambda r: r["ms"][0])[:5]:
         c = r["config"]
         print(f"    sweep {c['BLOCK_SIZE_M']},{c['BLOCK_SIZE_N']},{c['BLOCK_SIZE_K']},{c['GROUP_SIZE_M']},"
